@@ -1,0 +1,1 @@
+"""absl launchers, ml_collections configs and benchmarks."""

@@ -1,0 +1,1 @@
+"""Multi-turn tool rollouts, tool-call parsing, the sandbox client."""

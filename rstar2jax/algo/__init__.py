@@ -1,0 +1,1 @@
+"""GRPO-RoC algorithm core: group advantages, RoC selection, penalties, policy losses (pure jnp)."""

@@ -1,0 +1,1 @@
+"""Datasets, prompts and synthetic tasks."""

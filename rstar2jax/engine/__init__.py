@@ -1,0 +1,1 @@
+"""Generation engine: one state pytree, jitted append/decode/release, async host scheduler."""

@@ -1,0 +1,1 @@
+"""Evaluation: average pass@1 over k samples."""

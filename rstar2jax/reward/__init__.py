@@ -1,0 +1,1 @@
+"""Answer extraction and verification (binary reward)."""

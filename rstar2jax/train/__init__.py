@@ -1,0 +1,1 @@
+"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics."""

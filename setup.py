@@ -1,0 +1,44 @@
+"""rstar2jax: agentic reasoning RL (rStar2-Agent / GRPO-RoC) in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rstar2jax",
+    version="0.1.0",
+    description="JAX reproduction of rStar2-Agent: GRPO-RoC, a fast code sandbox and an agentic rollout engine",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rstar2jax*", "sandbox_server*", "experiments*"]),
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "transformers>=5.23",
+        "tokenizers>=0.23",
+        "safetensors>=0.8",
+        "datasets>=5.2",
+        "numpy>=2.4",
+        "msgpack>=1.2",
+        "aiohttp>=3.14",
+        "absl-py>=2.5",
+        "ml-collections>=1.1",
+        "math-verify>=0.9",
+        "sympy>=1.14",
+        "tqdm>=4.70",
+        "tensorboardX>=2.6.5",
+        "matplotlib>=3.11",
+    ],
+    extras_require={
+        # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
+        "test": [
+            "pytest>=9.2",
+            "pytest-xdist>=3.8",
+            "hypothesis>=6.170",
+            "chex>=0.1.92",
+            "ruff>=0.17",
+            "torch==2.13.0",
+        ],
+    },
+)

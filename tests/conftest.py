@@ -1,0 +1,24 @@
+"""Shared test fixtures and settings."""
+
+import os
+import pathlib
+
+import pytest
+
+# Tests run on the CPU; keep XLA from grabbing every core for intra-op threads we do not need.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Eight emulated CPU devices so that sharding tests run in the same process as the rest.
+# Must be set before jax is imported anywhere.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+    """The ``../shared`` folder beside the checkout (real data, tokenizer, configs)."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} not found")
+    return SHARED
