@@ -1,0 +1,69 @@
+"""The trajectory record: what one agentic rollout produces and what the trainer consumes.
+
+Token in / token out: ``response_ids`` is exactly what followed the prompt, model-sampled tokens and inserted
+tool/turn tokens interleaved; ``loss_mask`` is 1 on model-sampled tokens and 0 on inserted ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+ToolOutcome = Literal[
+    # Sandbox statuses (see sandbox_server.schema) ...
+    "ok", "error", "timeout", "memory_limit", "output_limit", "killed", "invalid_request", "internal",
+    # ... and failures found before anything ran.
+    "parse_error", "unreachable",
+]
+
+# Outcomes that count as a failed tool call for the RoC tool-error penalty: anything but a clean run.
+FAILED_OUTCOMES = frozenset(o for o in ToolOutcome.__args__ if o != "ok")
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One multi-turn rollout of one problem.
+
+    Attributes:
+      problem_id: id of the problem (dataset row id).
+      prompt_ids: the rendered prompt, ending with the first assistant opener.
+      response_ids: every token after the prompt (sampled and inserted), in order.
+      loss_mask: per response token, 1 if the policy sampled it, 0 if it was inserted (tool output, turn tokens).
+      logprobs: per response token, the sampler's log-probability (0.0 where ``loss_mask`` is 0).
+      tool_outcomes: the outcome of every tool call, in order (``ToolOutcome``).
+      num_turns: assistant turns, the first included.
+      num_answer_blocks: ``<answer>`` blocks the model wrote.
+      truncated: the response hit its token budget (or the turn limit) before the model finished.
+      answer: the extracted final answer, or None.
+      reward: binary reward (0.0 or 1.0).
+      timings: seconds spent per phase (e.g. "generate", "tool", "verify").
+    """
+
+    problem_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    tool_outcomes: list[str] = dataclasses.field(default_factory=list)
+    num_turns: int = 1
+    num_answer_blocks: int = 0
+    truncated: bool = False
+    answer: str | None = None
+    reward: float = 0.0
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.response_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"response_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) "
+                "must have the same length"
+            )
+
+    @property
+    def num_tool_calls(self) -> int:
+        return len(self.tool_outcomes)
+
+    @property
+    def num_failed_calls(self) -> int:
+        return sum(o in FAILED_OUTCOMES for o in self.tool_outcomes)
