@@ -1,0 +1,152 @@
+"""Parses Hermes tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+
+Every ``<tool_call>`` block becomes either a :class:`ToolCall` ready for the sandbox or a
+:class:`ToolCallError` whose ``message`` is shown to the model as the tool response (rStar2-Agent feeds
+parse failures back instead of dropping them). The body must be one JSON value; nothing is guessed from
+broken JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rstar2jax.agent.prompts import PYTHON_TOOL_NAME
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_CALL_SHAPE = '{"name": "<tool name>", "arguments": {"code": "<python code>", "input": "<stdin text>"}}'
+_ARGUMENT_NAMES = ("code", "input")
+
+
+class ToolCallErrorKind(enum.StrEnum):
+    """Why a tool call could not be run."""
+
+    MALFORMED_JSON = "malformed_json"  # the body is not valid JSON
+    BAD_STRUCTURE = "bad_structure"  # valid JSON but not {"name": ..., "arguments": ...}
+    UNKNOWN_TOOL = "unknown_tool"  # "name" is not a configured tool
+    BAD_ARGUMENTS = "bad_arguments"  # "arguments" missing keys, wrong types, unexpected keys
+    UNTERMINATED = "unterminated"  # <tool_call> without its </tool_call>
+    UNOPENED = "unopened"  # </tool_call> without a preceding <tool_call>
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call of the Python tool."""
+
+    name: str
+    code: str
+    input: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallError:
+    """A call that cannot be run; ``message`` is the tool response the model sees."""
+
+    kind: ToolCallErrorKind
+    message: str
+
+
+def _error(kind: ToolCallErrorKind, detail: str) -> ToolCallError:
+    return ToolCallError(kind, f"Error: invalid tool call: {detail}")
+
+
+def _loads(text: str, what: str, kind: ToolCallErrorKind) -> Any | ToolCallError:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = " (write newlines inside JSON strings as \\n)" if "control character" in e.msg else ""
+        return _error(kind, f"{what} is not valid JSON: {e}{hint}. Expected {_CALL_SHAPE}")
+
+
+def parse_tool_call(
+    body: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
+) -> ToolCall | ToolCallError:
+    """Parses the text between ``<tool_call>`` and ``</tool_call>``.
+
+    ``arguments`` may be a JSON object or a JSON string that holds one (both occur in the wild). It must
+    contain a string ``code`` and may contain a string ``input`` (standard input, default '').
+    """
+    call = _loads(body.strip(), "the tool call", ToolCallErrorKind.MALFORMED_JSON)
+    if isinstance(call, ToolCallError):
+        return call
+    if not isinstance(call, dict):
+        return _error(
+            ToolCallErrorKind.BAD_STRUCTURE, f"expected a JSON object {_CALL_SHAPE}, got {body.strip()!r}"
+        )
+    unexpected = sorted(set(call) - {"name", "arguments"})
+    if unexpected:
+        return _error(
+            ToolCallErrorKind.BAD_STRUCTURE, f"unexpected key(s) {unexpected}; expected {_CALL_SHAPE}"
+        )
+    if "name" not in call or not isinstance(call["name"], str):
+        return _error(ToolCallErrorKind.BAD_STRUCTURE, f"missing string 'name'; expected {_CALL_SHAPE}")
+    name = call["name"]
+    if name not in tool_names:
+        return _error(
+            ToolCallErrorKind.UNKNOWN_TOOL, f"unknown tool {name!r}; available tools: {list(tool_names)}"
+        )
+    if "arguments" not in call:
+        return _error(ToolCallErrorKind.BAD_STRUCTURE, f"missing 'arguments'; expected {_CALL_SHAPE}")
+    arguments = call["arguments"]
+    if isinstance(arguments, str):
+        arguments = _loads(arguments, "the 'arguments' string", ToolCallErrorKind.BAD_ARGUMENTS)
+        if isinstance(arguments, ToolCallError):
+            return arguments
+    if not isinstance(arguments, dict):
+        return _error(
+            ToolCallErrorKind.BAD_ARGUMENTS, f"'arguments' must be a JSON object, got {arguments!r}"
+        )
+    unexpected = sorted(set(arguments) - set(_ARGUMENT_NAMES))
+    if unexpected:
+        return _error(
+            ToolCallErrorKind.BAD_ARGUMENTS,
+            f"unexpected argument(s) {unexpected}; {name} takes 'code' and optionally 'input'",
+        )
+    code, stdin = arguments.get("code"), arguments.get("input", "")
+    if not isinstance(code, str) or not code.strip():
+        return _error(ToolCallErrorKind.BAD_ARGUMENTS, f"'code' must be a non-empty string, got {code!r}")
+    if not isinstance(stdin, str):
+        return _error(ToolCallErrorKind.BAD_ARGUMENTS, f"'input' must be a string, got {stdin!r}")
+    return ToolCall(name=name, code=code, input=stdin)
+
+
+def parse_tool_calls(
+    text: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
+) -> list[ToolCall | ToolCallError]:
+    """Parses every ``<tool_call>…</tool_call>`` block of an assistant turn, in order.
+
+    A ``<tool_call>`` that is opened again or never closed yields an ``UNTERMINATED`` error, a
+    ``</tool_call>`` with no open block an ``UNOPENED`` error; text outside blocks is ignored.
+    """
+    results: list[ToolCall | ToolCallError] = []
+    position = 0
+    while True:
+        open_at = text.find(TOOL_CALL_OPEN, position)
+        close_at = text.find(TOOL_CALL_CLOSE, position)
+        if close_at != -1 and (open_at == -1 or close_at < open_at):
+            results.append(
+                _error(ToolCallErrorKind.UNOPENED, f"{TOOL_CALL_CLOSE} without a {TOOL_CALL_OPEN}")
+            )
+            position = close_at + len(TOOL_CALL_CLOSE)
+            continue
+        if open_at == -1:
+            return results
+        body_at = open_at + len(TOOL_CALL_OPEN)
+        reopen_at = text.find(TOOL_CALL_OPEN, body_at)
+        if close_at == -1 or (reopen_at != -1 and reopen_at < close_at):
+            results.append(
+                _error(
+                    ToolCallErrorKind.UNTERMINATED, f"{TOOL_CALL_OPEN} is never closed by {TOOL_CALL_CLOSE}"
+                )
+            )
+            if reopen_at == -1:
+                return results
+            position = reopen_at
+            continue
+        results.append(parse_tool_call(text[body_at:close_at], tool_names=tool_names))
+        position = close_at + len(TOOL_CALL_CLOSE)
