@@ -1,1 +1,40 @@
 """GRPO-RoC algorithm core: group advantages, RoC selection, penalties, policy losses (pure jnp)."""
+
+from rstar2jax.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    STD_MODES,
+    AdvantageEstimator,
+    GroupStats,
+    group_advantages,
+    group_stats,
+    register_estimator,
+)
+from rstar2jax.algo.losses import (
+    AGG_MODES,
+    KL_ESTIMATORS,
+    aggregate_loss,
+    loss_normalizer,
+    policy_loss,
+)
+from rstar2jax.algo.penalties import answer_format_penalty, tool_error_penalty
+from rstar2jax.algo.roc import ROC_MODES, RocSelection, roc_select
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "ROC_MODES",
+    "STD_MODES",
+    "AdvantageEstimator",
+    "GroupStats",
+    "RocSelection",
+    "aggregate_loss",
+    "answer_format_penalty",
+    "group_advantages",
+    "group_stats",
+    "loss_normalizer",
+    "policy_loss",
+    "register_estimator",
+    "roc_select",
+    "tool_error_penalty",
+]

@@ -1,0 +1,250 @@
+"""Clipped-surrogate policy loss with clip-higher, dual-clip, KL and entropy terms, and loss aggregation.
+
+Token-level inputs are ``[batch, seq_len]`` with a ``loss_mask`` (1 on policy-sampled tokens, 0 on prompt,
+padding and inserted tool tokens). Parity targets are verl's ``compute_policy_loss`` (vanilla),
+``kl_penalty`` and ``agg_loss``; see ``policy_loss`` for the formulas and where this differs.
+
+Aggregation and micro-batching. Every mode is written as
+
+    L = S / N,    S = sum over sequences b of s_b,    N = the ``normalizer``
+
+where s_b depends on sequence b alone, so S is additive over any split of the batch along its first axis.
+Passing the full batch's N (``loss_normalizer(full_loss_mask, agg=...)``) to every micro-batch therefore
+makes the sum of micro-batch losses, and of their gradients, equal the full-batch loss and gradient:
+
+  mode                       s_b                          N (default: from this loss_mask)
+  token_mean                 sum_t m_bt x_bt               number of loss tokens, sum m (DAPO, GRPO-RoC Eq. 6)
+  seq_mean_token_mean        sum_t m_bt x_bt / sum_t m_bt  number of sequences with >= 1 loss token
+  seq_mean_token_sum         sum_t m_bt x_bt               number of sequences with >= 1 loss token
+  seq_mean_token_sum_norm    sum_t m_bt x_bt / T           number of sequences with >= 1 loss token
+
+T = ``loss_mask.shape[-1]`` is the padded length (Dr. GRPO's constant), shared by micro-batches cut from one
+``[B, T]`` batch. Sequences with no loss token (padding rows, e.g. slots RoC left empty) contribute nothing
+and are not counted; verl counts every row of the micro-batch instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rstar2jax.algo import _checks
+
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+# verl clamps log-ratios to +-20 before exponentiating, so exp never overflows.
+LOG_RATIO_BOUND = 20.0
+# verl's bound on the k3 ("low_var_kl") estimate.
+K3_BOUND = 10.0
+
+
+def _k1(log_ratio: jax.Array) -> jax.Array:
+    return log_ratio
+
+
+def _k2(log_ratio: jax.Array) -> jax.Array:
+    return 0.5 * jnp.square(log_ratio)
+
+
+def _k3(log_ratio: jax.Array) -> jax.Array:
+    inverse_log_ratio = -jnp.clip(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return jnp.clip(jnp.exp(inverse_log_ratio) - inverse_log_ratio - 1.0, -K3_BOUND, K3_BOUND)
+
+
+def _straight_through(estimate: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    """Value of ``estimate``, gradient of k2 (whose gradient is the unbiased KL gradient)."""
+
+    def kl(log_ratio: jax.Array) -> jax.Array:
+        k2 = _k2(log_ratio)
+        return k2 + jax.lax.stop_gradient(estimate(log_ratio) - k2)
+
+    return kl
+
+
+# Per-token KL(pi || pi_ref) estimators of x = log pi(a) - log pi_ref(a), a ~ pi (Schulman's k1/k2/k3):
+#   k1 = x,  k2 = x^2 / 2,  k3 = exp(-x) + x - 1 (clipped to +-10 as verl's low_var_kl);
+#   "k1+"/"k3+": that value in the forward pass with the gradient of k2 (verl's "+" straight-through).
+KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "k1+": _straight_through(_k1),
+    "k3+": _straight_through(_k3),
+}
+
+
+def _checked_mask(loss_mask, agg: str) -> jax.Array:
+    loss_mask = _checks.as_array("loss_mask", loss_mask)
+    _checks.check_rank("loss_mask", loss_mask, 2)
+    _checks.check_mask("loss_mask", loss_mask)
+    _checks.check_option("agg", agg, AGG_MODES)
+    return loss_mask
+
+
+def _normalizer(mask: jax.Array, agg: str) -> jax.Array:
+    if agg == "token_mean":
+        return jnp.sum(mask)
+    return jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(mask.dtype)
+
+
+def loss_normalizer(loss_mask: jax.Array, *, agg: str = "token_mean") -> jax.Array:
+    """The denominator N of aggregation mode ``agg`` over ``loss_mask`` ``[B, T]`` (see the module doc).
+
+    token_mean: N = sum_bt m_bt; the seq_mean_* modes: N = #{b : sum_t m_bt > 0}. Compute it once over the
+    whole batch and pass it as ``normalizer=`` to every micro-batch's ``policy_loss``/``aggregate_loss``.
+    """
+    loss_mask = _checked_mask(loss_mask, agg)
+    return _normalizer(loss_mask.astype(jnp.float32), agg)
+
+
+def _aggregate(values: jax.Array, mask: jax.Array, agg: str, normalizer: jax.Array | None) -> jax.Array:
+    """``aggregate_loss`` on checked arrays: ``values`` and ``mask`` ``[B, T]`` of the compute dtype."""
+    token_sums = jnp.sum(values * mask, axis=-1)
+    if agg == "seq_mean_token_mean":
+        token_sums = token_sums / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+    elif agg == "seq_mean_token_sum_norm":
+        token_sums = token_sums / mask.shape[-1]
+    total = jnp.sum(token_sums)
+    denominator = _normalizer(mask, agg) if normalizer is None else jnp.asarray(normalizer, values.dtype)
+    # An empty batch (N = 0) has S = 0: return 0, with a finite gradient.
+    return jnp.where(denominator > 0, total / jnp.where(denominator > 0, denominator, 1.0), 0.0)
+
+
+def aggregate_loss(
+    values: jax.Array, loss_mask: jax.Array, *, agg: str = "token_mean", normalizer: jax.Array | None = None
+) -> jax.Array:
+    """L = (sum_b s_b) / N for per-token ``values`` ``[B, T]`` (s_b and N per mode: see the module doc).
+
+    ``normalizer`` overrides N (pass the full batch's ``loss_normalizer`` when micro-batching); by default
+    N comes from ``loss_mask``. An N of 0 gives L = 0.
+    """
+    loss_mask = _checked_mask(loss_mask, agg)
+    values = _checks.as_array("values", values)
+    _checks.check_floating("values", values)
+    _checks.check_shape("values", values, loss_mask.shape, "loss_mask")
+    dtype = _checks.compute_dtype(values.dtype)
+    return _aggregate(values.astype(dtype), loss_mask.astype(dtype), agg, normalizer)
+
+
+def _token_array(name: str, x, shape) -> jax.Array:
+    x = _checks.as_array(name, x)
+    _checks.check_floating(name, x)
+    _checks.check_shape(name, x, shape, "loss_mask")
+    return x
+
+
+def _require_term(coef_name: str, coef, input_name: str, given) -> None:
+    concrete = _checks.concrete_value(coef)
+    if given is None and (concrete is None or concrete != 0):
+        raise ValueError(f"{coef_name}={coef!r} needs {input_name}; pass it or set {coef_name}=0")
+
+
+def policy_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    eps_low: float | jax.Array = 0.2,
+    eps_high: float | jax.Array = 0.28,
+    dual_clip: float | None = None,
+    ref_logp: jax.Array | None = None,
+    kl: str = "k3",
+    kl_coef: float | jax.Array = 0.0,
+    entropy: jax.Array | None = None,
+    entropy_coef: float | jax.Array = 0.0,
+    agg: str = "token_mean",
+    normalizer: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO/GRPO clipped-surrogate loss (to minimise) with clip-higher (rStar2-Agent Eq. 6, DAPO).
+
+    Per token, with rho = exp(clip(logp - old_logp, -20, 20)) and A the advantage (per sequence ``[B]``,
+    broadcast over tokens, or per token ``[B, T]``):
+
+      l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
+      l = min(l, -A c)   where A < 0, if ``dual_clip`` = c > 1 (Ye et al. 2020; verl's clip_ratio_c = 3)
+
+      loss = agg(l) + kl_coef * agg(KL_kl(logp, ref_logp)) - entropy_coef * agg(entropy)
+
+    agg is ``aggregate_loss`` with mode ``agg`` and ``normalizer`` (see the module doc for micro-batching).
+    The KL term needs ``ref_logp`` and the entropy term ``entropy`` (per-token policy entropy, carrying the
+    gradient); both are skipped when not given. GRPO-RoC uses the defaults: no KL, no entropy, eps 0.2/0.28,
+    token_mean. ``old_logp``, ``ref_logp`` and ``advantages`` are treated as constants (stop_gradient).
+
+    Metrics (masked token means over this call's ``loss_mask``, no gradient):
+      clip_frac_high: A > 0 and rho > 1 + eps_high (the upper clip is active);
+      clip_frac_low: A < 0 and rho < 1 - eps_low (the lower clip is active);
+      clip_frac: their sum (verl's pg_clipfrac); dual_clip_frac: A < 0 and rho > c (verl's
+      pg_clipfrac_lower; 0 without dual clip); approx_kl: mean(old_logp - logp) (verl's ppo_kl);
+      ratio_mean: mean(rho); pg_loss; and kl_loss / entropy when those terms are present.
+
+    Returns:
+      (loss, metrics): a scalar in float32 (float64 for float64 inputs) and a dict of scalars.
+    """
+    loss_mask = _checked_mask(loss_mask, agg)
+    shape = loss_mask.shape
+    logp = _token_array("logp", logp, shape)
+    old_logp = _token_array("old_logp", old_logp, shape)
+    advantages = _checks.as_array("advantages", advantages)
+    _checks.check_real("advantages", advantages)
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be per sequence {shape[:1]} or per token {shape} (loss_mask is {shape}), "
+            f"got {advantages.shape}"
+        )
+    _checks.check_option("kl", kl, KL_ESTIMATORS)
+    _require_term("kl_coef", kl_coef, "ref_logp", ref_logp)
+    _require_term("entropy_coef", entropy_coef, "entropy", entropy)
+    if dual_clip is not None:
+        concrete = _checks.concrete_value(dual_clip)
+        if concrete is not None and not concrete > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (it bounds -A*rho at -A*c for A < 0), got {dual_clip!r}")
+
+    dtype = _checks.compute_dtype(logp.dtype)
+    mask = loss_mask.astype(dtype)
+    logp = logp.astype(dtype)
+    old_logp = jax.lax.stop_gradient(old_logp.astype(dtype))
+    advantages = jax.lax.stop_gradient(advantages.astype(dtype))
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]
+    advantages = jnp.broadcast_to(advantages, shape)
+
+    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = jnp.exp(log_ratio)
+    clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    token_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio)
+    negative = advantages < 0
+    if dual_clip is not None:
+        token_loss = jnp.where(negative, jnp.minimum(token_loss, -advantages * dual_clip), token_loss)
+
+    pg_loss = _aggregate(token_loss, mask, agg, normalizer)
+    loss = pg_loss
+    # Each masked mean is one more pass over [B, T] (the metrics can cost as much as the loss): share the
+    # token count, and get clip_frac from its two disjoint parts instead of another reduction.
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    masked_mean = lambda values: jnp.sum(values * mask) / tokens
+    clip_frac_high = masked_mean(((advantages > 0) & (ratio > 1.0 + eps_high)).astype(dtype))
+    clip_frac_low = masked_mean((negative & (ratio < 1.0 - eps_low)).astype(dtype))
+    dual_clip_frac = 0.0 if dual_clip is None else masked_mean((negative & (ratio > dual_clip)).astype(dtype))
+    metrics = {
+        "pg_loss": pg_loss,
+        "clip_frac_high": clip_frac_high,
+        "clip_frac_low": clip_frac_low,
+        "clip_frac": clip_frac_high + clip_frac_low,
+        "dual_clip_frac": jnp.asarray(dual_clip_frac, dtype),
+        "approx_kl": masked_mean(-log_ratio),
+        "ratio_mean": masked_mean(ratio),
+    }
+    if ref_logp is not None:
+        ref_logp = jax.lax.stop_gradient(_token_array("ref_logp", ref_logp, shape).astype(dtype))
+        kl_loss = _aggregate(KL_ESTIMATORS[kl](logp - ref_logp), mask, agg, normalizer)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+    if entropy is not None:
+        entropy = _token_array("entropy", entropy, shape).astype(dtype)
+        entropy_loss = _aggregate(entropy, mask, agg, normalizer)
+        loss = loss - entropy_coef * entropy_loss
+        metrics["entropy"] = entropy_loss
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

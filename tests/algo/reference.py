@@ -1,0 +1,151 @@
+"""Float64 NumPy references, written loop-by-loop from the formulas (one group / one sequence at a time)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+
+def group_advantages(rewards, mask, *, estimator, std, eps):
+    rewards = np.asarray(rewards, np.float64)
+    out = np.zeros_like(rewards)
+    for g in range(rewards.shape[0]):
+        idx = np.flatnonzero(np.asarray(mask[g]) != 0)
+        r = rewards[g, idx]
+        n = len(r)
+        if n <= 1 or r.max() == r.min():
+            continue
+        mean = r.mean()
+        if estimator == "grpo":
+            sd = r.std(ddof=0 if std == "population" else 1)
+            out[g, idx] = (r - mean) / (sd + eps)
+        elif estimator == "dr_grpo":
+            out[g, idx] = r - mean
+        elif estimator == "rloo":
+            out[g, idx] = [r[i] - (r.sum() - r[i]) / (n - 1) for i in range(n)]
+        else:
+            raise ValueError(estimator)
+    return out
+
+
+def _kl(x, kind):
+    """Value and d/dx of the per-token KL estimate, x = logp - ref_logp."""
+    base = kind.rstrip("+")
+    if base == "k1":
+        value, grad = x, 1.0
+    elif base == "k2":
+        value, grad = 0.5 * x * x, x
+    else:
+        y = -min(max(x, -20.0), 20.0)
+        raw = math.exp(y) - y - 1.0
+        value = min(max(raw, -10.0), 10.0)
+        grad = (1.0 - math.exp(y)) if (-10.0 < raw < 10.0 and -20.0 < x < 20.0) else 0.0
+    if kind.endswith("+"):
+        grad = x  # straight-through: the gradient of k2
+    return value, grad
+
+
+def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=0.28, dual_clip=None,
+                ref_logp=None, kl="k3", kl_coef=0.0, entropy=None, entropy_coef=0.0, agg="token_mean",
+                normalizer=None):
+    """Loss, metrics and the gradients d loss / d logp and d loss / d entropy."""
+    logp, old_logp, mask = (np.asarray(a, np.float64) for a in (logp, old_logp, loss_mask))
+    adv = np.asarray(advantages, np.float64)
+    if adv.ndim == 1:
+        adv = np.repeat(adv[:, None], logp.shape[1], axis=1)
+    batch, horizon = logp.shape
+    lengths = mask.sum(axis=1)
+    if normalizer is None:
+        normalizer = mask.sum() if agg == "token_mean" else float(np.sum(lengths > 0))
+    # weight[b, t]: d loss / d (token value) for a loss token under this aggregation.
+    weight = np.zeros_like(logp)
+    for b in range(batch):
+        if agg in ("token_mean", "seq_mean_token_sum"):
+            per_token = 1.0
+        elif agg == "seq_mean_token_mean":
+            per_token = 1.0 / max(lengths[b], 1.0)
+        else:
+            per_token = 1.0 / horizon
+        weight[b] = mask[b] * per_token / normalizer if normalizer > 0 else 0.0
+
+    pg = np.zeros_like(logp)
+    grad_logp = np.zeros_like(logp)
+    counts = dict(high=0.0, low=0.0, dual=0.0, kl=0.0, ratio=0.0)
+    kl_value = np.zeros_like(logp)
+    for b, t in itertools.product(range(batch), range(horizon)):
+        a = adv[b, t]
+        raw = logp[b, t] - old_logp[b, t]
+        lr = min(max(raw, -20.0), 20.0)
+        rho = math.exp(lr)
+        unclipped = -a * rho
+        clipped = -a * min(max(rho, 1 - eps_low), 1 + eps_high)
+        loss = max(unclipped, clipped)
+        d = -a * rho if (unclipped >= clipped and -20.0 < raw < 20.0) else 0.0
+        if dual_clip is not None and a < 0 and -a * dual_clip < loss:
+            loss, d = -a * dual_clip, 0.0
+        pg[b, t] = loss
+        grad_logp[b, t] += weight[b, t] * d
+        if ref_logp is not None:
+            kl_value[b, t], dk = _kl(logp[b, t] - ref_logp[b, t], kl)
+            grad_logp[b, t] += kl_coef * weight[b, t] * dk
+        if mask[b, t]:
+            counts["high"] += a > 0 and rho > 1 + eps_high
+            counts["low"] += a < 0 and rho < 1 - eps_low
+            counts["dual"] += dual_clip is not None and a < 0 and rho > dual_clip
+            counts["kl"] += -lr
+            counts["ratio"] += rho
+    pg_loss = float(np.sum(weight * pg))
+    total = pg_loss
+    tokens = max(mask.sum(), 1.0)
+    metrics = {
+        "pg_loss": pg_loss,
+        "clip_frac_high": counts["high"] / tokens,
+        "clip_frac_low": counts["low"] / tokens,
+        "clip_frac": (counts["high"] + counts["low"]) / tokens,
+        "dual_clip_frac": counts["dual"] / tokens,
+        "approx_kl": counts["kl"] / tokens,
+        "ratio_mean": counts["ratio"] / tokens,
+    }
+    if ref_logp is not None:
+        metrics["kl_loss"] = float(np.sum(weight * kl_value))
+        total += kl_coef * metrics["kl_loss"]
+    grad_entropy = None
+    if entropy is not None:
+        metrics["entropy"] = float(np.sum(weight * np.asarray(entropy, np.float64)))
+        total -= entropy_coef * metrics["entropy"]
+        grad_entropy = -entropy_coef * weight
+    return total, metrics, grad_logp, grad_entropy
+
+
+def release_budgets(n_neg, n_pos, keep, min_negatives, min_positives):
+    """The released code's per-class budgets (Python ``round``), with rstar2jax's documented completion."""
+    n = n_neg + n_pos
+    if n == 0:
+        return 0, 0
+    neg, pos = round(n_neg * keep / n), round(n_pos * keep / n)
+    if neg <= min(min_negatives, n_neg):
+        neg = min(min_negatives, n_neg)
+        pos = keep - neg
+    if pos <= min(min_positives, n_pos):
+        pos = min(min_positives, n_pos)
+        neg = keep - pos
+    neg = max(0, min(neg, n_neg, keep))
+    pos = max(0, min(pos, n_pos, keep - neg))
+    missing = min(keep, n) - neg - pos
+    extra = min(missing, n_pos - pos)
+    return neg + missing - extra, pos + extra
+
+
+def inclusion_probabilities(weights, k):
+    """P(i among k successive draws without replacement, each P ∝ weight), by enumerating ordered draws."""
+    weights = np.asarray(weights, np.float64)
+    probs = np.zeros(len(weights))
+    for order in itertools.permutations(range(len(weights)), k):
+        p, remaining = 1.0, weights.sum()
+        for i in order:
+            p *= weights[i] / remaining
+            remaining -= weights[i]
+        probs[list(order)] += p
+    return probs
