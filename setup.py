@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 setup(
     name="rstar2jax",
     version="0.1.0",
-    description="JAX reproduction of rStar2-Agent: GRPO-RoC, a fast code sandbox and an agentic rollout engine",
+    description="rStar2-Agent in JAX: GRPO-RoC, a fast code sandbox and an agentic rollout engine",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",

@@ -10,7 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight emulated CPU devices so that sharding tests run in the same process as the rest.
 # Must be set before jax is imported anywhere.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"

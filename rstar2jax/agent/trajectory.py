@@ -11,7 +11,8 @@ from typing import Literal
 
 ToolOutcome = Literal[
     # Sandbox statuses (see sandbox_server.schema) ...
-    "ok", "error", "timeout", "memory_limit", "output_limit", "killed", "invalid_request", "internal",
+    "ok", "error", "timeout", "memory_limit", "output_limit", "killed",
+    "invalid_request", "internal",
     # ... and failures found before anything ran.
     "parse_error", "unreachable",
 ]
@@ -28,7 +29,8 @@ class Trajectory:
       problem_id: id of the problem (dataset row id).
       prompt_ids: the rendered prompt, ending with the first assistant opener.
       response_ids: every token after the prompt (sampled and inserted), in order.
-      loss_mask: per response token, 1 if the policy sampled it, 0 if it was inserted (tool output, turn tokens).
+      loss_mask: per response token, 1 if the policy sampled it, 0 if it was inserted
+        (tool output, turn tokens).
       logprobs: per response token, the sampler's log-probability (0.0 where ``loss_mask`` is 0).
       tool_outcomes: the outcome of every tool call, in order (``ToolOutcome``).
       num_turns: assistant turns, the first included.
