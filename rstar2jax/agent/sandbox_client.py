@@ -1,0 +1,475 @@
+"""Async client for ``sandbox_server``: micro-batching, least-loaded routing, retries, deadlines.
+
+    async with SandboxClient(["http://127.0.0.1:8088"]) as client:
+        result = await client.run("print(1 + 1)", timeout=5.0)  # status "ok", stdout "2\\n"
+        results = await client.run_many(["1 + 1", "import sympy"])  # in order
+
+    with SyncSandboxClient("http://127.0.0.1:8088") as client:  # notebooks and scripts
+        print(client.run("2 ** 10").stdout)
+    run_code_sync("print(3)", url="http://127.0.0.1:8088")  # one-off
+
+How it behaves:
+    * one pooled ``aiohttp`` session per client;
+    * concurrent ``run`` calls are gathered into ``POST /run/batch`` requests of up to ``max_batch`` calls,
+      sent when a batch is full or ``batch_window`` seconds after its first call;
+    * with several server URLs each batch goes to the one with the fewest calls outstanding (a server that
+      refused a connection sits out a back-off period); calls with a ``session`` always go to the same
+      server, chosen by hashing the session id, because a session lives in one server;
+    * connection errors and 503 (queue full) are retried with exponential back-off and jitter; a session
+      call is retried only if it was certainly not delivered (connection refused, 503);
+    * every call has a deadline, ``timeout + deadline_slack``; a call that cannot get a result by then
+      returns ``status="internal", error_type="DeadlineExceeded"``. ``run`` never hangs and never raises
+      for service failures: they come back as ``internal`` results whose ``stderr`` says what happened.
+
+The only thing imported from the server package is its dependency-free wire schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import random
+import threading
+import time
+import urllib.parse
+import zlib
+from collections.abc import Iterable, Sequence
+
+import aiohttp
+import msgpack
+
+from sandbox_server import schema
+
+__all__ = ["SandboxClient", "SandboxResult", "SyncSandboxClient", "run_code_sync"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """One execution result; fields as in ``sandbox_server.schema`` (``status`` is one of ``STATUSES``)."""
+
+    status: str
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    error_type: str | None
+    duration: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def from_wire(cls, obj) -> SandboxResult:
+        return cls(**schema.validate_run_result(obj))
+
+    @classmethod
+    def failure(
+        cls, message: str, *, status: str = "internal", error_type: str | None = None
+    ) -> SandboxResult:
+        return cls(**schema.make_result(status, stderr=f"sandbox client: {message}\n", error_type=error_type))
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    request: dict
+    future: asyncio.Future
+    deadline: float
+
+
+class _Retry(Exception):
+    """A batch attempt failed in a way worth retrying (``delivered``: the server may have run it)."""
+
+    def __init__(self, message: str, *, delivered: bool, wait: float | None = None):
+        super().__init__(message)
+        self.delivered = delivered
+        self.wait = wait
+
+
+class SandboxClient:
+    """Async client for one or more sandbox servers (see the module docstring).
+
+    Args:
+        urls: a base URL (``"http://127.0.0.1:8088"``) or several.
+        token: bearer token, if the servers require one.
+        max_batch: most calls per ``/run/batch`` request (the issue's micro-batch size is 64).
+        batch_window: seconds to wait for more calls before sending a partial batch.
+        default_timeout: execution timeout (s) when ``run`` is not given one.
+        deadline_slack: extra seconds beyond the timeout a call may spend queueing, in transit and retrying.
+        backoff: (first, largest) retry delays in seconds; delays double with random jitter.
+        wire: ``"msgpack"`` (default, faster) or ``"json"``.
+        connect_timeout: seconds to establish a connection.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        token: str | None = None,
+        max_batch: int = 64,
+        batch_window: float = 0.002,
+        default_timeout: float = 10.0,
+        deadline_slack: float = 60.0,
+        backoff: tuple[float, float] = (0.05, 2.0),
+        wire: str = "msgpack",
+        connect_timeout: float = 5.0,
+    ):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("need at least one server URL")
+        if any(not u.startswith(("http://", "https://")) for u in self.urls):
+            raise ValueError(f"server URLs must start with http:// or https://, got {self.urls}")
+        if max_batch < 1 or batch_window < 0 or default_timeout <= 0 or deadline_slack < 0:
+            raise ValueError(
+                "need max_batch >= 1, batch_window >= 0, default_timeout > 0, deadline_slack >= 0"
+            )
+        if wire not in ("msgpack", "json"):
+            raise ValueError(f"wire must be 'msgpack' or 'json', got {wire!r}")
+        if not 0 < backoff[0] <= backoff[1]:
+            raise ValueError(f"backoff must be (first, largest) with 0 < first <= largest, got {backoff}")
+        self.urls = [u.rstrip("/") for u in self.urls]
+        self.token = token
+        self.max_batch = max_batch
+        self.batch_window = batch_window
+        self.default_timeout = default_timeout
+        self.deadline_slack = deadline_slack
+        self.backoff = backoff
+        self.wire = wire
+        self.connect_timeout = connect_timeout
+        self.outstanding = dict.fromkeys(self.urls, 0)  # calls in flight per server
+        self._avoid_until = dict.fromkeys(self.urls, 0.0)  # back-off after connection failures
+        self._round_robin = itertools.count()
+        self._pending: list[_Call] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._http: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ public
+    async def run(
+        self, code: str, stdin: str = "", timeout: float | None = None, session: str | None = None
+    ) -> SandboxResult:
+        """Execute ``code`` (with ``stdin``) and return its result; never raises for service failures."""
+        if self._closed:
+            raise RuntimeError("SandboxClient is closed")
+        if not isinstance(code, str) or not isinstance(stdin, str):
+            raise TypeError("code and stdin must be strings")
+        timeout = self.default_timeout if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        loop = asyncio.get_running_loop()
+        call = _Call(
+            request={"code": code, "stdin": stdin, "timeout": timeout, "session": session},
+            future=loop.create_future(),
+            deadline=time.monotonic() + timeout + self.deadline_slack,
+        )
+        self._pending.append(call)
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = loop.call_later(self.batch_window, self._flush)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(call.future), max(0.0, call.deadline - time.monotonic()) + 1.0
+            )
+        except TimeoutError:
+            return _deadline_result(call)
+
+    async def run_many(
+        self, requests: Iterable[str | dict], *, timeout: float | None = None, session: str | None = None
+    ) -> list[SandboxResult]:
+        """Run many snippets concurrently; results in input order.
+
+        Each item is a code string or a dict with ``code`` and optionally ``stdin``, ``timeout``, ``session``
+        (the keyword arguments are defaults for items that do not set them).
+        """
+        specs = []
+        for item in requests:
+            spec = {"code": item} if isinstance(item, str) else dict(item)
+            unknown = set(spec) - set(schema.REQUEST_FIELDS)
+            if "code" not in spec or unknown:
+                raise ValueError(
+                    f"each request needs 'code' and only {schema.REQUEST_FIELDS}; got {sorted(spec)}"
+                )
+            specs.append({"timeout": timeout, "session": session, **spec})
+        return list(await asyncio.gather(*(self.run(**spec) for spec in specs)))
+
+    async def close_session(self, session: str) -> bool:
+        """Close a session on its server; returns whether it existed."""
+        url = self._session_url(session)
+        http = await self._session()
+        path = f"{schema.PATH_SESSIONS}/{urllib.parse.quote(session, safe='')}"
+        async with http.delete(url + path, headers=self._headers()) as response:
+            return response.status == 200
+
+    async def health(self, url: str | None = None) -> dict:
+        return await self._get(url or self.urls[0], schema.PATH_HEALTH)
+
+    async def metrics(self, url: str | None = None) -> dict:
+        return await self._get(url or self.urls[0], schema.PATH_METRICS)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        for call in self._pending:
+            if not call.future.done():
+                call.future.set_result(SandboxResult.failure("client closed", error_type="ClientClosed"))
+        self._pending.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> SandboxClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------------------------------- batching
+    def _flush(self) -> None:
+        self._flush_handle = None
+        pending, self._pending = self._pending, []
+        by_target: dict[str | None, list[_Call]] = {}
+        for call in pending:
+            session = call.request["session"]
+            by_target.setdefault(None if session is None else self._session_url(session), []).append(call)
+        for url, calls in by_target.items():
+            for start in range(0, len(calls), self.max_batch):
+                task = asyncio.get_running_loop().create_task(
+                    self._deliver(calls[start : start + self.max_batch], url)
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _session_url(self, session: str) -> str:
+        return self.urls[zlib.crc32(session.encode("utf-8", "surrogatepass")) % len(self.urls)]
+
+    def _pick_url(self) -> str:
+        now = time.monotonic()
+        usable = [u for u in self.urls if self._avoid_until[u] <= now] or self.urls
+        least = min(self.outstanding[u] for u in usable)
+        tied = [u for u in usable if self.outstanding[u] == least]
+        return tied[next(self._round_robin) % len(tied)]
+
+    async def _deliver(self, calls: list[_Call], fixed_url: str | None) -> None:
+        """Send one batch until every call has a result or its deadline has passed."""
+        try:
+            await self._deliver_until_done(calls, fixed_url)
+        except asyncio.CancelledError:  # the client is closing: nobody may be left waiting
+            for call in calls:
+                _resolve(call, SandboxResult.failure("client closed", error_type="ClientClosed"))
+            raise
+
+    async def _deliver_until_done(self, calls: list[_Call], fixed_url: str | None) -> None:
+        delay = self.backoff[0]
+        while True:
+            now = time.monotonic()
+            for call in calls:
+                if call.deadline <= now:
+                    _resolve(call, _deadline_result(call))
+            calls = [c for c in calls if not c.future.done()]
+            if not calls:
+                return
+            url = fixed_url or self._pick_url()
+            self.outstanding[url] += len(calls)
+            try:
+                outcome = await self._post_batch(url, calls)
+            except (_Retry, _TooLarge) as error:
+                outcome = error
+            finally:
+                self.outstanding[url] -= len(calls)
+            if isinstance(outcome, list):
+                for call, result in zip(calls, outcome, strict=True):
+                    _resolve(call, result)
+                return
+            if isinstance(outcome, _TooLarge):
+                if len(calls) == 1:
+                    failure = SandboxResult.failure(
+                        "request larger than the server accepts",
+                        status="invalid_request",
+                        error_type="RequestTooLarge",
+                    )
+                    _resolve(calls[0], failure)
+                    return
+                half = len(calls) // 2
+                await asyncio.gather(
+                    self._deliver(calls[:half], fixed_url), self._deliver(calls[half:], fixed_url)
+                )
+                return
+            if outcome.delivered:  # the server may have run them: re-running a session call is not safe
+                for call in calls:
+                    if call.request["session"] is not None:
+                        failure = SandboxResult.failure(
+                            f"{outcome}; session call not retried", error_type="ConnectionError"
+                        )
+                        _resolve(call, failure)
+            else:
+                self._avoid_until[url] = time.monotonic() + delay
+            wait = delay if outcome.wait is None else min(outcome.wait, self.backoff[1])
+            await asyncio.sleep(wait * random.uniform(0.5, 1.5))
+            delay = min(2 * delay, self.backoff[1])
+
+    async def _post_batch(self, url: str, calls: list[_Call]) -> list[SandboxResult]:
+        http = await self._session()
+        payload = {schema.BATCH_REQUESTS_KEY: [c.request for c in calls]}
+        if self.wire == "msgpack":
+            body = msgpack.packb(payload, use_bin_type=True, unicode_errors="surrogatepass")
+            content_type = schema.CONTENT_TYPE_MSGPACK
+        else:
+            body = json.dumps(payload).encode()
+            content_type = schema.CONTENT_TYPE_JSON
+        budget = max(c.deadline for c in calls) - time.monotonic()
+        try:
+            async with http.post(
+                url + schema.PATH_BATCH,
+                data=body,
+                headers=self._headers(content_type),
+                timeout=aiohttp.ClientTimeout(total=budget, connect=self.connect_timeout),
+            ) as response:
+                raw = await response.read()
+                status = response.status
+                retry_after = response.headers.get("Retry-After")
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as error:
+            raise _Retry(f"cannot connect to {url}: {error}", delivered=False) from error
+        except (TimeoutError, aiohttp.ClientError, OSError) as error:
+            raise _Retry(f"request to {url} failed: {error!r}", delivered=True) from error
+        if status == 503:
+            raise _Retry(f"{url} is busy (503)", delivered=False, wait=_seconds(retry_after))
+        if status == 413:
+            raise _TooLarge()
+        decoded = _decode(raw, content_type)
+        if status != 200:
+            message = decoded.get("error") if isinstance(decoded, dict) else None
+            failure = SandboxResult.failure(
+                f"HTTP {status} from {url}: {message or raw[:200]!r}", error_type=f"HTTP{status}"
+            )
+            return [failure] * len(calls)
+        try:
+            results = [SandboxResult.from_wire(r) for r in decoded[schema.BATCH_RESULTS_KEY]]
+            if len(results) != len(calls):
+                raise schema.SchemaError(f"{len(results)} results for {len(calls)} requests")
+        except (schema.SchemaError, KeyError, TypeError) as error:
+            failure = SandboxResult.failure(
+                f"malformed response from {url}: {error}", error_type="BadResponse"
+            )
+            return [failure] * len(calls)
+        return results
+
+    # ------------------------------------------------------------------------------------------- plumbing
+    async def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+            self._http = aiohttp.ClientSession(connector=connector)
+        return self._http
+
+    def _headers(self, content_type: str | None = None) -> dict:
+        headers = {}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    async def _get(self, url: str, path: str) -> dict:
+        http = await self._session()
+        async with http.get(url + path, headers=self._headers()) as response:
+            response.raise_for_status()
+            return await response.json()
+
+
+class _TooLarge(Exception):
+    """The server answered 413 for a batch."""
+
+
+def _resolve(call: _Call, result: SandboxResult) -> None:
+    if not call.future.done():
+        call.future.set_result(result)
+
+
+def _deadline_result(call: _Call) -> SandboxResult:
+    limit = call.request["timeout"]
+    return SandboxResult.failure(
+        f"no result before the call's deadline (timeout {limit:g} s + slack); the service may be overloaded",
+        error_type="DeadlineExceeded",
+    )
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _decode(raw: bytes, content_type: str):
+    if content_type == schema.CONTENT_TYPE_MSGPACK:
+        try:
+            return msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException):
+            pass  # error responses may be JSON
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+class SyncSandboxClient:
+    """Blocking wrapper for notebooks and scripts: a private event loop on a background thread.
+
+    Works whether or not the caller already runs an event loop (as Jupyter does). Same arguments as
+    ``SandboxClient``.
+    """
+
+    def __init__(self, urls: str | Sequence[str], **kwargs):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sandbox-client", daemon=True)
+        self._thread.start()
+        self._client = SandboxClient(urls, **kwargs)
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def run(
+        self, code: str, stdin: str = "", timeout: float | None = None, session: str | None = None
+    ) -> SandboxResult:
+        return self._call(self._client.run(code, stdin=stdin, timeout=timeout, session=session))
+
+    def run_many(
+        self, requests: Iterable[str | dict], *, timeout: float | None = None, session: str | None = None
+    ) -> list[SandboxResult]:
+        return self._call(self._client.run_many(list(requests), timeout=timeout, session=session))
+
+    def close_session(self, session: str) -> bool:
+        return self._call(self._client.close_session(session))
+
+    def health(self) -> dict:
+        return self._call(self._client.health())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncSandboxClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def run_code_sync(
+    code: str, url: str, stdin: str = "", timeout: float | None = None, **kwargs
+) -> SandboxResult:
+    """Run one snippet on the server at ``url`` and wait for its result (opens and closes a client)."""
+    with SyncSandboxClient(url, **kwargs) as client:
+        return client.run(code, stdin=stdin, timeout=timeout)

@@ -1,0 +1,286 @@
+"""The aiohttp front end: wire decoding, validation, admission, and the server's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import msgpack
+from aiohttp import web
+
+from sandbox_server import schema
+from sandbox_server.config import ServerConfig
+from sandbox_server.metrics import Metrics
+from sandbox_server.pool import Pool, QueueFull
+
+
+def _decode_body(body: bytes, content_type: str):
+    if content_type == schema.CONTENT_TYPE_MSGPACK:
+        return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass")
+    return json.loads(body)
+
+
+def _encode(payload, request: web.Request, status: int = 200, headers: dict | None = None) -> web.Response:
+    if request.content_type == schema.CONTENT_TYPE_MSGPACK:
+        body = msgpack.packb(payload, use_bin_type=True, unicode_errors="surrogatepass")
+        return web.Response(
+            body=body, status=status, content_type=schema.CONTENT_TYPE_MSGPACK, headers=headers
+        )
+    return web.json_response(payload, status=status, headers=headers)
+
+
+def _error(request: web.Request, status: int, message: str, headers: dict | None = None) -> web.Response:
+    return _encode({"error": message}, request, status, headers)
+
+
+class _BadRequest(Exception):
+    """Answered with 400 and a body naming the problem (plus a result object for ``/run``)."""
+
+    def __init__(self, message: str, result: dict | None = None):
+        super().__init__(message)
+        self.body = dict(result or {}, error=message)
+
+
+class SandboxServer:
+    """Owns the worker pool, the memory cgroup, the temporary root and the HTTP site."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.temp_root = tempfile.mkdtemp(prefix="sandbox_server-")
+        os.chmod(self.temp_root, 0o755)
+        self.cgroup_dir, self.cgroup_problem = _create_memory_cgroup(config.total_memory_mb)
+        self.pool = Pool(config, self.temp_root, self.cgroup_dir, self.metrics)
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # --------------------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.pool.start()
+        app = web.Application(client_max_size=self.config.max_request_bytes, middlewares=[self._middleware])
+        app.add_routes(
+            [
+                web.post(schema.PATH_RUN, self.handle_run),
+                web.post(schema.PATH_BATCH, self.handle_batch),
+                web.get(schema.PATH_HEALTH, self.handle_health),
+                web.get(schema.PATH_METRICS, self.handle_metrics),
+                web.delete(schema.PATH_SESSIONS + "/{session}", self.handle_close_session),
+            ]
+        )
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        await self.pool.close()  # first, so that open requests get their (killed) answers at once
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.cgroup_dir is not None:
+            _remove_cgroup(self.cgroup_dir)
+        shutil.rmtree(self.temp_root, ignore_errors=True)
+
+    def startup_report(self) -> str:
+        mechanisms = self.pool.mechanisms()
+        inactive = dict(mechanisms["inactive"])
+        active = list(mechanisms["active"])
+        lines = ["sandbox_server isolation mechanisms:"]
+        lines += [f"  [active]   {name}" for name in active]
+        lines += [f"  [inactive] {name}: {reason}" for name, reason in inactive.items()]
+        if self.cgroup_problem:
+            lines.append(f"  (memory cgroup: {self.cgroup_problem})")
+        c = self.config
+        lines.append(
+            f"sandbox_server: {c.workers} workers x {c.slots} slots, tiers {','.join(self.pool.tiers)}; "
+            f"limits: {c.memory_mb} MiB address space, {c.nproc} processes, {c.file_size_mb} MiB files, "
+            f"{c.tmp_mb} MiB tmpfs, output kept {c.max_output_bytes} B/stream, "
+            f"killed past {c.output_limit_bytes} B"
+        )
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------------------------------- handlers
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        """Authentication, and the JSON/msgpack error answers (400, 401, 413) for every route."""
+        self.metrics.http_requests[request.path] += 1
+        if self.config.token and request.path != schema.PATH_HEALTH:
+            supplied = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(supplied.encode(), f"Bearer {self.config.token}".encode()):
+                self.metrics.rejected[401] += 1
+                return _error(request, 401, "missing or wrong bearer token")
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.rejected[413] += 1
+            return _error(request, 413, f"request body larger than {self.config.max_request_bytes} bytes")
+        except _BadRequest as error:
+            self.metrics.rejected[400] += 1
+            return _encode(error.body, request, 400)
+
+    async def _read_payload(self, request: web.Request):
+        """The decoded body; a decoding error becomes 400 with the decoder's message."""
+        body = await request.read()
+        try:
+            return _decode_body(body, request.content_type)
+        except (ValueError, msgpack.UnpackException, UnicodeDecodeError) as error:
+            kind = "msgpack" if request.content_type == schema.CONTENT_TYPE_MSGPACK else "JSON"
+            raise _BadRequest(f"malformed {kind}: {error}") from error
+
+    def _validate(self, obj) -> dict:
+        c = self.config
+        return schema.validate_run_request(
+            obj,
+            default_timeout=c.default_timeout,
+            max_timeout=c.max_timeout,
+            max_code_chars=c.max_code_chars,
+            max_stdin_chars=c.max_stdin_chars,
+        )
+
+    def _busy(self, request: web.Request, error: QueueFull) -> web.Response:
+        self.metrics.rejected[503] += 1
+        headers = {"Retry-After": str(max(1, round(error.retry_after)))}
+        return _error(request, 503, f"sandbox busy: {error}", headers)
+
+    async def handle_run(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        payload = await self._read_payload(request)
+        try:
+            call = self._validate(payload)
+        except schema.SchemaError as error:
+            result = schema.make_result("invalid_request", stderr=f"sandbox: {error}\n")
+            raise _BadRequest(str(error), result) from error
+        try:
+            self.pool.admit([call])
+        except QueueFull as error:
+            return self._busy(request, error)
+        admitted = time.monotonic()
+        result = await self.pool.run(call, admitted)
+        collected = time.monotonic()
+        response = _encode(result, request)
+        self.metrics.frontend_seconds += (admitted - started) + (time.monotonic() - collected)
+        return response
+
+    async def handle_batch(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        payload = await self._read_payload(request)
+        try:
+            raw = schema.validate_batch_request(payload, max_batch=self.config.max_batch)
+        except schema.SchemaError as error:
+            raise _BadRequest(str(error)) from error
+        results: list = [None] * len(raw)
+        valid = {}
+        for position, item in enumerate(raw):
+            try:
+                valid[position] = self._validate(item)
+            except schema.SchemaError as error:
+                results[position] = schema.make_result("invalid_request", stderr=f"sandbox: {error}\n")
+        try:
+            self.pool.admit(list(valid.values()))
+        except QueueFull as error:
+            return self._busy(request, error)
+        admitted = time.monotonic()
+        outcomes = await asyncio.gather(*(self.pool.run(call, admitted) for call in valid.values()))
+        collected = time.monotonic()
+        for position, result in zip(valid, outcomes, strict=True):
+            results[position] = result
+        response = _encode({schema.BATCH_RESULTS_KEY: results}, request)
+        self.metrics.frontend_seconds += (admitted - started) + (time.monotonic() - collected)
+        return response
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        workers = self.pool.describe_workers()
+        healthy = all(w["ready"] for w in workers)
+        return _encode(
+            {
+                "status": "ok" if healthy else "degraded",
+                "server_pid": os.getpid(),
+                "workers": workers,
+                "mechanisms": self.pool.mechanisms(),
+                "uid_ranges": self.pool.uid_ranges(),
+                "temp_root": self.temp_root,
+                "cgroup": self.cgroup_dir,
+            },
+            request,
+        )
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        snapshot = self.metrics.snapshot()
+        snapshot.update(
+            queue_depth=len(self.pool.queue),
+            inflight=sum(ws.inflight for ws in self.pool.worker_sets),
+            free_slots=self.pool.free_slots(),
+            sessions=len(self.pool.sessions),
+        )
+        return _encode(snapshot, request)
+
+    async def handle_close_session(self, request: web.Request) -> web.Response:
+        closed = self.pool.close_session(request.match_info["session"])
+        return _encode({"closed": closed}, request, 200 if closed else 404)
+
+
+def _memory_cgroup_parent() -> tuple[str, str]:
+    """(directory of this process's memory cgroup, events file name) for cgroup v1 or v2."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            return os.path.join("/sys/fs/cgroup/memory", path.lstrip("/")), "memory.limit_in_bytes"
+    for hierarchy, _, path in entries:
+        if hierarchy == "0":
+            return os.path.join("/sys/fs/cgroup", path.lstrip("/")), "memory.max"
+    raise OSError("no memory cgroup hierarchy")
+
+
+def _create_memory_cgroup(limit_mb: int) -> tuple[str | None, str | None]:
+    """A child memory cgroup for all workers and calls, or (None, reason)."""
+    if limit_mb == 0:
+        return None, "disabled (--total-memory-mb 0)"
+    if os.geteuid() != 0:
+        return None, "needs root"
+    try:
+        parent, limit_file = _memory_cgroup_parent()
+        path = os.path.join(parent, f"sandbox_server-{os.getpid()}")
+        os.mkdir(path)
+        with open(os.path.join(path, limit_file), "w") as f:
+            f.write(str(limit_mb << 20))
+        return path, None
+    except OSError as error:
+        return None, str(error)
+
+
+def _remove_cgroup(path: str) -> None:
+    for _ in range(50):  # the last call processes may still be exiting
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, printing the isolation report and the listening address."""
+    server = SandboxServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await server.start()
+        print(server.startup_report(), flush=True)
+        print(f"sandbox_server listening on http://{config.host}:{server.port}", flush=True)
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await server.stop()
+        print("sandbox_server stopped", file=sys.stderr, flush=True)

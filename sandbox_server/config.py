@@ -1,0 +1,212 @@
+"""Server configuration: every limit in one dataclass, with the command-line flags generated from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+# Warm "tiers": each worker keeps one warm process per tier and forks a call from the lightest tier whose
+# pre-imports the code mentions. Forking cost grows with the parent's resident memory (about 0.7 ms for
+# the stdlib tier, 1.1 ms with numpy, 2.7 ms with sympy on the reference machine), so a trivial call should
+# not pay for sympy's heap. Any call may still import anything; it then pays that import itself.
+# Not "random", "statistics" or "threading": their after-fork hooks (reseeding, lock resets) would run in
+# every forked call, which costs more than importing them in the few calls that need them.
+STDLIB_PRELOAD = (
+    "bisect", "cmath", "collections", "copy", "decimal", "fractions", "functools", "heapq", "itertools",
+    "math", "operator", "re", "string",
+)  # fmt: skip
+# numpy 2 loads random/fft/polynomial lazily; preloading them saves each call ~15-40 ms (numpy.random is
+# also touched by every call, which reseeds it).
+NUMPY_PRELOAD = ("numpy", "numpy.random", "numpy.fft", "numpy.polynomial")
+TIER_PRELOAD = {
+    "base": STDLIB_PRELOAD,
+    "numpy": STDLIB_PRELOAD + NUMPY_PRELOAD,
+    "full": STDLIB_PRELOAD + NUMPY_PRELOAD + ("mpmath", "sympy"),
+}
+# Run once in each warm process before it forks anything: the first use of many numpy/sympy functions
+# imports submodules and builds tables (sympy's first simplify() costs ~0.3 s), which every call would
+# otherwise pay again. sympy's result cache is cleared afterwards, so calls start from an empty cache.
+NUMPY_WARMUP = """
+import numpy as np
+a = np.random.rand(8, 8)
+np.linalg.det(a); np.linalg.solve(a, a[0]); np.fft.fft(a[0]); np.polynomial.Polynomial([1, 2]).roots()
+"""
+SYMPY_WARMUP = """
+import sympy as sp
+x, y = sp.symbols("x y")
+sp.factor(x**4 - 1); sp.expand((x + y)**5); sp.solve(x**2 - 5*x + 6, x)
+sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
+sp.integrate(x * sp.exp(x), x); sp.diff(sp.sin(x) * x, x); sp.limit(sp.sin(x) / x, x, 0)
+sp.series(sp.exp(x), x, 0, 4); sp.nsimplify(0.75); sp.factorint(2**32 + 1); sp.Matrix([[1, 2], [3, 4]]).det()
+sp.summation(x**2, (x, 1, 10)); sp.N(sp.pi, 30); sp.Poly(x**2 + 1, x).all_roots()
+sp.Rational(1, 3) + sp.sqrt(8)
+sp.core.cache.clear_cache()
+"""
+TIER_WARMUP = {"base": "", "numpy": NUMPY_WARMUP, "full": NUMPY_WARMUP + SYMPY_WARMUP}
+# A tier is chosen when the code mentions one of its trigger words; "full" serves everything.
+TIER_TRIGGERS = {"full": re.compile(r"\b(sympy|mpmath)\b"), "numpy": re.compile(r"\bnumpy\b")}
+TIERS = ("base", "numpy", "full")
+AUTO_UID_START = 1_000_000  # above the uids distributions hand out, below the 32-bit overflow ids
+AUTO_UID_SERVERS = 100_000
+
+
+def choose_tier(code: str, available: tuple[str, ...]) -> str | None:
+    """The lightest available tier at least as heavy as the modules ``code`` mentions need (None: none)."""
+    needed = "base"
+    for tier in ("full", "numpy"):
+        if TIER_TRIGGERS[tier].search(code):
+            needed = tier
+            break
+    return next((tier for tier in TIERS[TIERS.index(needed) :] if tier in available), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = dataclasses.field(
+        default="127.0.0.1", metadata={"help": "bind address (loopback by default)"}
+    )
+    port: int = dataclasses.field(default=8088, metadata={"help": "TCP port; 0 picks a free one"})
+    token: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "bearer token required on every endpoint but /health (env SANDBOX_TOKEN)"},
+    )
+    workers: int = dataclasses.field(
+        default=2, metadata={"help": "warm worker sets (one process per tier each)"}
+    )
+    slots: int = dataclasses.field(default=8, metadata={"help": "calls running at once per worker"})
+    tiers: str = dataclasses.field(
+        default="base,numpy,full",
+        metadata={"help": "warm tiers to keep, lightest first (subset of base,numpy,full)"},
+    )
+    default_timeout: float = dataclasses.field(
+        default=10.0, metadata={"help": "wall-clock timeout (s) if unset"}
+    )
+    max_timeout: float = dataclasses.field(
+        default=120.0, metadata={"help": "largest timeout (s) a request may ask"}
+    )
+    memory_mb: int = dataclasses.field(
+        default=1024, metadata={"help": "address-space limit per call process, MiB (RLIMIT_AS, soft = hard)"}
+    )
+    total_memory_mb: int = dataclasses.field(
+        default=6144, metadata={"help": "memory cgroup limit over all workers and their calls, MiB (0: none)"}
+    )
+    file_size_mb: int = dataclasses.field(default=16, metadata={"help": "largest file a call may write, MiB"})
+    tmp_mb: int = dataclasses.field(default=64, metadata={"help": "size of each call's private tmpfs, MiB"})
+    nproc: int = dataclasses.field(
+        default=32, metadata={"help": "processes + threads per call (RLIMIT_NPROC)"}
+    )
+    nofile: int = dataclasses.field(
+        default=256, metadata={"help": "open files per call process (RLIMIT_NOFILE)"}
+    )
+    max_output_bytes: int = dataclasses.field(
+        default=65536, metadata={"help": "bytes kept per stream (head and tail, with an omission marker)"}
+    )
+    output_limit_bytes: int = dataclasses.field(
+        default=8 << 20,
+        metadata={"help": "total stdout+stderr bytes after which a call is killed (output_limit)"},
+    )
+    max_code_chars: int = dataclasses.field(default=1 << 20, metadata={"help": "largest 'code' field"})
+    max_stdin_chars: int = dataclasses.field(default=8 << 20, metadata={"help": "largest 'stdin' field"})
+    max_request_bytes: int = dataclasses.field(
+        default=32 << 20, metadata={"help": "largest request body (413)"}
+    )
+    max_batch: int = dataclasses.field(default=256, metadata={"help": "most requests in one /run/batch"})
+    max_queue: int = dataclasses.field(
+        default=2048, metadata={"help": "calls waiting for a slot before new requests get 503 + Retry-After"}
+    )
+    max_sessions: int = dataclasses.field(
+        default=64, metadata={"help": "live sessions; the least recent idle one is evicted"}
+    )
+    session_ttl: float = dataclasses.field(
+        default=600.0, metadata={"help": "idle seconds before a session is closed"}
+    )
+    session_cpu_seconds: int = dataclasses.field(
+        default=300, metadata={"help": "CPU seconds a session may use over its lifetime"}
+    )
+    session_memory_mb: int = dataclasses.field(
+        default=2048, metadata={"help": "address-space limit of a session, MiB"}
+    )
+    uid_base: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "first of the unprivileged uids (one per slot, one per session); 0 derives it from the "
+            "server's pid so that servers sharing a host never share uids"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        positive = (
+            "workers", "slots", "memory_mb", "file_size_mb", "tmp_mb", "nproc", "nofile", "max_output_bytes",
+            "output_limit_bytes", "max_code_chars", "max_stdin_chars", "max_request_bytes", "max_batch",
+            "max_sessions", "session_cpu_seconds", "session_memory_mb", "max_queue",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.default_timeout <= self.max_timeout:
+            raise ValueError(
+                f"need 0 < default_timeout <= max_timeout, got {self.default_timeout}, {self.max_timeout}"
+            )
+        if self.session_ttl <= 0:
+            raise ValueError(f"session_ttl must be positive, got {self.session_ttl}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        names = {t.strip() for t in self.tiers.split(",") if t.strip()}
+        if not names <= set(TIERS) or "full" not in names:
+            raise ValueError(f"tiers must be a subset of {TIERS} that includes 'full', got {self.tiers!r}")
+        if self.uid_base < 0 or self.uid_base + self.uid_count >= 2**31:
+            raise ValueError(f"uid_base must be 0 (automatic) or leave room for {self.uid_count} uids")
+        if self.total_memory_mb < 0:
+            raise ValueError(f"total_memory_mb must be >= 0, got {self.total_memory_mb}")
+
+    @property
+    def tier_list(self) -> tuple[str, ...]:
+        """The configured tiers, lightest first."""
+        names = {t.strip() for t in self.tiers.split(",") if t.strip()}
+        return tuple(t for t in TIERS if t in names)
+
+    @property
+    def uid_count(self) -> int:
+        """How many uids a server uses: one per slot of each warm process, one per session."""
+        return self.workers * len(self.tier_list) * self.slots + self.max_sessions
+
+    def first_uid(self, server_pid: int) -> int:
+        """``uid_base``, or a base derived from the server's pid, in blocks that cannot overlap."""
+        if self.uid_base:
+            return self.uid_base
+        block = -(-self.uid_count // 1000) * 1000
+        return AUTO_UID_START + (server_pid % AUTO_UID_SERVERS) * block
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "::1", "localhost") or self.host.startswith("127.")
+
+    def worker_payload(self) -> dict:
+        """The part of the configuration a worker needs (never the token)."""
+        payload = dataclasses.asdict(self)
+        for name in ("token", "host", "port"):
+            payload.pop(name)
+        return payload
+
+
+def build_arg_parser():
+    """The ``python -m sandbox_server`` command line, one flag per ``ServerConfig`` field."""
+    import argparse  # here, not at module level: warm workers import this module and should stay lean
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sandbox_server",
+        description="Fast isolated Python execution service (aiohttp front end, forked warm workers).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for field in dataclasses.fields(ServerConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = {"int": int, "float": float}.get(str(field.type), str)
+        parser.add_argument(
+            flag, dest=field.name, type=kind, default=field.default, help=field.metadata["help"]
+        )
+    parser.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow binding a non-loopback address without a bearer token",
+    )
+    return parser

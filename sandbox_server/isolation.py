@@ -1,0 +1,446 @@
+"""Kernel isolation: what a warm worker sets up once, and what each forked call applies to itself.
+
+Worker, once (``WorkerSandbox.prepare``):
+    * joins the server's memory cgroup (bounds the memory of all calls together) with oom_score_adj -1000;
+    * enters a private mount namespace and ``pivot_root``s into a tmpfs holding read-only binds of the
+      system and Python library paths, a minimal /etc and /dev, and an empty /tmp mount point; the host
+      filesystem is then unreachable from the worker and from everything it forks;
+    * creates one network namespace per slot (loopback down, no interfaces): namespaces are reused slot by
+      slot because creating one costs ~0.6 ms and a finished call leaves nothing behind in it;
+    * keeps its own PID-namespace handle so each fork can start a fresh PID namespace.
+
+Call, in the forked child while still root (``CallSandbox.enter``):
+    * becomes init of a fresh PID namespace, so when it exits the kernel kills every process it started,
+      detached (``setsid``) grandchildren included; also a new session;
+    * fresh mount + IPC namespaces, a private size-limited tmpfs on /tmp as its working directory (gone
+      with the namespace), and its slot's network namespace;
+    * oom_score_adj 1000, rlimits with soft = hard (address space, CPU, file size, processes, open files,
+      no core dumps), a per-slot unprivileged uid/gid with no supplementary groups, no-new-privs,
+      parent-death signal, not dumpable, scrubbed environment.
+
+Every mechanism is probed and degrades independently: without root there are no namespaces, no uid
+change and no cgroup; the call then runs in a fresh directory under the server's temporary root and its
+process group is killed at the end. ``Mechanisms`` records what is active and why something is not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import platform
+import resource
+import select
+import signal
+import sys
+
+from sandbox_server import linux
+
+SANDBOX_TMP = "/tmp"
+SANDBOX_TMP_BYTES = SANDBOX_TMP.encode()
+DEVICES = ("null", "zero", "full", "random", "urandom")
+SCRUBBED_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MPLBACKEND": "Agg",
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
+}
+
+
+@dataclasses.dataclass
+class Mechanisms:
+    """Which isolation mechanisms are active (name -> True) or not (name -> reason)."""
+
+    active: dict = dataclasses.field(default_factory=dict)
+    inactive: dict = dataclasses.field(default_factory=dict)
+
+    def mark(self, name: str, error: BaseException | str | None = None) -> bool:
+        if error is None:
+            self.active[name] = True
+            self.inactive.pop(name, None)
+            return True
+        self.inactive[name] = str(error)
+        self.active.pop(name, None)
+        return False
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.active
+
+    def as_dict(self) -> dict:
+        return {"active": sorted(self.active), "inactive": dict(sorted(self.inactive.items()))}
+
+
+def _python_paths() -> list[str]:
+    """Directories the interpreter and its packages live in (bound read-only into the sandbox)."""
+    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    return sorted(p for p in paths if os.path.isdir(p))
+
+
+def _bind_readonly(source: str, target: str) -> None:
+    linux.mount(source, target, None, linux.MS_BIND | linux.MS_REC)
+    linux.mount(None, target, None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | linux.MS_NOSUID)
+
+
+def _write_minimal_etc(etc: str) -> None:
+    import shutil  # once, before pivot_root; kept out of the warm worker's module-level imports
+
+    os.makedirs(etc, mode=0o755)
+    with open(os.path.join(etc, "passwd"), "w") as f:
+        f.write(
+            "root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:65534:65534:sandbox:/tmp:/usr/sbin/nologin\n"
+        )
+    with open(os.path.join(etc, "group"), "w") as f:
+        f.write("root:x:0:\nsandbox:x:65534:\n")
+    with open(os.path.join(etc, "hosts"), "w") as f:
+        f.write("127.0.0.1 localhost\n::1 localhost\n")
+    for name in ("ld.so.cache", "nsswitch.conf"):
+        if os.path.isfile(f"/etc/{name}"):
+            shutil.copyfile(f"/etc/{name}", os.path.join(etc, name))
+    if os.path.islink("/etc/localtime"):
+        os.symlink(os.readlink("/etc/localtime"), os.path.join(etc, "localtime"))
+
+
+def build_root(root: str) -> None:
+    """Mount a tmpfs on ``root`` and fill it with read-only views of what Python needs (mount ns only)."""
+    linux.mount("tmpfs", root, "tmpfs", linux.MS_NOSUID, "size=16m,mode=0755")
+    for top in ("bin", "lib", "lib32", "lib64", "libx32", "sbin", "usr"):
+        host = f"/{top}"
+        if os.path.islink(host):
+            os.symlink(os.readlink(host), os.path.join(root, top))
+        elif os.path.isdir(host):
+            os.makedirs(os.path.join(root, top))
+            _bind_readonly(host, os.path.join(root, top))
+    for path in _python_paths():
+        if path.startswith("/usr/"):
+            continue
+        target = root + path
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        _bind_readonly(path, target)
+    _write_minimal_etc(os.path.join(root, "etc"))
+    os.makedirs(os.path.join(root, "dev"), mode=0o755)
+    for device in DEVICES:
+        target = os.path.join(root, "dev", device)
+        open(target, "w").close()
+        linux.mount(f"/dev/{device}", target, None, linux.MS_BIND)
+    os.makedirs(root + SANDBOX_TMP, mode=0o755)
+
+
+@dataclasses.dataclass
+class WorkerSandbox:
+    """Per-worker isolation state, created once before the worker starts forking calls."""
+
+    mechanisms: Mechanisms
+    slot_netns_fds: list  # one network namespace per slot, or empty
+    own_pidns_fd: int | None  # to return to after each per-call CLONE_NEWPID
+    uid_base: int | None  # None: calls keep the worker's uid
+    calls_dir: str | None  # host directory for per-call dirs when there is no per-call tmpfs
+    cgroup_oom_fd: int | None  # memory.oom_control of the server's cgroup (oom_kill counter)
+    seccomp_program: object  # the BPF filter installed in every call, or None
+    oom_adj_fd: int | None = None  # this worker's /proc/self/oom_score_adj, written around each fork
+    seccomp_fprog: object = None
+
+    @property
+    def seccomp_address(self) -> int | None:
+        return None if self.seccomp_fprog is None else ctypes.addressof(self.seccomp_fprog)
+
+    @classmethod
+    def prepare(
+        cls, *, name: str, temp_root: str, slots: int, uid_base: int, cgroup_dir: str | None
+    ) -> WorkerSandbox:
+        mechanisms = Mechanisms()
+
+        # Errors name the failing call; without root they are all EPERM, so say so plainly.
+        def reason(error: OSError) -> str:
+            return str(error) if os.geteuid() == 0 else f"needs root ({error})"
+
+        cgroup_oom_fd = None
+        if not cgroup_dir:
+            mechanisms.mark("memory_cgroup", "not available")
+        else:
+            try:
+                with open(os.path.join(cgroup_dir, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+                events = (
+                    "memory.oom_control"
+                    if os.path.exists(f"{cgroup_dir}/memory.oom_control")
+                    else "memory.events"
+                )
+                cgroup_oom_fd = os.open(os.path.join(cgroup_dir, events), os.O_RDONLY)
+                mechanisms.mark("memory_cgroup")
+            except OSError as error:
+                mechanisms.mark("memory_cgroup", error)
+        oom_adj_fd = None
+        try:  # the OOM killer should pick a call, never the worker: -1000 here, 1000 in each fork
+            oom_adj_fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(oom_adj_fd, b"-1000")
+            mechanisms.mark("oom_priority")
+        except OSError as error:
+            mechanisms.mark("oom_priority", error)
+            if oom_adj_fd is not None:
+                os.close(oom_adj_fd)
+                oom_adj_fd = None
+
+        own_pidns_fd = None
+        try:
+            own_pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
+            _probe_pid_namespace(own_pidns_fd)
+            mechanisms.mark("pid_namespace")
+        except OSError as error:
+            mechanisms.mark("pid_namespace", reason(error))
+            if own_pidns_fd is not None:
+                os.close(own_pidns_fd)
+                own_pidns_fd = None
+
+        slot_netns_fds = []
+        try:
+            for _ in range(slots + 1):  # the last one is the worker's own, empty, namespace
+                linux.unshare(linux.CLONE_NEWNET)
+                slot_netns_fds.append(os.open("/proc/self/ns/net", os.O_RDONLY))
+            os.close(slot_netns_fds.pop())
+            mechanisms.mark("network_namespace")
+        except OSError as error:
+            for fd in slot_netns_fds:
+                os.close(fd)
+            slot_netns_fds = []
+            mechanisms.mark("network_namespace", reason(error))
+
+        for mechanism, flag in (("ipc_namespace", linux.CLONE_NEWIPC), ("uts_namespace", linux.CLONE_NEWUTS)):
+            try:
+                _probe_in_child(lambda flag=flag: linux.unshare(flag))
+                mechanisms.mark(mechanism)
+            except OSError as error:
+                mechanisms.mark(mechanism, reason(error))
+
+        calls_dir = None
+        try:
+            root = os.path.join(temp_root, name)
+            os.makedirs(root, mode=0o755)
+            linux.unshare(linux.CLONE_NEWNS)
+            linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+            build_root(root)
+            os.makedirs(os.path.join(root, "old"))
+            linux.pivot_root(root, os.path.join(root, "old"))
+            os.chdir("/")
+            linux.umount2("/old", linux.MNT_DETACH)
+            os.rmdir("/old")
+            linux.mount(None, "/", None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | linux.MS_NOSUID)
+            mechanisms.mark("mount_namespace")
+            mechanisms.mark("private_tmpfs")
+        except OSError as error:
+            mechanisms.mark("mount_namespace", reason(error))
+            mechanisms.mark("private_tmpfs", "needs the mount namespace")
+            calls_dir = os.path.join(temp_root, name + "-calls")
+            os.makedirs(calls_dir, mode=0o711, exist_ok=True)
+
+        seccomp_program = linux.seccomp_filter()
+        if seccomp_program is None:
+            mechanisms.mark("seccomp", f"no syscall table for {platform.machine()}")
+        else:
+            try:
+                _probe_in_child(lambda: _probe_seccomp(seccomp_program))
+                mechanisms.mark("seccomp")
+            except OSError as error:
+                mechanisms.mark("seccomp", error)
+                seccomp_program = None
+
+        uid = None
+        try:
+            _probe_in_child(lambda: _drop_to(uid_base))
+            uid = uid_base
+            mechanisms.mark("unprivileged_uid")
+        except OSError as error:
+            mechanisms.mark("unprivileged_uid", reason(error))
+        for always in ("rlimits", "no_new_privs", "parent_death_signal", "new_session", "scrubbed_env"):
+            mechanisms.mark(always)
+        os.environ.clear()  # inherited by every call; HOME and TMPDIR are its private /tmp
+        os.environ.update(SCRUBBED_ENV, HOME=SANDBOX_TMP, TMPDIR=SANDBOX_TMP)
+        sandbox = cls(
+            mechanisms,
+            slot_netns_fds,
+            own_pidns_fd,
+            uid,
+            calls_dir,
+            cgroup_oom_fd,
+            seccomp_program,
+            oom_adj_fd,
+        )
+        if seccomp_program is not None:
+            sandbox.seccomp_fprog = linux.seccomp_fprog(seccomp_program)
+        return sandbox
+
+    def oom_kills(self) -> int:
+        """The cgroup's OOM-kill counter (0 without a cgroup)."""
+        if self.cgroup_oom_fd is None:
+            return 0
+        for line in os.pread(self.cgroup_oom_fd, 4096, 0).decode().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def fork_call(self) -> int:
+        """``os.fork()``; the child is init of a fresh PID namespace (when active), oom_score_adj 1000."""
+        if self.oom_adj_fd is not None:
+            os.pwrite(self.oom_adj_fd, b"1000", 0)
+        if self.own_pidns_fd is not None:
+            linux.unshare(linux.CLONE_NEWPID)
+        pid = -1
+        try:
+            pid = os.fork()
+            return pid
+        finally:
+            if pid != 0:  # in the worker: back to its own PID namespace and OOM priority
+                if self.own_pidns_fd is not None:
+                    linux.setns(self.own_pidns_fd, linux.CLONE_NEWPID)
+                if self.oom_adj_fd is not None:
+                    os.pwrite(self.oom_adj_fd, b"-1000", 0)
+
+    def kill_leftovers(self, pid: int, uid: int | None) -> None:
+        """Kill what a finished call left behind when there is no PID namespace to do it."""
+        if self.own_pidns_fd is not None:
+            return  # the kernel killed the namespace with its init
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        if uid is not None:
+            _kill_all_of_uid(uid)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSandbox:
+    """What one call (or one session process) applies to itself right after the fork, as root.
+
+    Built by the worker before it forks (``plan``), so the child does as little Python-level work as
+    possible: every object a child touches is a copy-on-write page fault, the largest cost of a call.
+    """
+
+    uid: int | None
+    unshare_flags: int
+    netns_fd: int | None  # join this (per-slot) network namespace
+    tmpfs_options: bytes | None  # mount a private tmpfs on /tmp with these options
+    workdir: str  # the call's working directory (/tmp, or a host directory in degraded mode)
+    limits: tuple  # ((resource, value), ...) applied with soft = hard; CPU time comes per call
+    seccomp_address: int | None  # address of the worker's prepared ``sock_fprog``
+
+    @classmethod
+    def plan(cls, sandbox: WorkerSandbox, config: dict, *, uid, netns_fd, fresh_netns, workdir, memory_mb):
+        mechanisms = sandbox.mechanisms
+        flags = linux.CLONE_NEWNET if fresh_netns else 0
+        flags |= linux.CLONE_NEWIPC if "ipc_namespace" in mechanisms else 0
+        flags |= linux.CLONE_NEWUTS if "uts_namespace" in mechanisms else 0
+        tmpfs_options = None
+        if "private_tmpfs" in mechanisms:
+            flags |= linux.CLONE_NEWNS
+            owner = f",uid={uid},gid={uid}" if uid is not None else ""
+            tmpfs_options = f"size={config['tmp_mb']}m,nr_inodes=16384,mode=0700{owner}".encode()
+        limits = (
+            (resource.RLIMIT_AS, memory_mb << 20),
+            (resource.RLIMIT_FSIZE, config["file_size_mb"] << 20),
+            (resource.RLIMIT_NPROC, config["nproc"]),
+            (resource.RLIMIT_NOFILE, config["nofile"]),
+            (resource.RLIMIT_CORE, 0),
+        )
+        return cls(
+            uid, flags, netns_fd, tmpfs_options, workdir or SANDBOX_TMP, limits, sandbox.seccomp_address
+        )
+
+    def enter_namespaces(self) -> None:
+        """Namespace and mount steps; run before the inherited file descriptors are closed."""
+        os.setsid()
+        if self.unshare_flags:
+            linux.unshare(self.unshare_flags)
+        if self.netns_fd is not None:
+            linux.setns(self.netns_fd, linux.CLONE_NEWNET)
+        if self.tmpfs_options is not None:
+            linux.mount(
+                b"tmpfs", SANDBOX_TMP_BYTES, b"tmpfs", linux.MS_NOSUID | linux.MS_NODEV, self.tmpfs_options
+            )
+        os.chdir(self.workdir)
+
+    def drop_privileges(self, worker_pidfd: int, cpu_seconds: int) -> None:
+        """Limits and credentials; after this the process can neither raise a limit nor regain root.
+
+        ``worker_pidfd`` (closed here) tells whether the worker died before the parent-death signal was armed.
+        """
+        for which, value in self.limits:
+            resource.setrlimit(which, (value, value))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+        if self.uid is not None:
+            _drop_to(self.uid)
+        # The parent-death signal is reset by a credential change, so it is set after it.
+        linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        linux.prctl(linux.PR_SET_DUMPABLE, 0)
+        if self.seccomp_address is not None:
+            linux.prctl(linux.PR_SET_SECCOMP, linux.SECCOMP_MODE_FILTER, self.seccomp_address)
+        worker_gone = select.select([worker_pidfd], [], [], 0)[0]
+        os.close(worker_pidfd)
+        if worker_gone:
+            os._exit(0)
+        if self.workdir != SANDBOX_TMP:  # the worker's environment is already scrubbed for /tmp
+            os.environ.update(HOME=self.workdir, TMPDIR=self.workdir)
+
+
+def _probe_in_child(action) -> None:
+    """Run ``action`` in a forked child; raise OSError if it failed there."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            action()
+            os._exit(0)
+        except OSError as error:
+            os._exit(min(error.errno or 1, 255))
+        except BaseException:
+            os._exit(255)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise OSError(code, f"probe failed: {os.strerror(code) if 0 < code < 255 else code}")
+
+
+def _probe_pid_namespace(own_pidns_fd: int) -> None:
+    linux.unshare(linux.CLONE_NEWPID)
+    try:
+        _probe_in_child(lambda: None if os.getpid() == 1 else os._exit(1))
+    finally:
+        linux.setns(own_pidns_fd, linux.CLONE_NEWPID)
+
+
+def _probe_seccomp(program) -> None:
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    linux.install_seccomp(program)
+    try:
+        linux.unshare(0x10000000)  # CLONE_NEWUSER
+    except PermissionError:
+        pid = os.fork()  # plain fork (clone without namespace flags) must still work
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        return
+    raise OSError(1, "the filter did not block unshare(CLONE_NEWUSER)")
+
+
+def _drop_to(uid: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def _kill_all_of_uid(uid: int) -> None:
+    """``kill(-1, SIGKILL)`` as ``uid``: reaches exactly the processes of that uid (degraded mode only)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _drop_to(uid)
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)

@@ -1,0 +1,191 @@
+"""Thin ctypes wrappers for the Linux calls that Python 3.11's ``os`` module lacks.
+
+Python 3.12 added ``os.unshare``/``os.setns``; this project supports 3.11, so the namespace, mount,
+``pivot_root`` and ``prctl`` calls go through libc. Every wrapper raises ``OSError`` with the real errno
+so callers can degrade gracefully (and report why) when the kernel or the user does not allow a call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+
+# pivot_root has no glibc wrapper; its number differs per architecture.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(
+    platform.machine()
+)
+
+# The symbols of the already loaded C library (ctypes.util.find_library would import subprocess and shutil
+# into every warm worker).
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _path(value: str | bytes | None) -> bytes | None:
+    return None if value is None else os.fsencode(value)
+
+
+def unshare(flags: int) -> None:
+    """``unshare(2)``: move the caller into new namespaces (PID: only its future children)."""
+    _check(_libc.unshare(flags), f"unshare({flags:#x})")
+
+
+def setns(fd: int, nstype: int) -> None:
+    """``setns(2)``: join the namespace that ``fd`` (an open ``/proc/*/ns/*`` file) refers to."""
+    _check(_libc.setns(fd, nstype), f"setns({nstype:#x})")
+
+
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None
+) -> None:
+    _check(
+        _libc.mount(_path(source), _path(target), _path(fstype), flags, _path(data)),
+        f"mount {source!r} on {target!r}",
+    )
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(_path(target), flags), f"umount {target!r}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    if _SYS_PIVOT_ROOT is None:
+        raise OSError(38, f"pivot_root: syscall number unknown on {platform.machine()}")
+    _check(int(_libc.syscall(_SYS_PIVOT_ROOT, _path(new_root), _path(put_old))), "pivot_root")
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
+    _check(_libc.prctl(option, arg2, arg3, 0, 0), f"prctl({option})")
+
+
+# --------------------------------------------------------------------------------------------- seccomp
+# A small deny-list filter. Namespaces are the point: an unprivileged process may otherwise create a user
+# namespace, become "root" in it and reach mount/network code paths that the sandbox relies on being
+# closed. Denied calls fail with EPERM (clone3 with ENOSYS, which makes glibc fall back to clone, whose
+# flags a filter can inspect). Calls from another ABI (i386 ``int 0x80``, x32) are denied outright.
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
+_DENIED_SYSCALLS = {
+    # name: (x86_64, aarch64)
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "chroot": (161, 51),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "mount_setattr": (442, 442),
+}
+_CLONE = {"x86_64": 56, "aarch64": 220}
+_CLONE3 = 435
+_CLONE_NAMESPACE_FLAGS = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_X32_SYSCALL_BIT = 0x40000000
+_RET_ALLOW = 0x7FFF0000
+_RET_EPERM = 0x00050000 | 1
+_RET_ENOSYS = 0x00050000 | 38
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_ushort),
+        ("jt", ctypes.c_ubyte),
+        ("jf", ctypes.c_ubyte),
+        ("k", ctypes.c_uint),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_filter() -> ctypes.Array | None:
+    """The BPF program (built once, installed per call by ``install_seccomp``); None on unknown machines."""
+    if _AUDIT_ARCH is None:
+        return None
+    ld_w_abs, jeq_k, jge_k, and_k, ret_k = 0x20, 0x15, 0x35, 0x54, 0x06
+    column = 0 if platform.machine() == "x86_64" else 1
+    denied = sorted({numbers[column] for numbers in _DENIED_SYSCALLS.values()})
+    clone = _CLONE[platform.machine()]
+
+    def op(code, k, jt=0, jf=0):
+        return (code, jt, jf, k)
+
+    program = [
+        op(ld_w_abs, 4),  # seccomp_data.arch
+        op(jeq_k, _AUDIT_ARCH, jt=1),
+        op(ret_k, _RET_EPERM),
+        op(ld_w_abs, 0),  # seccomp_data.nr
+    ]
+    if column == 0:
+        program += [op(jge_k, _X32_SYSCALL_BIT, jf=1), op(ret_k, _RET_EPERM)]
+    for number in denied:
+        program += [op(jeq_k, number, jf=1), op(ret_k, _RET_EPERM)]
+    program += [
+        op(jeq_k, _CLONE3, jf=1),
+        op(ret_k, _RET_ENOSYS),
+        op(jeq_k, clone, jf=5),
+        op(ld_w_abs, 16),  # low 32 bits of seccomp_data.args[0]: the clone flags
+        op(and_k, _CLONE_NAMESPACE_FLAGS),
+        op(jeq_k, 0, jf=1),
+        op(ret_k, _RET_ALLOW),
+        op(ret_k, _RET_EPERM),
+        op(ret_k, _RET_ALLOW),
+    ]
+    return (_SockFilter * len(program))(*program)
+
+
+def seccomp_fprog(program: ctypes.Array) -> _SockFprog:
+    """The ``sock_fprog`` for ``program``; keep both alive while its address may be used."""
+    return _SockFprog(len(program), ctypes.cast(program, ctypes.POINTER(_SockFilter)))
+
+
+def install_seccomp(program: ctypes.Array) -> None:
+    """Install ``program`` for this process and its descendants (needs no-new-privs first)."""
+    prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(seccomp_fprog(program)))

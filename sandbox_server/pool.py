@@ -1,0 +1,429 @@
+"""The front end's side of the workers: spawning, routing, the bounded queue, sessions and restarts.
+
+Everything here runs on the front end's event loop and never blocks on execution: a call is a future that
+a worker's result frame resolves. Each worker set has one warm process per tier and ``slots`` calls in
+flight across them; calls beyond that wait in one FIFO queue bounded by ``max_queue`` (``QueueFull``
+makes the HTTP layer answer 503). Session calls bypass the queue (their count is bounded by
+``max_sessions``) and always go to the full tier of the worker set that holds the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from sandbox_server import schema
+from sandbox_server.config import ServerConfig, choose_tier
+from sandbox_server.framing import encode_frame, read_frame
+from sandbox_server.metrics import Metrics
+
+WORKER_START_TIMEOUT_S = 120.0
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TOMBSTONES_KEPT = 4096
+WORKER_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class QueueFull(Exception):
+    """The bounded queue cannot take these calls now; retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: float):
+        super().__init__(f"queue full, retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
+def _internal(message: str, status: str = "internal", error_type: str | None = None) -> dict:
+    return schema.make_result(status, stderr=f"sandbox: {message}\n", error_type=error_type)
+
+
+class WorkerProcess:
+    """One warm process (one tier of one worker set) and the socket to it."""
+
+    def __init__(self, pool: Pool, index: int, tier: str, tier_position: int):
+        self.pool = pool
+        self.index = index
+        self.tier = tier
+        self.name = f"w{index}-{tier}"
+        self.uid_base = pool.first_uid + (index * len(pool.tiers) + tier_position) * pool.config.slots
+        self.process: subprocess.Popen | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ready = False
+        self.pid: int | None = None
+        self.mechanisms: dict = {}
+        self.generation = 0
+
+    async def start(self) -> None:
+        parent_end, child_end = socket.socketpair()
+        spec = {
+            "channel": child_end.fileno(),
+            "tier": self.tier,
+            "name": f"{self.name}.{self.generation}",
+            "parent_pid": os.getpid(),
+            "temp_root": self.pool.temp_root,
+            "uid_base": self.uid_base,
+            "cgroup": self.pool.cgroup_dir,
+            "config": self.pool.config.worker_payload(),
+        }
+        args = [sys.executable, "-m", "sandbox_server.worker", json.dumps(spec)]
+        # Only what Python needs: a worker's environment is inherited by every call (scrubbed again there).
+        env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
+        self.generation += 1
+        try:
+            # A plain Popen watched through a pidfd: no asyncio child watcher, which would race with Popen.
+            self.process = subprocess.Popen(
+                args, pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, env=env
+            )
+        finally:
+            child_end.close()
+        reader, self.writer = await asyncio.open_unix_connection(sock=parent_end)
+        try:
+            hello = await asyncio.wait_for(read_frame(reader), WORKER_START_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as error:
+            await self._reap()
+            raise RuntimeError(f"worker {self.name} did not start: {error!r}") from error
+        self.pid, self.mechanisms, self.ready = hello["pid"], hello["mechanisms"], True
+        self.pool.spawn_background(self._read_results(reader))
+
+    def send(self, message: dict) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.pending[message["id"]] = future
+        self.writer.write(encode_frame(message))
+        return future
+
+    def notify(self, message: dict) -> None:
+        if self.ready:
+            self.writer.write(encode_frame(message))
+
+    async def _read_results(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await read_frame(reader)
+                message["returned"] = time.monotonic()
+                future = self.pending.pop(message["id"], None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            self.ready = False
+            pending, self.pending = self.pending, {}
+            for future in pending.values():
+                if not future.done():
+                    future.set_result(_internal("its worker died; it was replaced", "killed", "WorkerDied"))
+            await self._reap()
+            self.pool.on_worker_exit(self)
+
+    async def _reap(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.kill()
+        await self.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> None:
+        """Wait for the process to exit (without blocking the event loop) and reap it."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            pidfd = os.pidfd_open(self.process.pid)
+        except ProcessLookupError:
+            self.process.wait()
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self.process.wait()
+
+
+@dataclasses.dataclass
+class WorkerSet:
+    index: int
+    processes: dict  # tier -> WorkerProcess
+    inflight: int = 0
+    sessions: int = 0
+
+    def tiers_ready(self) -> tuple[str, ...]:
+        return tuple(tier for tier, process in self.processes.items() if process.ready)
+
+
+@dataclasses.dataclass
+class Session:
+    id: str
+    worker: WorkerSet
+    uid_index: int
+    last_used: float
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    busy: int = 0
+    started: bool = False  # the worker has (or had) a process for it
+
+
+@dataclasses.dataclass
+class QueuedCall:
+    request: dict
+    future: asyncio.Future
+    stamps: dict
+
+
+class Pool:
+    def __init__(self, config: ServerConfig, temp_root: str, cgroup_dir: str | None, metrics: Metrics):
+        self.config = config
+        self.temp_root = temp_root
+        self.cgroup_dir = cgroup_dir
+        self.metrics = metrics
+        self.tiers = config.tier_list
+        self.first_uid = config.first_uid(os.getpid())
+        self.worker_sets = [
+            WorkerSet(i, {tier: WorkerProcess(self, i, tier, n) for n, tier in enumerate(self.tiers)})
+            for i in range(config.workers)
+        ]
+        self.queue: collections.deque[QueuedCall] = collections.deque()
+        self.call_ids = itertools.count(1)
+        self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()  # LRU order
+        self.free_session_uids = list(range(config.max_sessions))[::-1]
+        self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.closing = False
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def session_uid_base(self) -> int:
+        return self.first_uid + self.config.workers * len(self.tiers) * self.config.slots
+
+    def uid_ranges(self) -> dict:
+        """Half-open uid ranges: one uid per slot of each warm process, one per session."""
+        return {
+            "calls": [self.first_uid, self.session_uid_base],
+            "sessions": [self.session_uid_base, self.session_uid_base + self.config.max_sessions],
+        }
+
+    def processes(self):
+        for worker_set in self.worker_sets:
+            yield from worker_set.processes.values()
+
+    async def start(self) -> None:
+        await asyncio.gather(*(process.start() for process in self.processes()))
+        self.spawn_background(self._expire_sessions())
+
+    def mechanisms(self) -> dict:
+        """What the workers report (they all run the same probes; the first ready one speaks for all)."""
+        for process in self.processes():
+            if process.mechanisms:
+                return process.mechanisms
+        return {"active": [], "inactive": {}}
+
+    async def close(self) -> None:
+        """Stop everything; calls still queued or running are answered (``internal`` / ``killed``)."""
+        self.closing = True
+        for task in self._background:
+            task.cancel()
+        while self.queue:
+            queued = self.queue.popleft()
+            if not queued.future.done():
+                queued.future.set_result(_internal("the server is shutting down"))
+        for process in self.processes():
+            process.kill()
+        await asyncio.gather(*(process.wait() for process in self.processes()))
+
+    def spawn_background(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ----------------------------------------------------------------------------------------- one-shot
+    def free_slots(self) -> int:
+        return sum(max(0, self.config.slots - ws.inflight) for ws in self.worker_sets if ws.tiers_ready())
+
+    def admit(self, requests: list[dict]) -> None:
+        """Raise ``QueueFull`` unless every one-shot call in ``requests`` can run or wait in the queue."""
+        one_shot = sum(1 for r in requests if r["session"] is None)
+        overflow = max(0, one_shot - self.free_slots())
+        if overflow and len(self.queue) + overflow > self.config.max_queue:
+            raise QueueFull(retry_after=1.0)
+
+    async def run(self, request: dict, admitted: float) -> dict:
+        """Run one validated request (after ``admit``); returns the wire result."""
+        stamps = {"admitted": admitted}
+        if request["session"] is not None:
+            message = await self._run_in_session(request, stamps)
+        else:
+            future = asyncio.get_running_loop().create_future()
+            self.queue.append(QueuedCall(request, future, stamps))
+            self._pump()
+            message = await future
+        result = schema.make_result(**{name: message[name] for name in schema.RESULT_FIELDS})
+        stamps.update(message.get("timings") or {}, returned=message.get("returned"))
+        self.metrics.observe_call(result["status"], time.monotonic() - admitted, stamps)
+        return result
+
+    def _pump(self) -> None:
+        """Dispatch queued calls, oldest first, each to the least busy worker set that can serve it."""
+        while self.queue:
+            queued = self.queue[0]
+            best = None
+            for worker_set in self.worker_sets:
+                if worker_set.inflight >= self.config.slots:
+                    continue
+                tier = choose_tier(queued.request["code"], worker_set.tiers_ready())
+                if tier is not None and (best is None or worker_set.inflight < best[0].inflight):
+                    best = (worker_set, tier)
+            if best is None:  # all busy, or the tier it needs is restarting everywhere
+                return
+            self.queue.popleft()
+            worker_set, tier = best
+            worker_set.inflight += 1
+            queued.stamps["dispatched"] = time.monotonic()
+            future = worker_set.processes[tier].send(
+                {
+                    "op": "run",
+                    "id": next(self.call_ids),
+                    "code": queued.request["code"],
+                    "stdin": queued.request["stdin"],
+                    "timeout": queued.request["timeout"],
+                }
+            )
+            future.add_done_callback(lambda f, ws=worker_set, q=queued: self._on_done(ws, q, f))
+
+    def _on_done(self, worker_set: WorkerSet, queued: QueuedCall, future: asyncio.Future) -> None:
+        worker_set.inflight -= 1
+        if not queued.future.done():
+            queued.future.set_result(future.result())
+        self._pump()
+
+    # ----------------------------------------------------------------------------------------- sessions
+    async def _run_in_session(self, request: dict, stamps: dict) -> dict:
+        sid = request["session"]
+        session = self.sessions.get(sid)
+        note = ""
+        if session is None:
+            session = self._open_session(sid)
+            if session is None:
+                return _internal(
+                    f"all {self.config.max_sessions} sessions are busy; retry later or close one",
+                    "invalid_request",
+                )
+            reason = self.tombstones.pop(sid, None)
+            if reason is not None:
+                note = f"sandbox: note: session {sid!r} was {reason}; this call started a fresh session\n"
+        session.busy += 1
+        try:
+            async with session.lock:
+                self.sessions.move_to_end(sid)
+                process = session.worker.processes["full"]
+                stamps["dispatched"] = time.monotonic()
+                if not process.ready:
+                    message = _internal(
+                        "the session's worker is restarting; the session is lost", "killed", "WorkerDied"
+                    )
+                    self._drop_session(session, "lost when its worker restarted")
+                else:
+                    message = await process.send(
+                        {
+                            "op": "session_run",
+                            "id": next(self.call_ids),
+                            "session": sid,
+                            "code": request["code"],
+                            "stdin": request["stdin"],
+                            "timeout": request["timeout"],
+                            "uid": self.session_uid_base + session.uid_index,
+                            "create": not session.started,
+                        }
+                    )
+                    session.started = True
+                    if message.get("session_ended"):
+                        self._drop_session(session, f"terminated earlier ({message['session_ended']})")
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
+        if note:
+            message = dict(message, stderr=note + message["stderr"])
+        return message
+
+    def _open_session(self, sid: str) -> Session | None:
+        if len(self.sessions) >= self.config.max_sessions:
+            idle = next((s for s in self.sessions.values() if not s.busy), None)  # least recently used first
+            if idle is None:
+                return None
+            self.close_session(idle.id, "evicted (too many sessions)")
+        worker_set = min(
+            (ws for ws in self.worker_sets if "full" in ws.tiers_ready()),
+            key=lambda ws: ws.sessions,
+            default=self.worker_sets[0],
+        )
+        session = Session(sid, worker_set, self.free_session_uids.pop(), time.monotonic())
+        worker_set.sessions += 1
+        self.sessions[sid] = session
+        return session
+
+    def _drop_session(self, session: Session, reason: str) -> None:
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
+            session.worker.sessions -= 1
+            self.free_session_uids.append(session.uid_index)
+            self.tombstones[session.id] = reason
+            while len(self.tombstones) > TOMBSTONES_KEPT:
+                self.tombstones.popitem(last=False)
+
+    def close_session(self, sid: str, reason: str = "closed") -> bool:
+        session = self.sessions.get(sid)
+        if session is None:
+            return False
+        session.worker.processes["full"].notify({"op": "session_close", "session": sid})
+        self._drop_session(session, reason)
+        return True
+
+    async def _expire_sessions(self) -> None:
+        ttl = self.config.session_ttl
+        while True:
+            await asyncio.sleep(min(ttl / 4, 5.0))
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if not session.busy and now - session.last_used > ttl:
+                    self.close_session(session.id, f"closed after {ttl:g} s idle")
+
+    # ------------------------------------------------------------------------------------------ restarts
+    def on_worker_exit(self, process: WorkerProcess) -> None:
+        if self.closing:
+            return
+        self.metrics.worker_restarts += 1
+        if process.tier == "full":
+            for session in [s for s in self.sessions.values() if s.worker.processes["full"] is process]:
+                self._drop_session(session, "lost when its worker restarted")
+        self.spawn_background(self._restart(process))
+
+    async def _restart(self, process: WorkerProcess) -> None:
+        for delay in itertools.chain(RESTART_BACKOFF_S, itertools.repeat(RESTART_BACKOFF_S[-1])):
+            if self.closing:
+                return
+            try:
+                await process.start()
+                self._pump()
+                return
+            except (OSError, RuntimeError) as error:
+                print(
+                    f"sandbox_server: restarting {process.name} failed: {error}", file=sys.stderr, flush=True
+                )
+                await asyncio.sleep(delay)
+
+    def describe_workers(self) -> list[dict]:
+        return [
+            {"worker": p.index, "tier": p.tier, "pid": p.pid, "ready": p.ready, "inflight": len(p.pending)}
+            for p in self.processes()
+        ]

@@ -1,0 +1,206 @@
+"""Runs user code inside a forked, already isolated child: notebook semantics and the outcome record.
+
+The child's file descriptors are fixed: 0 = stdin (a memfd), 1/2 = stdout/stderr pipes to the worker,
+``RECORD_FD`` = a pipe for the outcome record, and for sessions ``CONTROL_FD`` = requests from the worker.
+The record is JSON ``{"id", "status", "error_type", "exit_code", "exec_start", "exec_end"}``. The code runs
+in the same process and could write its own record, but that only changes its own result: it has no
+descriptor that reaches any other call.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import io
+import json
+import linecache
+import os
+import struct
+import sys
+import time
+import traceback
+
+RECORD_FD = 3
+CONTROL_FD = 4
+CELL_FILENAME = "<cell>"
+_FRAME_HEADER = struct.Struct("!I")
+
+
+def install_stdio(stdin: str) -> None:
+    """Fresh stdin (from a memfd) and line-buffered UTF-8 stdout/stderr on fds 0/1/2."""
+    fd = os.memfd_create("stdin", 0)
+    data = memoryview(stdin.encode("utf-8", errors="surrogatepass"))
+    while data:
+        data = data[os.write(fd, data) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(fd, 0)
+    os.close(fd)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(
+        io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace"
+    )
+    # Line buffering keeps partial output when a call is killed mid-way (timeout, output limit).
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+
+
+def reseed_random_state() -> None:
+    """A forked child inherits its parent's RNG state; a fresh interpreter would not."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _compile_cell(code: str):
+    """Module code for all statements, plus 'single'-mode code for a trailing bare expression.
+
+    Like a notebook, the trailing expression's value is shown (via ``sys.displayhook``) unless the cell
+    ends with a semicolon.
+    """
+    tree = ast.parse(code, CELL_FILENAME, "exec")
+    display = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+        display = compile(ast.Interactive(body=[tree.body.pop()]), CELL_FILENAME, "single")
+    return compile(tree, CELL_FILENAME, "exec"), display
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    """The process exit status ``sys.exit(value)`` would produce, printing a message value like Python."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int) and not isinstance(exc.code, bool):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _print_exception(exc: BaseException) -> None:
+    """Traceback without the runner's own frames (as ``python file.py`` would show it)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != CELL_FILENAME:
+        tb = tb.tb_next
+    try:
+        traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    except BaseException:
+        sys.stderr.write(f"{type(exc).__name__}: <exception could not be printed>\n")
+
+
+def execute(code: str, namespace: dict) -> tuple[str, str | None, int]:
+    """Run ``code`` in ``namespace``; return ``(status, error_type, exit_code)``."""
+    linecache.cache[CELL_FILENAME] = (len(code), None, code.splitlines(True), CELL_FILENAME)
+    try:
+        body, display = _compile_cell(code)
+        exec(body, namespace)
+        if display is not None:
+            exec(display, namespace)
+        _join_foreground_threads()
+        return "ok", None, 0
+    except SystemExit as exc:
+        exit_code = _exit_code_of(exc)
+        return ("ok", None, 0) if exit_code == 0 else ("error", "SystemExit", exit_code)
+    except MemoryError as exc:
+        _print_exception(exc)
+        return "memory_limit", type(exc).__name__, 1
+    except BaseException as exc:
+        _print_exception(exc)
+        return "error", type(exc).__name__, 1
+
+
+def _join_foreground_threads() -> None:
+    """Python waits for non-daemon threads before exiting; so does a cell (bounded by the timeout).
+
+    ``threading`` is not imported by the sandbox itself: its after-fork hook alone doubles the cost of a
+    fork. If the code started threads, it imported the module.
+    """
+    threading = sys.modules.get("threading")
+    if threading is None:
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+
+
+def _write_record(record: dict) -> None:
+    try:
+        os.write(RECORD_FD, json.dumps(record).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _run_cell(code: str, stdin: str, namespace: dict) -> dict:
+    """Run one cell with fresh stdio; returns its outcome record."""
+    install_stdio(stdin)
+    start = time.monotonic()
+    status, error_type, exit_code = execute(code, namespace)
+    end = time.monotonic()
+    _flush_streams()
+    return {
+        "status": status,
+        "error_type": error_type,
+        "exit_code": exit_code,
+        "exec_start": start,
+        "exec_end": end,
+    }
+
+
+def run_once(code: str, stdin: str) -> None:
+    """Child entry for a one-shot call: run, report, exit (no interpreter teardown). Never returns."""
+    runner_pid = os.getpid()
+    exit_code = 70
+    try:
+        reseed_random_state()
+        record = _run_cell(code, stdin, {"__name__": "__main__", "__builtins__": builtins})
+        exit_code = record["exit_code"]
+        # Code that forked and let the fork run on reaches here twice; only the runner itself reports.
+        if os.getpid() == runner_pid:
+            _write_record(record)
+    finally:
+        os._exit(exit_code)
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = os.read(fd, size)
+        if not chunk:
+            raise EOFError("control channel closed")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_control_message() -> dict:
+    (length,) = _FRAME_HEADER.unpack(_read_exact(CONTROL_FD, _FRAME_HEADER.size))
+    return json.loads(_read_exact(CONTROL_FD, length))
+
+
+def encode_control_message(message: dict) -> bytes:
+    body = json.dumps(message).encode()  # ASCII: lone surrogates are escaped
+    return _FRAME_HEADER.pack(len(body)) + body
+
+
+def serve_session() -> None:
+    """Child entry for a session: run requests one at a time in one persistent namespace. Never returns."""
+    runner_pid = os.getpid()
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    reseed_random_state()
+    try:
+        while True:
+            request = read_control_message()
+            record = _run_cell(request["code"], request["stdin"], namespace)
+            if os.getpid() != runner_pid:
+                os._exit(record["exit_code"])
+            _write_record(dict(record, id=request["id"]))
+    finally:
+        os._exit(0)

@@ -1,0 +1,617 @@
+"""A warm worker: pre-imports its tier's modules, isolates itself once, then forks one child per call.
+
+Started by the front end as ``python -m sandbox_server.worker``; talks to it over an inherited socketpair
+with length-prefixed msgpack frames. The worker is single-threaded (forking a threaded process is unsafe)
+and never blocks: one ``selectors`` loop watches the socket, every child's output pipes and its pidfd,
+and the nearest deadline. Output is read as it is produced into head/tail captures, so a call writing
+100 MB costs the worker O(max_output_bytes) memory and is killed at ``output_limit_bytes``.
+
+Frames in:  {"op": "run", "id", "code", "stdin", "timeout"}
+            {"op": "session_run", "id", "session", "uid", "create", "code", "stdin", "timeout"}
+            {"op": "session_close", "session"}
+Frames out: {"op": "ready", "pid", "tier", "mechanisms"}
+            {"op": "result", "id", result fields..., "timings": {...}, "session_ended": reason | None}
+``timings`` holds CLOCK_MONOTONIC stamps (comparable across processes) plus the call's CPU time and page
+faults; the front end turns them into the phase breakdown of /metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import functools
+import gc
+import heapq
+import importlib
+import json
+import math
+import os
+import selectors
+import signal
+import sys
+import time
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"  # must precede numpy's import: the worker has to stay single-threaded
+
+from sandbox_server import linux, runner  # noqa: E402
+from sandbox_server.config import TIER_PRELOAD, TIER_WARMUP  # noqa: E402
+from sandbox_server.framing import encode_frame, split_frames  # noqa: E402
+from sandbox_server.isolation import CallSandbox, WorkerSandbox  # noqa: E402
+from sandbox_server.output import StreamCapture  # noqa: E402
+
+READ_CHUNK = 1 << 16
+MAX_RECORD_BYTES = 1 << 16
+SETUP_FAILED_EXIT = 71
+SETUP_FAILED_MESSAGE = "sandbox setup failed:"
+WORKER_PIDFD = 5  # where a child finds the worker's pidfd during setup
+CHILD_FD_END = 6  # a child keeps fds 0..5 through setup (0-2 stdio, 3 record, 4 control, 5 worker pidfd)
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """One request being served by a child process."""
+
+    id: int
+    timeout: float
+    stdout: StreamCapture
+    stderr: StreamCapture
+    received: float
+    fork_start: float = 0.0
+    fork_end: float = 0.0
+    deadline: float = math.inf
+    kill_reason: str | None = None  # "timeout" | "output_limit" | "closed"
+    cpu_seconds: float | None = None
+    page_faults: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Child:
+    """A live child process: a one-shot call, or a session serving calls one after another."""
+
+    pid: int
+    pidfd: int
+    fds: dict  # open pipe read ends: fd -> "stdout" | "stderr" | "record"
+    uid: int | None
+    slot: int | None = None  # one-shot calls only
+    workdir: str | None = None  # degraded mode: host directory to remove afterwards
+    session: str | None = None
+    control_fd: int | None = None
+    call: Call | None = None
+    record_buffer: bytearray = dataclasses.field(default_factory=bytearray)
+    exited: bool = False
+
+
+class Worker:
+    def __init__(self, channel: int, sandbox: WorkerSandbox, config: dict, tier: str):
+        self.channel = channel  # the socketpair end, used through plain fd calls (no socket module)
+        self.sandbox = sandbox
+        self.config = config
+        self.tier = tier
+        self.selector = selectors.DefaultSelector()
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.free_slots = list(range(config["slots"]))[::-1]
+        self.sessions: dict[str, Child] = {}
+        self.lost_sessions: dict[str, str] = {}  # session id -> why its process ended between calls
+        self.deadlines: list = []  # heap of (deadline, call id, child)
+        self.worker_pidfd = os.pidfd_open(os.getpid())
+        self.oom_kills_seen = sandbox.oom_kills()
+        self.slot_plans: dict[int, CallSandbox] = {}
+        os.set_blocking(channel, False)
+        self.selector.register(channel, selectors.EVENT_READ, self._on_channel)
+
+    # ----------------------------------------------------------------------------------------- main loop
+    def serve(self) -> None:
+        mechanisms = self.sandbox.mechanisms.as_dict()
+        self._send({"op": "ready", "pid": os.getpid(), "tier": self.tier, "mechanisms": mechanisms})
+        while True:
+            timeout = max(0.0, self.deadlines[0][0] - time.monotonic()) if self.deadlines else None
+            for key, mask in self.selector.select(timeout):
+                key.data(key.fileobj, mask)
+            self._expire_deadlines()
+
+    def _send(self, message: dict) -> None:
+        self.outbox += encode_frame(message)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        try:
+            while self.outbox:
+                del self.outbox[: os.write(self.channel, self.outbox)]
+        except BlockingIOError:
+            pass
+        except OSError:  # the front end is gone; children die with us (parent-death signal)
+            os._exit(0)
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbox else 0)
+        self.selector.modify(self.channel, events, self._on_channel)
+
+    def _on_channel(self, channel: int, mask) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush_outbox()
+        if not mask & selectors.EVENT_READ:
+            return
+        try:
+            data = os.read(channel, 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(0)
+        self.inbox += data
+        for message in split_frames(self.inbox):
+            op = message["op"]
+            if op == "run":
+                self._start_call(message)
+            elif op == "session_run":
+                self._start_session_call(message)
+            elif op == "session_close":
+                self.lost_sessions.pop(message["session"], None)
+                child = self.sessions.pop(message["session"], None)  # a new session may reuse the id at once
+                if child is not None:
+                    self._kill(child, "closed")
+            else:
+                raise ValueError(f"unknown op {op!r}")
+
+    # ------------------------------------------------------------------------------------------ forking
+    def _make_workdir(self, uid: int | None) -> str | None:
+        """A host directory for the call when there is no private tmpfs (degraded mode)."""
+        if self.sandbox.calls_dir is None:
+            return None
+        import tempfile  # degraded mode only: warm workers keep their imports (and forks) lean
+
+        workdir = tempfile.mkdtemp(dir=self.sandbox.calls_dir)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        return workdir
+
+    def _plan(self, *, uid, netns_fd, fresh_netns, workdir, memory_mb) -> CallSandbox:
+        return CallSandbox.plan(
+            self.sandbox,
+            self.config,
+            uid=uid,
+            netns_fd=netns_fd,
+            fresh_netns=fresh_netns,
+            workdir=workdir,
+            memory_mb=memory_mb,
+        )
+
+    def _slot_plan(self, slot: int, workdir: str | None) -> CallSandbox:
+        """The isolation plan of a one-shot call in ``slot`` (prepared once per slot unless degraded)."""
+        if workdir is None and slot in self.slot_plans:
+            return self.slot_plans[slot]
+        uid = None if self.sandbox.uid_base is None else self.sandbox.uid_base + slot
+        netns = self.sandbox.slot_netns_fds[slot] if self.sandbox.slot_netns_fds else None
+        plan = self._plan(
+            uid=uid, netns_fd=netns, fresh_netns=False, workdir=workdir, memory_mb=self.config["memory_mb"]
+        )
+        if workdir is None:
+            self.slot_plans[slot] = plan
+        return plan
+
+    def _spawn(self, plan: CallSandbox, entry, cpu_seconds: int, control_r: int | None = None) -> Child:
+        """Fork an isolated child that runs ``entry()``; returns its bookkeeping (pipes registered)."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        rec_r, rec_w = os.pipe()
+        targets = {1: out_w, 2: err_w, runner.RECORD_FD: rec_w, WORKER_PIDFD: self.worker_pidfd}
+        if control_r is not None:
+            targets[runner.CONTROL_FD] = control_r
+        try:
+            pid = self.sandbox.fork_call()
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w, rec_r, rec_w):
+                os.close(fd)
+            raise
+        if pid == 0:
+            _child_main(plan, targets, entry, cpu_seconds)
+        for fd in (out_w, err_w, rec_w):
+            os.close(fd)
+        child = Child(
+            pid=pid,
+            pidfd=os.pidfd_open(pid),
+            fds={out_r: "stdout", err_r: "stderr", rec_r: "record"},
+            uid=plan.uid,
+        )
+        on_output = functools.partial(self._on_output, child)
+        for fd in child.fds:
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, on_output)
+        self.selector.register(child.pidfd, selectors.EVENT_READ, functools.partial(self._on_exit, child))
+        return child
+
+    def _start_call(self, message: dict) -> None:
+        call = self._new_call(message)
+        slot = self.free_slots.pop()
+        workdir = self._make_workdir(None if self.sandbox.uid_base is None else self.sandbox.uid_base + slot)
+        plan = self._slot_plan(slot, workdir)
+        code, stdin = message["code"], message["stdin"]
+        call.fork_start = time.monotonic()
+        try:
+            child = self._spawn(plan, lambda: runner.run_once(code, stdin), math.ceil(call.timeout) + 1)
+        except OSError as error:  # e.g. EAGAIN: the host is out of processes
+            self.free_slots.append(slot)
+            _remove_workdir(workdir)
+            self._send_result(call, "internal", stderr=f"sandbox: could not start the call: {error}\n")
+            return
+        call.fork_end = time.monotonic()
+        child.slot, child.workdir = slot, workdir
+        self._attach(child, call)
+
+    def _start_session_call(self, message: dict) -> None:
+        call = self._new_call(message)
+        sid = message["session"]
+        child = self.sessions.get(sid)
+        call.fork_start = time.monotonic()
+        if message["create"] and child is not None:  # the front end forgot it; start over
+            self._kill(self.sessions.pop(sid), "closed")
+            child = None
+        if child is None and not message["create"]:
+            # The session process died between calls (e.g. its CPU budget ran out in a background thread).
+            reason = self.lost_sessions.pop(sid, "ended")
+            note = f"sandbox: session {sid!r} was terminated ({reason}); its state is lost\n"
+            self._send_result(call, "killed", stderr=note, error_type="SessionLost", session_ended=reason)
+            return
+        self.lost_sessions.pop(sid, None)
+        if child is None:
+            child = self._start_session(sid, message["uid"])
+            if child is None:
+                self._send_result(call, "internal", stderr="sandbox: could not start the session process\n")
+                return
+        call.fork_end = time.monotonic()
+        self._attach(child, call)
+        request = runner.encode_control_message(
+            {"id": call.id, "code": message["code"], "stdin": message["stdin"]}
+        )
+        try:
+            _write_all(child.control_fd, request)
+        except OSError:
+            self._kill(child, "closed")  # the session process is gone; its exit event reports the call
+
+    def _start_session(self, session: str, uid: int | None) -> Child | None:
+        uid = uid if self.sandbox.uid_base is not None else None
+        workdir = self._make_workdir(uid)
+        plan = self._plan(
+            uid=uid,
+            netns_fd=None,
+            fresh_netns="network_namespace" in self.sandbox.mechanisms,
+            workdir=workdir,
+            memory_mb=self.config["session_memory_mb"],
+        )
+        control_r, control_w = os.pipe()
+        try:
+            child = self._spawn(
+                plan, runner.serve_session, self.config["session_cpu_seconds"], control_r=control_r
+            )
+        except OSError:
+            os.close(control_w)
+            _remove_workdir(workdir)
+            return None
+        finally:
+            os.close(control_r)
+        child.session, child.control_fd, child.workdir = session, control_w, workdir
+        self.sessions[session] = child
+        return child
+
+    def _new_call(self, message: dict) -> Call:
+        keep = self.config["max_output_bytes"]
+        return Call(
+            id=message["id"],
+            timeout=message["timeout"],
+            stdout=StreamCapture(keep),
+            stderr=StreamCapture(keep),
+            received=time.monotonic(),
+        )
+
+    def _attach(self, child: Child, call: Call) -> None:
+        child.call = call
+        call.deadline = time.monotonic() + call.timeout
+        heapq.heappush(self.deadlines, (call.deadline, call.id, child))
+
+    # ------------------------------------------------------------------------------------------- events
+    def _on_output(self, child: Child, fd: int, mask) -> None:
+        if fd not in child.fds:  # closed by an earlier event of the same select() batch
+            return
+        self._read_fd(child, fd)
+        if child.session is not None and child.call is not None and not child.exited:
+            record = _take_record(child.record_buffer, child.call.id)
+            if record is not None:
+                self._drain(child)  # output written before the record is already in the pipes
+                call, child.call = child.call, None
+                self._finish(call, child, record=record, exit_status=None, session_ended=None)
+
+    def _read_fd(self, child: Child, fd: int) -> int:
+        """Read what is available on one of ``child``'s pipes: bytes read, 0 if none, -1 at end of stream."""
+        try:
+            data = os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            return 0
+        if not data:
+            self.selector.unregister(fd)
+            os.close(fd)
+            del child.fds[fd]
+            return -1
+        kind = child.fds[fd]
+        call = child.call
+        if kind == "record":
+            if len(child.record_buffer) < MAX_RECORD_BYTES:
+                child.record_buffer += data
+        elif call is not None:  # a session's background output between calls is dropped
+            (call.stdout if kind == "stdout" else call.stderr).feed(data)
+            if call.stdout.total + call.stderr.total > self.config["output_limit_bytes"]:
+                self._kill(child, "output_limit")
+        return len(data)
+
+    def _drain(self, child: Child) -> None:
+        """Read what is already in the child's pipes, without blocking (bounded, for a live writer)."""
+        reads = self.config["output_limit_bytes"] // READ_CHUNK + 2
+        for fd in list(child.fds):
+            for _ in range(reads):
+                if fd not in child.fds or self._read_fd(child, fd) <= 0:
+                    break
+
+    def _on_exit(self, child: Child, pidfd: int, mask) -> None:
+        self.selector.unregister(pidfd)
+        _, status, usage = os.wait4(child.pid, 0)
+        os.close(pidfd)
+        child.exited = True
+        self.sandbox.kill_leftovers(child.pid, child.uid)
+        self._drain(child)
+        for fd in child.fds:
+            self.selector.unregister(fd)
+            os.close(fd)
+        child.fds.clear()
+        if child.control_fd is not None:
+            os.close(child.control_fd)
+        if child.session is not None and self.sessions.get(child.session) is child:
+            del self.sessions[child.session]
+            if child.call is None:  # died while idle: tell the next call to this session
+                self.lost_sessions[child.session] = _describe_exit(status)
+        if child.slot is not None:
+            self.free_slots.append(child.slot)
+        _remove_workdir(child.workdir)
+        call, child.call = child.call, None
+        if call is None:
+            return
+        record = _take_record(child.record_buffer, call.id if child.session is not None else None)
+        ended = None
+        if child.session is not None and record is None:
+            ended = call.kill_reason or _describe_exit(status)
+        call.cpu_seconds = usage.ru_utime + usage.ru_stime  # the call's process tree, reaped ones included
+        call.page_faults = usage.ru_minflt  # mostly copy-on-write copies of the warm parent's pages
+        self._finish(call, child, record=record, exit_status=status, session_ended=ended)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, call_id, child = heapq.heappop(self.deadlines)
+            if child.call is not None and child.call.id == call_id and not child.exited:
+                self._kill(child, "timeout")
+
+    def _kill(self, child: Child, reason: str) -> None:
+        if child.call is not None and child.call.kill_reason is None:
+            child.call.kill_reason = reason
+        if child.exited:
+            return
+        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+        if self.sandbox.own_pidns_fd is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------------------------------ results
+    def _finish(
+        self,
+        call: Call,
+        child: Child,
+        *,
+        record: dict | None,
+        exit_status: int | None,
+        session_ended: str | None,
+    ) -> None:
+        exit_code = record["exit_code"] if record is not None else None
+        if exit_status is not None:
+            exit_code = os.waitstatus_to_exitcode(exit_status)
+        stderr = call.stderr.text()
+        error_type = None
+        if call.kill_reason is not None:
+            status = call.kill_reason if call.kill_reason in ("timeout", "output_limit") else "killed"
+            error_type = {"timeout": "Timeout", "output_limit": "OutputLimit"}.get(
+                call.kill_reason, "SessionClosed"
+            )
+        elif record is not None:
+            status, error_type = record["status"], record["error_type"]
+        elif exit_code is not None and exit_code < 0:
+            status, error_type = self._classify_signal(-exit_code)
+        elif exit_code == SETUP_FAILED_EXIT and stderr.startswith(SETUP_FAILED_MESSAGE):
+            status, error_type = "internal", "SandboxSetupFailed"
+        else:
+            status = "ok" if exit_code == 0 else "error"
+        if call.kill_reason == "timeout":
+            stderr += f"sandbox: killed after the {call.timeout:g} s timeout\n"
+        elif call.kill_reason == "output_limit":
+            stderr += f"sandbox: killed after more than {self.config['output_limit_bytes']} bytes of output\n"
+        elif status == "timeout":
+            stderr += "sandbox: killed at the CPU-time limit\n"
+        elif status == "memory_limit" and record is None:
+            stderr += "sandbox: killed by the out-of-memory killer (memory cgroup limit)\n"
+        if session_ended is not None:
+            stderr += (
+                f"sandbox: session {child.session!r} was terminated ({session_ended}); its state is lost and "
+                "the next call with this id starts a fresh session\n"
+            )
+        exit_seen = time.monotonic()
+        timings = {
+            "received": call.received,
+            "fork_start": call.fork_start,
+            "fork_end": call.fork_end,
+            "exit_seen": exit_seen,
+        }
+        if record is not None:
+            timings.update(exec_start=record["exec_start"], exec_end=record["exec_end"])
+        if call.cpu_seconds is not None:
+            timings.update(cpu_seconds=call.cpu_seconds, page_faults=call.page_faults)
+        self._send_result(
+            call,
+            status,
+            stdout=call.stdout.text(),
+            stderr=stderr,
+            exit_code=exit_code,
+            error_type=error_type,
+            duration=exit_seen - call.fork_start,
+            timings=timings,
+            session_ended=session_ended,
+        )
+
+    def _classify_signal(self, signum: int) -> tuple[str, str]:
+        name = _signal_name(signum)
+        if signum == signal.SIGXCPU:
+            return "timeout", name
+        if signum == signal.SIGKILL:
+            oom_kills = self.sandbox.oom_kills()
+            if oom_kills > self.oom_kills_seen:
+                self.oom_kills_seen = oom_kills
+                return "memory_limit", "OutOfMemory"
+        return "killed", name
+
+    def _send_result(
+        self,
+        call: Call,
+        status: str,
+        *,
+        stdout="",
+        stderr="",
+        exit_code=None,
+        error_type=None,
+        duration=0.0,
+        timings=None,
+        session_ended=None,
+    ) -> None:
+        self._send(
+            {
+                "op": "result",
+                "id": call.id,
+                "status": status,
+                "stdout": stdout,
+                "stderr": stderr,
+                "exit_code": exit_code,
+                "error_type": error_type,
+                "duration": duration,
+                "timings": timings or {},
+                "session_ended": session_ended,
+            }
+        )
+
+
+def _child_main(plan: CallSandbox, targets: dict, entry, cpu_seconds: int) -> None:
+    """In the forked child: isolate, keep only the call's own descriptors, drop privileges, run ``entry``."""
+    try:
+        plan.enter_namespaces()
+        # Lift every source above the target numbers first, so no dup2 can clobber a source still needed.
+        lifted = {
+            target: fcntl.fcntl(source, fcntl.F_DUPFD, CHILD_FD_END) for target, source in targets.items()
+        }
+        for target, source in lifted.items():
+            os.dup2(source, target)
+        for fd in range(3, CHILD_FD_END):
+            if fd not in targets:
+                _close_quietly(fd)
+        os.closerange(CHILD_FD_END, 2**31 - 1)  # everything else the worker had open, its socket included
+        plan.drop_privileges(WORKER_PIDFD, cpu_seconds)
+    except BaseException as error:
+        try:
+            os.write(2, f"{SETUP_FAILED_MESSAGE} {type(error).__name__}: {error}\n".encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    entry()
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _remove_workdir(workdir: str | None) -> None:
+    if workdir is not None:
+        import shutil  # degraded mode only
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIG{signum}"
+
+
+def _describe_exit(status: int) -> str:
+    code = os.waitstatus_to_exitcode(status)
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+
+
+def _take_record(buffer: bytearray, session_call_id: int | None) -> dict | None:
+    """Consume the complete lines of ``buffer``; return the last valid outcome record among them.
+
+    For a session only a record carrying the current call's id counts. A record is one JSON line
+    written by the runner; anything else the code wrote to that descriptor is ignored.
+    """
+    *lines, rest = bytes(buffer).split(b"\n")
+    buffer[:] = rest
+    found = None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if _valid_record(record) and (session_call_id is None or record.get("id") == session_call_id):
+            found = record
+    return found
+
+
+def _valid_record(record) -> bool:
+    return (
+        isinstance(record, dict)
+        and record.get("status") in ("ok", "error", "memory_limit")
+        and (record.get("error_type") is None or isinstance(record.get("error_type"), str))
+        and isinstance(record.get("exit_code"), int)
+        and all(isinstance(record.get(k), (int, float)) for k in ("exec_start", "exec_end"))
+    )
+
+
+def main(argv=None) -> None:
+    """Entry point; the single argument is a JSON spec written by the front end (``pool.WorkerProcess``):
+    channel fd, tier, name, parent pid, temporary root, first uid, memory cgroup and the worker config.
+    """
+    spec = json.loads((argv or sys.argv[1:])[0])
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != spec["parent_pid"]:
+        sys.exit("sandbox worker: front end already gone")
+    for module in TIER_PRELOAD[spec["tier"]]:
+        importlib.import_module(module)
+    exec(compile(TIER_WARMUP[spec["tier"]], "<warm-up>", "exec"), {})
+    config = spec["config"]
+    sandbox = WorkerSandbox.prepare(
+        name=spec["name"],
+        temp_root=spec["temp_root"],
+        slots=config["slots"],
+        uid_base=spec["uid_base"],
+        cgroup_dir=spec["cgroup"],
+    )
+    gc.collect()
+    gc.freeze()  # keep the collector from touching (and copying) the parent's objects in every child
+    Worker(spec["channel"], sandbox, config, spec["tier"]).serve()
+
+
+if __name__ == "__main__":
+    main()

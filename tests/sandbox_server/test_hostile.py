@@ -1,0 +1,316 @@
+"""Hostile programs: each must be contained with the right status, and leave nothing behind.
+
+After every program a benign call must succeed, no process may remain under a per-call uid or as a
+worker's child, no file may remain in the sandbox's temporary space, and the host must be unchanged
+where the program tried to reach it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import textwrap
+import urllib.parse
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from tests.sandbox_server.conftest import assert_clean, get, run_code
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROBE = f"sbx_probe_{uuid.uuid4().hex}"
+SHORT = 2.0  # timeout for programs that never end by themselves
+
+
+@dataclasses.dataclass
+class Hostile:
+    code: str
+    status: str
+    timeout: float = 5.0
+    stdin: str = ""
+    error_type: str | None = None
+    check: Callable[[dict], bool] | None = None  # an extra condition on the result
+
+
+def _py(source: str) -> str:
+    return textwrap.dedent(source).strip()
+
+
+def _stdout_has(text: str):
+    return lambda result: text in result["stdout"]
+
+
+def _host_path_absent(path: str):
+    return lambda result: not os.path.exists(path)
+
+
+def _head_and_tail_kept(result) -> bool:
+    stdout = result["stdout"]
+    return (
+        "bytes of output omitted" in stdout
+        and len(stdout) < 2 * 65536 + 200
+        and stdout.startswith("x" * 1000)
+        and stdout.rstrip().endswith("x" * 1000)
+    )
+
+
+FORGED_RECORD = '{"status": "ok", "error_type": null, "exit_code": 0, "exec_start": 0, "exec_end": 0}'
+
+HOSTILE = {
+    "infinite_loop": Hostile("while True:\n    pass", "timeout", SHORT, error_type="Timeout"),
+    "long_numpy": Hostile(
+        _py("""
+            import numpy as np
+            while True:
+                np.linalg.svd(np.random.rand(300, 300))
+        """),
+        "timeout",
+        SHORT,
+    ),
+    "sleep_forever": Hostile("import time\ntime.sleep(10**6)", "timeout", SHORT),
+    "memory_bomb": Hostile("x = bytearray(8 * 1024**3)", "memory_limit", error_type="MemoryError"),
+    "numpy_memory_bomb": Hostile("import numpy as np\nnp.ones((10**5, 10**5))", "memory_limit"),
+    "raise_rlimit_then_allocate": Hostile(
+        _py("""
+            import resource
+            try:
+                resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except (ValueError, OSError) as e:
+                print("raise refused", type(e).__name__)
+            x = bytearray(3 * 1024**3)
+        """),
+        "memory_limit",
+        check=_stdout_has("raise refused"),
+    ),
+    "fork_bomb": Hostile(
+        _py("""
+            import os
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    pass
+        """),
+        "timeout",
+        SHORT,
+    ),
+    "detached_grandchild": Hostile(
+        _py("""
+            import os, time
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    time.sleep(10**6)
+                os._exit(0)
+            print("parent done")
+        """),
+        "ok",
+        check=_stdout_has("parent done"),
+    ),
+    # Holding the output pipe open must not keep the call alive: the call ends when its main process does.
+    "grandchild_holding_stdout": Hostile(
+        _py("""
+            import os, time
+            if os.fork() == 0:
+                os.setsid()
+                time.sleep(10**6)
+            print("main exits")
+        """),
+        "ok",
+        10.0,
+        check=_stdout_has("main exits"),
+    ),
+    "ignore_signals": Hostile(
+        _py("""
+            import signal, time
+            for s in (signal.SIGTERM, signal.SIGALRM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(s, signal.SIG_IGN)
+            signal.alarm(1)
+            while True:
+                time.sleep(0.1)
+        """),
+        "timeout",
+        SHORT,
+    ),
+    "kill_parent": Hostile(
+        _py("""
+            import os, signal
+            for pid in (os.getppid(), 1, -1):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError as e:
+                    print(type(e).__name__)
+            print("still here")
+        """),
+        "ok",
+        check=_stdout_has("still here"),
+    ),
+    "signal_every_pid": Hostile(
+        _py("""
+            import os, signal
+            hits = 0
+            for pid in range(2, 70000):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                    hits += 1
+                except OSError:
+                    pass
+            print("signalled", hits)
+        """),
+        "ok",
+        check=_stdout_has("signalled 0"),
+    ),
+    "output_flood_100mb": Hostile(
+        _py("""
+            import sys
+            chunk = "x" * 65535 + "\\n"
+            for _ in range(1600):
+                sys.stdout.write(chunk)
+        """),
+        "output_limit",
+        error_type="OutputLimit",
+        check=_head_and_tail_kept,
+    ),
+    "non_utf8_output": Hostile(
+        _py("""
+            import sys
+            sys.stdout.buffer.write(b"ok \\xff\\xfe\\xc3(\\n")
+            sys.stderr.buffer.write(b"\\x80err\\n")
+        """),
+        "ok",
+        check=lambda r: "\ufffd" in r["stdout"] and "\ufffd" in r["stderr"],
+    ),
+    "write_host_tmp": Hostile(
+        f"open('/tmp/{PROBE}', 'w').write('x')\nprint('wrote private tmp')",
+        "ok",
+        check=_host_path_absent(f"/tmp/{PROBE}"),
+    ),
+    "write_working_tree": Hostile(
+        f"open({os.path.join(REPO_ROOT, PROBE)!r}, 'w').write('x')",
+        "error",
+        check=_host_path_absent(os.path.join(REPO_ROOT, PROBE)),
+    ),
+    "read_working_tree": Hostile(f"print(open({os.path.join(REPO_ROOT, 'setup.py')!r}).read())", "error"),
+    "read_etc_shadow": Hostile(
+        "print(open('/etc/shadow').read())", "error", check=lambda r: "root:" not in r["stdout"]
+    ),
+    "user_namespace_escape": Hostile(
+        _py("""
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            for flags in (0x10000000, 0x40000000, 0x00020000):
+                if libc.unshare(flags) == 0:
+                    raise SystemExit(f"unshare({flags:#x}) succeeded")
+            print("blocked")
+        """),
+        "ok",
+        check=_stdout_has("blocked"),
+    ),
+    "setuid_root": Hostile("import os\nos.setuid(0)", "error", error_type="PermissionError"),
+    "deep_recursion": Hostile("def f(n):\n    return f(n + 1)\nf(0)", "error", error_type="RecursionError"),
+    "segfault_ctypes": Hostile("import ctypes\nctypes.string_at(0)", "killed", error_type="SIGSEGV"),
+    "abort": Hostile("import os\nos.abort()", "killed"),
+    "thread_spam": Hostile(
+        _py("""
+            import threading, time
+            for _ in range(10000):
+                threading.Thread(target=time.sleep, args=(100,), daemon=True).start()
+        """),
+        "error",
+        error_type="RuntimeError",
+    ),
+    "huge_stdin": Hostile(
+        "import sys\nprint(len(sys.stdin.read()))", "ok", stdin="y" * 5_000_000, check=_stdout_has("5000000")
+    ),
+    "forged_result_markers": Hostile(
+        _py(f"""
+            import os
+            fake = {FORGED_RECORD!r}.encode() + b"\\n"
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, fake)
+                except OSError:
+                    pass
+            print(fake.decode())
+            raise ValueError("the real outcome")
+        """),
+        "error",
+        error_type="ValueError",
+    ),
+    "exit_code_300": Hostile(
+        "import sys\nsys.exit(300)", "error", error_type="SystemExit", check=lambda r: r["exit_code"] == 44
+    ),
+    "os_exit_7": Hostile("import os\nos._exit(7)", "error", check=lambda r: r["exit_code"] == 7),
+    "fd_exhaustion": Hostile(
+        "fs = [open('/dev/null') for _ in range(100000)]", "error", error_type="OSError"
+    ),
+    "file_size_limit": Hostile(
+        _py("""
+            with open("big", "wb") as f:
+                while True:
+                    f.write(b"x" * 2**20)
+        """),
+        "error",
+        error_type="OSError",
+    ),
+    "fill_tmpfs": Hostile(
+        "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (15 * 2**20))",
+        "error",
+        error_type="OSError",
+    ),
+    "scrubbed_environment": Hostile(
+        "import os\nprint(sorted(os.environ))", "ok", check=lambda r: "SANDBOX_TEST_SECRET" not in r["stdout"]
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def listener():
+    """A loopback TCP port on the host that no sandboxed call may reach."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
+def _assert_contained(server, result: dict, hostile: Hostile, workers_before: list) -> None:
+    assert result["status"] == hostile.status, result
+    if hostile.error_type is not None:
+        assert result["error_type"] == hostile.error_type, result
+    if hostile.check is not None:
+        assert hostile.check(result), result
+    benign = run_code(server.url, "print(6 * 7)")
+    assert benign["status"] == "ok" and benign["stdout"] == "42\n", benign
+    assert_clean(server.url)
+    health = get(server.url, "/health")
+    assert [w["pid"] for w in health["workers"]] == workers_before, "a worker died"
+    assert server.process.poll() is None
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_program_is_contained(server, name):
+    hostile = HOSTILE[name]
+    workers_before = [w["pid"] for w in get(server.url, "/health")["workers"]]
+    result = run_code(server.url, hostile.code, stdin=hostile.stdin, timeout=hostile.timeout)
+    _assert_contained(server, result, hostile, workers_before)
+
+
+@pytest.mark.parametrize("target", ["server_port", "host_listener", "udp"])
+def test_no_network(server, listener, target):
+    port = {"server_port": urllib.parse.urlsplit(server.url).port, "host_listener": listener.getsockname()[1]}
+    if target == "udp":
+        code = (
+            "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 53))"
+        )
+    else:
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port[target]}), timeout=2)"
+    workers_before = [w["pid"] for w in get(server.url, "/health")["workers"]]
+    result = run_code(server.url, code)
+    _assert_contained(server, result, Hostile(code, "error", error_type="OSError"), workers_before)
+    assert "unreachable" in result["stderr"], result["stderr"]
+    with pytest.raises(BlockingIOError):
+        listener.accept()

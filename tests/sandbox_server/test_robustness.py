@@ -1,0 +1,144 @@
+"""Overload, dead workers, the memory cgroup, authentication and session limits, on a small server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from sandbox_server import start_local
+from tests.sandbox_server.conftest import assert_clean, get, post
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    options = dict(
+        workers=1, slots=2, max_queue=4, token=TOKEN, total_memory_mb=640, max_sessions=2, session_ttl=1.0
+    )
+    with start_local(**options) as running:
+        yield running
+
+
+def _run(server, code: str, **fields) -> tuple[int, dict, dict]:
+    return post(server.url, {"code": code, **fields}, headers=AUTH)
+
+
+def _metrics(server) -> dict:
+    request = urllib.request.Request(server.url + "/metrics", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def _wait_until(condition, what: str, limit_s: float = 60.0) -> None:
+    """Poll ``condition``; fail (instead of hanging) if it is still false after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting until {what}"
+        time.sleep(0.05)
+
+
+def test_token_required_except_health(small_server):
+    status, body, _ = post(small_server.url, {"code": "print(1)"})
+    assert status == 401 and "bearer token" in body["error"]
+    status, body, _ = post(small_server.url, {"code": "print(1)"}, headers={"Authorization": "Bearer wrong"})
+    assert status == 401
+    assert get(small_server.url, "/health")["status"] == "ok"
+    status, body, _ = _run(small_server, "print(1)")
+    assert status == 200 and body["stdout"] == "1\n"
+
+
+def test_full_queue_answers_503_with_retry_after(small_server):
+    # 2 slots + 4 queue places: of 12 simultaneous one-second calls, some must be turned away.
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        answers = list(
+            pool.map(lambda _: _run(small_server, "import time\ntime.sleep(1)\nprint('done')"), range(12))
+        )
+    statuses = [status for status, _, _ in answers]
+    assert statuses.count(503) >= 1 and statuses.count(200) >= 6, statuses
+    for status, body, headers in answers:
+        if status == 503:
+            assert int(headers["Retry-After"]) >= 1 and "busy" in body["error"]
+        else:
+            assert status == 200 and body["status"] == "ok" and body["stdout"] == "done\n"
+    assert _metrics(small_server)["http_rejected"]["503"] >= 1
+
+
+def test_dead_worker_is_replaced_and_its_call_killed(small_server):
+    health = get(small_server.url, "/health")
+    base = next(w for w in health["workers"] if w["tier"] == "base")
+    restarts = _metrics(small_server)["worker_restarts"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_run, small_server, "import time\ntime.sleep(30)")
+        _wait_until(lambda: _metrics(small_server)["inflight"] > 0, "the call runs")
+        os.kill(base["pid"], signal.SIGKILL)
+        status, result, _ = pending.result(timeout=60)
+    assert status == 200
+    assert result["status"] == "killed" and result["error_type"] == "WorkerDied"
+
+    def replaced():
+        replacement = next(w for w in get(small_server.url, "/health")["workers"] if w["tier"] == "base")
+        return replacement["ready"] and replacement["pid"] != base["pid"]
+
+    _wait_until(replaced, "the worker is replaced", 120)
+    assert _metrics(small_server)["worker_restarts"] == restarts + 1
+    status, result, _ = _run(small_server, "print('after restart')")
+    assert result["stdout"] == "after restart\n"
+    assert_clean(small_server.url)
+
+
+def test_call_needing_a_restarting_tier_waits_for_it(small_server):
+    full = next(w for w in get(small_server.url, "/health")["workers"] if w["tier"] == "full")
+    restarts = _metrics(small_server)["worker_restarts"]
+    os.kill(full["pid"], signal.SIGKILL)
+    _wait_until(lambda: _metrics(small_server)["worker_restarts"] > restarts, "the front end sees the death")
+    status, result, _ = _run(small_server, "import sympy\nprint(sympy.Integer(2) ** 10)")
+    assert status == 200 and result["status"] == "ok" and result["stdout"] == "1024\n", result
+    assert _run(small_server, "print('base tier unaffected')")[1]["status"] == "ok"
+
+
+def test_memory_cgroup_stops_what_rlimits_allow(small_server):
+    health = get(small_server.url, "/health")
+    if "memory_cgroup" not in health["mechanisms"]["active"]:
+        pytest.skip(f"memory cgroup inactive: {health['mechanisms']['inactive'].get('memory_cgroup')}")
+    # 700 MiB of touched memory fits the 1 GiB address-space limit but not the 640 MiB cgroup.
+    status, result, _ = _run(small_server, "b = b'x' * (700 * 2**20)\nprint('allocated')")
+    assert result["status"] == "memory_limit", result
+    assert result["error_type"] == "OutOfMemory" and "out-of-memory" in result["stderr"]
+    assert _run(small_server, "print('fine')")[1]["stdout"] == "fine\n"
+    assert_clean(small_server.url)
+
+
+def test_session_ttl_and_eviction(small_server):
+    assert _run(small_server, "a = 1", session="s1")[1]["status"] == "ok"
+    assert _run(small_server, "b = 2", session="s2")[1]["status"] == "ok"
+    # A third session evicts the least recently used one (s1) because max_sessions is 2.
+    assert _run(small_server, "c = 3", session="s3")[1]["status"] == "ok"
+    result = _run(small_server, "print('a' in globals())", session="s1")[1]
+    assert result["stdout"] == "False\n" and "evicted (too many sessions)" in result["stderr"]
+    time.sleep(1.6)  # > session_ttl plus one expiry sweep (every ttl / 4)
+    result = _run(small_server, "print('c' in globals())", session="s3")[1]
+    assert result["stdout"] == "False\n" and "idle" in result["stderr"]
+    assert _metrics(small_server)["sessions"] == 1
+
+
+def test_shutdown_answers_open_calls_and_cleans_up():
+    with start_local(workers=1, tiers="full", token=TOKEN) as server:
+        health = get(server.url, "/health")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_run, server, "import time\ntime.sleep(60)")
+            _wait_until(lambda: _metrics(server)["inflight"] > 0, "the call runs")
+            server.process.terminate()
+            status, result, _ = pending.result(timeout=60)
+        assert server.process.wait(timeout=60) == 0
+    assert status == 200 and result["status"] == "killed", result
+    assert not os.path.exists(health["temp_root"])
+    assert health["cgroup"] is None or not os.path.exists(health["cgroup"])
+    assert not any(os.path.exists(f"/proc/{w['pid']}") for w in health["workers"])

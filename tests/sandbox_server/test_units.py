@@ -1,0 +1,185 @@
+"""In-process unit tests: output capture, the wire schema, tier choice, config, framing, record parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sandbox_server import schema
+from sandbox_server.config import ServerConfig, build_arg_parser, choose_tier
+from sandbox_server.framing import encode_frame, split_frames
+from sandbox_server.output import StreamCapture
+from sandbox_server.worker import _take_record
+
+LIMITS = dict(default_timeout=10.0, max_timeout=60.0, max_code_chars=100, max_stdin_chars=10)
+
+
+def test_capture_keeps_everything_under_the_limit():
+    capture = StreamCapture(10)
+    for chunk in (b"abc", b"de", b"fgh"):
+        capture.feed(chunk)
+    assert capture.text() == "abcdefgh" and capture.total == 8
+
+
+def test_capture_keeps_head_and_tail_with_marker():
+    capture = StreamCapture(8)
+    for i in range(1000):
+        capture.feed(bytes([65 + i % 26]))
+    text = capture.text()
+    assert text.startswith("ABCD") and text.endswith("IJKL")  # bytes 996..999 are I, J, K, L
+    assert "992 bytes of output omitted" in text
+    assert len(capture.head) + len(capture.tail) <= 4 + 8  # bounded however much is fed
+
+
+def test_capture_replaces_undecodable_bytes():
+    capture = StreamCapture(100)
+    capture.feed(b"ok \xff\xfe \xe2\x82")
+    assert capture.text() == "ok \ufffd\ufffd \ufffd"
+
+
+def test_capture_rejects_tiny_limit():
+    with pytest.raises(ValueError, match="keep_bytes"):
+        StreamCapture(1)
+
+
+def test_validate_request_normalises():
+    request = schema.validate_run_request({"code": "print(1)"}, **LIMITS)
+    assert request == {"code": "print(1)", "stdin": "", "timeout": 10.0, "session": None}
+    request = schema.validate_run_request(
+        {"code": "x", "stdin": None, "timeout": 3, "session": "s"}, **LIMITS
+    )
+    assert request["timeout"] == 3.0 and isinstance(request["timeout"], float) and request["stdin"] == ""
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ([], "must be an object"),
+        ({}, "'code' must be a string"),
+        ({"code": "x" * 101}, "limit is 100"),
+        ({"code": "x", "stdin": 3}, "'stdin' must be a string"),
+        ({"code": "x", "stdin": "y" * 11}, "'stdin' has 11"),
+        ({"code": "x", "timeout": True}, "'timeout' must be a number"),
+        ({"code": "x", "timeout": 0}, "must be in (0, 60.0]"),
+        ({"code": "x", "timeout": float("nan")}, "must be in"),
+        ({"code": "x", "timeout": 61}, "must be in"),
+        ({"code": "x", "session": ""}, "'session' must be a non-empty string"),
+        ({"code": "x", "session": "s" * 200}, "longer than"),
+        ({"code": "x", "extra": 1}, "unknown request field"),
+    ],
+)
+def test_validate_request_errors(obj, message):
+    with pytest.raises(
+        schema.SchemaError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
+        schema.validate_run_request(obj, **LIMITS)
+
+
+def test_batch_envelope():
+    assert schema.validate_batch_request({"requests": [1, 2]}, max_batch=2) == [1, 2]
+    with pytest.raises(schema.SchemaError, match="limit is 2"):
+        schema.validate_batch_request({"requests": [1, 2, 3]}, max_batch=2)
+    with pytest.raises(schema.SchemaError, match="'requests' list"):
+        schema.validate_batch_request({"reqs": []}, max_batch=2)
+
+
+def test_result_round_trip_and_errors():
+    result = schema.make_result("ok", stdout="1\n", exit_code=0, duration=1)
+    assert schema.validate_run_result(dict(result, extra=1)) == result
+    with pytest.raises(schema.SchemaError, match="unknown status"):
+        schema.make_result("fine")
+    with pytest.raises(schema.SchemaError, match="lacks field"):
+        schema.validate_run_result({"status": "ok"})
+    with pytest.raises(schema.SchemaError, match="exit_code"):
+        schema.validate_run_result(dict(result, exit_code="0"))
+
+
+@pytest.mark.parametrize(
+    "code, tier",
+    [
+        ("print(1)", "base"),
+        ("import numpy as np", "numpy"),
+        ("from sympy import symbols", "full"),
+        ("import numpy, sympy", "full"),
+        ("import mpmath", "full"),
+        ("numpyish = 1", "base"),
+    ],
+)
+def test_choose_tier(code, tier):
+    assert choose_tier(code, ("base", "numpy", "full")) == tier
+    assert choose_tier(code, ("full",)) == "full"
+
+
+def test_choose_tier_falls_back_to_a_heavier_tier():
+    assert choose_tier("print(1)", ("numpy", "full")) == "numpy"
+    assert choose_tier("import numpy", ("base", "full")) == "full"
+    assert choose_tier("import sympy", ("base", "numpy")) is None  # the full tier is restarting
+    assert choose_tier("print(1)", ()) is None
+
+
+def test_config_validation():
+    assert ServerConfig(tiers="full,base").tier_list == ("base", "full")
+    with pytest.raises(ValueError, match="includes 'full'"):
+        ServerConfig(tiers="base")
+    with pytest.raises(ValueError, match="slots must be positive"):
+        ServerConfig(slots=0)
+    with pytest.raises(ValueError, match="default_timeout"):
+        ServerConfig(default_timeout=100, max_timeout=10)
+    assert "token" not in ServerConfig(token="secret").worker_payload()
+    with pytest.raises(ValueError, match="uid_base"):
+        ServerConfig(uid_base=2**31 - 10)
+
+
+def test_automatic_uid_blocks_do_not_overlap():
+    config = ServerConfig(workers=4, slots=100, max_sessions=500)  # 1700 uids -> blocks of 2000
+    assert config.uid_count == 4 * 3 * 100 + 500
+    first, second = config.first_uid(1234), config.first_uid(1235)
+    assert second - first == 2000 >= config.uid_count
+    assert ServerConfig(uid_base=5000).first_uid(1234) == 5000
+
+
+def test_every_limit_has_a_documented_flag():
+    help_text = build_arg_parser().format_help()
+    for flag in (
+        "--memory-mb",
+        "--nproc",
+        "--file-size-mb",
+        "--max-queue",
+        "--session-ttl",
+        "--output-limit-bytes",
+    ):
+        assert flag in help_text
+    args = build_arg_parser().parse_args(["--workers", "3", "--default-timeout", "2.5"])
+    assert args.workers == 3 and args.default_timeout == 2.5
+
+
+def test_frames_split_across_reads():
+    data = encode_frame({"op": "run", "id": 1}) + encode_frame({"op": "run", "id": 2, "code": "\udcff"})
+    buffer = bytearray()
+    messages = []
+    for i in range(0, len(data), 3):
+        buffer += data[i : i + 3]
+        messages += split_frames(buffer)
+    assert [m["id"] for m in messages] == [1, 2] and messages[1]["code"] == "\udcff" and not buffer
+
+
+def _record(**overrides):
+    record = {"status": "ok", "error_type": None, "exit_code": 0, "exec_start": 1.0, "exec_end": 2.0}
+    return json.dumps({**record, **overrides}).encode() + b"\n"
+
+
+def test_take_record_uses_the_last_valid_record():
+    forged = _record(status="ok")
+    garbage = b"not json\n" + json.dumps({"status": "pwned"}).encode() + b"\n"
+    buffer = bytearray(forged + garbage + _record(status="error", error_type="ValueError", exit_code=1))
+    assert _take_record(buffer, None)["error_type"] == "ValueError"
+    assert buffer == b""
+
+
+def test_take_record_for_a_session_needs_the_call_id_and_keeps_partial_lines():
+    buffer = bytearray(_record(id=1) + _record(id=2)[:10])
+    assert _take_record(buffer, 2) is None
+    assert buffer == _record(id=2)[:10]
+    buffer += _record(id=2)[10:]
+    assert _take_record(buffer, 2)["id"] == 2
