@@ -1,0 +1,461 @@
+"""Agentic rollouts: multi-turn reason → code → execute → reflect, token in / token out (paper §2.1, Fig. 3).
+
+Each problem's prompt is rendered once (:func:`~rstar2jax.agent.prompts.render_prompt_ids`) and opened as one
+engine group of ``samples_per_problem`` sessions (prefilled once, forked). Every session then runs its own
+coroutine, and all of them share one event loop, so decoding, sandbox calls and answer verification overlap:
+
+1. generate until ``</tool_call>``, the end of the assistant turn or the response budget;
+2. parse the call: a malformed one (bad JSON, unknown tool, bad arguments) becomes an error message that the
+   model sees (outcome ``"parse_error"``); a valid one goes to the sandbox at once (outcome: the sandbox
+   status, or ``"unreachable"`` when the service could not be reached);
+3. append the results as one ``<tool_response>`` user turn plus the next assistant opener (loss mask 0,
+   :func:`~rstar2jax.agent.prompts.tool_response_ids`) and go back to 1.
+
+The history is never re-tokenised: the response is exactly the sampled tokens and the appended ones, in order.
+A finished response is graded by the :class:`~rstar2jax.reward.AnswerVerifier` (off the event loop) on the
+text the model wrote, never on tool output; a truncated one scores 0 (paper §4.3.1).
+
+Limits (:class:`RolloutConfig`): a turn that calls a tool when ``max_turns`` assistant turns (the first
+included) have been used ends the rollout ``truncated`` without running the call; a turn's calls run once it
+holds ``max_tool_calls_per_turn`` of them or the turn ends; a tool response that does not fit in the rest of
+the response budget (tool tokens count against it) ends the rollout ``truncated``, as does a budget reached
+while sampling.
+
+Turn ends: the rollout passes the tokenizer's end-of-turn token (``<|im_end|>``) as a stop sequence. An engine
+that also counts it as EOS finishes the session there (the usual set-up, and the paper's protocol with one
+call per turn). With ``max_tool_calls_per_turn > 1`` a turn can close with calls still unanswered; to show the
+model their results, build the engine with ``eos_token_ids`` that leave out the end-of-turn token, so the
+session pauses there instead. Otherwise those calls still run and are recorded, and the rollout ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from rstar2jax.agent.prompts import (
+    PromptConfig,
+    _truncate_middle,
+    format_tool_result,
+    render_prompt_ids,
+    tool_response_ids,
+)
+from rstar2jax.agent.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
+from rstar2jax.agent.trajectory import Trajectory
+from rstar2jax.data.problems import Problem
+from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
+from rstar2jax.models import ModelConfig
+from rstar2jax.models.tokenizer import encode_text
+from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
+
+# ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
+_CLIENT_FAILURE_TYPES = frozenset({"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse"})
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How a rollout samples and where it stops. Defaults are the paper's RL stage 1 (§5.1).
+
+    Attributes:
+      max_response_length: response budget in tokens, sampled and inserted (tool) tokens together.
+      max_turns: assistant turns allowed, the first included (paper: 10, 15 in stage 3).
+      max_tool_calls_per_turn: a turn's calls run once it holds this many (or when the turn ends).
+      tool_timeout: seconds one sandbox call may run.
+      tool_output_chars: a tool response (sandbox output or parse error) keeps at most this many
+        characters, its head and tail.
+      sampling: temperature / top-p / top-k of the policy (paper: temperature 1.0).
+      prompt: system prompt, user prefix, assistant opener and tool schemas.
+      seed: makes every group's sampling reproducible (group ``i`` is seeded by ``(seed, i)``); None: the
+        engine derives seeds from its own seed and the opening order.
+    """
+
+    max_response_length: int = 8192
+    max_turns: int = 10
+    max_tool_calls_per_turn: int = 1
+    tool_timeout: float = 10.0
+    tool_output_chars: int = 2048
+    sampling: SamplingParams = SamplingParams()
+    prompt: PromptConfig = dataclasses.field(default_factory=PromptConfig)
+    seed: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_response_length", "max_turns", "max_tool_calls_per_turn", "tool_output_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {value!r}")
+        if not self.tool_timeout > 0:
+            raise ValueError(f"RolloutConfig.tool_timeout must be > 0 seconds, got {self.tool_timeout!r}")
+        for name, kind in (("sampling", SamplingParams), ("prompt", PromptConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"RolloutConfig.{name} must be a {kind.__name__}, "
+                                f"got {type(getattr(self, name)).__name__}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"RolloutConfig.seed must be an int or None, got {self.seed!r}")
+
+
+class RolloutSession(Protocol):
+    """What a rollout needs of one engine sequence (:class:`rstar2jax.engine.Session` has it)."""
+
+    done: bool
+    remaining: int
+
+    async def generate(self, *, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
+                       ) -> Segment: ...
+
+    def append(self, token_ids: Sequence[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RolloutEngine(Protocol):
+    """What a rollout needs of the engine (:class:`rstar2jax.engine.Engine` has it)."""
+
+    async def open(self, prompt_ids: Sequence[int], n: int = 1, *, sampling: SamplingParams,
+                   max_tokens: int, seed: int | None = None) -> list[RolloutSession]: ...
+
+
+class ToolSandbox(Protocol):
+    """What a rollout needs of the code sandbox (:class:`rstar2jax.agent.SandboxClient` has it): ``run``
+    returns a result with ``status``, ``stdout``, ``stderr`` and ``error_type`` and never raises for service
+    failures."""
+
+    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> Any: ...
+
+
+def tool_outcome(result: Any) -> str:
+    """The :data:`~rstar2jax.agent.trajectory.ToolOutcome` of a sandbox result: its status, or
+    ``"unreachable"`` for the ``internal`` results the client returns when no server answered."""
+    error_type = result.error_type or ""
+    if result.status == "internal" and (error_type in _CLIENT_FAILURE_TYPES or error_type.startswith("HTTP")):
+        return "unreachable"
+    return result.status
+
+
+class _Clock:
+    """Seconds spent per phase of one trajectory."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class _Conversation:
+    """The growing record of one session: token stream, the model's own text and per-call outcomes."""
+
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    model_text: list[str] = dataclasses.field(default_factory=list)
+    tool_outcomes: list[str] = dataclasses.field(default_factory=list)
+    num_turns: int = 1
+    truncated: bool = False
+    clock: _Clock = dataclasses.field(default_factory=_Clock)
+
+    def add_sampled(self, segment: Segment, text: str) -> None:
+        self.response_ids += segment.tokens
+        self.loss_mask += [1] * len(segment.tokens)
+        self.logprobs += segment.logprobs
+        self.model_text.append(text)
+
+    def add_inserted(self, token_ids: Sequence[int]) -> None:
+        self.response_ids += token_ids
+        self.loss_mask += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+
+
+async def _gather_or_cancel(awaitables: Iterable[Awaitable]) -> list:
+    """``asyncio.gather`` that cancels (and waits for) the others when one fails, so none is left running."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class _Rollout:
+    """One ``rollout_async`` call: the shared pieces and the per-group / per-session coroutines."""
+
+    def __init__(self, engine: RolloutEngine, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
+                 verifier: AnswerVerifier, config: RolloutConfig):
+        self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
+            engine, sandbox, tokenizer, verifier, config)
+        if not tokenizer.eos_token:
+            raise ValueError("the tokenizer has no eos_token: the rollout needs the end-of-turn token")
+        self.tool_call_end = encode_text(tokenizer, TOOL_CALL_CLOSE)
+        self.stops = [self.tool_call_end, encode_text(tokenizer, tokenizer.eos_token)]
+        self.tool_names = config.prompt.tool_names
+
+    def group_seed(self, index: int) -> int | None:
+        if self.config.seed is None:
+            return None
+        return int(np.random.SeedSequence([self.config.seed, index]).generate_state(1)[0])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    async def problem(self, index: int, problem: Problem, n: int) -> list[Trajectory]:
+        prompt_ids = render_prompt_ids(self.tokenizer, problem.problem, self.config.prompt)
+        start = time.perf_counter()
+        try:
+            sessions = await self.engine.open(prompt_ids, n, sampling=self.config.sampling,
+                                              max_tokens=self.config.max_response_length,
+                                              seed=self.group_seed(index))
+        except ValueError as error:
+            raise ValueError(f"problem {problem.id!r}: {error}") from error
+        queued = time.perf_counter() - start
+        return await _gather_or_cancel(self.session(s, problem, prompt_ids, queued) for s in sessions)
+
+    async def session(self, session: RolloutSession, problem: Problem, prompt_ids: list[int],
+                      queued: float) -> Trajectory:
+        conversation = _Conversation()
+        conversation.clock.seconds["queue"] = queued
+        try:
+            await self.converse(session, conversation)
+        finally:
+            session.close()
+        text = "".join(conversation.model_text)
+        if conversation.truncated:
+            answer, reward = extract_answer(text), 0.0
+        else:
+            with conversation.clock.phase("verify"):
+                grade = await self.verifier.grade(text, problem.answer)
+            answer, reward = grade.extracted_answer, float(grade.is_correct)
+        return Trajectory(
+            problem_id=problem.id,
+            prompt_ids=list(prompt_ids),
+            response_ids=conversation.response_ids,
+            loss_mask=conversation.loss_mask,
+            logprobs=conversation.logprobs,
+            tool_outcomes=conversation.tool_outcomes,
+            num_turns=conversation.num_turns,
+            num_answer_blocks=text.count("<answer>"),
+            truncated=conversation.truncated,
+            answer=answer,
+            reward=reward,
+            timings=dict(conversation.clock.seconds),
+        )
+
+    async def execute(self, call: ToolCall | ToolCallError) -> tuple[str, str]:
+        """(outcome, text the model sees) of one parsed call."""
+        limit = self.config.tool_output_chars
+        if isinstance(call, ToolCallError):
+            return "parse_error", _truncate_middle(call.message, limit)
+        result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout)
+        return tool_outcome(result), format_tool_result(result, limit)
+
+    async def collect(self, running: list[asyncio.Task], conversation: _Conversation) -> list[str]:
+        """Wait for a turn's dispatched calls, record their outcomes and return the texts the model sees."""
+        with conversation.clock.phase("tool"):
+            results = await asyncio.gather(*running)
+        conversation.tool_outcomes += [outcome for outcome, _ in results]
+        return [response for _, response in results]
+
+    async def converse(self, session: RolloutSession, conversation: _Conversation) -> None:
+        """Run the turns of one session until it finishes, is truncated or hits a limit."""
+        config = self.config
+        running: list[asyncio.Task] = []  # this turn's calls, dispatched as soon as they were written
+        unparsed = ""  # model text of this turn not yet searched for calls
+        try:
+            while True:
+                with conversation.clock.phase("generate"):
+                    segment = await session.generate(stop=self.stops)
+                text = self.decode(segment.tokens)
+                conversation.add_sampled(segment, text)
+                unparsed += text
+                if segment.finish_reason == "budget":
+                    conversation.truncated = True
+                    await self.collect(running, conversation)  # calls of the cut turn ran: record them
+                    return
+                called = (segment.finish_reason == "stop"
+                          and segment.tokens[-len(self.tool_call_end):] == self.tool_call_end)
+                turn_over = not called and segment.finish_reason in ("stop", "eos")
+                if not (called or turn_over):
+                    continue  # paused mid-turn ("length"): keep sampling
+                calls = parse_tool_calls(unparsed, tool_names=self.tool_names)
+                unparsed = ""
+                if calls and conversation.num_turns >= config.max_turns and not session.done:
+                    conversation.truncated = True  # no turn is left to show the results in
+                    return
+                running += [asyncio.ensure_future(self.execute(call)) for call in calls]
+                if called and len(running) < config.max_tool_calls_per_turn:
+                    continue
+                if not running:
+                    return  # the model ended its turn without calling a tool: finished
+                responses = await self.collect(running, conversation)
+                running = []
+                if session.done:
+                    return  # the turn ended at an engine EOS: nothing can follow it
+                ids = tool_response_ids(self.tokenizer, responses, config.prompt, turn_closed=turn_over)
+                if len(ids) > session.remaining:
+                    conversation.truncated = True
+                    return
+                session.append(ids)
+                conversation.add_inserted(ids)
+                conversation.num_turns += 1
+        except BaseException:
+            for task in running:
+                task.cancel()
+            raise
+
+
+def _checked_problems(problems: Iterable[Problem]) -> list[Problem]:
+    problems = list(problems)
+    for i, problem in enumerate(problems):
+        if not isinstance(problem, Problem):
+            raise TypeError(
+                f"problems[{i}] is a {type(problem).__name__}, expected rstar2jax.data.problems.Problem "
+                "(a SyntheticProblem converts with .as_problem())"
+            )
+    return problems
+
+
+async def rollout_async(
+    problems: Iterable[Problem],
+    samples_per_problem: int,
+    *,
+    engine: RolloutEngine,
+    sandbox: ToolSandbox,
+    tokenizer: PreTrainedTokenizerBase,
+    verifier: AnswerVerifier | None = None,
+    config: RolloutConfig = RolloutConfig(),
+) -> list[Trajectory]:
+    """Roll out every problem ``samples_per_problem`` times with the tool, concurrently; see the module doc.
+
+    Args:
+      problems: the problems (their ``answer`` is the gold answer).
+      samples_per_problem: rollouts per problem (2G in GRPO-RoC); one engine group each, so the prompt is
+        prefilled once. At most the engine's slot count.
+      engine: a running :class:`~rstar2jax.engine.Engine` (inside ``async with engine``) holding the policy.
+      sandbox: a :class:`~rstar2jax.agent.SandboxClient` (or anything with its ``run``).
+      tokenizer: the policy's tokenizer (its chat template frames prompts and tool responses).
+      verifier: grades final answers; None: the process-wide :func:`~rstar2jax.reward.default_verifier`.
+      config: limits, sampling and prompt.
+
+    Returns:
+      ``len(problems) * samples_per_problem`` trajectories, problem by problem, in order.
+    """
+    problems = _checked_problems(problems)
+    if not isinstance(samples_per_problem, int) or samples_per_problem < 1:
+        raise ValueError(f"samples_per_problem must be a positive int, got {samples_per_problem!r}")
+    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config)
+    groups = await _gather_or_cancel(run.problem(i, p, samples_per_problem) for i, p in enumerate(problems))
+    return [trajectory for group in groups for trajectory in group]
+
+
+_background_loop: asyncio.AbstractEventLoop | None = None
+_background_loop_lock = threading.Lock()
+
+
+def _rollout_loop() -> asyncio.AbstractEventLoop:
+    """The event loop behind :func:`rollout`: one per process, on a daemon thread, started on first use."""
+    global _background_loop
+    with _background_loop_lock:
+        if _background_loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="rstar2jax-rollout", daemon=True).start()
+            _background_loop = loop
+        return _background_loop
+
+
+def rollout(
+    problems: Iterable[Problem],
+    samples_per_problem: int,
+    *,
+    engine: Engine,
+    sandbox: ToolSandbox,
+    tokenizer: PreTrainedTokenizerBase,
+    verifier: AnswerVerifier | None = None,
+    config: RolloutConfig = RolloutConfig(),
+) -> list[Trajectory]:
+    """Blocking :func:`rollout_async` for notebooks and scripts (it works inside Jupyter's running loop).
+
+    ``engine`` must not be running: it is started for the call (``async with engine``) and stopped after,
+    keeping its compiled programs for the next call. Calls run on one private event loop that lives as long
+    as the process, so a :class:`~rstar2jax.agent.SandboxClient` (bound by aiohttp to the first loop that
+    uses it) can be passed to every ``rollout`` call; do not use it from another loop as well.
+    """
+
+    async def run() -> list[Trajectory]:
+        async with engine:
+            return await rollout_async(problems, samples_per_problem, engine=engine, sandbox=sandbox,
+                                       tokenizer=tokenizer, verifier=verifier, config=config)
+
+    future = asyncio.run_coroutine_threadsafe(run(), _rollout_loop())
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()  # e.g. KeyboardInterrupt: stop the sessions and their tool calls too
+        raise
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class PolicyRollout:
+    """The trainer's ``rollout_fn`` (see :mod:`rstar2jax.train.rl`) on the real engine and sandbox::
+
+        rollout_fn = PolicyRollout(model_config, tokenizer, SandboxClient(url),
+                                   engine_config=EngineConfig(num_slots=64), max_prompt_length=1024)
+        trajectories = rollout_fn(params, problems, samples_per_problem=32, max_response_length=8192,
+                                  max_turns=10, seed=step_seed)
+
+    Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
+    cache) with ``max_len = max_prompt_length + max_response_length``. The engine's programs are compiled for
+    shapes, never values, so the new parameters of every training step reuse them; only a new response
+    budget (a new stage) compiles again.
+
+    Args:
+      model_config: the policy's model config (the trainer's, so parameters match).
+      tokenizer: the policy's tokenizer.
+      sandbox: the sandbox client, used from :func:`rollout`'s private loop only; :meth:`close` closes it.
+      engine_config: slots, decode chunk, buckets...; its ``max_len`` is replaced per call.
+      max_prompt_length: the longest rendered prompt the engine must hold.
+      config: everything but ``max_response_length``, ``max_turns`` and ``seed``, which each call sets.
+      verifier: grades final answers; None: the process-wide default.
+    """
+
+    model_config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase
+    sandbox: ToolSandbox
+    _: dataclasses.KW_ONLY
+    engine_config: EngineConfig
+    max_prompt_length: int
+    config: RolloutConfig = RolloutConfig()
+    verifier: AnswerVerifier | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be a positive int, got {self.max_prompt_length!r}")
+
+    def __call__(self, params, problems: Sequence[Problem], *, samples_per_problem: int,
+                 max_response_length: int, max_turns: int, seed: int) -> list[Trajectory]:
+        engine_config = dataclasses.replace(self.engine_config,
+                                            max_len=self.max_prompt_length + max_response_length)
+        config = dataclasses.replace(self.config, max_response_length=max_response_length,
+                                     max_turns=max_turns, seed=seed)
+        return rollout(problems, samples_per_problem, engine=Engine(params, self.model_config, engine_config),
+                       sandbox=self.sandbox, tokenizer=self.tokenizer, verifier=self.verifier, config=config)
+
+    def close(self) -> None:
+        """Close the sandbox client (on the loop it was used from), if it has an async ``close``."""
+        close = getattr(self.sandbox, "close", None)
+        if asyncio.iscoroutinefunction(close):
+            asyncio.run_coroutine_threadsafe(close(), _rollout_loop()).result()

@@ -1,0 +1,145 @@
+"""The rollout end to end: a tiny Qwen3 on the real engine, a real sandbox server, the real verifier.
+
+A random model checks that a batch finishes (no hang) with a consistent record; the same model taught to call
+the tool (a few Adam steps on one scripted conversation) runs real code through the sandbox and decodes
+after the appended tool response. Sampler log-probs are checked against a full forward pass of
+prompt + response, which holds only if the engine's cache saw exactly the recorded tokens (token in / token
+out across tool turns). The trainer-facing ``PolicyRollout`` takes new parameters without recompiling.
+"""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.bench_rollout import answer_turn, teach_tool_use, tiny_policy, tool_code_output
+from rstar2jax import models
+from rstar2jax.agent import (
+    FAILED_OUTCOMES,
+    PYTHON_TOOL_NAME,
+    PolicyRollout,
+    PromptConfig,
+    RolloutConfig,
+    SandboxClient,
+    rollout_async,
+)
+from rstar2jax.data.problems import Problem
+from rstar2jax.data.synthetic import make_task
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, ops
+from rstar2jax.reward import AnswerVerifier
+from sandbox_server import start_local
+
+# A short prompt keeps the tiny model's sequences (and the teaching) cheap; the tool keeps the paper's name.
+PROMPT = PromptConfig(system_prompt="", user_prefix="",
+                      tools=({"type": "function", "function": {"name": PYTHON_TOOL_NAME}},))
+BUDGET = 128
+MAX_PROMPT = 160
+ENGINE = EngineConfig(num_slots=8, max_len=MAX_PROMPT + BUDGET)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    """Two synthetic problems whose gold answer is what the taught tool call prints."""
+    output = tool_code_output().strip()
+    return [Problem(p.id, p.problem, output) for p in make_task(2, 0, seed=3).train]
+
+
+@pytest.fixture(scope="module")
+def policy(problems, tmp_path_factory):
+    return tiny_policy(problems, str(tmp_path_factory.mktemp("tok")), vocab_size=512, prompt=PROMPT)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_local(workers=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    with AnswerVerifier(num_workers=1) as v:
+        yield v
+
+
+def check_record(t, params, model_config, budget=BUDGET):
+    """Shapes, budget, and sampler log-probs equal to the model's log-probs of the recorded stream."""
+    assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs) <= budget
+    assert t.loss_mask[0] == 1 and set(t.loss_mask) <= {0, 1}
+    assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
+    assert set(t.tool_outcomes) <= FAILED_OUTCOMES | {"ok"}
+    assert t.reward in (0.0, 1.0) and not (t.truncated and t.reward)
+    tokens = np.array([t.prompt_ids + t.response_ids], np.int32)
+    logits, _ = models.forward(params, model_config, tokens)
+    recomputed = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[0, len(t.prompt_ids) - 1:]
+    sampled = np.array(t.loss_mask, bool)
+    np.testing.assert_allclose(np.array(t.logprobs)[sampled], recomputed[sampled], atol=2e-4)
+
+
+def test_random_model_batch_with_real_sandbox_finishes(problems, policy, server, verifier):
+    budget = BUDGET // 2  # the engine holds more: a session's budget is data, not a shape
+    config = RolloutConfig(max_response_length=budget, seed=0, prompt=PROMPT)
+
+    async def run():
+        engine = Engine(policy.params, policy.model_config, ENGINE)
+        async with engine, SandboxClient(server.url) as sandbox:
+            return await asyncio.wait_for(rollout_async(
+                problems, 4, engine=engine, sandbox=sandbox, tokenizer=policy.tokenizer, verifier=verifier,
+                config=config), timeout=300)
+
+    trajectories = asyncio.run(run())
+    assert [t.problem_id for t in trajectories] == [problems[0].id] * 4 + [problems[1].id] * 4
+    for t in trajectories:
+        check_record(t, policy.params, policy.model_config, budget)
+        # Finished means the model ended its turn; anything else (budget, turn limit) is a truncation.
+        assert t.truncated == (t.response_ids[-1] not in policy.model_config.eos_token_ids)
+    assert len({tuple(t.response_ids) for t in trajectories}) > 1  # siblings sample independently
+
+
+@pytest.fixture(scope="module")
+def taught(problems, policy):
+    return teach_tool_use(policy, problems, steps=80, learning_rate=1e-2, prompt=PROMPT)
+
+
+def policy_rollout(policy, server, verifier):
+    return PolicyRollout(policy.model_config, policy.tokenizer, SandboxClient(server.url),
+                         engine_config=ENGINE, max_prompt_length=MAX_PROMPT, verifier=verifier,
+                         config=RolloutConfig(prompt=PROMPT, sampling=SamplingParams(temperature=0.0)))
+
+
+def test_taught_policy_runs_real_code_and_reads_the_result(problems, policy, taught, server, verifier):
+    rollout_fn = policy_rollout(policy, server, verifier)
+    try:
+        trajectories = rollout_fn(taught, problems, samples_per_problem=2, max_response_length=BUDGET,
+                                  max_turns=3, seed=1)
+    finally:
+        rollout_fn.close()
+    assert [t.problem_id for t in trajectories] == [problems[0].id] * 2 + [problems[1].id] * 2
+    for t in trajectories:
+        check_record(t, taught, policy.model_config)
+    answered = [t for t in trajectories if t.tool_outcomes == ["ok"]]
+    assert answered, [t.tool_outcomes for t in trajectories]
+    for t in answered:
+        text = policy.tokenizer.decode(t.response_ids)
+        assert f"<tool_response>\n{tool_code_output()}\n</tool_response>" in text
+        assert t.num_turns == 2 and 0 in t.loss_mask
+    assert any(t.reward == 1.0 and answer_turn(t.answer) in policy.tokenizer.decode(t.response_ids)
+               for t in answered)
+
+
+def test_policy_rollout_takes_new_params_without_recompiling(problems, policy, taught, server, verifier):
+    """One greedy session: every program shape follows from its token stream, so with the same stream a
+    compilation in the second call could only come from the parameters."""
+    programs = (ops.admit, ops.append, ops.decode, ops.fork, ops.resume, ops.release, ops.read_slots)
+    nudged = jax.tree.map(lambda x: x * (1 + 1e-3), taught)  # new arrays and values, same greedy choices
+    rollout_fn = policy_rollout(policy, server, verifier)
+    call = dict(samples_per_problem=1, max_response_length=BUDGET, max_turns=3, seed=1)
+    try:
+        (first,) = rollout_fn(taught, problems[:1], **call)
+        compiled = [f._cache_size() for f in programs]
+        (second,) = rollout_fn(nudged, problems[:1], **call)
+        assert [f._cache_size() for f in programs] == compiled
+    finally:
+        rollout_fn.close()
+    assert second.response_ids == first.response_ids and second.tool_outcomes == first.tool_outcomes
+    assert second.logprobs != first.logprobs  # decoded with the new parameters
