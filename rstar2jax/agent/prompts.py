@@ -242,7 +242,7 @@ def tool_response_ids(
     return encode_text(tokenizer, tool_response_text(tokenizer, text, cfg, turn_closed=turn_closed))
 
 
-def _truncate_middle(text: str, max_chars: int) -> str:
+def truncate_middle(text: str, max_chars: int) -> str:
     """Keeps the head and the tail of ``text`` within ``max_chars`` characters, marking the cut."""
     if len(text) <= max_chars:
         return text
@@ -291,4 +291,4 @@ def format_tool_result(result: Mapping[str, Any] | Any, max_chars: int) -> str:
         if stderr:
             parts.append(f"stderr:\n{stderr}")
         text = "\n".join(parts)
-    return _truncate_middle(text, max_chars)
+    return truncate_middle(text, max_chars)

@@ -44,10 +44,10 @@ from transformers import PreTrainedTokenizerBase
 
 from rstar2jax.agent.prompts import (
     PromptConfig,
-    _truncate_middle,
     format_tool_result,
     render_prompt_ids,
     tool_response_ids,
+    truncate_middle,
 )
 from rstar2jax.agent.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
 from rstar2jax.agent.trajectory import Trajectory
@@ -259,7 +259,7 @@ class _Rollout:
         """(outcome, text the model sees) of one parsed call."""
         limit = self.config.tool_output_chars
         if isinstance(call, ToolCallError):
-            return "parse_error", _truncate_middle(call.message, limit)
+            return "parse_error", truncate_middle(call.message, limit)
         result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout)
         return tool_outcome(result), format_tool_result(result, limit)
 
