@@ -1,0 +1,68 @@
+"""Notebook API: generate completions for a list of prompts in one blocking call."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from rstar2jax.engine.scheduler import EngineConfig, EngineCore, SamplingParams
+from rstar2jax.models import ModelConfig
+
+_MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across calls of similar sizes
+
+
+class Generation(NamedTuple):
+    """One prompt's completion: sampled tokens, their raw policy log-probs, and ``"eos"`` / ``"stop"`` /
+    ``"budget"`` (``max_new_tokens`` reached)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def generate(
+    params,
+    config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: Sequence[Sequence[int]] | None = None,
+    engine_config: EngineConfig | None = None,
+) -> list[Generation]:
+    """Complete each prompt (token ids) with continuous batching; returns one :class:`Generation` per prompt.
+
+    Prompt ``i`` samples with seed ``(seed, i)``, so its completion does not depend on the other prompts or on
+    slot assignment. ``stop`` token sequences end a completion (the stop tokens included). With more prompts
+    than ``engine_config.num_slots`` (default: up to 32 slots), slots are reused as completions finish.
+    """
+    if not prompts:
+        return []
+    if engine_config is None:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        engine_config = EngineConfig(num_slots=min(len(prompts), 32),
+                                     max_len=-(-longest // _MAX_LEN_MULTIPLE) * _MAX_LEN_MULTIPLE)
+    core = EngineCore(params, config, engine_config)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    stop = [] if stop is None else stop
+    for prompt in prompts:
+        core.check_request(prompt, 1, max_new_tokens)
+    core.stop_table(stop)
+
+    waiting = collections.deque(enumerate(prompts))
+    owner, results = {}, [None] * len(prompts)
+    while waiting or core.num_active:
+        requests = [waiting.popleft() for _ in range(min(core.num_free_slots, len(waiting)))]
+        groups = core.admit([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in requests])
+        for (i, _), (record,) in zip(requests, groups, strict=True):
+            owner[id(record)] = i
+            core.start(record, stop)
+        for record, segment in core.step():
+            results[owner.pop(id(record))] = Generation(*dataclasses.astuple(segment))
+            core.close(record)
+    return results

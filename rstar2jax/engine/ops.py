@@ -1,0 +1,341 @@
+"""Jitted pure functions on a donated :class:`EngineState`.
+
+Every function takes the state as its first argument, donates it (its buffers are reused in place: use the
+returned state, never the argument) and returns the new state. Slot lists are int32 arrays that may be
+padded with ``num_slots`` (an out-of-range slot): padded entries are ignored, so a host can round list lengths
+up to a few sizes and never trigger a recompilation. Budgets, temperatures and stop sequences are array data.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from rstar2jax.engine.sampling import sample_tokens
+from rstar2jax.engine.state import (
+    BUDGET,
+    DONE,
+    EOS,
+    FREE,
+    LENGTH,
+    NO_TOKEN,
+    NOT_FINISHED,
+    PAUSED,
+    RUNNING,
+    STOP,
+    EngineState,
+)
+from rstar2jax.models import forward, token_logprobs
+
+_donate_state = functools.partial(jax.jit, donate_argnames=("state",))
+
+
+def _check_slots(slots: jax.Array) -> None:
+    if slots.ndim != 1 or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots must be a 1-D int array, got {slots.dtype}{list(slots.shape)}")
+
+
+def _check_per_slot(slots: jax.Array, **arrays) -> None:
+    for name, value in arrays.items():
+        if value.shape[:1] != slots.shape:
+            raise ValueError(f"{name} must have one entry per slot ({slots.shape[0]}), got {value.shape}")
+
+
+def _scatter_rows(array: jax.Array, slots: jax.Array, values) -> jax.Array:
+    """``array[slots] = values``, dropping out-of-range (padding) slots."""
+    return array.at[slots].set(values, mode="drop")
+
+
+@_donate_state
+def admit(
+    state: EngineState,
+    slots: jax.Array,
+    seeds: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    budget_end: jax.Array,
+) -> EngineState:
+    """Take ``slots`` for new sequences: empty, PAUSED, with their sampling settings and token budgets.
+
+    Args:
+      slots: int32 ``[B]`` (padding: ``num_slots``).
+      seeds: uint32 ``[B]``: each slot's PRNG seed.
+      temperature, top_p: float32 ``[B]``; top_k: int32 ``[B]``.
+      budget_end: int32 ``[B]``: total tokens (prompt + response) after which the slot is DONE; clipped to
+        ``max_len``.
+    """
+    _check_slots(slots)
+    _check_per_slot(slots, seeds=seeds, temperature=temperature, top_p=top_p, top_k=top_k,
+                    budget_end=budget_end)
+    zeros = jnp.zeros_like(slots)
+    set_rows = functools.partial(_scatter_rows, slots=slots)
+    return state.replace(
+        seq_len=set_rows(state.seq_len, values=zeros),
+        status=set_rows(state.status, values=jnp.full_like(slots, PAUSED)),
+        finish_reason=set_rows(state.finish_reason, values=jnp.full_like(slots, NOT_FINISHED)),
+        temperature=set_rows(state.temperature, values=temperature.astype(jnp.float32)),
+        top_p=set_rows(state.top_p, values=top_p.astype(jnp.float32)),
+        top_k=set_rows(state.top_k, values=top_k.astype(jnp.int32)),
+        rng_key=set_rows(state.rng_key, values=jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))),
+        budget_end=set_rows(state.budget_end, values=jnp.minimum(budget_end, state.max_len)),
+        segment_start=set_rows(state.segment_start, values=zeros),
+        segment_end=set_rows(state.segment_end, values=zeros),
+        stop_seqs=set_rows(state.stop_seqs, values=NO_TOKEN),
+    )
+
+
+@_donate_state
+def resume(state: EngineState, slots: jax.Array, stop_seqs: jax.Array,
+           max_new_tokens: jax.Array) -> EngineState:
+    """Start a generation segment: set each slot's stop sequences and segment limit, and make it RUNNING.
+
+    A slot already at its token budget goes straight to DONE (BUDGET) instead.
+
+    Args:
+      slots: int32 ``[B]`` (padding: ``num_slots``).
+      stop_seqs: int32 ``[B, max_stops, max_stop_len]``, right-aligned and ``NO_TOKEN``-padded.
+      max_new_tokens: int32 ``[B]``: the slot pauses (LENGTH) after this many more tokens.
+    """
+    _check_slots(slots)
+    _check_per_slot(slots, stop_seqs=stop_seqs, max_new_tokens=max_new_tokens)
+    if stop_seqs.shape[1:] != state.stop_seqs.shape[1:]:
+        raise ValueError(f"stop_seqs must be [slots, {state.max_stops}, {state.max_stop_len}], "
+                         f"got {stop_seqs.shape}")
+    rows = jnp.minimum(slots, state.num_slots - 1)
+    seq_len, budget_end = state.seq_len[rows], state.budget_end[rows]
+    exhausted = seq_len >= budget_end
+    set_rows = functools.partial(_scatter_rows, slots=slots)
+    return state.replace(
+        status=set_rows(state.status, values=jnp.where(exhausted, DONE, RUNNING)),
+        finish_reason=set_rows(state.finish_reason, values=jnp.where(exhausted, BUDGET, NOT_FINISHED)),
+        segment_start=set_rows(state.segment_start, values=seq_len),
+        segment_end=set_rows(state.segment_end, values=jnp.minimum(seq_len + max_new_tokens, budget_end)),
+        stop_seqs=set_rows(state.stop_seqs, values=stop_seqs.astype(jnp.int32)),
+    )
+
+
+@_donate_state
+def release(state: EngineState, slots: jax.Array) -> EngineState:
+    """Free ``slots`` (int32 ``[B]``, padding ``num_slots``); their cache and token rows become garbage."""
+    _check_slots(slots)
+    return state.replace(
+        status=_scatter_rows(state.status, slots, FREE),
+        seq_len=_scatter_rows(state.seq_len, slots, 0),
+    )
+
+
+@_donate_state
+def fork(state: EngineState, src: jax.Array, dsts: jax.Array) -> EngineState:
+    """Copy the sequence in slot ``src`` (its KV cache, tokens, log-probs, loss mask, length, status and
+    current segment) into ``dsts`` (int32 ``[B]``, padding ``num_slots``).
+
+    The destinations keep their own sampling settings, PRNG key and budget (set by :func:`admit`). Forking a
+    slot whose pending token is the prompt's last token (``append(..., sample=False)``) lets every sibling
+    sample its first token independently: the prompt is prefilled once for the whole group.
+    """
+    _check_slots(dsts)
+    src = jnp.asarray(src, jnp.int32)
+    if src.ndim:
+        raise ValueError(f"src must be one slot index, got shape {src.shape}")
+
+    def copy_row(array, axis=0):
+        row = jnp.take(array, src, axis=axis)
+        index = (slice(None),) * axis + (dsts,)
+        target = jnp.broadcast_to(jnp.expand_dims(row, axis), array[index].shape)
+        return array.at[index].set(target, mode="drop")
+
+    per_slot = ("tokens", "logprobs", "loss_mask", "seq_len", "status", "finish_reason", "segment_start",
+                "segment_end", "stop_seqs")
+    return state.replace(
+        cache=jax.tree.map(lambda a: copy_row(a, axis=1), state.cache),
+        **{name: copy_row(getattr(state, name)) for name in per_slot},
+    )
+
+
+def _stop_matched(state: EngineState, tokens: jax.Array, rows: jax.Array, pos: jax.Array) -> jax.Array:
+    """Whether the tokens of each slot in ``rows`` ending at ``pos`` (inclusive) end with one of the slot's
+    stop sequences, all of whose tokens lie in the current segment.
+
+    tokens: int32 ``[S, M]`` token record; rows, pos: int32 ``[B]``. Returns bool ``[B]``.
+    """
+    width = state.max_stop_len
+    window_pos = pos[:, None] - (width - 1) + jnp.arange(width)  # [B, L], right-aligned like stop_seqs
+    window = tokens[rows[:, None], jnp.clip(window_pos, 0, state.max_len - 1)]
+    in_segment = window_pos >= state.segment_start[rows][:, None]
+    stop_seqs = state.stop_seqs[rows]
+    used = stop_seqs != NO_TOKEN  # [B, stops, L]
+    equal = (window[:, None, :] == stop_seqs) & in_segment[:, None, :]
+    return jnp.any(jnp.all(equal | ~used, axis=-1) & jnp.any(used, axis=-1), axis=-1)
+
+
+def _commit(state: EngineState, slots: jax.Array, active: jax.Array, new_tokens: jax.Array,
+            new_logprobs: jax.Array) -> EngineState:
+    """Record a sampled token for each active row and apply the stop rules (EOS > budget > stop > length)."""
+    rows = jnp.minimum(slots, state.num_slots - 1)
+    targets = jnp.where(active, slots, state.num_slots)  # inactive rows write nothing
+    pos = state.seq_len[rows]
+    tokens = state.tokens.at[targets, pos].set(new_tokens, mode="drop")
+    seq_len = pos + 1
+
+    is_eos = jnp.any(new_tokens[:, None] == state.eos_ids[None, :], axis=-1)
+    stopped = _stop_matched(state, tokens, rows, pos)
+    reason = jnp.select(
+        [is_eos, seq_len >= state.budget_end[rows], stopped, seq_len >= state.segment_end[rows]],
+        [EOS, BUDGET, STOP, LENGTH],
+        NOT_FINISHED,
+    )
+    finished = (reason == EOS) | (reason == BUDGET)
+    status = jnp.where(finished, DONE, jnp.where(reason == NOT_FINISHED, RUNNING, PAUSED))
+    set_rows = functools.partial(_scatter_rows, slots=targets)
+    return state.replace(
+        tokens=tokens,
+        logprobs=state.logprobs.at[targets, pos].set(new_logprobs, mode="drop"),
+        loss_mask=state.loss_mask.at[targets, pos].set(1, mode="drop"),
+        seq_len=set_rows(state.seq_len, values=seq_len),
+        status=set_rows(state.status, values=status),
+        finish_reason=set_rows(state.finish_reason, values=reason),
+    )
+
+
+def _gather_cache(state: EngineState, rows: jax.Array):
+    return jax.tree.map(lambda a: a[:, rows], state.cache)
+
+
+def _scatter_cache(state: EngineState, slots: jax.Array, cache):
+    return jax.tree.map(lambda a, rows: a.at[:, slots].set(rows, mode="drop"), state.cache, cache)
+
+
+def _sample_step(state: EngineState, params, slots: jax.Array | None, active: jax.Array) -> EngineState:
+    """Feed each active row's pending token to the model, sample the next token and commit it.
+
+    ``slots=None`` runs every slot in place (the decode step); otherwise the rows of ``slots`` are gathered
+    out of the cache and scattered back.
+    """
+    all_slots = jnp.arange(state.num_slots, dtype=jnp.int32)
+    rows = all_slots if slots is None else jnp.minimum(slots, state.num_slots - 1)
+    pos = state.seq_len[rows] - 1
+    last = state.tokens[rows, jnp.maximum(pos, 0)][:, None]
+    cache = state.cache if slots is None else _gather_cache(state, rows)
+    positions = jnp.where(active, pos, -1)[:, None]
+    logits, cache = forward(params, state.config, last, positions=positions, cache=cache)
+    state = state.replace(cache=cache if slots is None else _scatter_cache(state, slots, cache))
+    logits = logits[:, 0]
+    keys = jax.vmap(jax.random.fold_in)(state.rng_key[rows], pos + 1)
+    # Idle rows count as greedy so that they never switch on the sampling passes.
+    new_tokens = sample_tokens(
+        logits, keys, jnp.where(active, state.temperature[rows], 0.0),
+        jnp.where(active, state.top_p[rows], 1.0), jnp.where(active, state.top_k[rows], 0),
+    )
+    new_logprobs = token_logprobs(logits[:, None], new_tokens[:, None])[:, 0]
+    return _commit(state, all_slots if slots is None else slots, active, new_tokens, new_logprobs)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("sample",))
+def append(state: EngineState, params, slots: jax.Array, tokens: jax.Array, lengths: jax.Array, *,
+           sample: bool = True) -> EngineState:
+    """Append a chunk of inserted tokens (a prompt or a tool response) to each slot and prefill it.
+
+    Row ``b`` of ``tokens`` holds ``lengths[b]`` tokens (the rest is padding); they are written at the
+    slot's current length with loss mask 0. The KV cache is filled for the slot's pending token and all new
+    tokens but the last, which becomes the pending token. With ``sample=True`` that token is fed at once and
+    the next token sampled and committed (RUNNING / PAUSED / DONE by the stop rules of the slot's current
+    segment, set by :func:`resume`); with ``sample=False`` the slot's status is left as it was and the next
+    decode step of a RUNNING slot samples it, at no extra cost (the scheduler's way, and the way to prefill
+    a prompt for :func:`fork`).
+
+    Args:
+      slots: int32 ``[B]`` (padding: ``num_slots``); slots must hold a sequence (not FREE).
+      tokens: int32 ``[B, T]``; T is the prefill bucket (a shape: round it up to a few sizes).
+      lengths: int32 ``[B]``, ``1 <= lengths <= T`` for real rows; the slot must have room for them.
+    """
+    _check_slots(slots)
+    _check_per_slot(slots, tokens=tokens, lengths=lengths)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [slots, bucket], got shape {tokens.shape}")
+    width = tokens.shape[1]
+    real = slots < state.num_slots
+    rows = jnp.minimum(slots, state.num_slots - 1)
+    seq_len = state.seq_len[rows]
+    new_len = seq_len + lengths
+
+    # Write the chunk into the token record (inserted: loss mask 0, log-prob 0).
+    offset = jnp.arange(width)[None, :]
+    write_pos = seq_len[:, None] + offset
+    write_rows = jnp.where(real[:, None] & (offset < lengths[:, None]), slots[:, None], state.num_slots)
+    record = state.tokens.at[write_rows, write_pos].set(tokens.astype(jnp.int32), mode="drop")
+
+    # Prefill [start, new_len - 1): the old pending token (if any) and the chunk, minus its new pending token.
+    # That is lengths - 1 + (seq_len > 0) <= width positions, so the bucket width always suffices.
+    start = jnp.maximum(seq_len - 1, 0)
+    window_pos = start[:, None] + offset
+    window = jnp.take_along_axis(record[rows], jnp.clip(window_pos, 0, state.max_len - 1), axis=1)
+    positions = jnp.where(real[:, None] & (window_pos < new_len[:, None] - 1), window_pos, -1)
+    _, cache = forward(params, state.config, window, positions=positions, cache=_gather_cache(state, rows))
+    state = state.replace(
+        cache=_scatter_cache(state, slots, cache),
+        tokens=record,
+        logprobs=state.logprobs.at[write_rows, write_pos].set(0.0, mode="drop"),
+        loss_mask=state.loss_mask.at[write_rows, write_pos].set(0, mode="drop"),
+        seq_len=_scatter_rows(state.seq_len, slots, new_len),
+    )
+    if sample:
+        state = _sample_step(state, params, slots, real)
+    return state
+
+
+_SLOT_FIELDS = ("tokens", "logprobs", "loss_mask", "seq_len", "status", "finish_reason", "temperature",
+                "top_p", "top_k", "rng_key", "budget_end", "segment_start", "segment_end", "stop_seqs")
+
+
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("num_steps",))
+def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None = None) -> EngineState:
+    """Run up to ``num_steps`` decode steps for every RUNNING slot, each at its own position.
+
+    A step feeds each running slot its pending token, samples the next token and commits it: a matched stop
+    sequence or the segment limit pauses the slot (PAUSED), EOS or the token budget finishes it (DONE). The
+    loop ends early once no slot is running. ``num_steps`` is static: keep it fixed (the decode chunk).
+
+    With ``slots`` (int32 ``[B]``, padding ``num_slots``) only those slots are decoded, as a batch of B rows
+    gathered out of the state and scattered back: a step then costs B rows instead of ``num_slots``, for one
+    copy of their KV rows each way per call. Worth it when most slots are idle (paused on tools, free).
+    """
+    if slots is None:
+        return _decode_loop(state, params, num_steps)
+    _check_slots(slots)
+    rows = jnp.minimum(slots, state.num_slots - 1)
+    part = state.replace(
+        cache=_gather_cache(state, rows),
+        **{name: getattr(state, name)[rows] for name in _SLOT_FIELDS},
+    )
+    part = part.replace(status=jnp.where(slots < state.num_slots, part.status, FREE))  # padding rows idle
+    part = _decode_loop(part, params, num_steps)
+    return state.replace(
+        cache=_scatter_cache(state, slots, part.cache),
+        **{name: _scatter_rows(getattr(state, name), slots, getattr(part, name)) for name in _SLOT_FIELDS},
+    )
+
+
+def _decode_loop(state: EngineState, params, num_steps: int) -> EngineState:
+    def body(carry):
+        step, st = carry
+        return step + 1, _sample_step(st, params, None, st.status == RUNNING)
+
+    def cond(carry):
+        step, st = carry
+        return (step < num_steps) & jnp.any(st.status == RUNNING)
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state
+
+
+@jax.jit
+def read_slots(state: EngineState, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token and log-prob rows (int32 / float32 ``[B, max_len]``) of ``slots`` (padding rows repeat the last
+    slot), for the host to copy out."""
+    rows = jnp.minimum(slots, state.num_slots - 1)
+    return state.tokens[rows], state.logprobs[rows]
+
+

@@ -1,0 +1,44 @@
+"""Fixtures of the engine tests: a tiny random Qwen3 built with transformers and loaded into our params."""
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from rstar2jax.engine import EngineConfig, EngineCore
+from rstar2jax.models import load_pretrained
+
+
+@dataclasses.dataclass
+class TinyQwen3:
+    hf_model: transformers.PreTrainedModel
+    config: object  # rstar2jax ModelConfig
+    params: dict
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> TinyQwen3:
+    """Random float32 Qwen3 (tied embeddings, GQA) with weights large enough for clear-cut greedy choices,
+    saved by transformers and read back with ``load_pretrained``."""
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        initializer_range=0.3, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    model.save_pretrained(path)
+    config, params = load_pretrained(path)
+    return TinyQwen3(model, config, params)
+
+
+# One engine shape for the tests that share compiled programs (jit caches by shape).
+ENGINE_CONFIG = EngineConfig(num_slots=4, max_len=64, decode_chunk=4, prefill_buckets=(8, 32),
+                             eos_token_ids=())
+
+
+@pytest.fixture
+def core(tiny_qwen3) -> EngineCore:
+    return EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG)

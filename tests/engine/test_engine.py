@@ -1,0 +1,306 @@
+"""Engine: parity with transformers, log-prob exactness, pause/resume, seeds, stop rules, no recompilation."""
+
+import asyncio
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax._src import monitoring
+
+from rstar2jax.engine import (
+    PAUSED,
+    Engine,
+    EngineCore,
+    SamplingParams,
+    admit,
+    append,
+    decode,
+    generate,
+    init_state,
+    resume,
+)
+from rstar2jax.models import forward
+from tests.engine.conftest import ENGINE_CONFIG
+
+# Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
+PROMPT_LENGTHS = (1, 3, 8, 9, 20, 33)
+
+
+def _prompts(lengths, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def _teacher_forced(tiny, sequence):
+    """log_softmax of the full (cache-free) forward at every position: float32 [len, vocab]."""
+    logits, _ = forward(tiny.params, tiny.config, jnp.asarray([sequence], jnp.int32))
+    return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+
+
+def test_greedy_matches_transformers(tiny_qwen3):
+    prompts = _prompts(PROMPT_LENGTHS)  # 6 prompts on 4 slots: slots are reused
+    results = generate(
+        tiny_qwen3.params, tiny_qwen3.config, prompts, max_new_tokens=12, engine_config=ENGINE_CONFIG
+    )
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            expected = tiny_qwen3.hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
+            )
+        assert result.tokens == expected[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
+        assert result.finish_reason == "budget"
+
+
+def test_logprobs_equal_teacher_forced_logprobs(tiny_qwen3):
+    prompts = _prompts((4, 11, 30), seed=1)
+    results = generate(
+        tiny_qwen3.params,
+        tiny_qwen3.config,
+        prompts,
+        max_new_tokens=16,
+        temperature=0.8,
+        top_p=0.9,
+        top_k=50,
+        seed=3,
+        engine_config=ENGINE_CONFIG,
+    )
+    for prompt, result in zip(prompts, results, strict=True):
+        logprobs = _teacher_forced(tiny_qwen3, prompt + result.tokens)
+        # Raw policy log-probs (temperature 1, untruncated) of each sampled token.
+        expected = logprobs[np.arange(len(prompt) - 1, len(prompt) + 15), result.tokens]
+        np.testing.assert_allclose(result.logprobs, expected, rtol=0, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible(tiny_qwen3):
+    prompts = _prompts((5, 7), seed=2)
+    run = lambda seed: [
+        r.tokens
+        for r in generate(
+            tiny_qwen3.params,
+            tiny_qwen3.config,
+            prompts,
+            max_new_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            engine_config=ENGINE_CONFIG,
+        )
+    ]
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_append_with_sampling_equals_decode_sampling(tiny_qwen3):
+    """``append(sample=True)`` samples the first token itself; the same token as the next decode step's."""
+    prompt = np.asarray(_prompts((6,), seed=4)[0], np.int32)
+    slots = np.array([0, 4, 4, 4], np.int32)
+    per_slot = lambda value, dtype: np.full((4,), value, dtype)
+
+    def run(sample_in_append: bool):
+        state = init_state(tiny_qwen3.config, 4, 64, eos_token_ids=())  # the shapes of ENGINE_CONFIG
+        state = admit(
+            state,
+            slots,
+            per_slot(5, np.uint32),
+            per_slot(1.0, np.float32),
+            per_slot(1.0, np.float32),
+            per_slot(0, np.int32),
+            per_slot(20, np.int32),
+        )
+        tokens, lengths = np.zeros((4, 8), np.int32), per_slot(0, np.int32)
+        tokens[0, :6], lengths[0] = prompt, 6
+        no_stops = np.full((4, *state.stop_seqs.shape[1:]), -1, np.int32)
+        if sample_in_append:  # the segment starts before the prompt here: 6 + 10 tokens
+            state = resume(state, slots, no_stops, per_slot(16, np.int32))
+            state = append(state, tiny_qwen3.params, slots, tokens, lengths, sample=True)
+            assert int(state.seq_len[0]) == 7
+        else:
+            state = append(state, tiny_qwen3.params, slots, tokens, lengths, sample=False)
+            state = resume(state, slots, no_stops, per_slot(10, np.int32))
+        for _ in range(4):
+            state = decode(state, tiny_qwen3.params, ENGINE_CONFIG.decode_chunk)
+        assert int(state.status[0]) == PAUSED and int(state.seq_len[0]) == 16  # paused at max_new_tokens
+        return np.asarray(state.tokens[0, :16]), np.asarray(state.logprobs[0, :16])
+
+    (tokens_a, logprobs_a), (tokens_b, logprobs_b) = run(True), run(False)
+    np.testing.assert_array_equal(tokens_a, tokens_b)
+    np.testing.assert_allclose(logprobs_a, logprobs_b, atol=1e-6)
+
+
+def test_pause_resume_equals_one_go(tiny_qwen3):
+    prompt, tool = _prompts((7, 5), seed=5)
+    sampling = SamplingParams(temperature=1.0)
+
+    async def scenario():
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+            (free_run,) = await engine.open(prompt, sampling=sampling, max_tokens=40, seed=11)
+            reference = (await free_run.generate(max_new_tokens=12)).tokens
+            # Stop on the first pair of sampled tokens not seen earlier in the segment (a 2-token stop).
+            end = next(
+                i
+                for i in range(3, 12)
+                if (reference[i - 1], reference[i])
+                not in set(zip(reference[: i - 1], reference[1:i], strict=True))
+            )
+            stop = reference[end - 1 : end + 1]
+
+            (paused,) = await engine.open(prompt, sampling=sampling, max_tokens=40, seed=11)
+            first = await paused.generate(stop=[stop, [255, 255, 255]])
+            assert (first.tokens, first.finish_reason) == (reference[: end + 1], "stop")
+            paused.append(tool)
+            second = await paused.generate(max_new_tokens=8)
+            assert second.finish_reason == "length" and len(second.tokens) == 8
+
+            (one_go,) = await engine.open(
+                prompt + first.tokens + tool, sampling=sampling, max_tokens=20, seed=11
+            )
+            assert (await one_go.generate(max_new_tokens=8)).tokens == second.tokens
+
+            assert paused.response_ids == first.tokens + tool + second.tokens
+            assert paused.loss_mask == [1] * len(first.tokens) + [0] * len(tool) + [1] * 8
+            assert paused.logprobs[len(first.tokens) : len(first.tokens) + len(tool)] == [0.0] * len(tool)
+            for session in (free_run, paused, one_go):
+                session.close()
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_tool_sessions_stay_consistent(tiny_qwen3):
+    """Groups larger than the free slots wait; sessions pause for tools of different latencies while others
+    decode; every sampled token is the greedy choice of a full forward over the final record."""
+    prompts = _prompts((3, 9, 14), seed=6)
+    tool_outputs = _prompts((2, 6, 3), seed=7)
+    records = []
+
+    async def rollout(session, turn_lengths, delays):
+        for turn, (length, delay) in enumerate(zip(turn_lengths, delays, strict=True)):
+            segment = await session.generate(max_new_tokens=length)
+            assert len(segment.tokens) == length
+            await asyncio.sleep(delay)
+            session.append(tool_outputs[turn])
+        last = await session.generate(max_new_tokens=4)
+        records.append((session.prompt_ids, session.response_ids, session.loss_mask, session.logprobs))
+        assert last.finish_reason == "length"
+        session.close()
+
+    async def group(prompt, n, index):
+        sessions = await engine_ref[0].open(
+            prompt, n=n, sampling=SamplingParams(temperature=0.0), max_tokens=40
+        )
+        await asyncio.gather(
+            *[rollout(s, (3 + j, 5), (0.01 * (index + j), 0.0)) for j, s in enumerate(sessions)]
+        )
+
+    engine_ref = []
+
+    async def scenario():
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+            engine_ref.append(engine)
+            await asyncio.gather(group(prompts[0], 3, 0), group(prompts[1], 2, 1), group(prompts[2], 4, 2))
+
+    asyncio.run(scenario())
+    assert len(records) == 9
+    for prompt, response, loss_mask, logprobs in records:
+        reference = _teacher_forced(tiny_qwen3, prompt + response)
+        sampled = np.flatnonzero(loss_mask)
+        assert len(sampled) == len(response) - 8  # 2 + 6 tool tokens inserted
+        positions = len(prompt) + sampled - 1
+        np.testing.assert_array_equal(np.asarray(response)[sampled], reference[positions].argmax(-1))
+        np.testing.assert_allclose(
+            np.asarray(logprobs)[sampled], reference[positions, np.asarray(response)[sampled]], atol=1e-5
+        )
+
+
+def test_eos_and_budget_finish_sessions(tiny_qwen3):
+    (prompt,) = _prompts((6,), seed=8)
+    (greedy,) = generate(
+        tiny_qwen3.params, tiny_qwen3.config, [prompt], max_new_tokens=10, engine_config=ENGINE_CONFIG
+    )
+    eos_at = next(i for i in range(2, 10) if greedy.tokens[i] not in greedy.tokens[:i])
+    eos_config = dataclasses.replace(ENGINE_CONFIG, eos_token_ids=(greedy.tokens[eos_at],))
+    (stopped,) = generate(
+        tiny_qwen3.params, tiny_qwen3.config, [prompt], max_new_tokens=10, engine_config=eos_config
+    )
+    assert (stopped.tokens, stopped.finish_reason) == (greedy.tokens[: eos_at + 1], "eos")
+
+    async def scenario():
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+            (session,) = await engine.open(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=9)
+            await session.generate(max_new_tokens=4)
+            with pytest.raises(ValueError, match="remain in the budget"):
+                session.append([1] * 6)
+            session.append([1] * 5)  # fills the budget exactly
+            last = await session.generate()
+            assert (last.tokens, last.finish_reason, session.done, session.remaining) == (
+                [],
+                "budget",
+                True,
+                0,
+            )
+            with pytest.raises(RuntimeError, match="done"):
+                await session.generate()
+
+    asyncio.run(scenario())
+
+
+def test_bad_requests_are_rejected(tiny_qwen3):
+    core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG)
+    with pytest.raises(ValueError, match="exceeds the slot capacity"):
+        core.check_request([1] * 60, 1, 10)
+    with pytest.raises(ValueError, match="num_slots"):
+        core.check_request([1], 5, 10)
+    with pytest.raises(ValueError, match="at most 4"):
+        core.stop_table([[1]] * 5)
+    with pytest.raises(ValueError, match="stop sequence"):
+        core.stop_table([list(range(9))])
+    with pytest.raises(ValueError, match="vocab_size"):
+        core.check_request([256], 1, 10)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_no_recompilation_after_warmup(tiny_qwen3):
+    jax.clear_caches()  # whatever earlier tests compiled must not hide a program that warmup() misses
+    EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG).warmup()
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        # Different prompt lengths within buckets, budgets, sampling settings, stops, groups and tool turns.
+        for lengths, budget, temperature, stop in (
+            ((2, 5, 7), 9, 0.0, None),
+            ((3, 20, 30, 6, 1), 17, 0.7, [[3]]),
+            ((8, 4), 23, 1.3, [[5, 6], [7]]),
+        ):
+            generate(
+                tiny_qwen3.params,
+                tiny_qwen3.config,
+                _prompts(lengths, seed=budget),
+                max_new_tokens=budget,
+                temperature=temperature,
+                top_p=0.8,
+                top_k=7,
+                stop=stop,
+                engine_config=ENGINE_CONFIG,
+            )
+
+        async def scenario():
+            async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+                sessions = await engine.open([4, 5, 6], n=3, max_tokens=30)
+                for session in sessions:
+                    await session.generate(stop=[[9, 9]], max_new_tokens=5)
+                    session.append([1, 2, 3])
+                    await session.generate(max_new_tokens=3)
+                    session.close()
+
+        asyncio.run(scenario())
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
