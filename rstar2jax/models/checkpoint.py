@@ -1,0 +1,300 @@
+"""Hugging Face checkpoints: load safetensors (single file or sharded index) into the layer-stacked params
+tree, optionally straight into a device mesh, and save params as a checkpoint transformers and vLLM load."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+
+from rstar2jax.models.config import ModelConfig, config_from_hf, config_to_hf
+from rstar2jax.models.params import is_param_spec, param_specs
+from rstar2jax.models.sharding import param_shardings
+
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+class HFTensor(NamedTuple):
+    """One HF tensor and the (layer slice of the) params leaf it maps to.
+
+    ``in_axes`` says how the HF layout relates to the leaf's: ``None`` for vectors (norms, biases: the leaf
+    flattened), ``0`` for a tensor stored as is (the embedding), ``k > 0`` for a linear weight, which HF
+    stores ``[out, in]`` with head axes flattened while the leaf puts its ``k`` input axes first (q_proj
+    ``[embed, heads, head_dim]``, o_proj ``[heads, head_dim, embed]``).
+    """
+
+    name: str
+    leaf: tuple[str, ...]
+    layer: int | None  # None: not layer-stacked
+    leaf_shape: tuple[int, ...]  # of one layer
+    in_axes: int | None
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.in_axes is None:
+            return (math.prod(self.leaf_shape),)
+        if self.in_axes == 0:
+            return self.leaf_shape
+        return (math.prod(self.leaf_shape[self.in_axes :]), math.prod(self.leaf_shape[: self.in_axes]))
+
+    def to_leaf(self, hf: np.ndarray) -> np.ndarray:
+        """Leaf-layout view of the HF array (no copy for memory-mapped input)."""
+        return (hf.T if self.in_axes else hf).reshape(self.leaf_shape)
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        return value.reshape(self.hf_shape[::-1]).T if self.in_axes else value.reshape(self.hf_shape)
+
+
+_LAYER_TENSORS = (
+    ("attn_norm", "input_layernorm.weight", None),
+    ("q_proj", "self_attn.q_proj.weight", 1),
+    ("k_proj", "self_attn.k_proj.weight", 1),
+    ("v_proj", "self_attn.v_proj.weight", 1),
+    ("o_proj", "self_attn.o_proj.weight", 2),
+    ("q_bias", "self_attn.q_proj.bias", None),
+    ("k_bias", "self_attn.k_proj.bias", None),
+    ("v_bias", "self_attn.v_proj.bias", None),
+    ("q_norm", "self_attn.q_norm.weight", None),
+    ("k_norm", "self_attn.k_norm.weight", None),
+    ("mlp_norm", "post_attention_layernorm.weight", None),
+    ("gate_proj", "mlp.gate_proj.weight", 1),
+    ("up_proj", "mlp.up_proj.weight", 1),
+    ("down_proj", "mlp.down_proj.weight", 1),
+)
+_TOP_TENSORS = (
+    ("embed", "model.embed_tokens.weight", 0),
+    ("final_norm", "model.norm.weight", None),
+    ("lm_head", "lm_head.weight", 1),
+)
+# Present in some checkpoints but carrying nothing the model needs (recomputed RoPE tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_tensors(config: ModelConfig) -> dict[str, HFTensor]:
+    """Every HF tensor ``config`` needs, by name, grouped by params leaf."""
+    specs = param_specs(config)
+    tensors = {}
+    for leaf, name, in_axes in _TOP_TENSORS:
+        if leaf in specs:
+            tensors[name] = HFTensor(name, (leaf,), None, specs[leaf].shape, in_axes)
+    for leaf, name, in_axes in _LAYER_TENSORS:
+        if leaf in specs["layers"]:
+            for layer in range(config.num_layers):
+                full_name = f"model.layers.{layer}.{name}"
+                leaf_shape = specs["layers"][leaf].shape[1:]
+                tensors[full_name] = HFTensor(full_name, ("layers", leaf), layer, leaf_shape, in_axes)
+    return tensors
+
+
+class _SafetensorsDir:
+    """Memory-mapped, zero-copy views of every tensor in a checkpoint directory (single file or sharded)."""
+
+    def __init__(self, path: str):
+        index_path, single_path = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
+        if os.path.exists(index_path):
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(single_path):
+            files = [SINGLE_FILE]
+        else:
+            raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self.headers: dict[str, tuple[str, dict, int]] = {}
+        self._maps: dict[str, np.memmap] = {}
+        for name in files:
+            file_path = os.path.join(path, name)
+            with open(file_path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            for tensor, info in header.items():
+                self.headers[tensor] = (file_path, info, 8 + header_len)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.headers[name][1]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.headers[name][1]["dtype"]
+
+    def array(self, name: str) -> np.ndarray:
+        file_path, info, data_start = self.headers[name]
+        if file_path not in self._maps:
+            self._maps[file_path] = np.memmap(file_path, dtype=np.uint8, mode="r")
+        begin, end = info["data_offsets"]
+        raw = self._maps[file_path][data_start + begin : data_start + end]
+        return raw.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    compute_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    **config_overrides,
+) -> tuple[ModelConfig, dict]:
+    """Read a HF checkpoint directory (``config.json`` + safetensors) into ``(config, params)``.
+
+    Args:
+      path: directory with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``.
+      dtype: parameter dtype (float32 master weights by default); becomes ``config.param_dtype``.
+      compute_dtype: ``config.compute_dtype``; default ``dtype``.
+      mesh: if given, each tensor is placed straight into its :func:`param_shardings` placement: every device
+        reads only its own slice from the memory-mapped files.
+      **config_overrides: other ModelConfig fields (``scan_layers``, ``remat_policy``, ...).
+
+    Raises:
+      ValueError naming every missing, unexpected or wrongly shaped tensor (and unsupported config fields).
+    """
+    path = os.fspath(path)
+    dtype = jnp.dtype(dtype)
+    config = config_from_hf(
+        path, param_dtype=dtype.name, compute_dtype=jnp.dtype(compute_dtype or dtype).name, **config_overrides
+    )
+    checkpoint = _SafetensorsDir(path)
+    expected = hf_tensors(config)
+
+    present = {name for name in checkpoint.headers if not name.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints store the copy; transformers ignores it too
+    problems = []
+    if missing := sorted(set(expected) - present):
+        problems.append(f"missing tensors: {missing}")
+    if unexpected := sorted(present - set(expected)):
+        problems.append(f"unexpected tensors: {unexpected}")
+    problems += [
+        f"tensor {name} has shape {checkpoint.shape(name)}, expected {tensor.hf_shape}"
+        for name, tensor in expected.items()
+        if name in present and checkpoint.shape(name) != tensor.hf_shape
+    ]
+    problems += [
+        f"tensor {name} has dtype {checkpoint.dtype(name)}, not one of {sorted(SAFETENSORS_DTYPES)}"
+        for name in sorted(present & set(expected))
+        if checkpoint.dtype(name) not in SAFETENSORS_DTYPES
+    ]
+    if problems:
+        raise ValueError(
+            f"checkpoint {path} does not match its config ({config.model_type}): " + "; ".join(problems)
+        )
+
+    by_leaf: dict[tuple[str, ...], list[HFTensor]] = {}
+    for tensor in expected.values():
+        by_leaf.setdefault(tensor.leaf, []).append(tensor)  # per-layer tensors come in layer order
+
+    specs = param_specs(config)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, specs, is_leaf=is_param_spec)
+    else:
+        shardings = param_shardings(config, mesh)
+
+    def load_leaf(leaf_path: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
+        sources = by_leaf[leaf_path]
+
+        def read_slice(tensor: HFTensor, index) -> np.ndarray:
+            # ``to_leaf`` is a view of the memory map: only the bytes of this device's slice are read.
+            return np.asarray(tensor.to_leaf(checkpoint.array(tensor.name))[index], dtype=dtype)
+
+        def read(index):
+            if sources[0].layer is None:
+                return read_slice(sources[0], index)
+            return np.stack([read_slice(tensor, index[1:]) for tensor in sources[index[0]]])
+
+        return jax.make_array_from_callback(shape, sharding, read)
+
+    flat_specs, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)
+    leaves = [
+        load_leaf(tuple(k.key for k in key_path), spec.shape, sharding)
+        for (key_path, spec), sharding in zip(flat_specs, jax.tree.leaves(shardings), strict=True)
+    ]
+    return config, jax.tree.unflatten(treedef, leaves)
+
+
+def save_pretrained(
+    params: dict,
+    config: ModelConfig,
+    path: str | os.PathLike,
+    *,
+    dtype=None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write ``params`` as a HF checkpoint: ``config.json`` plus safetensors (split into
+    ``model-0000i-of-0000n.safetensors`` with an index once larger than ``max_shard_bytes``), loadable by
+    ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM.
+
+    ``dtype``: stored weight dtype, default the params' own. Sharded params are gathered one leaf at a time.
+    """
+    path = os.fspath(path)
+    specs = param_specs(config)
+    expected_structure = jax.tree.structure(specs, is_leaf=is_param_spec)
+    if jax.tree.structure(params) != expected_structure:
+        raise ValueError(
+            f"params tree {jax.tree.structure(params)} does not match config tree {expected_structure}"
+        )
+    for (key_path, spec), leaf in zip(
+        jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)[0],
+        jax.tree.leaves(params),
+        strict=True,
+    ):
+        if tuple(leaf.shape) != spec.shape:
+            raise ValueError(
+                f"param {jax.tree_util.keystr(key_path)} has shape {tuple(leaf.shape)}, expected {spec.shape}"
+            )
+    store_dtype = jnp.dtype(dtype if dtype is not None else jax.tree.leaves(params)[0].dtype)
+    if store_dtype not in SAFETENSORS_DTYPES.values():
+        raise ValueError(f"cannot store dtype {store_dtype}; supported: {list(SAFETENSORS_DTYPES.values())}")
+
+    # Plan the files from shapes first so every file name knows the total count.
+    expected = hf_tensors(config)
+    files: list[list[HFTensor]] = [[]]
+    file_bytes = 0
+    for tensor in expected.values():
+        size = math.prod(tensor.hf_shape) * store_dtype.itemsize
+        if files[-1] and file_bytes + size > max_shard_bytes:
+            files.append([])
+            file_bytes = 0
+        files[-1].append(tensor)
+        file_bytes += size
+    file_names = (
+        [SINGLE_FILE]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
+
+    os.makedirs(path, exist_ok=True)
+    host_leaf: tuple[tuple[str, ...], np.ndarray] | None = None  # tensors come grouped by leaf: gather once
+    for file_name, tensors in zip(file_names, files, strict=True):
+        arrays = {}
+        for tensor in tensors:
+            if host_leaf is None or host_leaf[0] != tensor.leaf:
+                value = params[tensor.leaf[0]] if len(tensor.leaf) == 1 else params["layers"][tensor.leaf[1]]
+                host_leaf = (tensor.leaf, np.asarray(jax.device_get(value)))
+            value = host_leaf[1] if tensor.layer is None else host_leaf[1][tensor.layer]
+            arrays[tensor.name] = np.ascontiguousarray(tensor.to_hf(value).astype(store_dtype))
+        safetensors.numpy.save_file(arrays, os.path.join(path, file_name), metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(math.prod(tensor.hf_shape) * store_dtype.itemsize for tensor in expected.values())
+        weight_map = {
+            tensor.name: file_name
+            for file_name, tensors in zip(file_names, files, strict=True)
+            for tensor in tensors
+        }
+        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config_to_hf(config, dtype=store_dtype.name), f, indent=2)

@@ -1,0 +1,237 @@
+"""Model configuration: one frozen dataclass for Qwen3 / Qwen2 / Llama decoders, read from HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and options of a decoder-only transformer; hashable, so it can be a ``jax.jit`` static argument.
+
+    ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` items of a ``llama3``
+    scaling dict. ``param_dtype`` is the dtype weights are stored in (float32 master weights by default),
+    ``compute_dtype`` the dtype matmuls run in (``"bfloat16"`` for mixed precision); softmax, norms and logits
+    are always float32. Change options with ``dataclasses.replace``.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qk_norm: bool | None = None  # None: the model type's own choice (Qwen3 only)
+    qkv_bias: bool | None = None  # None: the model type's own choice (Qwen2 only)
+    max_position_embeddings: int = 4096
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        # Each HF architecture fixes these; a mismatch could not be saved as a loadable checkpoint.
+        for name, own_choice in (
+            ("qk_norm", self.model_type == "qwen3"),
+            ("qkv_bias", self.model_type == "qwen2"),
+        ):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, own_choice)
+            elif getattr(self, name) != own_choice:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} does not match model_type={self.model_type!r}"
+                )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in SUPPORTED_DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {SUPPORTED_DTYPES}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            missing = [key for key in _LLAMA3_ROPE_KEYS if key not in scaling]
+            if scaling.get("rope_type") != "llama3" or missing:
+                raise ValueError(
+                    f"rope_scaling={scaling!r} is not supported: only rope_type 'llama3' with keys "
+                    f"{_LLAMA3_ROPE_KEYS} (missing {missing})"
+                )
+
+    @property
+    def num_params(self) -> int:
+        """Total number of parameters (the tied embedding counted once)."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.qkv_bias:
+            attention += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeddings + self.hidden_size
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling items) from either the legacy (``rope_theta``/``rope_scaling``) or the
+    transformers-5 (``rope_parameters``) layout of a HF config."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy_scaling = hf.get("rope_scaling")
+    if legacy_scaling:
+        params.update(legacy_scaling)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    params.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported (only default and 'llama3')")
+    return theta, tuple(
+        sorted({"rope_type": "llama3", **{k: params[k] for k in _LLAMA3_ROPE_KEYS if k in params}}.items())
+    )
+
+
+def config_from_hf(source, **overrides) -> ModelConfig:
+    """Build a :class:`ModelConfig` from a HF config.
+
+    Args:
+      source: a path to ``config.json`` or to the checkpoint directory holding it, a ``dict`` with its
+        contents, or a ``transformers.PretrainedConfig``.
+      **overrides: ModelConfig fields to set (e.g. ``compute_dtype="bfloat16"``, ``scan_layers=False``).
+
+    Raises:
+      ValueError naming the field when the config describes something this decoder does not implement
+      (unknown ``model_type``, a non-SiLU activation, sliding-window attention, output-projection bias, ...).
+    """
+    if isinstance(source, str | os.PathLike):
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    elif isinstance(source, Mapping):
+        hf = dict(source)
+    elif hasattr(source, "to_dict"):
+        hf = source.to_dict()
+    else:
+        raise TypeError(f"config_from_hf expects a path, a dict or a transformers config, got {type(source)}")
+
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"config field model_type={model_type!r} is not supported; expected one of "
+            f"{SUPPORTED_MODEL_TYPES}"
+        )
+    unsupported = [
+        ("hidden_act", hf.get("hidden_act", "silu") != "silu", "only 'silu' is implemented"),
+        (
+            "use_sliding_window",
+            bool(hf.get("use_sliding_window")),
+            "sliding-window attention is not implemented",
+        ),
+        ("mlp_bias", bool(hf.get("mlp_bias")), "MLP biases are not implemented"),
+        # Llama/Qwen3 ``attention_bias`` also adds an output-projection bias, which this decoder lacks.
+        (
+            "attention_bias",
+            model_type != "qwen2" and bool(hf.get("attention_bias")),
+            "attention biases are implemented for qwen2 only (q/k/v)",
+        ),
+    ]
+    for field, is_bad, why in unsupported:
+        if is_bad:
+            raise ValueError(f"config field {field}={hf.get(field)!r} is not supported: {why}")
+
+    num_heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+    theta, scaling = _rope_from_hf(hf)
+    fields = dict(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` dict (legacy ``rope_theta``/``rope_scaling`` keys, read by transformers 4 and 5
+    and vLLM) describing ``config``; ``dtype``: the stored weight dtype (default ``config.param_dtype``)."""
+    hf = {
+        "architectures": [_ARCHITECTURES[config.model_type]],
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rope_theta": config.rope_theta,
+        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.qkv_bias,
+        "torch_dtype": dtype or config.param_dtype,
+        "use_cache": True,
+    }
+    if config.model_type == "qwen2":
+        hf["use_sliding_window"] = False
+    if config.bos_token_id is not None:
+        hf["bos_token_id"] = config.bos_token_id
+    if config.eos_token_ids:
+        hf["eos_token_id"] = (
+            config.eos_token_ids[0] if len(config.eos_token_ids) == 1 else list(config.eos_token_ids)
+        )
+    return hf

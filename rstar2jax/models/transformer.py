@@ -1,0 +1,286 @@
+"""Decoder-only transformer (Qwen3 / Qwen2 / Llama) as pure functions over a nested-dict parameter pytree.
+
+The layer-stacked params (see ``params.py``) run under one ``jax.lax.scan`` (``config.scan_layers``) or an
+unrolled loop over the same tree. Matmuls run in ``config.compute_dtype``; norms, RoPE, softmax and logits in
+float32. Attention groups query heads per kv head instead of repeating keys and values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rstar2jax.models.config import ModelConfig
+from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
+from rstar2jax.models.sharding import constrain, param_shardings
+
+
+def _init_leaf(key: jax.Array, shape: tuple[int, ...], init: str, dtype: str) -> jax.Array:
+    if init == "normal":
+        return (INIT_STDDEV * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jnp.full(shape, 1.0 if init == "ones" else 0.0, dtype)
+
+
+def init_params(config: ModelConfig, key: jax.Array, *, mesh: jax.sharding.Mesh | None = None) -> dict:
+    """Random weights for ``config`` in ``config.param_dtype``: N(0, 0.02) matrices, unit norms, zero biases.
+
+    Leaves are made one at a time, so peak memory is the params plus one leaf's float32 temporaries. With
+    ``mesh``, every leaf is created directly in its :func:`param_shardings` placement; the values depend only
+    on ``key``, not on the mesh.
+    """
+    leaves, treedef = jax.tree.flatten(param_specs(config), is_leaf=is_param_spec)
+    shardings = [None] * len(leaves) if mesh is None else jax.tree.leaves(param_shardings(config, mesh))
+    keys = jax.random.split(key, len(leaves))
+    made = [
+        jax.jit(_init_leaf, static_argnums=(1, 2, 3), out_shardings=sharding)(
+            leaf_key, spec.shape, spec.init, config.param_dtype
+        )
+        for leaf_key, spec, sharding in zip(keys, leaves, shardings, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, made)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys and values, ``k``/``v``: ``[num_layers, batch, max_len, num_kv_heads, head_dim]``.
+
+    Entry ``[:, b, j]`` holds the key/value of the token of row ``b`` at position ``j``. Entries beyond a
+    row's current length may hold anything: causal-by-position masking never lets a valid query see them.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+    """An all-zero :class:`KVCache` (dtype defaults to ``config.compute_dtype``)."""
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    dtype = jnp.dtype(dtype or config.compute_dtype)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies ``theta^(-2i/head_dim)`` ``[head_dim // 2]`` float32, with ``llama3`` scaling:
+    wavelengths longer than ``original_max / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max / high_freq_factor`` kept, and the band between interpolated smoothly."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_scaling is not None:
+        scaling = dict(config.rope_scaling)
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original_max = scaling["original_max_position_embeddings"]
+        wavelen = 2 * np.pi / inv_freq
+        smooth = (original_max / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = np.where(
+            wavelen > original_max / low,
+            inv_freq / factor,
+            np.where(wavelen < original_max / high, inv_freq, smoothed),
+        )
+    return inv_freq.astype(np.float32)
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis; statistics in float32, result in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of ``x`` ``[B, T, N, Dh]`` with ``cos``/``sin`` ``[B, T, 1, Dh/2]`` (float32 math)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention without repeating kv heads.
+
+    q ``[B, T, H, Dh]`` (already scaled), k/v ``[B, S, K, Dh]``, mask ``[B, T, S]`` bool; softmax in float32.
+    Query head ``h`` reads kv head ``h // (H // K)``, as transformers' ``repeat_kv`` does.
+    """
+    B, T, H, Dh = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, Dh)
+
+
+# Logical axes of activations (effective only under ``jax.set_mesh``, see ``sharding.constrain``).
+_RESIDUAL_AXES = ("batch", "length", "activation_embed")
+_HEADS_AXES = ("batch", "length", "heads", "head_dim")
+_KV_HEADS_AXES = ("batch", "length", "kv_heads", "head_dim")
+_MLP_AXES = ("batch", "length", "mlp")
+_LOGITS_AXES = ("batch", "length", "vocab")
+
+
+def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
+    """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``kv_write``: None (no cache)
+    or (cache_k, cache_v, write_index) for this layer. Returns (x, (new_cache_k, new_cache_v) or None)."""
+    dtype = x.dtype
+    layer = jax.tree.map(lambda p: p.astype(dtype), layer)
+    eps = config.rms_norm_eps
+    cos, sin = rope
+
+    h = _rms_norm(x, layer["attn_norm"], eps)
+    q = constrain(jnp.einsum("btd,dhk->bthk", h, layer["q_proj"]), _HEADS_AXES)
+    k = constrain(jnp.einsum("btd,dhk->bthk", h, layer["k_proj"]), _KV_HEADS_AXES)
+    v = constrain(jnp.einsum("btd,dhk->bthk", h, layer["v_proj"]), _KV_HEADS_AXES)
+    if config.qkv_bias:
+        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+    if config.qk_norm:
+        q, k = _rms_norm(q, layer["q_norm"], eps), _rms_norm(k, layer["k_norm"], eps)
+    scale = config.head_dim**-0.5  # folded into the query's rotation: free
+    q, k = _apply_rope(q, cos * scale, sin * scale), _apply_rope(k, cos, sin)
+
+    new_kv = None
+    if kv_write is not None:
+        cache_k, cache_v, write_index = kv_write
+        rows = jnp.arange(x.shape[0])[:, None]
+        k = cache_k.at[rows, write_index].set(k.astype(cache_k.dtype), mode="drop")
+        v = cache_v.at[rows, write_index].set(v.astype(cache_v.dtype), mode="drop")
+        new_kv = (k, v)
+    attn = _attention(q, k.astype(dtype), v.astype(dtype), mask)
+    x = constrain(x + jnp.einsum("bthk,hkd->btd", attn, layer["o_proj"]), _RESIDUAL_AXES)
+
+    h = _rms_norm(x, layer["mlp_norm"], eps)
+    gate = constrain(jnp.einsum("btd,df->btf", h, layer["gate_proj"]), _MLP_AXES)
+    up = constrain(jnp.einsum("btd,df->btf", h, layer["up_proj"]), _MLP_AXES)
+    x = constrain(x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["down_proj"]), _RESIDUAL_AXES)
+    return x, new_kv
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _check_inputs(config: ModelConfig, tokens, positions, segment_ids, cache) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+    for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+        if value is not None and value.shape != tokens.shape:
+            raise ValueError(f"{name} shape {value.shape} must equal tokens shape {tokens.shape}")
+    if cache is not None:
+        expected = (config.num_layers, tokens.shape[0], cache.max_len, config.num_kv_heads, config.head_dim)
+        if cache.k.shape != expected or cache.v.shape != expected:
+            raise ValueError(
+                f"cache k/v shapes {cache.k.shape}/{cache.v.shape} do not match {expected} "
+                "(num_layers, batch, max_len, num_kv_heads, head_dim)"
+            )
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def forward(
+    params: dict,
+    config: ModelConfig,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    cache: KVCache | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Logits of a decoder-only LM.
+
+    Args:
+      params: tree from :func:`init_params` / ``load_pretrained``.
+      config: the model's :class:`ModelConfig` (static).
+      tokens: int32 ``[B, T]``; ids outside ``[0, vocab)`` (e.g. a -1 pad) are clipped, so padding can never
+        put NaNs into the keys and values that masked attention multiplies by zero.
+      positions: int32 ``[B, T]`` RoPE positions; default ``arange(T)`` in every row.
+      segment_ids: int32 ``[B, T]``; without a cache a token attends to earlier tokens (by index) of the same
+        segment id, so packed sequences stay apart; 0 marks padding. With a cache, tokens of segment 0 are not
+        written into it.
+      cache: :class:`KVCache` or None. The key/value of token ``(b, t)`` is written at cache index
+        ``positions[b, t]`` (indices outside ``[0, max_len)`` are dropped) and the query at position ``p``
+        attends to entries ``j <= p`` of its own row: a T>1 chunk is a prefill, T=1 a decode step, and every
+        row may sit at its own length.
+
+    Returns:
+      (logits float32 ``[B, T, vocab]``, updated cache or None).
+    """
+    _check_inputs(config, tokens, positions, segment_ids, cache)
+    B, T = tokens.shape
+    dtype = jnp.dtype(config.compute_dtype)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+    angles = positions[..., None, None].astype(jnp.float32) * rope_inverse_frequencies(config)
+    rope = (jnp.cos(angles), jnp.sin(angles))
+
+    if cache is None:
+        segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+        index = jnp.arange(T)
+        mask = (segments[:, :, None] == segments[:, None, :]) & (index[:, None] >= index[None, :])
+        layer_kv = None
+    else:
+        mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
+        writable = positions >= 0 if segment_ids is None else (positions >= 0) & (segment_ids != 0)
+        write_index = jnp.where(writable, positions, cache.max_len)  # max_len: out of range, dropped
+        layer_kv = (cache.k, cache.v)
+
+    def block(x, layer_inputs):
+        layer, kv = layer_inputs
+        return _decoder_layer(config, x, layer, rope, mask, None if kv is None else (*kv, write_index))
+
+    if config.remat_policy != "none":
+        block = jax.checkpoint(
+            block, policy=_REMAT_POLICIES[config.remat_policy], prevent_cse=not config.scan_layers
+        )
+
+    x = constrain(jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(dtype), _RESIDUAL_AXES)
+    if config.scan_layers:
+        x, new_kv = jax.lax.scan(block, x, (params["layers"], layer_kv))
+    else:
+        # One split per stacked leaf (its gradient is one concatenate) rather than L slices (whose gradients
+        # would be L full-size pads summed together: quadratic in the number of layers).
+        leaves, treedef = jax.tree.flatten((params["layers"], layer_kv))
+        parts = [jax.lax.split(leaf, [1] * config.num_layers, axis=0) for leaf in leaves]
+        outputs = []
+        for i in range(config.num_layers):
+            x, kv_i = block(x, jax.tree.unflatten(treedef, [leaf_parts[i][0] for leaf_parts in parts]))
+            outputs.append(kv_i)
+        new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outputs)
+
+    x = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        logits = jnp.einsum(
+            "btd,vd->btv", x, params["embed"].astype(dtype), preferred_element_type=jnp.float32
+        )
+    else:
+        logits = jnp.einsum(
+            "btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
+        )
+    new_cache = None if cache is None else KVCache(k=new_kv[0], v=new_kv[1])
+    return constrain(logits, _LOGITS_AXES), new_cache
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``log softmax(logits)[..., targets]``: float32 ``[B, T]`` from logits ``[B, T, V]`` and int targets.
+
+    The target logit is picked with an iota comparison rather than a gather, so the gradient is an
+    elementwise select that fuses with the softmax instead of a scatter into a ``[B, T, V]`` buffer.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on leading dims")
+    logits = logits.astype(jnp.float32)
+    is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+    picked = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+    return picked - jax.nn.logsumexp(logits, axis=-1)
