@@ -1,1 +1,98 @@
-"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics."""
+"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics, the staged recipe.
+
+Importing this package does not start JAX's backends, so launchers can still request emulated devices
+(``request_host_devices``) or join a multi-host run (``initialize_distributed``) afterwards.
+"""
+
+from rstar2jax.train.batch import Batch, TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.config import (
+    ConfigError,
+    rl_config,
+    sft_config,
+    stage,
+    validate_rl_config,
+    validate_sft_config,
+)
+from rstar2jax.train.metrics import MetricsLogger
+from rstar2jax.train.rl import (
+    RLIterationConfig,
+    filter_hard_problems,
+    rl_iteration,
+    rollout_metrics,
+    select_and_build_batch,
+)
+from rstar2jax.train.runner import (
+    dry_run,
+    format_dry_run,
+    launch_prologue,
+    model_config_from,
+    prepare_process,
+    train_rl,
+    train_sft,
+)
+from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, request_host_devices
+from rstar2jax.train.sft_data import load_sft_sequences
+from rstar2jax.train.state import (
+    TrainState,
+    init_train_state,
+    learning_rate_schedule,
+    make_optimizer,
+    reset_optimizer,
+)
+from rstar2jax.train.steps import (
+    RLLossConfig,
+    accumulate_gradients,
+    make_rl_step,
+    make_sft_step,
+    rl_loss,
+    rl_step,
+    sft_loss,
+    sft_step,
+    state_shardings,
+)
+
+__all__ = [
+    "Batch",
+    "Checkpointer",
+    "ConfigError",
+    "MetricsLogger",
+    "RLIterationConfig",
+    "RLLossConfig",
+    "TokenSequence",
+    "TrainState",
+    "accumulate_gradients",
+    "build_batch",
+    "dry_run",
+    "filter_hard_problems",
+    "format_dry_run",
+    "init_train_state",
+    "initialize_distributed",
+    "launch_prologue",
+    "learning_rate_schedule",
+    "load_sft_sequences",
+    "make_optimizer",
+    "make_rl_step",
+    "make_sft_step",
+    "mesh_from_config",
+    "model_config_from",
+    "prepare_process",
+    "request_host_devices",
+    "reset_optimizer",
+    "rl_config",
+    "rl_iteration",
+    "rl_loss",
+    "rl_step",
+    "rollout_metrics",
+    "select_and_build_batch",
+    "sft_config",
+    "sft_loss",
+    "sft_step",
+    "stage",
+    "state_shardings",
+    "train_rl",
+    "train_sft",
+    "trajectory_sequence",
+    "validate_rl_config",
+    "validate_sft_config",
+]

@@ -1,0 +1,69 @@
+"""A tiny Qwen3-shaped model on one CPU device: two short stages (the second with the hard-problem filter and
+an optimizer reset), small batches. For tests, demos and checking the system end to end on a laptop.
+
+  python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.workdir=runs/tiny
+"""
+
+import pathlib
+
+from rstar2jax.train.config import rl_config, sft_config, stage
+
+SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared"
+
+
+def _model(c):
+    """Random weights of a 2-layer Qwen3 with the real Qwen3 vocabulary, so the real tokenizer works."""
+    c.model.spec.model_type = "qwen3"
+    c.model.spec.vocab_size = 151936
+    c.model.spec.hidden_size = 64
+    c.model.spec.intermediate_size = 128
+    c.model.spec.num_layers = 2
+    c.model.spec.num_heads = 4
+    c.model.spec.num_kv_heads = 2
+    c.model.spec.head_dim = 16
+    c.model.spec.tie_word_embeddings = True
+    c.model.spec.max_position_embeddings = 4096
+    c.model.spec.eos_token_ids = (151645, 151643)
+    c.tokenizer = str(SHARED / "tokenizers" / "qwen3")
+    return c
+
+
+def get_config(kind: str = "rl"):
+    """``kind``: "rl" (python -m experiments.train_rl) or "sft" (python -m experiments.sft, add
+    --config.sft.data=...)."""
+    if kind == "sft":
+        c = _model(sft_config())
+        c.workdir = "runs/tiny_cpu_sft"
+        c.optimizer.learning_rate = 1e-3
+        c.sft.epochs, c.sft.batch_size, c.sft.seq_len = 1, 8, 1024
+        c.num_microbatches = 2
+        c.checkpoint.save_every = 5
+        return c
+    if kind != "rl":
+        raise ValueError(f"get_config: kind={kind!r}; expected 'rl' or 'sft'")
+    c = _model(rl_config())
+    c.workdir = "runs/tiny_cpu"
+    c.data.source = str(SHARED / "data" / "aime24.jsonl")
+
+    c.optimizer.learning_rate = 1e-4
+    c.optimizer.warmup_steps = 1
+    c.num_microbatches = 2
+    c.rl.prompts_per_step = 2
+    c.rl.samples_per_problem = 4
+    c.rl.keep = 2
+    c.batch.max_prompt_length = 768  # the paper prompt with the tool schema is ~400-550 tokens
+    c.rollout.engine_slots = 8
+    c.filter_batch_size = 4
+    c.stages = [
+        stage("stage1", steps=2, max_response_length=64, max_turns=2),
+        stage(
+            "stage2",
+            steps=2,
+            max_response_length=96,
+            max_turns=3,
+            hard_filter_rollouts=2,
+            reset_optimizer=True,
+        ),
+    ]
+    c.checkpoint.save_every = 1
+    return c

@@ -1,0 +1,44 @@
+"""Non-reasoning SFT (the stage before RL): masked cross-entropy on assistant tokens over packed sequences.
+
+  python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --config.sft.data=sft.jsonl
+  python -m experiments.sft --config=experiments/configs/paper_qwen3_14b.py:sft --dry_run
+
+Data: JSONL rows of chats ({"messages": [...], "tools": [...]}, rendered with config.tokenizer's template,
+loss on assistant turns) or pre-tokenised {"input_ids": [...], "loss_mask": [...]}. Any config field can be
+overridden (--config.sft.epochs=1 --config.mesh.fsdp=8). A run resumes from the latest checkpoint in its
+workdir.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Config file with get_config('sft'), e.g. experiments/configs/tiny_cpu.py:sft.",
+    lock_config=True,
+)
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the SFT step for the configured mesh, print per-device memory, exit."
+)
+_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many steps (default: the whole run).")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the config (after overrides) and exit.")
+flags.mark_flag_as_required("config")
+
+
+def main(argv):
+    del argv
+    from rstar2jax import train  # no JAX backend starts on import
+
+    config = _CONFIG.value
+    if not train.launch_prologue(
+        config, kind="sft", dry_run_only=_DRY_RUN.value, print_config=_PRINT_CONFIG.value
+    ):
+        return
+    train.train_sft(config, max_steps=_MAX_STEPS.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,75 @@
+"""GRPO-RoC training: the staged rStar2-Agent recipe (rollouts with the Python tool, RoC, policy update).
+
+  python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.workdir=runs/tiny
+  python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py --dry_run
+
+Any config field can be overridden: --config.rl.keep=8 --config.stages[0].steps=10 --config.mesh.fsdp=8.
+A run resumes from the latest checkpoint in its workdir. --dry_run compiles the update step for the configured
+mesh on abstract shapes (emulating CPU devices when the host has fewer) and prints per-device memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "RL config file (experiments/configs/*.py) with get_config().", lock_config=True
+)
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the RL step for the configured mesh, print per-device memory, exit."
+)
+_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many RL steps in total (default: all).")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the config (after overrides) and exit.")
+flags.mark_flag_as_required("config")
+
+
+def agent_rollout_fn(config, stack: contextlib.ExitStack):
+    """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
+    sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run) and the answer verifier."""
+    from rstar2jax import agent, train
+    from rstar2jax.engine import EngineConfig, SamplingParams
+    from rstar2jax.models.tokenizer import load_tokenizer
+
+    r = config.rollout
+    if not config.tokenizer:
+        raise ValueError("config.tokenizer is empty: the rollout needs the policy's tokenizer")
+    url = r.sandbox_url
+    if not url:
+        from sandbox_server import start_local
+
+        url = stack.enter_context(start_local(workers=r.sandbox_workers)).url
+    rollout_fn = agent.PolicyRollout(
+        train.model_config_from(config),
+        load_tokenizer(config.tokenizer),
+        agent.SandboxClient(url, default_timeout=r.tool_timeout),
+        engine_config=EngineConfig(num_slots=r.engine_slots, seed=config.seed),
+        max_prompt_length=config.batch.max_prompt_length,
+        config=agent.RolloutConfig(
+            max_tool_calls_per_turn=r.max_tool_calls_per_turn,
+            tool_timeout=r.tool_timeout,
+            tool_output_chars=r.tool_output_chars,
+            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        ),
+    )
+    stack.callback(rollout_fn.close)
+    return rollout_fn
+
+
+def main(argv):
+    del argv
+    from rstar2jax import train  # no JAX backend starts on import
+
+    config = _CONFIG.value
+    if not train.launch_prologue(
+        config, kind="rl", dry_run_only=_DRY_RUN.value, print_config=_PRINT_CONFIG.value
+    ):
+        return
+    with contextlib.ExitStack() as stack:
+        train.train_rl(config, rollout_fn=agent_rollout_fn(config, stack), max_steps=_MAX_STEPS.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

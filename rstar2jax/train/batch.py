@@ -1,0 +1,166 @@
+"""Token batches for the SFT and RL steps: sequences packed (or padded) into fixed ``[rows, seq_len]`` arrays.
+
+Every array is *target-aligned*: position ``t`` holds the input token ``tokens[t]``, the token it must predict
+``targets[t]`` and that target's loss mask, sampler log-prob and advantage. A sequence of ``n`` tokens uses
+``n - 1`` positions (inputs ``s[:-1]``, targets ``s[1:]``), so a packed row never asks a segment's last token
+to predict the next segment's first one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import flax.struct
+import jax
+import numpy as np
+
+if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
+    from rstar2jax.agent.trajectory import Trajectory
+
+
+@flax.struct.dataclass
+class Batch:
+    """A ``[rows, seq_len]`` token batch; ``advantages`` and ``old_logp`` are ``None`` for SFT.
+
+    Attributes:
+      tokens: int32 input tokens.
+      targets: int32 next tokens (the prediction targets at each position).
+      positions: int32 position of each token inside its own sequence.
+      segment_ids: int32 sequence id inside the row (1, 2, ...); 0 marks padding.
+      loss_mask: float32, 1 where ``targets`` is trained on (sampled response / assistant tokens).
+      advantages: float32 per-token advantage (the sequence's scalar advantage broadcast to its tokens).
+      old_logp: float32 log-prob of ``targets`` under the sampling policy.
+    """
+
+    tokens: jax.Array
+    targets: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    loss_mask: jax.Array
+    advantages: jax.Array | None = None
+    old_logp: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSequence:
+    """One training sequence: ``tokens`` with a per-token ``loss_mask`` (1 = train on predicting this token).
+
+    ``logprobs`` (per token, sampler log-prob of the token, ignored where the mask is 0) and ``advantage`` are
+    set for RL sequences.
+    """
+
+    tokens: Sequence[int]
+    loss_mask: Sequence[float]
+    logprobs: Sequence[float] | None = None
+    advantage: float = 0.0
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        if n < 2:
+            raise ValueError(f"a training sequence needs at least 2 tokens, got {n}")
+        if len(self.loss_mask) != n or (self.logprobs is not None and len(self.logprobs) != n):
+            raise ValueError(
+                f"tokens ({n}), loss_mask ({len(self.loss_mask)}) and logprobs "
+                f"({None if self.logprobs is None else len(self.logprobs)}) must have the same length"
+            )
+        if self.loss_mask[0]:
+            raise ValueError("the first token of a sequence has no context and cannot carry loss")
+
+
+def trajectory_sequence(trajectory: Trajectory, advantage: float) -> TokenSequence:
+    """Prompt + response as one sequence; loss on the sampled response tokens, sampler log-probs kept."""
+    if not trajectory.prompt_ids:
+        raise ValueError(f"trajectory of problem {trajectory.problem_id!r} has an empty prompt")
+    prompt = len(trajectory.prompt_ids)
+    return TokenSequence(
+        tokens=[*trajectory.prompt_ids, *trajectory.response_ids],
+        loss_mask=[0] * prompt + list(trajectory.loss_mask),
+        logprobs=[0.0] * prompt + list(trajectory.logprobs),
+        advantage=float(advantage),
+    )
+
+
+def _assign_rows(
+    lengths: Sequence[int], seq_len: int, *, pack: bool
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """First-fit in order: returns per-row fill and, per sequence, (row, start column)."""
+    fill: list[int] = []
+    placement = []
+    for i, n in enumerate(lengths):
+        width = n - 1
+        if width > seq_len:
+            raise ValueError(
+                f"sequence {i} has {n} tokens; it needs {width} positions but seq_len is {seq_len}"
+            )
+        row = next((r for r, used in enumerate(fill) if used + width <= seq_len), None) if pack else None
+        if row is None:
+            fill.append(0)
+            row = len(fill) - 1
+        placement.append((row, fill[row]))
+        fill[row] += width
+    return fill, placement
+
+
+def build_batch(
+    sequences: Sequence[TokenSequence],
+    *,
+    seq_len: int,
+    num_rows: int | None = None,
+    row_multiple: int = 1,
+    pack: bool = True,
+    with_rl_fields: bool = False,
+) -> Batch:
+    """Packs sequences into a NumPy ``Batch`` of ``[num_rows, seq_len]``.
+
+    Args:
+      sequences: the sequences, placed first-fit in order (``pack=False``: one per row, padded).
+      seq_len: row length in positions (a sequence of n tokens takes n - 1).
+      num_rows: fixed row count (padding rows have segment id 0 and no loss); ``None`` rounds the rows needed
+        up to ``row_multiple`` times a power of two, so a run compiles for a handful of shapes at most.
+      row_multiple: rows must divide evenly into micro-batches and data shards.
+      with_rl_fields: fill ``advantages`` and ``old_logp`` (sequences without log-probs get 0).
+    """
+    if seq_len <= 0 or row_multiple <= 0:
+        raise ValueError(f"seq_len ({seq_len}) and row_multiple ({row_multiple}) must be positive")
+    fill, placement = _assign_rows([len(s.tokens) for s in sequences], seq_len, pack=pack)
+    if num_rows is None:
+        units = -(-max(len(fill), 1) // row_multiple)
+        num_rows = row_multiple * (1 << (units - 1).bit_length())
+    elif len(fill) > num_rows:
+        raise ValueError(
+            f"{len(sequences)} sequences need {len(fill)} rows of {seq_len}, but num_rows={num_rows}"
+        )
+    if num_rows % row_multiple:
+        raise ValueError(f"num_rows={num_rows} must be a multiple of row_multiple={row_multiple}")
+
+    shape = (num_rows, seq_len)
+    tokens, targets, positions, segment_ids = (np.zeros(shape, np.int32) for _ in range(4))
+    loss_mask, advantages, old_logp = (np.zeros(shape, np.float32) for _ in range(3))
+    segments_in_row = np.zeros(num_rows, np.int32)
+    for seq, (row, start) in zip(sequences, placement, strict=True):
+        stop = start + len(seq.tokens) - 1
+        span = np.s_[row, start:stop]
+        segments_in_row[row] += 1
+        tokens[span] = seq.tokens[:-1]
+        targets[span] = seq.tokens[1:]
+        positions[span] = np.arange(stop - start)
+        segment_ids[span] = segments_in_row[row]
+        loss_mask[span] = seq.loss_mask[1:]
+        advantages[span] = seq.advantage
+        if seq.logprobs is not None:
+            old_logp[span] = seq.logprobs[1:]
+    rl = dict(advantages=advantages, old_logp=old_logp) if with_rl_fields else {}
+    return Batch(
+        tokens=tokens,
+        targets=targets,
+        positions=positions,
+        segment_ids=segment_ids,
+        loss_mask=loss_mask,
+        **rl,
+    )

@@ -1,0 +1,85 @@
+"""Orbax checkpoints of a training run: the ``TrainState`` plus a JSON record of everything else a resumed run
+needs to continue exactly (stage, step inside the stage, data-iterator position, metrics history).
+
+Saves are asynchronous (the device-to-host copy happens before ``save`` returns, so the state can be donated
+to the next step right away); a save interrupted by a crash leaves a temporary folder that restore ignores.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from rstar2jax.train.state import TrainState
+
+
+class Checkpointer:
+    """Saves every ``save_every`` steps (and when forced, e.g. at exit), keeps the last ``keep``, restores.
+
+    Args:
+      directory: where step folders go (created if missing).
+      save_every: save on steps that are multiples of this (``save(..., force=True)`` saves regardless).
+      keep: how many of the latest checkpoints to keep.
+      async_save: write in a background thread.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike, *, save_every: int = 10, keep: int = 3, async_save: bool = True
+    ):
+        if save_every <= 0 or keep <= 0:
+            raise ValueError(f"save_every ({save_every}) and keep ({keep}) must be positive")
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=save_every,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=options, item_names=("state", "meta")
+        )
+
+    @property
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], *, force: bool = False) -> bool:
+        """Saves ``state`` and JSON-serialisable ``meta`` as checkpoint ``step`` if due; True when saved."""
+        if (
+            self._manager.latest_step() == step
+        ):  # already saved (e.g. the exit save right after a periodic one)
+            return False
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=force,
+        )
+
+    def restore(self, abstract_state: TrainState, step: int | None = None) -> tuple[TrainState, dict] | None:
+        """The state (placed as ``abstract_state``'s shardings) and meta of ``step`` (default: the latest), or
+        None when there is no checkpoint yet."""
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return restored.state, restored.meta
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def abstract_like(state: TrainState) -> TrainState:
+    """``ShapeDtypeStruct`` (with sharding) of every leaf: a restore target shaped like ``state``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

@@ -1,0 +1,78 @@
+"""Per-step metrics to JSONL and TensorBoard, resumable: a resumed run rewrites both from the checkpoint's
+history, so no step from the crashed attempt after its last checkpoint survives."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def to_python(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """Scalars (NumPy / JAX / Python) as plain ints and floats, ready for JSON."""
+    out = {}
+    for key, value in metrics.items():
+        array = np.asarray(value)
+        if array.shape != ():
+            raise ValueError(f"metric {key!r} is not a scalar (shape {array.shape})")
+        out[key] = array.item() if array.dtype.kind in "iub" else float(array)
+    return out
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``<workdir>/metrics.jsonl`` and scalars to TensorBoard.
+
+    Args:
+      workdir: run folder; JSONL goes to ``metrics.jsonl``, TensorBoard events to ``tensorboard/``.
+      history: the metrics already logged (from a checkpoint); the JSONL is rewritten to exactly these and
+        TensorBoard events at later steps are purged.
+      tensorboard: also write TensorBoard events.
+      enabled: False on non-zero processes of a multi-host run (only process 0 writes).
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        history: Sequence[Mapping[str, Any]] = (),
+        tensorboard: bool = True,
+        enabled: bool = True,
+    ):
+        self.history: list[dict[str, Any]] = [dict(h) for h in history]
+        self._enabled = enabled
+        self._writer = None
+        if not enabled:
+            return
+        workdir = pathlib.Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.path = workdir / "metrics.jsonl"
+        with self.path.open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(h) + "\n" for h in self.history)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            next_step = self.history[-1]["step"] + 1 if self.history else 0
+            self._writer = SummaryWriter(str(workdir / "tensorboard"), purge_step=next_step)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Records ``metrics`` (scalars) of ``step``; returns the record (with ``step``) as stored."""
+        record = {"step": int(step), **to_python(metrics)}
+        self.history.append(record)
+        if self._enabled:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            if self._writer is not None:
+                for key, value in record.items():
+                    if key != "step" and math.isfinite(value):
+                        self._writer.add_scalar(key, value, step)
+                self._writer.flush()
+        return record
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,542 @@
+"""The whole rStar2-Agent recipe at toy scale, as resumable phases: task -> SFT data -> tokenizer -> SFT ->
+policy export -> held-out evaluation -> GRPO-RoC stages -> evaluation -> report.
+
+Each phase writes its output under one work folder and is skipped when that output is already there; SFT
+and RL resume from their own checkpoints. The launchers (``experiments/demo.py``,
+``experiments/ablate_roc.py``) only wire these together, so a notebook can run, inspect or replace any
+single phase.
+
+The rollout function is injected (see ``rstar2jax.train.rl``): :func:`policy_rollout` builds the real one
+(engine + sandbox + verifier) from an RL config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import pathlib
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from rstar2jax import models
+from rstar2jax.agent.prompts import PYTHON_TOOL_NAME, PromptConfig, format_tool_result, render_prompt_ids
+from rstar2jax.data.problems import Problem, load_problems
+from rstar2jax.data.sft_data import build_sft_examples
+from rstar2jax.data.synthetic import SyntheticTask, make_task
+from rstar2jax.eval.evaluate import DatasetEval, aggregate
+from rstar2jax.models.tokenizer import (
+    CHATML_TOOLS_TEMPLATE,
+    load_tokenizer,
+    render_chat,
+    train_tiny_tokenizer,
+)
+from rstar2jax.train import config as config_lib
+from rstar2jax.train import runner
+from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.rl import RolloutFn
+from rstar2jax.train.steps import state_shardings
+
+#: Metrics an evaluation reports, in the order the report lists them.
+EVAL_KEYS = (
+    "pass@1",
+    "tool_error_ratio",
+    "tool_error_ratio_correct",
+    "tool_calls_per_traj",
+    "response_length",
+    "truncation_rate",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoPaths:
+    """Where each phase of a demo run writes, under ``workdir``."""
+
+    workdir: pathlib.Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "workdir", pathlib.Path(self.workdir))
+
+    @property
+    def train_problems(self) -> pathlib.Path:
+        return self.workdir / "data" / "train.jsonl"
+
+    @property
+    def eval_problems(self) -> pathlib.Path:
+        return self.workdir / "data" / "eval.jsonl"
+
+    @property
+    def sft_data(self) -> pathlib.Path:
+        return self.workdir / "data" / "sft.jsonl"
+
+    @property
+    def tokenizer(self) -> pathlib.Path:
+        return self.workdir / "tokenizer"
+
+    @property
+    def sft_run(self) -> pathlib.Path:
+        return self.workdir / "sft"
+
+    @property
+    def sft_policy(self) -> pathlib.Path:
+        return self.workdir / "policies" / "sft"
+
+    @property
+    def rl_run(self) -> pathlib.Path:
+        return self.workdir / "rl"
+
+    @property
+    def rl_policy(self) -> pathlib.Path:
+        return self.workdir / "policies" / "rl"
+
+    @property
+    def report(self) -> pathlib.Path:
+        return self.workdir / "report"
+
+    def evaluation(self, name: str) -> pathlib.Path:
+        return self.workdir / "eval" / f"{name}.json"
+
+
+def compact_tool_schema() -> dict[str, Any]:
+    """The paper's Python tool (same name and arguments) without the descriptions: a tiny model's prompt is
+    most of its sequence, so every token of it costs compute in SFT, rollouts and updates."""
+    properties = {"code": {"type": "string"}, "input": {"type": "string"}}
+    parameters = {"type": "object", "properties": properties, "required": ["code", "input"]}
+    return {"type": "function", "function": {"name": PYTHON_TOOL_NAME, "parameters": parameters}}
+
+
+def prompt_from_config(config: ml_collections.ConfigDict) -> PromptConfig:
+    """``config.prompt.paper``: the paper's prompt and tool schema; else ``config.prompt``'s system prompt and
+    user prefix with the compact schema. SFT data and rollouts must use the same prompt."""
+    p = config.prompt
+    if p.paper:
+        return PromptConfig()
+    return PromptConfig(
+        system_prompt=p.system_prompt, user_prefix=p.user_prefix, tools=(compact_tool_schema(),)
+    )
+
+
+def _write_jsonl(path: pathlib.Path, rows: Sequence[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    with temporary.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    temporary.replace(path)  # a crash mid-write never leaves a half file that a re-run would trust
+
+
+def write_task(config: ml_collections.ConfigDict, paths: DemoPaths) -> SyntheticTask:
+    """Generates the synthetic task (deterministic in ``config.seed``) and writes both splits as JSONL."""
+    t = config.task
+    task = make_task(
+        t.num_train, t.num_eval, seed=config.seed, families=tuple(t.families), difficulty=t.difficulty
+    )
+    for path, split in ((paths.train_problems, task.train), (paths.eval_problems, task.eval)):
+        _write_jsonl(
+            path, [{"id": p.id, "problem": p.problem, "answer": p.answer, "family": p.family} for p in split]
+        )
+    return task
+
+
+def load_split(path: str | pathlib.Path) -> list[Problem]:
+    """Problems of a split written by :func:`write_task`."""
+    loaded = load_problems(path)
+    if loaded.num_skipped or not loaded.problems:
+        raise ValueError(
+            f"{path}: expected usable problems, got {len(loaded)} and skips {dict(loaded.skipped)}"
+        )
+    return loaded.problems
+
+
+def write_sft_data(
+    config: ml_collections.ConfigDict,
+    task: SyntheticTask,
+    run_code: Callable[[str, str], Any],
+    paths: DemoPaths,
+    *,
+    progress: bool = True,
+) -> dict[str, int]:
+    """Tool-use conversations for the first ``sft_data.num_examples`` train problems, every call run by
+    ``run_code(code, stdin)`` (the sandbox); returns the count per injected bug kind ("none": clean)."""
+    d, prompt = config.sft_data, prompt_from_config(config)
+    if d.num_examples > len(task.train):
+        raise ValueError(f"sft_data.num_examples={d.num_examples} > task.num_train={len(task.train)}")
+    examples = build_sft_examples(
+        task.train[: d.num_examples],
+        run_code,
+        format_tool_output=functools.partial(
+            format_tool_result, max_chars=config.rl.rollout.tool_output_chars
+        ),
+        system_prompt=prompt.system_prompt,
+        user_prefix=prompt.user_prefix,
+        fail_rate=d.fail_rate,
+        bug_kinds=tuple(d.bug_kinds),
+        seed=config.seed,
+        max_workers=4,
+        progress=progress,
+    )
+    rows = [
+        {
+            "messages": e.messages,
+            "tools": [dict(t) for t in prompt.tools],
+            "assistant_opener": prompt.assistant_opener,
+        }
+        for e in examples
+    ]
+    _write_jsonl(paths.sft_data, rows)
+    counts: dict[str, int] = {}
+    for e in examples:
+        counts[e.bug_kind or "none"] = counts.get(e.bug_kind or "none", 0) + 1
+    return counts
+
+
+# The English preamble of the ChatML tools block (~100 tokens in every prompt) cut to the <tools> list itself.
+_TEMPLATE_CUTS = (
+    (
+        "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>",
+        "<tools>",
+    ),
+    (
+        "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>',
+        "\\n</tools><|im_end|>",
+    ),
+)
+
+
+def compact_chat_template() -> str:
+    """``CHATML_TOOLS_TEMPLATE`` (Qwen's rendering of Hermes tool calls and responses) with the tools block
+    reduced to ``<tools> schemas </tools>``: the same conversation format at half the prompt length."""
+    template = CHATML_TOOLS_TEMPLATE
+    for long, short in _TEMPLATE_CUTS:
+        if long not in template:
+            raise ValueError(f"CHATML_TOOLS_TEMPLATE changed: cannot find {long!r} to shorten")
+        template = template.replace(long, short)
+    return template
+
+
+def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
+    """A byte-level BPE tokenizer (ChatML + Hermes tool tags) trained on the rendered SFT conversations, with
+    numbers split into single digits as in Qwen's tokenizer: a number then reads the same in the problem,
+    the code, the tool output and the answer, so a tiny model can learn to copy it digit by digit."""
+    from tokenizers import pre_tokenizers
+
+    rows = [json.loads(line) for line in paths.sft_data.read_text(encoding="utf-8").splitlines() if line]
+    template = compact_chat_template() if not config.prompt.paper else CHATML_TOOLS_TEMPLATE
+    # Rendering needs a tokenizer that carries the template: a throwaway bytes-only one renders.
+    scratch = paths.workdir / "tokenizer.bytes"
+    renderer = train_tiny_tokenizer([""], 259, scratch, chat_template=template)
+    texts = [render_chat(renderer, r["messages"], tools=r["tools"]) for r in rows]
+    shutil.rmtree(scratch)
+    tokenizer = train_tiny_tokenizer(
+        texts, config.tokenizer_vocab_size, paths.tokenizer, chat_template=template
+    )
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), tokenizer.backend_tokenizer.pre_tokenizer]
+    )
+    tokenizer.save_pretrained(paths.tokenizer)
+    return load_tokenizer(paths.tokenizer)
+
+
+def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
+    """``ModelConfig`` fields of the demo model, its vocabulary and end-of-turn token from ``tokenizer``."""
+    return {
+        **config.model.to_dict(),
+        "vocab_size": len(tokenizer),
+        "eos_token_ids": (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),),
+    }
+
+
+def sft_run_config(
+    config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer
+) -> ml_collections.ConfigDict:
+    """The ``train_sft`` config of the demo's SFT phase."""
+    c = ml_collections.ConfigDict(config.sft.to_dict())
+    c.seed = config.seed
+    c.workdir = str(paths.sft_run)
+    c.tokenizer = str(paths.tokenizer)
+    c.sft.data = str(paths.sft_data)
+    c.model.spec = ml_collections.ConfigDict(model_spec(config, tokenizer))
+    return c
+
+
+def rl_run_config(
+    config: ml_collections.ConfigDict,
+    paths: DemoPaths,
+    *,
+    workdir: str | pathlib.Path | None = None,
+    seed: int | None = None,
+    roc_mode: str | None = None,
+) -> ml_collections.ConfigDict:
+    """The ``train_rl`` config of the demo's RL phase: starts from the exported SFT policy, trains on the
+    train split. ``workdir`` / ``seed`` / ``roc_mode`` override the demo's (the ablation's runs)."""
+    c = ml_collections.ConfigDict(config.rl.to_dict())
+    c.seed = config.seed if seed is None else seed
+    c.workdir = str(workdir or paths.rl_run)
+    c.tokenizer = str(paths.tokenizer)
+    c.model.path = str(paths.sft_policy)
+    c.data.source = str(paths.train_problems)
+    if roc_mode is not None:
+        c.rl.roc_mode = roc_mode
+    return c
+
+
+def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
+    """The parameters of the latest checkpoint in ``run_config.workdir`` (None when it has none)."""
+    model_config = runner.model_config_from(run_config)
+    optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
+    mesh = runner.mesh_from_config(run_config)
+    shardings = state_shardings(model_config, optimizer, mesh)
+    checkpointer = Checkpointer(pathlib.Path(run_config.workdir) / "checkpoints", async_save=False)
+    try:
+        restored = checkpointer.restore(
+            runner.abstract_state(model_config, optimizer, shardings, run_config.seed)
+        )
+    finally:
+        checkpointer.close()
+    return None if restored is None else (model_config, restored[0].params)
+
+
+def export_policy(
+    run_config: ml_collections.ConfigDict, out: pathlib.Path, *, total_steps: int | None = None
+) -> pathlib.Path:
+    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json + safetensors), the
+    form ``config.model.path`` and ``load_pretrained`` read."""
+    restored = restore_params(run_config, total_steps=total_steps)
+    if restored is None:
+        raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
+    model_config, params = restored
+    temporary = out.with_name(out.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    models.save_pretrained(params, model_config, temporary)
+    shutil.rmtree(out, ignore_errors=True)
+    temporary.replace(out)
+    return out
+
+
+def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prompt: PromptConfig):
+    """The trainer's rollout function from an RL config: the engine on the given parameters, the sandbox at
+    ``sandbox_url``, the default answer verifier; call its ``close()`` when done."""
+    from rstar2jax import agent
+    from rstar2jax.engine import EngineConfig, SamplingParams
+
+    r = run_config.rollout
+    return agent.PolicyRollout(
+        runner.model_config_from(run_config),
+        load_tokenizer(run_config.tokenizer),
+        agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
+        engine_config=EngineConfig(num_slots=r.engine_slots, seed=run_config.seed),
+        max_prompt_length=run_config.batch.max_prompt_length,
+        config=agent.RolloutConfig(
+            max_tool_calls_per_turn=r.max_tool_calls_per_turn,
+            tool_timeout=r.tool_timeout,
+            tool_output_chars=r.tool_output_chars,
+            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+            prompt=prompt,
+        ),
+    )
+
+
+def load_policy(path: str | pathlib.Path):
+    """``(model_config, params)`` of an exported policy folder."""
+    return models.load_pretrained(path)
+
+
+def evaluate_policy(
+    params,
+    problems: Sequence[Problem],
+    rollout_fn: RolloutFn,
+    *,
+    samples: int,
+    max_response_length: int,
+    max_turns: int,
+    seed: int,
+) -> DatasetEval:
+    """Average pass@1 over ``samples`` rollouts per held-out problem, plus tool-use statistics (one batched
+    rollout call: the engine decodes every problem's group side by side)."""
+    trajectories = rollout_fn(
+        params,
+        list(problems),
+        samples_per_problem=samples,
+        max_response_length=max_response_length,
+        max_turns=max_turns,
+        seed=seed,
+    )
+    groups: dict[str, list] = {p.id: [] for p in problems}
+    for t in trajectories:
+        groups[t.problem_id].append(t)
+    return aggregate(problems, [groups[p.id] for p in problems])
+
+
+def save_evaluation(result: DatasetEval, path: pathlib.Path, **extra: Any) -> dict[str, Any]:
+    """Writes an evaluation's metrics and per-problem correctness as JSON; returns what it wrote."""
+    record = {
+        **extra,
+        "metrics": result.metrics,
+        "problem_ids": result.problem_ids,
+        "correct": np.asarray(result.correct).astype(int).tolist(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return record
+
+
+def max_prompt_tokens(tokenizer, problems: Sequence[Problem], prompt: PromptConfig) -> int:
+    """The longest rendered prompt among ``problems`` (the engine's prompt budget must cover it)."""
+    return max(len(render_prompt_ids(tokenizer, p.problem, prompt)) for p in problems)
+
+
+def check_prompt_budget(config: ml_collections.ConfigDict, paths: DemoPaths) -> int:
+    """Raises when a train or held-out prompt is longer than ``rl.batch.max_prompt_length``."""
+    tokenizer = load_tokenizer(paths.tokenizer)
+    problems = load_split(paths.train_problems) + load_split(paths.eval_problems)
+    longest = max_prompt_tokens(tokenizer, problems, prompt_from_config(config))
+    if longest > config.rl.batch.max_prompt_length:
+        raise ValueError(
+            f"the longest prompt has {longest} tokens > rl.batch.max_prompt_length="
+            f"{config.rl.batch.max_prompt_length}; raise it or the tokenizer's vocabulary"
+        )
+    return longest
+
+
+def _cell(value: Any) -> str:
+    """A metric for a markdown table ("–" when missing or NaN, e.g. no tool call in correct trajectories)."""
+    return "–" if value is None or value != value else f"{value:.3f}"
+
+
+def write_demo_report(
+    paths: DemoPaths,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    *,
+    timings: dict[str, float] | None = None,
+) -> pathlib.Path:
+    """The RL run's report (accuracy, tool-error ratio inside correct trajectories and response length over
+    steps, from ``eval.report.write_report``) plus the held-out evaluation before and after RL, the SFT loss
+    curve and the phase timings; returns the markdown's path."""
+    from rstar2jax.eval import report
+
+    path = report.write_report(paths.rl_run / "metrics.jsonl", paths.report, title="rstar2jax CPU demo")
+    sft_plot = report.PlotSpec("sft_loss.png", "SFT loss", "masked cross-entropy", ("loss",))
+    report.plot_curves(
+        report.read_metrics(paths.sft_run / "metrics.jsonl"), sft_plot, paths.report / "sft_loss.png"
+    )
+    lines = [
+        "",
+        "## Held-out evaluation (average pass@1 over samples, same sampling as RL)",
+        "",
+        "| metric | after SFT | after RL |",
+        "|---|---|---|",
+    ]
+    for key in EVAL_KEYS:
+        cells = [_cell(r["metrics"].get(key)) for r in (before, after)]
+        lines.append(f"| {key} | {cells[0]} | {cells[1]} |")
+    lines += ["", "## SFT", "", "![SFT loss](sft_loss.png)", ""]
+    if timings:
+        lines += ["## Phase timings (this invocation)", "", "| phase | seconds |", "|---|---|"]
+        lines += [f"| {name} | {seconds:.1f} |" for name, seconds in timings.items()]
+    with path.open("a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase, announced (with where the phase writes) and printed as they finish."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, where: pathlib.Path | None = None):
+        print(f"\n== {name}" + (f"  ->  {where}" if where else ""), flush=True)
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+        print(f"   {name}: {self.seconds[name]:.1f}s", flush=True)
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def prepare_policy(
+    config: ml_collections.ConfigDict, paths: DemoPaths, sandbox_url: str, timer: PhaseTimer
+) -> ml_collections.ConfigDict:
+    """Task, SFT data (tool calls run on the sandbox at ``sandbox_url``), tokenizer, SFT and its export to
+    ``paths.sft_policy``; each phase skipped when its output exists. Returns the SFT run config."""
+    from rstar2jax.agent.sandbox_client import SyncSandboxClient
+
+    with timer.phase("task", paths.train_problems.parent):
+        task = write_task(config, paths)
+        print(
+            f"   {len(task.train)} train / {len(task.eval)} held-out problems, {list(config.task.families)}"
+        )
+    if not paths.sft_data.exists():
+        with (
+            timer.phase("sft data (real tool calls)", paths.sft_data),
+            SyncSandboxClient(sandbox_url) as client,
+        ):
+            counts = write_sft_data(
+                config, task, lambda code, stdin: dataclasses.asdict(client.run(code, stdin)), paths
+            )
+            print(f"   conversations per first-call bug: {counts}")
+    if not (paths.tokenizer / "tokenizer.json").exists():
+        with timer.phase("tokenizer", paths.tokenizer):
+            print(f"   vocabulary {len(train_tokenizer(config, paths))}")
+    longest = check_prompt_budget(config, paths)
+    sft_config = sft_run_config(config, paths, load_tokenizer(paths.tokenizer))
+    runner.prepare_process(sft_config)  # before the first JAX computation
+    if not (paths.sft_policy / "config.json").exists():
+        with timer.phase("sft", paths.sft_run):
+            print(f"   model {sft_config.model.spec.to_dict()}, longest prompt {longest} tokens")
+            runner.train_sft(sft_config)
+            export_policy(sft_config, paths.sft_policy, total_steps=sft_config.sft.steps)
+    return sft_config
+
+
+def evaluate_saved(
+    config: ml_collections.ConfigDict,
+    path: pathlib.Path,
+    policy_dir: pathlib.Path,
+    problems_path: pathlib.Path,
+    rollout_fn: RolloutFn,
+    timer: PhaseTimer,
+) -> dict[str, Any]:
+    """Held-out evaluation (``config.eval``) of an exported policy, saved to ``path`` (skipped when it
+    exists); returns the saved record."""
+    if not path.exists():
+        with timer.phase(f"eval {policy_dir.name}", path):
+            _, params = load_policy(policy_dir)
+            e = config.eval
+            result = evaluate_policy(
+                params,
+                load_split(problems_path),
+                rollout_fn,
+                samples=e.samples,
+                max_response_length=e.max_response_length,
+                max_turns=e.max_turns,
+                seed=config.seed + 1,
+            )
+            save_evaluation(result, path, policy=str(policy_dir), samples=e.samples)
+    record = json.loads(path.read_text(encoding="utf-8"))
+    print(
+        f"   held-out, {policy_dir.name}: "
+        + ", ".join(f"{k}={record['metrics'][k]:.3f}" for k in EVAL_KEYS if k in record["metrics"])
+    )
+    return record
+
+
+def configure_compile_cache(directory: str) -> None:
+    """A persistent JAX compilation cache in ``directory`` ('' leaves it off): re-runs and the ablation's
+    runs reuse the programs the first run compiled."""
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).resolve()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,403 @@
+"""One GRPO-RoC iteration: problems → 2G rollouts each → rewards → penalties → RoC to G → advantages → update.
+
+The rollout is injected (``rollout_fn``), so the same iteration runs the real agent (engine + sandbox) or a
+scripted rollout in tests. Signature expected of it::
+
+    rollout_fn(params, problems, *, samples_per_problem, max_response_length, max_turns, seed)
+        -> list[Trajectory]      # samples_per_problem per problem, rewards filled in
+
+Every process of a multi-host run calls the iteration; each rolls out its own slice of the problems and the
+trajectories are gathered to all processes before selection, so all of them build the same global batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from rstar2jax import algo
+from rstar2jax.data.problems import Problem
+from rstar2jax.train.batch import Batch, build_batch, trajectory_sequence
+from rstar2jax.train.state import TrainState
+
+RolloutFn = Callable[..., list["Trajectory"]]
+# reward_fn(problem, trajectory) -> reward; when given it (re)scores every trajectory, timed as verification.
+RewardFn = Callable[[Problem, "Trajectory"], float]
+
+if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
+    from rstar2jax.agent.trajectory import Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class RLIterationConfig:
+    """How one iteration turns rollouts into a batch (paper: 2G = 32 sampled, G = 16 kept).
+
+    Attributes:
+      samples_per_problem: rollouts sampled per problem (2G).
+      keep: rollouts kept per problem by RoC (G).
+      roc_mode / min_negatives / min_positives / reject_equal_reward / roc_eps: ``algo.roc_select`` options.
+      estimator / std / advantage_eps: ``algo.group_advantages`` options.
+      seq_len: batch row length in positions (a prompt + response of n tokens takes n - 1).
+      pack: pack several trajectories per row (segment ids keep them apart); False = one per row.
+      row_multiple: rows divide into micro-batches and data shards (num_microbatches x data x fsdp).
+    """
+
+    samples_per_problem: int = 32
+    keep: int = 16
+    roc_mode: str = "paper"
+    min_negatives: int = 2
+    min_positives: int = 2
+    reject_equal_reward: bool = True
+    roc_eps: float = 1e-6
+    estimator: str = "grpo"
+    std: str = "unbiased"
+    advantage_eps: float = 1e-6
+    seq_len: int = 4096
+    pack: bool = True
+    row_multiple: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.keep <= self.samples_per_problem:
+            raise ValueError(
+                f"keep={self.keep} must be in [1, samples_per_problem={self.samples_per_problem}]"
+            )
+
+
+def _group(
+    problems: Sequence[Problem], trajectories: Sequence[Trajectory], size: int
+) -> list[list[Trajectory]]:
+    groups: dict[str, list[Trajectory]] = {p.id: [] for p in problems}
+    for t in trajectories:
+        if t.problem_id not in groups:
+            raise ValueError(f"rollout returned a trajectory for unknown problem {t.problem_id!r}")
+        groups[t.problem_id].append(t)
+    for problem_id, group in groups.items():
+        if len(group) > size:
+            raise ValueError(
+                f"rollout returned {len(group)} trajectories for problem {problem_id!r}, "
+                f"more than samples_per_problem={size}"
+            )
+    return [groups[p.id] for p in problems]
+
+
+def _gather_to_all_processes(items: list[Any]) -> list[Any]:
+    """Concatenation, in process order, of every process's ``items`` (pickled through a uint8 all-gather)."""
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(pickle.dumps(items), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([payload.size]))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: payload.size] = payload
+    gathered = multihost_utils.process_allgather(padded)
+    return [
+        item
+        for row, size in zip(gathered, sizes.reshape(-1), strict=True)
+        for item in pickle.loads(row[:size].tobytes())
+    ]
+
+
+def run_rollouts(
+    rollout_fn: RolloutFn,
+    params,
+    problems: Sequence[Problem],
+    *,
+    samples_per_problem: int,
+    max_response_length: int,
+    max_turns: int,
+    seed: int,
+) -> list[list[Trajectory]]:
+    """Rollouts grouped per problem (in ``problems`` order); with several processes each rolls out a slice."""
+    mine = problems[jax.process_index() :: jax.process_count()]
+    trajectories = rollout_fn(
+        params,
+        list(mine),
+        samples_per_problem=samples_per_problem,
+        max_response_length=max_response_length,
+        max_turns=max_turns,
+        seed=seed + jax.process_index(),
+    )
+    if jax.process_count() > 1:
+        trajectories = _gather_to_all_processes(list(trajectories))
+    return _group(problems, trajectories, samples_per_problem)
+
+
+def _padded(groups: list[list[Trajectory]], width: int, value: Callable[[Trajectory], float]) -> np.ndarray:
+    out = np.zeros((len(groups), width), np.float32)
+    for g, group in enumerate(groups):
+        out[g, : len(group)] = [value(t) for t in group]
+    return out
+
+
+@jax.jit
+def _penalties(calls, failed, answers, turns):
+    """(p_err, p_format) of ``[groups, rollouts]`` counts, paper Eq. 4-5 (one compiled call per shape)."""
+    return algo.tool_error_penalty(calls, failed), algo.answer_format_penalty(answers, turns)
+
+
+def _group_penalties(groups: list[list[Trajectory]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    p_err, p_format = _penalties(
+        _padded(groups, width, lambda t: t.num_tool_calls),
+        _padded(groups, width, lambda t: t.num_failed_calls),
+        _padded(groups, width, lambda t: t.num_answer_blocks),
+        _padded(groups, width, lambda t: t.num_turns),
+    )
+    return np.asarray(p_err), np.asarray(p_format)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return float(numerator / denominator) if denominator else 0.0
+
+
+def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
+    """What the sampled rollouts look like (all 2G per problem, before selection)."""
+    flat = [t for g in groups for t in g]
+    if not flat:
+        return {}
+    correct = [t for t in flat if t.reward > 0]
+    calls = sum(t.num_tool_calls for t in flat)
+    failed = sum(t.num_failed_calls for t in flat)
+    correct_calls = sum(t.num_tool_calls for t in correct)
+    correct_failed = sum(t.num_failed_calls for t in correct)
+    width = max(len(g) for g in groups)
+    valid = _padded(groups, width, lambda t: 1.0) > 0
+    _, p_format = _group_penalties(groups, width)
+    lengths = np.array([len(t.response_ids) for t in flat], np.float64)
+    pass_rates = np.array([np.mean([t.reward > 0 for t in g]) for g in groups if g])
+    metrics = {
+        "reward": float(np.mean([t.reward for t in flat])),
+        "accuracy": len(correct) / len(flat),
+        "problems_all_correct": float(np.mean(pass_rates == 1.0)),
+        "problems_none_correct": float(np.mean(pass_rates == 0.0)),
+        "tool_calls_per_traj": calls / len(flat),
+        "tool_error_ratio": _ratio(failed, calls),
+        "tool_error_ratio_correct": _ratio(correct_failed, correct_calls),
+        "p_format": float(p_format[valid].mean()),
+        "turns": float(np.mean([t.num_turns for t in flat])),
+        "response_length": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "truncation_rate": float(np.mean([t.truncated for t in flat])),
+        "num_trajectories": float(len(flat)),
+    }
+    phases = collections.defaultdict(float)
+    for t in flat:
+        for phase, seconds in t.timings.items():
+            phases[phase] += seconds
+    metrics.update({f"traj_time/{phase}": seconds / len(flat) for phase, seconds in phases.items()})
+    return metrics
+
+
+@functools.partial(jax.jit, static_argnames=("keep", "mode", "estimator", "std"))
+def _select(
+    key,
+    rewards,
+    valid,
+    p_total,
+    min_negatives,
+    min_positives,
+    reject_equal,
+    roc_eps,
+    advantage_eps,
+    *,
+    keep,
+    mode,
+    estimator,
+    std,
+):
+    """RoC selection and the advantages of the kept rollouts, in one compiled call."""
+    selection = algo.roc_select(
+        key,
+        rewards,
+        p_total,
+        valid,
+        keep=keep,
+        mode=mode,
+        min_negatives=min_negatives,
+        min_positives=min_positives,
+        reject_equal_reward=reject_equal,
+        eps=roc_eps,
+    )
+    advantages = algo.group_advantages(
+        selection.gather(rewards), selection.mask, estimator=estimator, std=std, eps=advantage_eps
+    )
+    return selection, advantages, selection.gather(p_total)
+
+
+def select_and_build_batch(
+    key: jax.Array, groups: list[list[Trajectory]], config: RLIterationConfig, num_rows: int | None = None
+) -> tuple[Batch, dict[str, float]]:
+    """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch."""
+    width = config.samples_per_problem
+    rewards = _padded(groups, width, lambda t: t.reward)
+    valid = _padded(groups, width, lambda t: 1.0) > 0
+    p_total = sum(_group_penalties(groups, width))
+    selection, advantages, selected_p_total = jax.device_get(
+        _select(
+            key,
+            rewards,
+            valid,
+            p_total,
+            config.min_negatives,
+            config.min_positives,
+            config.reject_equal_reward,
+            config.roc_eps,
+            config.advantage_eps,
+            keep=config.keep,
+            mode=config.roc_mode,
+            estimator=config.estimator,
+            std=config.std,
+        )
+    )
+    mask = selection.mask
+    kept = [
+        (groups[g][selection.indices[g, j]], float(advantages[g, j]))
+        for g, j in zip(*np.nonzero(mask), strict=True)
+    ]
+    sequences = [trajectory_sequence(t, a) for t, a in kept]
+    batch = build_batch(
+        sequences,
+        seq_len=config.seq_len,
+        num_rows=num_rows,
+        row_multiple=config.row_multiple,
+        pack=config.pack,
+        with_rl_fields=True,
+    )
+    rejected = selection.rejected
+    metrics = {
+        "groups_rejected": float(rejected.sum()),
+        "groups_rejected_frac": float(rejected.mean()) if len(rejected) else 0.0,
+        "selected": float(len(kept)),
+        "selected_reward": float(np.mean([t.reward for t, _ in kept])) if kept else 0.0,
+        "selected_p_total": float(selected_p_total[mask].mean()) if kept else 0.0,
+        "p_total": float(p_total[valid].mean()) if valid.any() else 0.0,
+        "advantage_abs": float(np.abs(advantages[mask]).mean()) if kept else 0.0,
+        "batch_rows": float(batch.tokens.shape[0]),
+        "batch_fill": float((batch.segment_ids > 0).mean()),
+    }
+    return batch, metrics
+
+
+def put_batch(batch: Batch, sharding: jax.sharding.Sharding | None) -> Batch:
+    """The host batch as global device arrays; every process holds the whole batch and places its shards."""
+    if sharding is None:
+        return jax.device_put(batch)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]), batch
+    )
+
+
+def rl_iteration(
+    state: TrainState,
+    problems: Sequence[Problem],
+    *,
+    rollout_fn: RolloutFn,
+    rl_step: Callable[[TrainState, Batch], tuple[TrainState, dict]],
+    config: RLIterationConfig,
+    max_response_length: int,
+    max_turns: int,
+    reward_fn: RewardFn | None = None,
+    num_rows: int | None = None,
+    batch_sharding: jax.sharding.Sharding | None = None,
+) -> tuple[TrainState, dict[str, float]]:
+    """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats).
+
+    ``state.rng`` is split into the next state key, the RoC key and the rollout seed, so the iteration is a
+    deterministic function of (state, problems) for a deterministic rollout. Repeated problems in
+    ``problems`` (a batch across an epoch boundary) are rolled out once.
+    """
+    start = time.perf_counter()
+    unique = list({p.id: p for p in problems}.values())
+    rng, roc_key, rollout_key = jax.random.split(state.rng, 3)
+    seed = int(jax.random.randint(rollout_key, (), 0, np.iinfo(np.int32).max))
+    groups = run_rollouts(
+        rollout_fn,
+        state.params,
+        unique,
+        samples_per_problem=config.samples_per_problem,
+        max_response_length=max_response_length,
+        max_turns=max_turns,
+        seed=seed,
+    )
+    rollout_done = time.perf_counter()
+    if reward_fn is not None:
+        by_id = {p.id: p for p in unique}
+        for group in groups:
+            for t in group:
+                t.reward = float(reward_fn(by_id[t.problem_id], t))
+    verify_done = time.perf_counter()
+
+    metrics = rollout_metrics(groups)
+    batch, select_metrics = select_and_build_batch(roc_key, groups, config, num_rows)
+    metrics.update(select_metrics)
+    update_start = time.perf_counter()
+    state, step_metrics = rl_step(state.replace(rng=rng), put_batch(batch, batch_sharding))
+    step_metrics = jax.device_get(step_metrics)
+    end = time.perf_counter()
+
+    batch_tokens = float((batch.segment_ids > 0).sum())
+    response_tokens = sum(len(t.response_ids) for g in groups for t in g)
+    metrics.update({k: float(v) for k, v in step_metrics.items()})
+    metrics.update(
+        {
+            "time/rollout": rollout_done - start,
+            "time/verify": verify_done - rollout_done,
+            "time/update": end - update_start,
+            "time/step": end - start,
+            "throughput/update_tokens_per_s": batch_tokens / max(end - update_start, 1e-9),
+            "throughput/rollout_tokens_per_s": response_tokens / max(rollout_done - start, 1e-9),
+        }
+    )
+    return state, metrics
+
+
+def filter_hard_problems(
+    params,
+    problems: Sequence[Problem],
+    *,
+    rollout_fn: RolloutFn,
+    num_rollouts: int,
+    batch_size: int,
+    max_response_length: int,
+    max_turns: int,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[Problem], dict[str, float]]:
+    """The paper's stage-3 filter: ``num_rollouts`` rollouts per problem, drop problems solved every time.
+
+    Returns the kept problems (input order) and counts (``filter_kept``, ``filter_dropped``,
+    ``filter_pass_rate``: mean pass rate over all problems).
+    """
+    if num_rollouts <= 0 or batch_size <= 0:
+        raise ValueError(f"num_rollouts ({num_rollouts}) and batch_size ({batch_size}) must be positive")
+    kept, pass_rates = [], []
+    for start in range(0, len(problems), batch_size):
+        chunk = list(problems[start : start + batch_size])
+        groups = run_rollouts(
+            rollout_fn,
+            params,
+            chunk,
+            samples_per_problem=num_rollouts,
+            max_response_length=max_response_length,
+            max_turns=max_turns,
+            seed=seed + start,
+        )
+        for problem, group in zip(chunk, groups, strict=True):
+            solved = sum(t.reward > 0 for t in group)
+            pass_rates.append(solved / max(len(group), 1))
+            if solved < num_rollouts:
+                kept.append(problem)
+        if progress is not None:
+            progress(len(chunk))
+    stats = {
+        "filter_kept": float(len(kept)),
+        "filter_dropped": float(len(problems) - len(kept)),
+        "filter_pass_rate": float(np.mean(pass_rates)) if pass_rates else 0.0,
+    }
+    return kept, stats

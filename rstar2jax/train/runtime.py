@@ -1,0 +1,71 @@
+"""Process set-up for a run: emulated host devices, multi-host initialisation and the mesh.
+
+Order matters: JAX reads ``XLA_FLAGS`` and the distributed settings when its backends start (the first device
+query), not when ``jax`` is imported. Launchers therefore call ``request_host_devices`` and
+``initialize_distributed`` first, then build the mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+from jax.sharding import Mesh
+
+from rstar2jax import models
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def request_host_devices(count: int) -> None:
+    """Makes XLA's CPU backend expose at least ``count`` devices (emulated on one host).
+
+    Only the CPU backend is affected: on a GPU/TPU host the accelerator stays the default backend. Must run
+    before JAX's first device query (``mesh_from_config`` reports a shortfall if it ran too late).
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    match = _DEVICE_COUNT_FLAG.search(flags)
+    if match and int(match.group(1)) >= count:
+        return
+    flag = f"--xla_force_host_platform_device_count={count}"
+    os.environ["XLA_FLAGS"] = _DEVICE_COUNT_FLAG.sub(flag, flags) if match else f"{flags} {flag}".strip()
+
+
+def initialize_distributed(config) -> None:
+    """``jax.distributed.initialize`` from ``config.distributed`` when it names more than one process.
+
+    CPU collectives across processes go through gloo (set here; it only affects the CPU backend).
+    """
+    d = config.distributed
+    if d.num_processes <= 1:
+        return
+    if not d.coordinator_address:
+        raise ValueError("config.distributed.coordinator_address is empty but num_processes > 1")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id
+    )
+
+
+def mesh_size(config) -> int:
+    return config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+
+
+def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
+    """The ``data x fsdp x tensor`` mesh of ``config.mesh`` over the default backend's devices.
+
+    With ``allow_emulated`` (dry runs) a mesh larger than the default backend falls back to the host's
+    (emulated) CPU devices, so a 64-device plan compiles on a laptop.
+    """
+    need = mesh_size(config)
+    devices = jax.devices()
+    if len(devices) < need and allow_emulated:
+        devices = jax.devices("cpu")
+    if len(devices) < need:
+        raise ValueError(
+            f"config.mesh (data={config.mesh.data}, fsdp={config.mesh.fsdp}, tensor={config.mesh.tensor}) "
+            f"needs {need} devices but {len(devices)} {devices[0].platform} devices exist (emulated CPU "
+            "devices must be requested before JAX starts: see request_host_devices)"
+        )
+    return models.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)

@@ -1,0 +1,132 @@
+"""Test fixture: a scripted rollout (deterministic token streams instead of an engine and a sandbox) and a
+small driver that trains the tiny CPU recipe with it, so a run can be killed and resumed in a subprocess.
+
+  python -m tests.train.scripted --workdir=/tmp/run [--delay=0.2] [--config.rl.keep=2 ...]
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import jax
+import numpy as np
+
+from rstar2jax import models
+from rstar2jax.agent.trajectory import Trajectory
+
+TINY_VOCAB = 256
+
+
+def tiny_rl_config(workdir: str):
+    """The tiny CPU recipe shrunk further: 256-token vocabulary, 3 + 3 steps, checkpoints every 2 steps."""
+    from experiments.configs import tiny_cpu
+    from rstar2jax.train.config import stage
+
+    c = tiny_cpu.get_config()
+    c.workdir = workdir
+    c.tokenizer = ""
+    c.model.spec.vocab_size = TINY_VOCAB
+    c.model.spec.eos_token_ids = (1,)
+    c.model.spec.hidden_size = 32
+    c.model.spec.intermediate_size = 64
+    c.model.scan_layers = False  # unrolled layers compile faster on CPU
+    c.batch.max_prompt_length = 16
+    c.rl.prompts_per_step = 3
+    c.stages = [
+        stage("stage1", steps=3, max_response_length=24, max_turns=3),
+        stage(
+            "stage2",
+            steps=3,
+            max_response_length=32,
+            max_turns=4,
+            hard_filter_rollouts=2,
+            reset_optimizer=True,
+        ),
+    ]
+    c.optimizer.warmup_steps = 2  # the stage-2 optimizer reset restarts it: visible in learning_rate
+    c.batch.pack = False  # fixed rows: one compiled step per stage
+    c.checkpoint.save_every = 2
+    c.logging.progress = False
+    return c
+
+
+def _trajectory_logprobs(params, model_config, prompt, response) -> np.ndarray:
+    tokens = np.array([prompt + response], np.int32)
+    logits, _ = models.forward(params, model_config, tokens)
+    logp = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[0]
+    return logp[len(prompt) - 1 :]
+
+
+def make_scripted_rollout(*, vocab_size: int = TINY_VOCAB, model_config=None, delay: float = 0.0):
+    """A rollout_fn whose trajectories depend only on (seed, problem id, sample index).
+
+    Per problem, the chance of a correct answer is fixed by its id (some are always solved, some never), so
+    the hard-problem filter has something to drop. Responses interleave sampled tokens (mask 1) with inserted
+    tool tokens (mask 0). Log-probs are random negatives, or with ``model_config`` the policy's own log-probs
+    (so sampler and recomputed log-probs agree).
+    """
+
+    def rollout(params, problems, *, samples_per_problem, max_response_length, max_turns, seed):
+        time.sleep(delay)
+        trajectories = []
+        for problem in problems:
+            key = zlib.crc32(problem.id.encode())
+            p_correct = [0.0, 0.5, 1.0, 0.3][key % 4]
+            rng = np.random.default_rng([seed, key])
+            prompt = rng.integers(2, vocab_size, int(rng.integers(4, 12))).tolist()
+            for _ in range(samples_per_problem):
+                length = int(rng.integers(4, max_response_length + 1))
+                response = rng.integers(2, vocab_size, length).tolist()
+                mask = np.ones(length, np.int32)
+                num_turns = int(rng.integers(1, max_turns + 1))
+                for _ in range(num_turns - 1):  # a tool response inside the response: inserted, not trained
+                    start = int(rng.integers(1, length))
+                    mask[start : start + int(rng.integers(1, 4))] = 0
+                outcomes = rng.choice(
+                    ["ok", "error", "timeout"], size=num_turns - 1, p=[0.6, 0.3, 0.1]
+                ).tolist()
+                if model_config is None:
+                    logprobs = np.where(mask == 1, -rng.random(length) * 3, 0.0)
+                else:
+                    logprobs = np.where(
+                        mask == 1, _trajectory_logprobs(params, model_config, prompt, response), 0.0
+                    )
+                trajectories.append(
+                    Trajectory(
+                        problem_id=problem.id,
+                        prompt_ids=prompt,
+                        response_ids=response,
+                        loss_mask=mask.tolist(),
+                        logprobs=logprobs.tolist(),
+                        tool_outcomes=outcomes,
+                        num_turns=num_turns,
+                        num_answer_blocks=int(rng.integers(0, 3)),
+                        truncated=length == max_response_length,
+                        reward=float(rng.random() < p_correct),
+                        timings={"generate": 0.01, "tool": 0.002},
+                    )
+                )
+        return trajectories
+
+    return rollout
+
+
+def main(argv):
+    from rstar2jax import train
+
+    config = _CONFIG.value
+    train.prepare_process(config)
+    train.train_rl(config, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
+    jax.effects_barrier()
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_dict("config", tiny_rl_config("runs/scripted"))
+    _DELAY = flags.DEFINE_float(
+        "delay", 0.0, "seconds each rollout call sleeps (gives a test time to kill it)"
+    )
+    app.run(main)

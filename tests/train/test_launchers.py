@@ -1,0 +1,96 @@
+"""The absl launchers: --help, config errors before compute, the 14B paper config's dry run on 64 emulated
+CPU devices, and an SFT run that resumes."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.conftest import REPO_ROOT
+
+
+def _launch(module, *args, env=None, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_and_config_errors():
+    done = _launch("experiments.train_rl", "--help")  # absl's usage exit code is 1
+    for flag in (
+        "--config",
+        "--[no]dry_run",
+        "--max_steps",
+        "--[no]print_config",
+        "--config.stages[0].steps",
+    ):
+        assert flag in done.stdout, flag
+    done = _launch(
+        "experiments.train_rl",
+        "--config=experiments/configs/paper_qwen3_14b.py",
+        "--print_config",
+        "--config.stages[2].steps=7",
+    )
+    assert done.returncode == 0 and "steps: 7" in done.stdout and "eps_high: 0.28" in done.stdout
+
+    done = _launch(
+        "experiments.train_rl", "--config=experiments/configs/tiny_cpu.py", "--config.rl.keep=40", "--dry_run"
+    )
+    assert done.returncode != 0 and "config.rl.keep=40" in done.stderr
+    done = _launch("experiments.sft", "--config=experiments/configs/tiny_cpu.py:sft")
+    assert done.returncode != 0 and "config.sft.data=''" in done.stderr
+
+
+def test_paper_config_dry_runs_on_64_emulated_devices(compile_cache_env):
+    env = {k: v for k, v in compile_cache_env.items() if k != "XLA_FLAGS"}  # the launcher must ask for 64
+    done = _launch(
+        "experiments.train_rl", "--config=experiments/configs/paper_qwen3_14b.py", "--dry_run", env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled for 64 cpu devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 8}" in done.stdout
+    assert "14,768.3M parameters" in done.stdout and "batch [8192, 14335]" in done.stdout
+    peak = float(done.stdout.split("peak_estimate")[1].split()[0])
+    assert 3 < peak < 80, peak  # GiB per device: sharded weights + AdamW + one row's activations
+
+
+def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "sft.jsonl"
+    with data.open("w") as f:
+        for _ in range(24):
+            n = int(rng.integers(8, 40))
+            ids = (rng.integers(0, 64, n) * 2).tolist()  # a learnable pattern: even tokens only
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (n - 3)}) + "\n")
+        f.write(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}) + "\n")  # nothing to train on
+    args = [
+        "--config=experiments/configs/tiny_cpu.py:sft",
+        f"--config.sft.data={data}",
+        f"--config.workdir={tmp_path / 'run'}",
+        "--config.tokenizer=",
+        "--config.model.spec.vocab_size=128",
+        "--config.model.scan_layers=False",
+        "--config.sft.epochs=3",
+        "--config.sft.seq_len=128",
+        "--config.sft.warmup_fraction=0.25",
+        "--config.optimizer.learning_rate=0.01",
+        "--config.checkpoint.save_every=2",
+        "--config.logging.progress=False",
+    ]
+    first = _launch("experiments.sft", *args, "--max_steps=4", env=compile_cache_env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _launch("experiments.sft", *args, env=compile_cache_env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 10))  # 3 epochs x ceil(24 / 8) steps
+    assert records[0]["examples_skipped"] == 1 and records[-1]["epoch"] == 3.0
+    # ln(128) at the start; ln(64) once the model puts its mass on the even tokens
+    assert records[0]["loss"] > 4.6 and records[-1]["loss"] < 4.4, [r["loss"] for r in records]
+    lr = [r["learning_rate"] for r in records]  # 3 warm-up steps (25% of 9), then cosine decay to 0
+    np.testing.assert_allclose(lr[:3], [0.01 / 3, 0.02 / 3, 0.01], rtol=1e-5)
+    assert lr[3] == lr[2] and all(a > b for a, b in zip(lr[3:], lr[4:], strict=False)) and lr[-1] < 0.001

@@ -1,0 +1,171 @@
+"""The RL iteration: rollout metrics, RoC selection into a batch, the hard-problem filter, one iteration."""
+
+import jax
+import numpy as np
+import pytest
+
+from rstar2jax.agent.trajectory import Trajectory
+from rstar2jax.data.problems import Problem
+from rstar2jax.train import (
+    RLIterationConfig,
+    RLLossConfig,
+    filter_hard_problems,
+    init_train_state,
+    make_optimizer,
+    make_rl_step,
+    rl_iteration,
+    rollout_metrics,
+    select_and_build_batch,
+)
+from tests.train.conftest import FAST_COMPILE, copy_tree
+from tests.train.scripted import make_scripted_rollout
+
+
+def _traj(pid, reward, outcomes=(), answers=1, turns=1, length=3, truncated=False, prompt=(1, 2)):
+    return Trajectory(
+        problem_id=pid,
+        prompt_ids=list(prompt),
+        response_ids=list(range(3, 3 + length)),
+        loss_mask=[1] * length,
+        logprobs=[-1.0] * length,
+        tool_outcomes=list(outcomes),
+        num_turns=turns,
+        num_answer_blocks=answers,
+        truncated=truncated,
+        reward=reward,
+        timings={"generate": 1.0},
+    )
+
+
+def test_rollout_metrics_values():
+    groups = [
+        [
+            _traj("a", 1.0, ["ok", "error"], turns=2),
+            _traj("a", 0.0, ["timeout", "timeout"], answers=0, turns=3),
+        ],
+        [_traj("b", 1.0, ["ok"], answers=2, turns=2, length=5), _traj("b", 1.0, truncated=True, length=7)],
+    ]
+    m = rollout_metrics(groups)
+    assert m["reward"] == m["accuracy"] == 0.75
+    assert m["problems_all_correct"] == 0.5 and m["problems_none_correct"] == 0.0
+    assert m["tool_calls_per_traj"] == 5 / 4
+    assert m["tool_error_ratio"] == 3 / 5  # error, timeout, timeout of 5 calls
+    assert m["tool_error_ratio_correct"] == 1 / 3  # inside correct trajectories: error of ok, error, ok
+    # p_format: one answer in 2 turns 0; no answer 1; two answers in 2 turns 0.5; one answer in one turn 0
+    assert m["p_format"] == pytest.approx(1.5 / 4)
+    assert m["response_length"] == (3 + 3 + 5 + 7) / 4 and m["response_length_max"] == 7
+    assert m["truncation_rate"] == 0.25 and m["turns"] == 2.0
+    assert m["traj_time/generate"] == 1.0
+
+
+def test_release_mode_selection_and_advantages():
+    # Group a: 2 positives (penalties 0.5 / 0) and 2 negatives -> release keeps 1 of each class, the positive
+    # with the lower p_total and the first negative. Group b: all correct -> rejected as all-equal.
+    a = [
+        _traj("a", 1.0, ["error"], length=4),
+        _traj("a", 0.0, length=5),
+        _traj("a", 1.0, ["ok"], length=6),
+        _traj("a", 0.0, length=2),
+    ]
+    b = [_traj("b", 1.0) for _ in range(4)]
+    config = RLIterationConfig(
+        samples_per_problem=4,
+        keep=2,
+        roc_mode="release",
+        min_negatives=1,
+        min_positives=1,
+        seq_len=16,
+        pack=False,
+        row_multiple=1,
+        std="population",
+    )
+    batch, metrics = select_and_build_batch(jax.random.PRNGKey(0), [a, b], config, num_rows=4)
+    assert metrics["groups_rejected"] == 1 and metrics["selected"] == 2
+    # Kept: a[1] (negative, rollout order first) and a[2] (positive, p_total 0): population std 0.5 -> ±1.
+    lengths = (batch.segment_ids > 0).sum(axis=1)
+    np.testing.assert_array_equal(lengths, [2 + 5 - 1, 2 + 6 - 1, 0, 0])
+    np.testing.assert_allclose(batch.advantages[0, 1], -1.0, rtol=1e-5)
+    np.testing.assert_allclose(batch.advantages[1, 1], 1.0, rtol=1e-5)
+    assert metrics["selected_reward"] == 0.5 and metrics["selected_p_total"] == 0.25  # (0.5 no-tool + 0) / 2
+    assert batch.loss_mask[2:].sum() == 0
+
+    with pytest.raises(ValueError, match="more than samples_per_problem"):
+        from rstar2jax.train.rl import _group
+
+        _group([Problem("a", "q", "1")], a + a, 4)
+
+
+def test_filter_hard_problems_drops_always_solved():
+    problems = [Problem(id=f"p{i}", problem="q", answer="1") for i in range(12)]
+    rollout = make_scripted_rollout()
+    kept, stats = filter_hard_problems(
+        None,
+        problems,
+        rollout_fn=rollout,
+        num_rollouts=3,
+        batch_size=5,
+        max_response_length=8,
+        max_turns=2,
+        seed=0,
+    )
+    groups = [
+        rollout(None, [p], samples_per_problem=3, max_response_length=8, max_turns=2, seed=5 * (i // 5))
+        for i, p in enumerate(problems)
+    ]
+    solved_all = {p.id for p, g in zip(problems, groups, strict=True) if all(t.reward > 0 for t in g)}
+    assert solved_all and {p.id for p in kept} == {p.id for p in problems} - solved_all
+    assert stats["filter_kept"] + stats["filter_dropped"] == 12 and stats["filter_dropped"] == len(solved_all)
+
+
+def test_rl_iteration_is_deterministic_and_updates(tiny_model):
+    config, params = tiny_model
+    optimizer = make_optimizer(1e-3, warmup_steps=1)
+    step = make_rl_step(config, optimizer, RLLossConfig(), num_microbatches=2, compiler_options=FAST_COMPILE)
+    iteration = RLIterationConfig(samples_per_problem=4, keep=2, seq_len=40, pack=False, row_multiple=2)
+    problems = [Problem(id=str(i), problem="q", answer="1") for i in range(4)] + [Problem("0", "q", "1")]
+    rollout = make_scripted_rollout(vocab_size=config.vocab_size)
+
+    def iterate(**kwargs):
+        state = init_train_state(copy_tree(params), optimizer, 3)
+        return rl_iteration(
+            state,
+            problems,
+            rollout_fn=rollout,
+            rl_step=step,
+            config=iteration,
+            max_response_length=24,
+            max_turns=3,
+            num_rows=8,
+            **kwargs,
+        )
+
+    outputs = [iterate(), iterate()]
+    (s1, m1), (s2, m2) = outputs
+    timing = ("time/", "throughput/")
+    assert {k: v for k, v in m1.items() if not k.startswith(timing)} == {
+        k: v for k, v in m2.items() if not k.startswith(timing)
+    }
+    assert m1["num_trajectories"] == 16  # the repeated problem "0" is rolled out once
+    assert m1["batch_rows"] == 8 and m1["tokens"] > 0 and np.isfinite(m1["loss"])
+    assert int(s1.step) == 1 and not np.array_equal(s1.rng, jax.random.PRNGKey(3))
+    assert not np.allclose(s1.params["embed"], params["embed"])
+    for key in (
+        "reward",
+        "accuracy",
+        "tool_error_ratio_correct",
+        "p_format",
+        "truncation_rate",
+        "groups_rejected",
+        "clip_frac",
+        "approx_kl",
+        "entropy",
+        "grad_norm",
+        "time/rollout",
+        "time/verify",
+        "time/update",
+        "throughput/update_tokens_per_s",
+    ):
+        assert key in m1, key
+
+    rescored = iterate(reward_fn=lambda problem, t: 0.0)[1]
+    assert rescored["reward"] == 0.0 and rescored["groups_rejected"] == 4
