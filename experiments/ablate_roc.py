@@ -1,0 +1,120 @@
+"""RoC vs plain GRPO from the same SFT policy (the paper's Fig. 4 in miniature).
+
+The demo's SFT policy (made first if ``--demo_workdir`` has none) is trained by the demo's RL recipe twice per
+seed: with Resample-on-Correct (``roc_mode=paper``: 2G rollouts, correct ones down-sampled by fewest tool
+errors / format issues, incorrect ones uniformly) and with plain GRPO (``roc_mode=uniform``: 2G -> G uniformly
+at random). Writes, under --workdir:
+
+  ablation.png     tool-error ratio inside correct trajectories, accuracy and response length over steps
+                   (mean +- std over seeds)
+  ablation.json    the same curves per mode (mean / std / min / max per step), each run's final held-out
+                   evaluation, and the per-run metrics files
+
+  python -m experiments.ablate_roc                      # 3 seeds x 2 modes
+  python -m experiments.ablate_roc --seeds=0 --config.rl.stages[0].steps=4
+
+Runs resume: a finished run (its exported policy exists) is skipped, an interrupted one continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    "experiments/configs/demo.py",
+    "Demo config (the RL recipe and the SFT policy's recipe).",
+    lock_config=False,
+)
+_DEMO_WORKDIR = flags.DEFINE_string(
+    "demo_workdir", None, "Where the SFT policy is (default: config.workdir)."
+)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/ablate_roc", "Where the ablation's runs and results go.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs both modes).")
+_MODES = flags.DEFINE_list("modes", ["paper", "uniform"], "roc_mode values to compare.")
+_EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
+_COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
+
+#: What the ablation compares over steps (names logged by the RL iteration).
+CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
+LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO"}
+
+
+def main(argv):
+    del argv
+    if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
+    if _DEMO_WORKDIR.value:
+        config.workdir = _DEMO_WORKDIR.value
+    from rstar2jax import train
+    from rstar2jax.eval import report
+    from rstar2jax.train import pipeline
+    from sandbox_server import start_local
+
+    paths = pipeline.DemoPaths(config.workdir)
+    out = pathlib.Path(_WORKDIR.value)
+    out.mkdir(parents=True, exist_ok=True)
+    pipeline.configure_compile_cache(_COMPILE_CACHE.value)
+    timer = pipeline.PhaseTimer()
+    runs: dict[str, list[list[dict]]] = {LABELS.get(m, m): [] for m in _MODES.value}
+    evaluations: dict[str, list[dict]] = {LABELS.get(m, m): [] for m in _MODES.value}
+    metrics_files: dict[str, list[str]] = {LABELS.get(m, m): [] for m in _MODES.value}
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(start_local(workers=config.sandbox_workers))
+        pipeline.prepare_policy(config, paths, server.url, timer)
+        prompt = pipeline.prompt_from_config(config)
+        for seed in map(int, _SEEDS.value):
+            for mode in _MODES.value:
+                name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
+                rl_config = pipeline.rl_run_config(
+                    config, paths, workdir=out / name, seed=seed, roc_mode=mode
+                )
+                policy = out / name / "policy"
+                rollout_fn = pipeline.policy_rollout(rl_config, server.url, prompt)
+                stack.callback(rollout_fn.close)
+                if not (policy / "config.json").exists():
+                    with timer.phase(f"rl {name}", out / name):
+                        train.train_rl(rl_config, rollout_fn=rollout_fn)
+                        pipeline.export_policy(rl_config, policy)
+                metrics_path = out / name / "metrics.jsonl"
+                runs[label].append(report.read_metrics(metrics_path))
+                metrics_files[label].append(str(metrics_path))
+                if _EVAL.value:
+                    evaluation = pipeline.evaluate_saved(
+                        config, out / name / "eval.json", policy, paths.eval_problems, rollout_fn, timer
+                    )
+                    evaluations[label].append({"seed": seed, **evaluation["metrics"]})
+    plot = report.plot_ablation(
+        runs, out / "ablation.png", keys=CURVES, title="GRPO-RoC vs GRPO (same SFT policy)"
+    )
+    summary = {
+        "curves": {key: report.aggregate_runs(runs, key) for key in CURVES},
+        "final_eval": evaluations,
+        "metrics_files": metrics_files,
+        "seeds": [int(s) for s in _SEEDS.value],
+        "seconds": timer.total(),
+    }
+    (out / "ablation.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    for label in runs:
+        last = [r[-1] for r in runs[label] if r]
+        line = ", ".join(
+            f"{key}={sum(r.get(key, float('nan')) for r in last) / max(len(last), 1):.3f}" for key in CURVES
+        )
+        held_out = [e["pass@1"] for e in evaluations[label]]
+        if held_out:
+            line += f", held-out pass@1={sum(held_out) / len(held_out):.3f}"
+        print(f"{label}: last step (mean over seeds) {line}")
+    print(
+        f"plot: {plot}\nsummary: {out / 'ablation.json'}\n{time.strftime('%H:%M:%S')}, {timer.total():.0f}s"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,119 @@
+"""The CPU demo end to end, shortened (a few steps of each stage): every phase runs for real (sandbox, SFT
+data with real failing calls, tokenizer, SFT, export, held-out eval, two GRPO-RoC stages, eval, report), and a
+second invocation resumes: it finds every phase done and re-does none of them."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A few problems and steps of everything; the recipe (model shape, prompt, stages) is the demo's own.
+SHORT = [
+    "--config.task.num_train=40",
+    "--config.task.num_eval=5",
+    "--config.sft_data.num_examples=24",
+    "--config.sft.sft.steps=3",
+    "--config.sft.optimizer.warmup_steps=1",
+    "--config.sft.sft.batch_size=8",
+    "--config.rl.rl.prompts_per_step=2",
+    "--config.rl.rl.samples_per_problem=4",
+    "--config.rl.rl.keep=2",
+    "--config.rl.rollout.engine_slots=8",
+    "--config.rl.stages[0].steps=1",
+    "--config.rl.stages[1].steps=1",
+    "--config.rl.checkpoint.save_every=1",
+    "--config.eval.samples=2",
+    # One response budget everywhere: the engine and the update compile once instead of per stage.
+    "--config.rl.stages[0].max_response_length=128",
+    "--config.rl.stages[1].max_response_length=128",
+    "--config.eval.max_response_length=128",
+]
+
+
+def run_demo(workdir: pathlib.Path, cache: pathlib.Path) -> str:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.demo",
+            f"--workdir={workdir}",
+            f"--compile_cache={cache}",
+            *SHORT,
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("demo")
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return workdir, run_demo(workdir, cache), cache
+
+
+def test_every_phase_runs_and_writes_its_output(demo_run):
+    workdir, out, _ = demo_run
+    for phase in (
+        "sandbox",
+        "task",
+        "sft data (real tool calls)",
+        "tokenizer",
+        "sft",
+        "eval sft",
+        "rl (GRPO-RoC)",
+        "eval rl",
+        "report",
+    ):
+        assert f"== {phase}" in out, out
+    assert "held-out pass@1:" in out and str(workdir / "report" / "report.md") in out
+
+    sft = [json.loads(line) for line in (workdir / "data" / "sft.jsonl").read_text().splitlines()]
+    assert len(sft) == 24
+    # Some conversations call broken code first and see the real error the sandbox returned.
+    tool_turns = [m["content"] for row in sft for m in row["messages"] if m["role"] == "tool"]
+    assert any("Error" in text for text in tool_turns) and len(tool_turns) > len(sft)
+
+    sft_metrics = [json.loads(line) for line in (workdir / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft_metrics] == [1, 2, 3]
+    rl_metrics = [json.loads(line) for line in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rl_metrics] == [0, 1]  # one step of each stage
+    for record in rl_metrics:
+        assert 0.0 <= record["accuracy"] <= 1.0 and record["num_trajectories"] == 2 * 4
+        assert "tool_error_ratio_correct" in record and record["response_length"] > 0
+    assert any((workdir / "rl" / "tensorboard").iterdir())
+
+    for name in ("sft", "rl"):
+        evaluation = json.loads((workdir / "eval" / f"{name}.json").read_text())
+        assert len(evaluation["problem_ids"]) == 5 and all(len(c) == 2 for c in evaluation["correct"])
+        assert 0.0 <= evaluation["metrics"]["pass@1"] <= 1.0
+        assert (workdir / "policies" / name / "config.json").exists()
+
+    report = (workdir / "report" / "report.md").read_text()
+    for plot in ("accuracy.png", "tool_error_ratio_correct.png", "response_length.png", "sft_loss.png"):
+        assert (workdir / "report" / plot).stat().st_size > 0
+        assert plot in report
+    assert "| pass@1 |" in report  # the before / after held-out table
+
+
+def test_rerun_resumes_without_redoing_any_phase(demo_run):
+    workdir, first, cache = demo_run
+    evaluation = (workdir / "eval" / "rl.json").read_text()
+    second = run_demo(workdir, cache)
+    for phase in ("sft data (real tool calls)", "tokenizer", "sft", "eval sft", "rl (GRPO-RoC)", "eval rl"):
+        assert f"== {phase}\n" not in second and f"== {phase}  ->" not in second, second
+    assert (workdir / "eval" / "rl.json").read_text() == evaluation
+    summaries = [
+        [line for line in out.splitlines() if line.startswith("held-out pass@1")] for out in (first, second)
+    ]
+    assert summaries[0] == summaries[1] and len(summaries[0]) == 1
