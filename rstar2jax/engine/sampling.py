@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_SIGN_BIT = jnp.uint32(0x80000000)
+# A NumPy constant: a jnp one would start the JAX backend at import time, before launchers can set up
+# emulated devices or jax.distributed.
+_SIGN_BIT = np.uint32(0x80000000)
 
 
 def sortable_bits(x: jax.Array) -> jax.Array:
