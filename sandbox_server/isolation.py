@@ -82,6 +82,13 @@ def _python_paths() -> list[str]:
     return sorted(p for p in paths if os.path.isdir(p))
 
 
+# Each call gets a fresh tmpfs on /tmp, which would hide a Python install living under /tmp (a virtual
+# environment in a checkout there, say). Such installs are bound into the root at PYTHON_STASH instead and
+# bound back over each call's /tmp.
+PYTHON_STASH = "/.python"
+PYTHON_UNDER_TMP = tuple(p for p in _python_paths() if p.startswith(SANDBOX_TMP + "/"))
+
+
 def _bind_readonly(source: str, target: str) -> None:
     linux.mount(source, target, None, linux.MS_BIND | linux.MS_REC)
     linux.mount(None, target, None, linux.MS_REMOUNT | linux.MS_BIND | linux.MS_RDONLY | linux.MS_NOSUID)
@@ -119,7 +126,7 @@ def build_root(root: str) -> None:
     for path in _python_paths():
         if path.startswith("/usr/"):
             continue
-        target = root + path
+        target = root + (PYTHON_STASH + path if path in PYTHON_UNDER_TMP else path)
         os.makedirs(target, mode=0o755, exist_ok=True)
         _bind_readonly(path, target)
     _write_minimal_etc(os.path.join(root, "etc"))
@@ -362,6 +369,9 @@ class CallSandbox:
             linux.mount(
                 b"tmpfs", SANDBOX_TMP_BYTES, b"tmpfs", linux.MS_NOSUID | linux.MS_NODEV, self.tmpfs_options
             )
+            for path in PYTHON_UNDER_TMP:
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                _bind_readonly(PYTHON_STASH + path, path)
         os.chdir(self.workdir)
 
     def drop_privileges(self, worker_pidfd: int, cpu_seconds: int) -> None:

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from sandbox_server import schema
+from sandbox_server.isolation import PYTHON_UNDER_TMP
 from tests.sandbox_server.conftest import assert_clean, get, post, run_batch, run_code
 
 
@@ -110,9 +111,14 @@ def test_random_state_differs_between_calls(server):
 
 
 def test_working_directory_is_private_and_writable(server):
-    code = "import os\nopen('data.txt', 'w').write('abc')\nprint(os.listdir('.'), open('data.txt').read())"
-    assert run_code(server.url, code)["stdout"] == "['data.txt'] abc\n"
-    assert run_code(server.url, "import os\nprint(os.listdir('.'))")["stdout"] == "[]\n"
+    # A Python install under /tmp (a venv in a checkout there) is bound back read-only over each call's /tmp.
+    python_dirs = sorted({p.split("/")[2] for p in PYTHON_UNDER_TMP})
+    code = (
+        "import os\nopen('data.txt', 'w').write('abc')\n"
+        "print(sorted(os.listdir('.')), open('data.txt').read())"
+    )
+    assert run_code(server.url, code)["stdout"] == f"{sorted(['data.txt', *python_dirs])} abc\n"
+    assert run_code(server.url, "import os\nprint(sorted(os.listdir('.')))")["stdout"] == f"{python_dirs}\n"
 
 
 def test_large_output_keeps_head_and_tail(server):
