@@ -29,31 +29,17 @@ flags.mark_flag_as_required("config")
 def agent_rollout_fn(config, stack: contextlib.ExitStack):
     """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
     sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run) and the answer verifier."""
-    from rstar2jax import agent, train
-    from rstar2jax.engine import EngineConfig, SamplingParams
-    from rstar2jax.models.tokenizer import load_tokenizer
+    from rstar2jax.agent import PromptConfig
+    from rstar2jax.train.pipeline import policy_rollout
 
-    r = config.rollout
     if not config.tokenizer:
         raise ValueError("config.tokenizer is empty: the rollout needs the policy's tokenizer")
-    url = r.sandbox_url
+    url = config.rollout.sandbox_url
     if not url:
         from sandbox_server import start_local
 
-        url = stack.enter_context(start_local(workers=r.sandbox_workers)).url
-    rollout_fn = agent.PolicyRollout(
-        train.model_config_from(config),
-        load_tokenizer(config.tokenizer),
-        agent.SandboxClient(url, default_timeout=r.tool_timeout),
-        engine_config=EngineConfig(num_slots=r.engine_slots, seed=config.seed),
-        max_prompt_length=config.batch.max_prompt_length,
-        config=agent.RolloutConfig(
-            max_tool_calls_per_turn=r.max_tool_calls_per_turn,
-            tool_timeout=r.tool_timeout,
-            tool_output_chars=r.tool_output_chars,
-            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
-        ),
-    )
+        url = stack.enter_context(start_local(workers=config.rollout.sandbox_workers)).url
+    rollout_fn = policy_rollout(config, url, PromptConfig())
     stack.callback(rollout_fn.close)
     return rollout_fn
 
