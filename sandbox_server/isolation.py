@@ -39,7 +39,12 @@ from sandbox_server import linux
 SANDBOX_TMP = "/tmp"
 SANDBOX_TMP_BYTES = SANDBOX_TMP.encode()
 DEVICES = ("null", "zero", "full", "random", "urandom")
+# glibc gives each new thread its own malloc arena and reserves 64 MiB of address space for it (up to 8 per
+# core), so under RLIMIT_AS about 20 threads exhaust the address space before RLIMIT_NPROC can refuse one; a
+# thread whose start-up allocation fails then leaves CPython 3.11's Thread.start() waiting forever.
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
 SCRUBBED_ENV = {
+    **MALLOC_ENV,
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
     "LC_ALL": "C.UTF-8",

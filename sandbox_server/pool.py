@@ -24,6 +24,7 @@ import time
 from sandbox_server import schema
 from sandbox_server.config import ServerConfig, choose_tier
 from sandbox_server.framing import encode_frame, read_frame
+from sandbox_server.isolation import MALLOC_ENV
 from sandbox_server.metrics import Metrics
 
 WORKER_START_TIMEOUT_S = 120.0
@@ -78,6 +79,7 @@ class WorkerProcess:
         # Only what Python needs: a worker's environment is inherited by every call (scrubbed again there).
         env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
+        env.update(MALLOC_ENV)  # read by glibc at start-up, so it has to be set before the worker starts
         self.generation += 1
         try:
             # A plain Popen watched through a pidfd: no asyncio child watcher, which would race with Popen.

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
+from sandbox_server.config import ServerConfig
 from tests.sandbox_server.conftest import assert_clean, get, run_code
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -314,3 +315,24 @@ def test_no_network(server, listener, target):
     assert "unreachable" in result["stderr"], result["stderr"]
     with pytest.raises(BlockingIOError):
         listener.accept()
+
+
+def test_threads_are_stopped_by_the_process_limit_with_memory_to_spare(server):
+    """RLIMIT_NPROC, not the address space, refuses the extra thread: a thread whose own start-up allocation
+    fails would leave CPython's Thread.start() waiting until the timeout instead of raising."""
+    code = _py("""
+        import mmap, threading, time
+        started = 0
+        try:
+            while True:
+                threading.Thread(target=time.sleep, args=(100,), daemon=True).start()
+                started += 1
+        except RuntimeError:
+            pass
+        spare = mmap.mmap(-1, 256 << 20)  # address space left after the last thread
+        print(started)
+    """)
+    workers_before = [w["pid"] for w in get(server.url, "/health")["workers"]]
+    result = run_code(server.url, code)
+    _assert_contained(server, result, Hostile(code, "ok"), workers_before)
+    assert int(result["stdout"]) == ServerConfig().nproc - 1  # every thread but the main one
