@@ -49,10 +49,11 @@ _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_u
 _libc.syscall.restype = ctypes.c_long
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+def _fail(what: str) -> None:
+    """Raise the OSError of the libc call that just failed (the message is only built here: these wrappers
+    run in every forked call, where formatting it each time would cost copy-on-write faults)."""
+    errno = ctypes.get_errno()
+    raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
 def _path(value: str | bytes | None) -> bytes | None:
@@ -61,35 +62,38 @@ def _path(value: str | bytes | None) -> bytes | None:
 
 def unshare(flags: int) -> None:
     """``unshare(2)``: move the caller into new namespaces (PID: only its future children)."""
-    _check(_libc.unshare(flags), f"unshare({flags:#x})")
+    if _libc.unshare(flags) != 0:
+        _fail(f"unshare({flags:#x})")
 
 
 def setns(fd: int, nstype: int) -> None:
     """``setns(2)``: join the namespace that ``fd`` (an open ``/proc/*/ns/*`` file) refers to."""
-    _check(_libc.setns(fd, nstype), f"setns({nstype:#x})")
+    if _libc.setns(fd, nstype) != 0:
+        _fail(f"setns({nstype:#x})")
 
 
 def mount(
     source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None
 ) -> None:
-    _check(
-        _libc.mount(_path(source), _path(target), _path(fstype), flags, _path(data)),
-        f"mount {source!r} on {target!r}",
-    )
+    if _libc.mount(_path(source), _path(target), _path(fstype), flags, _path(data)) != 0:
+        _fail(f"mount {source!r} on {target!r}")
 
 
 def umount2(target: str, flags: int = 0) -> None:
-    _check(_libc.umount2(_path(target), flags), f"umount {target!r}")
+    if _libc.umount2(_path(target), flags) != 0:
+        _fail(f"umount {target!r}")
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
     if _SYS_PIVOT_ROOT is None:
         raise OSError(38, f"pivot_root: syscall number unknown on {platform.machine()}")
-    _check(int(_libc.syscall(_SYS_PIVOT_ROOT, _path(new_root), _path(put_old))), "pivot_root")
+    if _libc.syscall(_SYS_PIVOT_ROOT, _path(new_root), _path(put_old)) != 0:
+        _fail("pivot_root")
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
-    _check(_libc.prctl(option, arg2, arg3, 0, 0), f"prctl({option})")
+    if _libc.prctl(option, arg2, arg3, 0, 0) != 0:
+        _fail(f"prctl({option})")
 
 
 # --------------------------------------------------------------------------------------------- seccomp

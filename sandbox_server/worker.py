@@ -83,11 +83,12 @@ class Child:
 
 
 class Worker:
-    def __init__(self, channel: int, sandbox: WorkerSandbox, config: dict, tier: str):
+    def __init__(self, channel: int, sandbox: WorkerSandbox, config: dict, tier: str, stdio: tuple):
         self.channel = channel  # the socketpair end, used through plain fd calls (no socket module)
         self.sandbox = sandbox
         self.config = config
         self.tier = tier
+        self.stdio = stdio  # one-shot calls' sys.stdin/stdout/stderr (runner.make_stdio)
         self.selector = selectors.DefaultSelector()
         self.inbox = bytearray()
         self.outbox = bytearray()
@@ -229,7 +230,8 @@ class Worker:
         code, stdin = message["code"], message["stdin"]
         call.fork_start = time.monotonic()
         try:
-            child = self._spawn(plan, lambda: runner.run_once(code, stdin), math.ceil(call.timeout) + 1)
+            entry = functools.partial(runner.run_once, code, stdin, self.stdio)
+            child = self._spawn(plan, entry, math.ceil(call.timeout) + 1)
         except OSError as error:  # e.g. EAGAIN: the host is out of processes
             self.free_slots.append(slot)
             _remove_workdir(workdir)
@@ -601,6 +603,9 @@ def main(argv=None) -> None:
         importlib.import_module(module)
     exec(compile(TIER_WARMUP[spec["tier"]], "<warm-up>", "exec"), {})
     config = spec["config"]
+    devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0 of every one-shot call with an empty stdin
+    os.dup2(devnull, 0)
+    os.close(devnull)
     sandbox = WorkerSandbox.prepare(
         name=spec["name"],
         temp_root=spec["temp_root"],
@@ -608,9 +613,10 @@ def main(argv=None) -> None:
         uid_base=spec["uid_base"],
         cgroup_dir=spec["cgroup"],
     )
+    stdio = runner.make_stdio()
     gc.collect()
     gc.freeze()  # keep the collector from touching (and copying) the parent's objects in every child
-    Worker(spec["channel"], sandbox, config, spec["tier"]).serve()
+    Worker(spec["channel"], sandbox, config, spec["tier"], stdio).serve()
 
 
 if __name__ == "__main__":

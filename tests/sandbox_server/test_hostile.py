@@ -336,3 +336,24 @@ def test_threads_are_stopped_by_the_process_limit_with_memory_to_spare(server):
     result = run_code(server.url, code)
     _assert_contained(server, result, Hostile(code, "ok"), workers_before)
     assert int(result["stdout"]) == ServerConfig().nproc - 1  # every thread but the main one
+
+
+def test_nothing_a_call_leaves_behind_reaches_the_next_calls(server):
+    """Files in its /tmp and SysV IPC objects die with the call. On an idle server consecutive calls get the
+    same slot (the most recently freed one), so the later calls here run where the first one did."""
+    key = 0x5B0C
+    leave = _py(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        open("left.txt", "w").write("x")
+        created = libc.shmget({key}, 4096, 0o1600) >= 0, libc.msgget({key}, 0o1600) >= 0
+        print(*created, "left.txt" in os.listdir())
+    """)  # 0o1600: IPC_CREAT | 0600
+    look = _py(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(libc.shmget({key}, 0, 0), libc.msgget({key}, 0), "left.txt" in os.listdir())
+    """)
+    assert run_code(server.url, leave)["stdout"] == "True True True\n"
+    for _ in range(4):
+        assert run_code(server.url, look)["stdout"] == "-1 -1 False\n"

@@ -1,4 +1,4 @@
-"""In-process unit tests: output capture, the wire schema, tier choice, config, framing, record parsing."""
+"""In-process unit tests: output capture, the wire schema, tier choice, config, framing, outcome records."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from sandbox_server import schema
 from sandbox_server.config import ServerConfig, build_arg_parser, choose_tier
 from sandbox_server.framing import encode_frame, split_frames
 from sandbox_server.output import StreamCapture
+from sandbox_server.runner import encode_record
 from sandbox_server.worker import _take_record
 
 LIMITS = dict(default_timeout=10.0, max_timeout=60.0, max_code_chars=100, max_stdin_chars=10)
@@ -183,3 +184,18 @@ def test_take_record_for_a_session_needs_the_call_id_and_keeps_partial_lines():
     assert buffer == _record(id=2)[:10]
     buffer += _record(id=2)[10:]
     assert _take_record(buffer, 2)["id"] == 2
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"status": "ok", "error_type": None, "exit_code": 0, "exec_start": 10703.33243, "exec_end": 10703.34},
+        {"status": "error", "error_type": None, "exit_code": 3, "exec_start": 1.0, "exec_end": 2.5, "id": 7},
+        {"status": "error", "error_type": 'Odd"\nName', "exit_code": 1, "exec_start": 1.0, "exec_end": 2.0},
+    ],
+)
+def test_encoded_record_is_one_json_line_the_worker_takes(record):
+    line = encode_record(record)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == record
+    assert _take_record(bytearray(line), record.get("id")) == record
