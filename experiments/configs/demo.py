@@ -41,7 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
             user_prefix="",
         )
     )
-    c.tokenizer_vocab_size = 1024
+    # Numbers in groups of up to three digits, one token each (as Llama 3 and GPT-4 split them).
+    c.tokenizer_vocab_size = 2048
+    c.tokenizer_digit_group = 3
     c.sandbox_workers = 2
 
     c.model = ml_collections.ConfigDict(

@@ -225,10 +225,9 @@ def compact_chat_template() -> str:
 
 def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     """A byte-level BPE tokenizer (ChatML + Hermes tool tags) trained on the rendered SFT conversations, with
-    numbers split into single digits as in Qwen's tokenizer: a number then reads the same in the problem,
-    the code, the tool output and the answer, so a tiny model can learn to copy it digit by digit."""
-    from tokenizers import pre_tokenizers
-
+    numbers in groups of ``config.tokenizer_digit_group`` digits, each group one token: a number then reads
+    the same in the problem, the code, the tool output and the answer, so a tiny model copies it in a few
+    lookups."""
     rows = [json.loads(line) for line in paths.sft_data.read_text(encoding="utf-8").splitlines() if line]
     template = compact_chat_template() if not config.prompt.paper else CHATML_TOOLS_TEMPLATE
     # Rendering needs a tokenizer that carries the template: a throwaway bytes-only one renders.
@@ -236,14 +235,13 @@ def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     renderer = train_tiny_tokenizer([""], 259, scratch, chat_template=template)
     texts = [render_chat(renderer, r["messages"], tools=r["tools"]) for r in rows]
     shutil.rmtree(scratch)
-    tokenizer = train_tiny_tokenizer(
-        texts, config.tokenizer_vocab_size, paths.tokenizer, chat_template=template
+    return train_tiny_tokenizer(
+        texts,
+        config.tokenizer_vocab_size,
+        paths.tokenizer,
+        chat_template=template,
+        digit_group=config.tokenizer_digit_group,
     )
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), tokenizer.backend_tokenizer.pre_tokenizer]
-    )
-    tokenizer.save_pretrained(paths.tokenizer)
-    return load_tokenizer(paths.tokenizer)
 
 
 def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:

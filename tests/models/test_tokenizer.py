@@ -148,3 +148,28 @@ def test_tokenizer_errors_name_the_problem(tmp_path, tiny):
     no_template.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
         render_chat(no_template, CONVERSATION[:2])
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_digit_groups_are_single_tokens_wherever_a_number_appears(tmp_path, group):
+    tokenizer = train_tiny_tokenizer(CORPUS, vocab_size=1400, out_dir=tmp_path, digit_group=group)
+    text = "Compute 4^97 mod 829: [9, 22, 1234567]\nx1 = 10**6"
+    ids = encode_text(tokenizer, text)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert "".join(pieces) == text
+    numbers = [p for p in pieces if p.isdigit()]
+    # Every run of digits is cut into groups of `group` from the left, each group exactly one token.
+    expected = []
+    for run in ("4", "97", "829", "9", "22", "1234567", "1", "10", "6"):
+        expected += [run[i : i + group] for i in range(0, len(run), group)]
+    assert numbers == expected
+    # A number is the same token(s) after a space or a bracket.
+    alone = encode_text(tokenizer, "829")
+    assert alone == encode_text(tokenizer, " 829")[1:] == encode_text(tokenizer, "[829")[1:]
+
+
+def test_digit_group_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="digit_group must be a positive"):
+        train_tiny_tokenizer(CORPUS, vocab_size=400, out_dir=tmp_path, digit_group=0)
+    with pytest.raises(ValueError, match="cannot hold the 1110 digit groups"):
+        train_tiny_tokenizer(CORPUS, vocab_size=1000, out_dir=tmp_path, digit_group=3)
