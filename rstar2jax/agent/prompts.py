@@ -78,7 +78,11 @@ class PromptConfig:
         the ``# Tools`` system turn).
       user_prefix: prepended to the problem statement in the user turn.
       assistant_opener: appended after the template's generation prompt and after each tool response.
-      tools: function schemas listed in the ``# Tools`` block; empty for a tool-free prompt.
+      tools: the callable tools' function schemas (the tool-call parser accepts their names); empty for a
+        tool-free prompt.
+      list_tools: list ``tools`` in the template's ``# Tools`` system block. False leaves them callable but
+        unlisted: a model taught the call format by SFT does not need the schema, and a tiny model saves its
+        ~70 tokens in every sequence.
       chat_template_kwargs: extra variables for the chat template (e.g. ``enable_thinking``).
     """
 
@@ -86,6 +90,7 @@ class PromptConfig:
     user_prefix: str = DEFAULT_USER_PREFIX
     assistant_opener: str = DEFAULT_ASSISTANT_OPENER
     tools: tuple[Mapping[str, Any], ...] = dataclasses.field(default_factory=lambda: (python_tool_schema(),))
+    list_tools: bool = True
     chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -96,6 +101,11 @@ class PromptConfig:
                 )
         if not isinstance(self.tools, tuple):
             raise TypeError(f"PromptConfig.tools must be a tuple of schemas, got {type(self.tools).__name__}")
+
+    @property
+    def listed_tools(self) -> list[dict[str, Any]] | None:
+        """The schemas the chat template lists (its ``tools`` argument), or None."""
+        return [dict(t) for t in self.tools] if self.list_tools and self.tools else None
 
     @property
     def tool_names(self) -> tuple[str, ...]:
@@ -119,7 +129,7 @@ def render_prompt_text(
     text = render_chat(
         tokenizer,
         _prompt_messages(problem, cfg),
-        tools=list(cfg.tools) or None,
+        tools=cfg.listed_tools,
         add_generation_prompt=True,
         **cfg.chat_template_kwargs,
     )

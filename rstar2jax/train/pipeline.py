@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 
 from rstar2jax import models
-from rstar2jax.agent.prompts import PYTHON_TOOL_NAME, PromptConfig, format_tool_result, render_prompt_ids
+from rstar2jax.agent.prompts import PromptConfig, format_tool_result, render_prompt_ids
 from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.sft_data import build_sft_examples
 from rstar2jax.data.synthetic import SyntheticTask, make_task
@@ -104,23 +104,14 @@ class DemoPaths:
         return self.workdir / "eval" / f"{name}.json"
 
 
-def compact_tool_schema() -> dict[str, Any]:
-    """The paper's Python tool (same name and arguments) without the descriptions: a tiny model's prompt is
-    most of its sequence, so every token of it costs compute in SFT, rollouts and updates."""
-    properties = {"code": {"type": "string"}, "input": {"type": "string"}}
-    parameters = {"type": "object", "properties": properties, "required": ["code", "input"]}
-    return {"type": "function", "function": {"name": PYTHON_TOOL_NAME, "parameters": parameters}}
-
-
 def prompt_from_config(config: ml_collections.ConfigDict) -> PromptConfig:
-    """``config.prompt.paper``: the paper's prompt and tool schema; else ``config.prompt``'s system prompt and
-    user prefix with the compact schema. SFT data and rollouts must use the same prompt."""
+    """``config.prompt.paper``: the paper's prompt (system text and the listed tool schema); else
+    ``config.prompt``'s system prompt, user prefix and ``list_tools`` with the paper's Python tool. SFT data
+    and rollouts must use the same prompt."""
     p = config.prompt
     if p.paper:
         return PromptConfig()
-    return PromptConfig(
-        system_prompt=p.system_prompt, user_prefix=p.user_prefix, tools=(compact_tool_schema(),)
-    )
+    return PromptConfig(system_prompt=p.system_prompt, user_prefix=p.user_prefix, list_tools=p.list_tools)
 
 
 def _write_jsonl(path: pathlib.Path, rows: Sequence[dict]) -> None:
@@ -184,7 +175,7 @@ def write_sft_data(
     rows = [
         {
             "messages": e.messages,
-            "tools": [dict(t) for t in prompt.tools],
+            "tools": prompt.listed_tools,
             "assistant_opener": prompt.assistant_opener,
         }
         for e in examples
@@ -196,40 +187,13 @@ def write_sft_data(
     return counts
 
 
-# The English preamble of the ChatML tools block (~100 tokens in every prompt) cut to the <tools> list itself.
-_TEMPLATE_CUTS = (
-    (
-        "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>",
-        "<tools>",
-    ),
-    (
-        "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>',
-        "\\n</tools><|im_end|>",
-    ),
-)
-
-
-def compact_chat_template() -> str:
-    """``CHATML_TOOLS_TEMPLATE`` (Qwen's rendering of Hermes tool calls and responses) with the tools block
-    reduced to ``<tools> schemas </tools>``: the same conversation format at half the prompt length."""
-    template = CHATML_TOOLS_TEMPLATE
-    for long, short in _TEMPLATE_CUTS:
-        if long not in template:
-            raise ValueError(f"CHATML_TOOLS_TEMPLATE changed: cannot find {long!r} to shorten")
-        template = template.replace(long, short)
-    return template
-
-
 def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     """A byte-level BPE tokenizer (ChatML + Hermes tool tags) trained on the rendered SFT conversations, with
     numbers in groups of ``config.tokenizer_digit_group`` digits, each group one token: a number then reads
     the same in the problem, the code, the tool output and the answer, so a tiny model copies it in a few
     lookups."""
     rows = [json.loads(line) for line in paths.sft_data.read_text(encoding="utf-8").splitlines() if line]
-    template = compact_chat_template() if not config.prompt.paper else CHATML_TOOLS_TEMPLATE
+    template = CHATML_TOOLS_TEMPLATE
     # Rendering needs a tokenizer that carries the template: a throwaway bytes-only one renders.
     scratch = paths.workdir / "tokenizer.bytes"
     renderer = train_tiny_tokenizer([""], 259, scratch, chat_template=template)

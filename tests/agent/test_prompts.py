@@ -72,6 +72,9 @@ def test_prompt_config_overrides(qwen3):
     assert render_prompt_text(qwen3, "1+1?", thinking_off).endswith(
         "assistant\n<think>\n\n</think>\n\n<reason>"
     )
+    unlisted = PromptConfig(system_prompt="", user_prefix="Q: ", assistant_opener="", list_tools=False)
+    assert render_prompt_text(qwen3, "1+1?", unlisted) == render_prompt_text(qwen3, "1+1?", cfg)
+    assert unlisted.tool_names == (PYTHON_TOOL_NAME,) and unlisted.listed_tools is None  # callable, not shown
     renamed = PromptConfig(tools=(python_tool_schema("python_code_with_standard_io"),))
     assert renamed.tool_names == ("python_code_with_standard_io",)
     with pytest.raises(ValueError, match="problem must be a non-empty str"):
