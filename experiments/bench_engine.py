@@ -259,6 +259,8 @@ def main() -> None:
         return
 
     rows, figures = [], {}
+    bench_start = time.perf_counter()
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (shared machine: timings are noisy)", flush=True)
 
     def report(key, name, ours, base, ratio, goal, note):
         """Record one measurement and print it at once (the whole run takes minutes)."""
@@ -289,6 +291,8 @@ def main() -> None:
     print(f"\n{'measurement':<44}{'ours':>12}{'baseline':>12}{'ratio':>9}  {'goal':<9}note")
     print("\n".join(rows))
     print("(baselines: transformers generate on PyTorch CPU; memory-bandwidth floor; turn-synchronous batch)")
+    print(f"whole benchmark: {time.perf_counter() - bench_start:.0f} s; "
+          f"load average at end: {os.getloadavg()[0]:.2f}")
     print(json.dumps({k: round(v, 3) for k, v in figures.items()}))
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ class EngineConfig:
       eos_token_ids: tokens that finish a session; None: the model config's.
       cache_dtype: KV cache dtype; None: the model's compute dtype.
       seed: mixed into the seed of every session opened without one.
+      unstacked_decode: decode from per-layer copies of the weights made once per decode chunk (see
+        :func:`~rstar2jax.engine.decode`): faster where slicing the layer-stacked weights copies them (CPU),
+        at the cost of a second copy of the layer weights while decoding.
     """
 
     num_slots: int = 32
@@ -83,6 +86,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     cache_dtype: str | None = None
     seed: int = 0
+    unstacked_decode: bool = True
 
     def __post_init__(self):
         for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len"):
@@ -193,7 +197,7 @@ class EngineCore:
         nothing = np.full((num_slots,), num_slots, np.int32)
         size_of = {n: len(self._slot_array(range(n), bucketed=True)) for n in range(1, num_slots + 1)}
         for size in sorted({size_of[n] for n in size_of if self._compact_decode(n)}):
-            self.state = ops.decode(self.state, self.params, self.engine_config.decode_chunk, nothing[:size])
+            self.state = self._decode(nothing[:size])
         for size in sorted(set(size_of.values())):
             for bucket in self.engine_config.prefill_buckets:
                 self.state = ops.append(
@@ -222,8 +226,15 @@ class EngineCore:
             zeros(np.int32),
         )
         self.state = ops.release(self.state, nothing)
-        self.state = ops.decode(self.state, self.params, self.engine_config.decode_chunk, None)
+        self.state = self._decode(None)
         jax.block_until_ready(ops.read_slots(self.state, nothing))
+
+    def _decode(self, slots: np.ndarray | None) -> EngineState:
+        """One decode chunk of every running slot (``slots=None``) or of the compacted ``slots``."""
+        config = self.engine_config
+        return ops.decode(
+            self.state, self.params, config.decode_chunk, slots, unstacked=config.unstacked_decode
+        )
 
     def _compact_decode(self, num_running: int) -> bool:
         """Decode only the running slots (gathered) when they are at most half of all slots: a dense step
@@ -384,7 +395,7 @@ class EngineCore:
             return []
         running = list(self._active)
         compact = self._slot_array(running, bucketed=True) if self._compact_decode(len(running)) else None
-        self.state = ops.decode(self.state, self.params, self.engine_config.decode_chunk, compact)
+        self.state = self._decode(compact)
         state = self.state
         status, reason, seq_len = jax.device_get((state.status, state.finish_reason, state.seq_len))
         ended = [slot for slot in self._active if status[slot] != RUNNING]

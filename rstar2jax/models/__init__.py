@@ -23,6 +23,7 @@ from rstar2jax.models.transformer import (
     init_params,
     rope_inverse_frequencies,
     token_logprobs,
+    unstack_layers,
 )
 
 __all__ = [
@@ -51,4 +52,5 @@ __all__ = [
     "save_pretrained",
     "shard_params",
     "token_logprobs",
+    "unstack_layers",
 ]

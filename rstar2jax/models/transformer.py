@@ -131,7 +131,12 @@ _LOGITS_AXES = ("batch", "length", "vocab")
 
 def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``kv_write``: None (no cache)
-    or (cache_k, cache_v, write_index) for this layer. Returns (x, (new_cache_k, new_cache_v) or None)."""
+    or (cache_k, cache_v, layer_index, write_index) with the whole ``[L, B, S, K, Dh]`` cache. Returns
+    (x, (new_cache_k, new_cache_v) or None).
+
+    The layer's new keys/values are scattered into the whole cache at ``[layer_index, row, write_index]``:
+    threaded through the layer loop as a carry, the cache is then updated in place instead of being sliced
+    out and restacked (a full copy of the cache per call)."""
     dtype = x.dtype
     layer = jax.tree.map(lambda p: p.astype(dtype), layer)
     eps = config.rms_norm_eps
@@ -150,11 +155,12 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
 
     new_kv = None
     if kv_write is not None:
-        cache_k, cache_v, write_index = kv_write
+        cache_k, cache_v, layer_index, write_index = kv_write
         rows = jnp.arange(x.shape[0])[:, None]
-        k = cache_k.at[rows, write_index].set(k.astype(cache_k.dtype), mode="drop")
-        v = cache_v.at[rows, write_index].set(v.astype(cache_v.dtype), mode="drop")
-        new_kv = (k, v)
+        cache_k = cache_k.at[layer_index, rows, write_index].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[layer_index, rows, write_index].set(v.astype(cache_v.dtype), mode="drop")
+        k, v = cache_k[layer_index], cache_v[layer_index]
+        new_kv = (cache_k, cache_v)
     attn = _attention(q, k.astype(dtype), v.astype(dtype), mask)
     x = constrain(x + jnp.einsum("bthk,hkd->btd", attn, layer["o_proj"]), _RESIDUAL_AXES)
 
@@ -200,7 +206,8 @@ def forward(
     """Logits of a decoder-only LM.
 
     Args:
-      params: tree from :func:`init_params` / ``load_pretrained``.
+      params: tree from :func:`init_params` / ``load_pretrained``, or with its layers unstacked by
+        :func:`unstack_layers` (then the layers run unrolled whatever ``config.scan_layers`` says).
       config: the model's :class:`ModelConfig` (static).
       tokens: int32 ``[B, T]``; ids outside ``[0, vocab)`` (e.g. a -1 pad) are clipped, so padding can never
         put NaNs into the keys and values that masked attention multiplies by zero.
@@ -229,16 +236,14 @@ def forward(
         segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
         index = jnp.arange(T)
         mask = (segments[:, :, None] == segments[:, None, :]) & (index[:, None] >= index[None, :])
-        layer_kv = None
     else:
         mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
         writable = positions >= 0 if segment_ids is None else (positions >= 0) & (segment_ids != 0)
         write_index = jnp.where(writable, positions, cache.max_len)  # max_len: out of range, dropped
-        layer_kv = (cache.k, cache.v)
 
-    def block(x, layer_inputs):
-        layer, kv = layer_inputs
-        return _decoder_layer(config, x, layer, rope, mask, None if kv is None else (*kv, write_index))
+    def block(x, layer, layer_index, kv):
+        kv_write = None if kv is None else (*kv, layer_index, write_index)
+        return _decoder_layer(config, x, layer, rope, mask, kv_write)
 
     if config.remat_policy != "none":
         block = jax.checkpoint(
@@ -246,18 +251,30 @@ def forward(
         )
 
     x = constrain(jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(dtype), _RESIDUAL_AXES)
-    if config.scan_layers:
-        x, new_kv = jax.lax.scan(block, x, (params["layers"], layer_kv))
+    kv = None if cache is None else (cache.k, cache.v)
+    if isinstance(params["layers"], list | tuple):  # unstacked (see unstack_layers): one buffer per layer
+        if len(params["layers"]) != config.num_layers:
+            raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
+                             f"{config.num_layers}")
+        for i, layer in enumerate(params["layers"]):
+            x, kv = block(x, layer, i, kv)
+    elif config.scan_layers:
+
+        def scan_step(carry, layer_inputs):
+            x, kv = carry
+            layer, layer_index = layer_inputs
+            return block(x, layer, layer_index, kv), None
+
+        layer_indices = jnp.arange(config.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(scan_step, (x, kv), (params["layers"], layer_indices))
     else:
         # One split per stacked leaf (its gradient is one concatenate) rather than L slices (whose gradients
         # would be L full-size pads summed together: quadratic in the number of layers).
-        leaves, treedef = jax.tree.flatten((params["layers"], layer_kv))
+        leaves, treedef = jax.tree.flatten(params["layers"])
         parts = [jax.lax.split(leaf, [1] * config.num_layers, axis=0) for leaf in leaves]
-        outputs = []
         for i in range(config.num_layers):
-            x, kv_i = block(x, jax.tree.unflatten(treedef, [leaf_parts[i][0] for leaf_parts in parts]))
-            outputs.append(kv_i)
-        new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outputs)
+            layer = jax.tree.unflatten(treedef, [leaf_parts[i][0] for leaf_parts in parts])
+            x, kv = block(x, layer, i, kv)
 
     x = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
@@ -268,8 +285,28 @@ def forward(
         logits = jnp.einsum(
             "btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
         )
-    new_cache = None if cache is None else KVCache(k=new_kv[0], v=new_kv[1])
+    new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1])
     return constrain(logits, _LOGITS_AXES), new_cache
+
+
+def unstack_layers(params: dict, dtype=None) -> dict:
+    """``params`` with ``params["layers"]`` split into a tuple of per-layer trees, one buffer per weight, and
+    every weight cast to ``dtype`` if given; :func:`forward` accepts either layout and, with ``dtype`` its
+    ``config.compute_dtype`` (it casts every weight to that anyway), computes the same logits.
+
+    For many forwards over the same weights (a decode loop): a matmul that reads a weight through a slice of
+    the layer-stacked tree may copy the slice first (XLA:CPU does, for every layer of every step), tripling
+    the memory traffic of a small-batch step. Unstacking copies the weights once instead, and casts them once
+    rather than per forward. The result holds a second copy of the layer weights.
+    """
+    if isinstance(params["layers"], list | tuple):
+        raise ValueError("params['layers'] is already unstacked")
+    if dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(num_layers))
+    return {**params, "layers": layers}
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:

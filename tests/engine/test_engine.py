@@ -22,7 +22,7 @@ from rstar2jax.engine import (
     init_state,
     resume,
 )
-from rstar2jax.models import forward
+from rstar2jax.models import ModelConfig, forward, init_params
 from tests.engine.conftest import ENGINE_CONFIG
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
@@ -304,3 +304,18 @@ def test_no_recompilation_after_warmup(tiny_qwen3):
     finally:
         monitoring.unregister_event_duration_listener(count)
     assert compiles == []
+
+
+@pytest.mark.parametrize("unstacked", [True, False])
+def test_decode_updates_the_cache_in_place(unstacked):
+    """The decode loop writes the donated KV cache in place: its compiled program needs no scratch memory as
+    large as the cache's keys (a per-step copy of the cache would; one layer's slice, read for attention,
+    is 2/num_layers of it)."""
+    config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    state = jax.eval_shape(lambda: init_state(config, num_slots=8, max_len=512))
+    memory = decode.lower(state, params, 4, unstacked=unstacked).compile().memory_analysis()
+    cache_bytes = state.cache.k.size * state.cache.k.dtype.itemsize
+    assert memory.alias_size_in_bytes >= 2 * cache_bytes  # the state is donated and its cache aliased
+    assert memory.temp_size_in_bytes < cache_bytes

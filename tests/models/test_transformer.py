@@ -121,6 +121,61 @@ def test_prefill_then_decode_matches_full_forward(tiny_models):
             )
 
 
+def test_unstacked_layers_give_the_same_logits_and_cache(tiny_models):
+    """``unstack_layers`` params (one buffer per layer) run the same model, with and without a cache."""
+    config, params = models.load_pretrained(tiny_models("qwen3").path)
+    unstacked = models.transformer.unstack_layers(params)
+    assert len(unstacked["layers"]) == config.num_layers
+    tokens = random_tokens((2, 6), seed=7)
+    np.testing.assert_allclose(
+        models.forward(unstacked, config, tokens)[0], models.forward(params, config, tokens)[0], atol=1e-6
+    )
+    (logits, cache), (expected_logits, expected_cache) = (
+        models.forward(p, config, tokens, cache=models.init_cache(config, 2, max_len=8))
+        for p in (unstacked, params)
+    )
+    np.testing.assert_allclose(logits, expected_logits, atol=1e-6)
+    np.testing.assert_allclose(cache.k, expected_cache.k, atol=1e-6)
+    np.testing.assert_allclose(cache.v, expected_cache.v, atol=1e-6)
+    with pytest.raises(ValueError, match="already unstacked"):
+        models.transformer.unstack_layers(unstacked)
+    with pytest.raises(ValueError, match="unstacked layers"):
+        models.forward({**unstacked, "layers": unstacked["layers"][:-1]}, config, tokens)
+    bfloat16 = dataclasses.replace(config, compute_dtype="bfloat16")
+    cast = models.transformer.unstack_layers(params, "bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+    # The same bfloat16 inputs to every op; only the (unrolled vs scanned) matmul blocking may differ.
+    expected = models.forward(params, bfloat16, tokens)[0]
+    np.testing.assert_allclose(
+        models.forward(cast, bfloat16, tokens)[0], expected, atol=1e-2 * np.abs(expected).max(), rtol=0
+    )
+
+
+@pytest.mark.parametrize("layout", ["scan", "unrolled", "unstacked"])
+def test_cached_decode_step_updates_the_cache_in_place(layout):
+    """A decode step on a donated cache writes it in place: the compiled step needs no scratch memory as large
+    as the cache's keys (a copy of the cache would; reading one layer's keys and values for attention may
+    materialise that layer's slice, 2/num_layers of it)."""
+    config = models.ModelConfig(
+        model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=8, scan_layers=layout == "scan",
+    )
+    params = jax.eval_shape(lambda: models.init_params(config, jax.random.key(0)))
+    if layout == "unstacked":
+        params = jax.eval_shape(models.transformer.unstack_layers, params)
+    cache = jax.eval_shape(lambda: models.init_cache(config, batch_size=8, max_len=512))
+    step = jax.jit(
+        lambda params, tokens, positions, cache: models.forward(
+            params, config, tokens, positions=positions, cache=cache
+        ),
+        donate_argnames="cache",
+    )
+    token = jax.ShapeDtypeStruct((8, 1), jnp.int32)
+    memory = step.lower(params, token, token, cache).compile().memory_analysis()
+    assert memory.alias_size_in_bytes == 2 * cache.k.size * cache.k.dtype.itemsize  # donated, aliased
+    assert memory.temp_size_in_bytes < cache.k.size * cache.k.dtype.itemsize
+
+
 def test_cache_positions_out_of_range_are_dropped(tiny_models):
     """Writing 6 tokens into a 4-slot cache keeps the first 4 and silently drops positions 4 and 5."""
     config, params = models.load_pretrained(tiny_models("llama").path)
