@@ -22,7 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.workdir = "runs/demo"
     c.seed = 0
 
-    c.task = ml_collections.ConfigDict(dict(num_train=2400, num_eval=40, families=FAMILIES, difficulty=1))
+    # 100 held-out problems x 4 samples: pass@1's standard error is about 2.3 points.
+    c.task = ml_collections.ConfigDict(dict(num_train=2400, num_eval=100, families=FAMILIES, difficulty=1))
     # SFT conversations: a share whose first tool call is broken (a real error comes back), then fixed.
     c.sft_data = ml_collections.ConfigDict(
         dict(
@@ -73,7 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
     rl.optimizer.learning_rate = 5e-4
     rl.optimizer.warmup_steps = 1
     rl.optimizer.weight_decay = 0.0
-    rl.rl.prompts_per_step = 8
+    rl.rl.prompts_per_step = 16
     rl.rl.samples_per_problem = 8  # 2G
     rl.rl.keep = 4  # G
     rl.batch.max_prompt_length = 128
@@ -82,8 +83,8 @@ def get_config() -> ml_collections.ConfigDict:
     rl.rollout.tool_timeout = 5.0
     rl.filter_batch_size = 16
     rl.stages = [
-        stage("stage1", steps=8, max_response_length=192, max_turns=3),
-        stage("stage2", steps=8, max_response_length=320, max_turns=4),
+        stage("stage1", steps=10, max_response_length=192, max_turns=3),
+        stage("stage2", steps=10, max_response_length=320, max_turns=4),
     ]
     rl.checkpoint.save_every = 4
     c.rl = rl
