@@ -83,7 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
     rl.rollout.tool_timeout = 5.0
     rl.filter_batch_size = 16
     rl.stages = [
-        stage("stage1", steps=10, max_response_length=192, max_turns=3),
+        stage("stage1", steps=10, max_response_length=256, max_turns=3),
         stage("stage2", steps=10, max_response_length=320, max_turns=4),
     ]
     rl.checkpoint.save_every = 4
