@@ -1,11 +1,11 @@
 """Runs user code inside a forked, already isolated child: notebook semantics and the outcome record.
 
 The child's file descriptors are fixed: 0 = stdin (a memfd, or the worker's /dev/null when it is empty),
-1/2 = stdout/stderr pipes to the worker,
-``RECORD_FD`` = a pipe for the outcome record, and for sessions ``CONTROL_FD`` = requests from the worker.
-The record is JSON ``{"id", "status", "error_type", "exit_code", "exec_start", "exec_end"}``. The code runs
-in the same process and could write its own record, but that only changes its own result: it has no
-descriptor that reaches any other call.
+1/2 = stdout/stderr pipes to the worker, ``RECORD_FD`` = a pipe for the outcome record, and for sessions
+``CONTROL_FD`` = requests from the worker. The record is JSON
+``{"id", "status", "error_type", "exit_code", "exec_start", "exec_end"}``. The code runs in the same process
+and could write its own record, but that only changes its own result: it has no descriptor that reaches any
+other call.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 #: ChatML control tokens (special: ``skip_special_tokens=True`` strips them), in Qwen's id order.
 CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 #: Hermes tool-call delimiters. Added but not special, as in Qwen: decoding keeps them.
+HERMES_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 # Times each digit group is fed to the BPE trainer (see ``train_tiny_tokenizer``).
 _DIGIT_GROUP_REPEATS = 1000
-HERMES_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 #: A Qwen-style ChatML template with Hermes tools: the system turn carries the ``# Tools`` block, assistant
 #: ``tool_calls`` render as ``<tool_call>`` JSON, consecutive ``tool`` messages share one user turn of

@@ -33,7 +33,6 @@ from rstar2jax.data.sft_data import build_sft_examples
 from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.eval.evaluate import DatasetEval, aggregate
 from rstar2jax.models.tokenizer import (
-    CHATML_TOOLS_TEMPLATE,
     load_tokenizer,
     render_chat,
     train_tiny_tokenizer,
@@ -193,17 +192,15 @@ def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     the same in the problem, the code, the tool output and the answer, so a tiny model copies it in a few
     lookups."""
     rows = [json.loads(line) for line in paths.sft_data.read_text(encoding="utf-8").splitlines() if line]
-    template = CHATML_TOOLS_TEMPLATE
     # Rendering needs a tokenizer that carries the template: a throwaway bytes-only one renders.
     scratch = paths.workdir / "tokenizer.bytes"
-    renderer = train_tiny_tokenizer([""], 259, scratch, chat_template=template)
+    renderer = train_tiny_tokenizer([""], 259, scratch)
     texts = [render_chat(renderer, r["messages"], tools=r["tools"]) for r in rows]
     shutil.rmtree(scratch)
     return train_tiny_tokenizer(
         texts,
         config.tokenizer_vocab_size,
         paths.tokenizer,
-        chat_template=template,
         digit_group=config.tokenizer_digit_group,
     )
 
