@@ -27,7 +27,7 @@ from rstar2jax.engine.state import (
     STOP,
     EngineState,
 )
-from rstar2jax.models import forward, token_logprobs, unstack_layers
+from rstar2jax.models import forward, layers_are_unstacked, token_logprobs, unstack_layers
 
 _donate_state = functools.partial(jax.jit, donate_argnames=("state",))
 
@@ -309,7 +309,7 @@ def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None =
     The price is one more copy of the layer weights in memory during the call; turn it off where memory is
     tight and the backend fuses slices into matmuls.
     """
-    if unstacked and not isinstance(params["layers"], list | tuple):
+    if unstacked and not layers_are_unstacked(params):
         params = unstack_layers(params, state.config.compute_dtype)
     if slots is None:
         return _decode_loop(state, params, num_steps)

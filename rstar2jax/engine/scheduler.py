@@ -38,7 +38,7 @@ from rstar2jax.engine.state import (
     EngineState,
     init_state,
 )
-from rstar2jax.models import ModelConfig
+from rstar2jax.models import ModelConfig, layers_are_unstacked, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +72,11 @@ class EngineConfig:
       eos_token_ids: tokens that finish a session; None: the model config's.
       cache_dtype: KV cache dtype; None: the model's compute dtype.
       seed: mixed into the seed of every session opened without one.
-      unstacked_decode: decode from per-layer copies of the weights made once per decode chunk (see
-        :func:`~rstar2jax.engine.decode`): faster where slicing the layer-stacked weights copies them (CPU),
-        at the cost of a second copy of the layer weights while decoding.
+      unstacked_decode: run from per-layer copies of the weights in the compute dtype, made once when the
+        engine is built (:func:`~rstar2jax.models.unstack_layers`): faster where slicing the layer-stacked
+        weights copies them (XLA:CPU copies every layer of every decode step), at the cost of a second copy
+        of the layer weights for the engine's lifetime (params passed in already unstacked are used as
+        they are). Off: every step reads the stacked weights.
     """
 
     num_slots: int = 32
@@ -139,6 +141,9 @@ class _Record:
         self.logprobs += [0.0] * len(tokens) if logprobs is None else logprobs
 
 
+_unstack_layers = jax.jit(unstack_layers, static_argnames=("dtype",))
+
+
 def _slot_seed(entropy: Sequence[int]) -> int:
     """A well-mixed uint32 seed from a tuple of ints (so nearby tuples give unrelated streams)."""
     return int(np.random.SeedSequence([int(e) & 0xFFFFFFFF for e in entropy]).generate_state(1)[0])
@@ -152,6 +157,8 @@ class EngineCore:
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig):
+        if engine_config.unstacked_decode and not layers_are_unstacked(params):
+            params = _unstack_layers(params, config.compute_dtype)
         self.params = params
         self.config = config
         self.engine_config = engine_config

@@ -252,7 +252,7 @@ def forward(
 
     x = constrain(jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(dtype), _RESIDUAL_AXES)
     kv = None if cache is None else (cache.k, cache.v)
-    if isinstance(params["layers"], list | tuple):  # unstacked (see unstack_layers): one buffer per layer
+    if layers_are_unstacked(params):  # one buffer per layer
         if len(params["layers"]) != config.num_layers:
             raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
                              f"{config.num_layers}")
@@ -289,6 +289,11 @@ def forward(
     return constrain(logits, _LOGITS_AXES), new_cache
 
 
+def layers_are_unstacked(params: dict) -> bool:
+    """Whether ``params["layers"]`` is a tuple of per-layer trees (:func:`unstack_layers`), not stacked."""
+    return isinstance(params["layers"], list | tuple)
+
+
 def unstack_layers(params: dict, dtype=None) -> dict:
     """``params`` with ``params["layers"]`` split into a tuple of per-layer trees, one buffer per weight, and
     every weight cast to ``dtype`` if given; :func:`forward` accepts either layout and, with ``dtype`` its
@@ -299,7 +304,7 @@ def unstack_layers(params: dict, dtype=None) -> dict:
     the memory traffic of a small-batch step. Unstacking copies the weights once instead, and casts them once
     rather than per forward. The result holds a second copy of the layer weights.
     """
-    if isinstance(params["layers"], list | tuple):
+    if layers_are_unstacked(params):
         raise ValueError("params['layers'] is already unstacked")
     if dtype is not None:
         params = jax.tree.map(lambda p: p.astype(dtype), params)

@@ -22,7 +22,7 @@ from rstar2jax.engine import (
     init_state,
     resume,
 )
-from rstar2jax.models import ModelConfig, forward, init_params
+from rstar2jax.models import ModelConfig, forward, init_params, layers_are_unstacked
 from tests.engine.conftest import ENGINE_CONFIG
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
@@ -55,7 +55,13 @@ def test_greedy_matches_transformers(tiny_qwen3):
         assert result.finish_reason == "budget"
 
 
-def test_logprobs_equal_teacher_forced_logprobs(tiny_qwen3):
+@pytest.mark.parametrize("unstacked_decode", [True, False])
+def test_logprobs_equal_teacher_forced_logprobs(tiny_qwen3, unstacked_decode):
+    """Also with the engine's per-layer weight copies (made once, in ``EngineCore``) against the stacked
+    weights the trainer's forward uses."""
+    engine_config = dataclasses.replace(ENGINE_CONFIG, unstacked_decode=unstacked_decode)
+    core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, engine_config)
+    assert layers_are_unstacked(core.params) == unstacked_decode
     prompts = _prompts((4, 11, 30), seed=1)
     results = generate(
         tiny_qwen3.params,
@@ -66,7 +72,7 @@ def test_logprobs_equal_teacher_forced_logprobs(tiny_qwen3):
         top_p=0.9,
         top_k=50,
         seed=3,
-        engine_config=ENGINE_CONFIG,
+        engine_config=engine_config,
     )
     for prompt, result in zip(prompts, results, strict=True):
         logprobs = _teacher_forced(tiny_qwen3, prompt + result.tokens)
