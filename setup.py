@@ -23,6 +23,7 @@ setup(
         "msgpack>=1.2",
         "aiohttp>=3.14",
         "absl-py>=2.5",
+        "lazy-loader>=0.6",
         "ml-collections>=1.1",
         "math-verify>=0.9",
         "sympy>=1.14",

@@ -1,66 +1,53 @@
 """Multi-turn tool rollouts (:func:`rollout`, :func:`rollout_async`), the trajectory record, tool-call
 parsing, the prompt protocol and the sandbox client.
 
-Importing starts nothing: no JAX backend, no sandbox server, no verifier process.
+Importing starts nothing: no JAX backend, no sandbox server, no verifier process. Names load on first use
+(``lazy_loader``), so ``from rstar2jax.agent.sandbox_client import SandboxClient`` costs aiohttp and msgpack,
+not JAX and transformers: a client process keeps a small heap, and its full garbage collections stay short.
 """
 
-from rstar2jax.agent.prompts import (
-    PYTHON_TOOL_NAME,
-    PromptConfig,
-    format_tool_result,
-    python_tool_schema,
-    render_prompt_ids,
-    render_prompt_text,
-    tool_response_ids,
-    tool_response_text,
-)
-from rstar2jax.agent.rollout import (
-    PolicyRollout,
-    RolloutConfig,
-    RolloutEngine,
-    RolloutSession,
-    ToolSandbox,
-    rollout,
-    rollout_async,
-    tool_outcome,
-)
-from rstar2jax.agent.sandbox_client import SandboxClient, SandboxResult, SyncSandboxClient, run_code_sync
-from rstar2jax.agent.tool_parser import (
-    ToolCall,
-    ToolCallError,
-    ToolCallErrorKind,
-    parse_tool_call,
-    parse_tool_calls,
-)
-from rstar2jax.agent.trajectory import FAILED_OUTCOMES, ToolOutcome, Trajectory
+import lazy_loader
 
-__all__ = [
-    "FAILED_OUTCOMES",
-    "PYTHON_TOOL_NAME",
-    "PolicyRollout",
-    "PromptConfig",
-    "RolloutConfig",
-    "RolloutEngine",
-    "RolloutSession",
-    "SandboxClient",
-    "SandboxResult",
-    "SyncSandboxClient",
-    "ToolCall",
-    "ToolCallError",
-    "ToolCallErrorKind",
-    "ToolOutcome",
-    "ToolSandbox",
-    "Trajectory",
-    "format_tool_result",
-    "parse_tool_call",
-    "parse_tool_calls",
-    "python_tool_schema",
-    "render_prompt_ids",
-    "render_prompt_text",
-    "rollout",
-    "rollout_async",
-    "run_code_sync",
-    "tool_outcome",
-    "tool_response_ids",
-    "tool_response_text",
-]
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "prompts": [
+            "PYTHON_TOOL_NAME",
+            "PromptConfig",
+            "format_tool_result",
+            "python_tool_schema",
+            "render_prompt_ids",
+            "render_prompt_text",
+            "tool_response_ids",
+            "tool_response_text",
+        ],
+        "rollout": [
+            "PolicyRollout",
+            "RolloutConfig",
+            "RolloutEngine",
+            "RolloutSession",
+            "ToolSandbox",
+            "rollout",
+            "rollout_async",
+            "tool_outcome",
+        ],
+        "sandbox_client": [
+            "SandboxClient",
+            "SandboxResult",
+            "SyncSandboxClient",
+            "run_code_sync",
+        ],
+        "tool_parser": [
+            "ToolCall",
+            "ToolCallError",
+            "ToolCallErrorKind",
+            "parse_tool_call",
+            "parse_tool_calls",
+        ],
+        "trajectory": [
+            "FAILED_OUTCOMES",
+            "ToolOutcome",
+            "Trajectory",
+        ],
+    },
+)

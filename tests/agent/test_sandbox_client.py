@@ -6,6 +6,8 @@ import asyncio
 import collections
 import json
 import socket
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -300,3 +302,16 @@ def test_bad_call_arguments_raise():
                 await client.run_many([{"stdin": "x"}])
 
     _run(main())
+
+
+def test_importing_the_client_leaves_jax_and_transformers_unloaded():
+    """The agent package loads names lazily: a client-only process keeps a small heap (short full GCs)."""
+    probe = (
+        "import sys\n"
+        "from rstar2jax.agent.sandbox_client import SandboxClient\n"
+        "print(sorted(m for m in ('jax', 'transformers', 'torch') if m in sys.modules))\n"
+        "from rstar2jax.agent import rollout, SandboxClient as Same\n"
+        "print(Same is SandboxClient, 'jax' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True True"]
