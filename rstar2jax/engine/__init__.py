@@ -7,7 +7,7 @@ Device level (pure, jitted, donate the state): :func:`admit`, :func:`append`, :f
 
 from rstar2jax.engine.generate import Generation, generate
 from rstar2jax.engine.ops import admit, append, decode, fork, read_slots, release, resume
-from rstar2jax.engine.sampling import sample_tokens, truncation_mask
+from rstar2jax.engine.sampling import first_argmax, sample_tokens, truncation_mask
 from rstar2jax.engine.scheduler import Engine, EngineConfig, EngineCore, SamplingParams, Segment, Session
 from rstar2jax.engine.state import (
     BUDGET,
@@ -48,6 +48,7 @@ __all__ = [
     "admit",
     "append",
     "decode",
+    "first_argmax",
     "fork",
     "generate",
     "init_state",

@@ -27,7 +27,7 @@ from rstar2jax.engine.state import (
     STOP,
     EngineState,
 )
-from rstar2jax.models import forward, layers_are_unstacked, token_logprobs, unstack_layers
+from rstar2jax.models import forward, layers_are_unstacked, unstack_layers
 
 _donate_state = functools.partial(jax.jit, donate_argnames=("state",))
 
@@ -229,7 +229,9 @@ def _sample_step(state: EngineState, params, slots: jax.Array | None, active: ja
         logits, keys, jnp.where(active, state.temperature[rows], 0.0),
         jnp.where(active, state.top_p[rows], 1.0), jnp.where(active, state.top_k[rows], 0),
     )
-    new_logprobs = token_logprobs(logits[:, None], new_tokens[:, None])[:, 0]
+    # A gather, not token_logprobs' select over the whole vocabulary (built for gradients, never taken here).
+    picked = jnp.take_along_axis(logits, new_tokens[:, None], axis=-1)[:, 0]
+    new_logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
     return _commit(state, all_slots if slots is None else slots, active, new_tokens, new_logprobs)
 
 

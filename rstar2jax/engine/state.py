@@ -38,7 +38,8 @@ class EngineState:
     """Everything the device needs to run ``num_slots`` independent sequences of up to ``max_len`` tokens.
 
     Attributes (S = num_slots, M = max_len):
-      cache: KV cache, ``k``/``v`` ``[layers, S, M, kv_heads, head_dim]``.
+      cache: KV cache, ``k`` ``[layers, S, kv_heads, M, head_dim]``, ``v`` ``[layers, S, kv_heads, head_dim,
+        M]`` (see :class:`~rstar2jax.models.KVCache`).
       tokens: int32 ``[S, M]``: prompt, sampled and inserted tokens in order.
       logprobs: float32 ``[S, M]``: for a sampled token, its log-probability under the raw policy
         (``log_softmax(logits)`` at temperature 1, before top-k/top-p truncation); 0 for inserted tokens.

@@ -5,9 +5,11 @@ from rstar2jax.models.config import ModelConfig, config_from_hf, config_to_hf
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
 from rstar2jax.models.sharding import (
     CACHE_LOGICAL_AXES,
+    CACHE_VALUE_LOGICAL_AXES,
     LOGICAL_RULES,
     MESH_AXES,
     batch_sharding,
+    cache_shapes,
     cache_sharding,
     constrain,
     logical_sharding,
@@ -29,12 +31,14 @@ from rstar2jax.models.transformer import (
 
 __all__ = [
     "CACHE_LOGICAL_AXES",
+    "CACHE_VALUE_LOGICAL_AXES",
     "LOGICAL_RULES",
     "MESH_AXES",
     "KVCache",
     "ModelConfig",
     "ParamSpec",
     "batch_sharding",
+    "cache_shapes",
     "cache_sharding",
     "config_from_hf",
     "config_to_hf",

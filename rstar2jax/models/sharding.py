@@ -32,7 +32,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_embed", None),
 )
 
-CACHE_LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+# Logical axes of ``KVCache.k`` and ``KVCache.v`` (why they differ: see ``KVCache``).
+CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
+CACHE_VALUE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_length")
 
 
 def make_mesh(
@@ -110,12 +112,22 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh, rules=LOGICAL_RU
     return jax.device_put(params, param_shardings(config, mesh, rules))
 
 
+def cache_shapes(config: ModelConfig, batch_size: int, max_len: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of ``KVCache.k`` and ``KVCache.v``: their logical axes (:data:`CACHE_LOGICAL_AXES`,
+    :data:`CACHE_VALUE_LOGICAL_AXES`) define the layout."""
+    sizes = dict(layers=config.num_layers, batch=batch_size, kv_heads=config.num_kv_heads,
+                 cache_length=max_len, head_dim=config.head_dim)
+    return tuple(tuple(sizes[a] for a in axes) for axes in (CACHE_LOGICAL_AXES, CACHE_VALUE_LOGICAL_AXES))
+
+
 def cache_sharding(
     config: ModelConfig, mesh: Mesh, batch_size: int, max_len: int, rules=LOGICAL_RULES
-) -> NamedSharding:
-    """Sharding of ``KVCache.k`` / ``.v`` (batch over data x fsdp, kv heads over tensor)."""
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
-    return logical_sharding(CACHE_LOGICAL_AXES, mesh, shape, rules)
+) -> tuple[NamedSharding, NamedSharding]:
+    """Shardings of ``KVCache.k`` and ``KVCache.v`` (batch over data x fsdp, kv heads over tensor):
+    ``jax.device_put(cache, KVCache(*cache_sharding(...)))`` places a cache."""
+    k_shape, v_shape = cache_shapes(config, batch_size, max_len)
+    return (logical_sharding(CACHE_LOGICAL_AXES, mesh, k_shape, rules),
+            logical_sharding(CACHE_VALUE_LOGICAL_AXES, mesh, v_shape, rules))
 
 
 def batch_sharding(mesh: Mesh, shape: Sequence[int], rules=LOGICAL_RULES) -> NamedSharding:

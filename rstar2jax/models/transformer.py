@@ -16,7 +16,7 @@ import numpy as np
 
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
-from rstar2jax.models.sharding import constrain, param_shardings
+from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
 
 
 def _init_leaf(key: jax.Array, shape: tuple[int, ...], init: str, dtype: str) -> jax.Array:
@@ -46,10 +46,18 @@ def init_params(config: ModelConfig, key: jax.Array, *, mesh: jax.sharding.Mesh 
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer keys and values, ``k``/``v``: ``[num_layers, batch, max_len, num_kv_heads, head_dim]``.
+    """Per-layer keys ``k`` ``[num_layers, batch, num_kv_heads, max_len, head_dim]`` and values ``v``
+    ``[num_layers, batch, num_kv_heads, head_dim, max_len]``.
 
-    Entry ``[:, b, j]`` holds the key/value of the token of row ``b`` at position ``j``. Entries beyond a
-    row's current length may hold anything: causal-by-position masking never lets a valid query see them.
+    ``k[:, b, :, j]`` and ``v[:, b, :, :, j]`` hold the key and value of the token of row ``b`` at position
+    ``j``. Entries beyond a row's current length may hold anything: causal-by-position masking never lets a
+    valid query see them.
+
+    The layout is what attention reads, so a decode step reads each layer's slice as it lies: kv heads before
+    positions, as attention is batched over (row, kv head) (positions first made XLA:CPU transpose every
+    layer's whole slice at every step), and each matrix with the dimension its product contracts innermost:
+    head_dim for the keys (query . key), positions for the values (probabilities . values); values with
+    head_dim innermost made XLA:CPU fall back to a dot several times slower.
     """
 
     k: jax.Array
@@ -61,14 +69,14 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
     """An all-zero :class:`KVCache` (dtype defaults to ``config.compute_dtype``)."""
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    k_shape, v_shape = cache_shapes(config, batch_size, max_len)
     dtype = jnp.dtype(dtype or config.compute_dtype)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype))
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
@@ -108,16 +116,17 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention without repeating kv heads.
 
-    q ``[B, T, H, Dh]`` (already scaled), k/v ``[B, S, K, Dh]``, mask ``[B, T, S]`` bool; softmax in float32.
-    Query head ``h`` reads kv head ``h // (H // K)``, as transformers' ``repeat_kv`` does.
+    q ``[B, T, H, Dh]`` (already scaled), k ``[B, K, S, Dh]``, v ``[B, K, Dh, S]`` (laid out like the cache),
+    mask ``[B, T, S]`` bool; softmax in float32. Query head ``h`` reads kv head ``h // (H // K)``, as
+    transformers' ``repeat_kv`` does.
     """
     B, T, H, Dh = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     q = q.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum("bkgts,bkds->btkgd", probs, v)
     return out.reshape(B, T, H, Dh)
 
 
@@ -131,10 +140,10 @@ _LOGITS_AXES = ("batch", "length", "vocab")
 
 def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``kv_write``: None (no cache)
-    or (cache_k, cache_v, layer_index, write_index) with the whole ``[L, B, S, K, Dh]`` cache. Returns
+    or (cache_k, cache_v, layer_index, write_index) with the whole cache (:class:`KVCache` layout). Returns
     (x, (new_cache_k, new_cache_v) or None).
 
-    The layer's new keys/values are scattered into the whole cache at ``[layer_index, row, write_index]``:
+    The layer's new keys/values are scattered into the whole cache at ``write_index`` of ``layer_index``:
     threaded through the layer loop as a carry, the cache is then updated in place instead of being sliced
     out and restacked (a full copy of the cache per call)."""
     dtype = x.dtype
@@ -154,11 +163,15 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     q, k = _apply_rope(q, cos * scale, sin * scale), _apply_rope(k, cos, sin)
 
     new_kv = None
-    if kv_write is not None:
+    if kv_write is None:
+        k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))  # the cache's layout
+    else:
         cache_k, cache_v, layer_index, write_index = kv_write
         rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[layer_index, rows, write_index].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[layer_index, rows, write_index].set(v.astype(cache_v.dtype), mode="drop")
+        # The index arrays (rows, write_index) broadcast to [B, T] and are split by slices, so the updated
+        # block is [B, T, K, Dh] in both: k and v as computed.
+        cache_k = cache_k.at[layer_index, rows, :, write_index].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[layer_index, rows, :, :, write_index].set(v.astype(cache_v.dtype), mode="drop")
         k, v = cache_k[layer_index], cache_v[layer_index]
         new_kv = (cache_k, cache_v)
     attn = _attention(q, k.astype(dtype), v.astype(dtype), mask)
@@ -185,11 +198,11 @@ def _check_inputs(config: ModelConfig, tokens, positions, segment_ids, cache) ->
         if value is not None and value.shape != tokens.shape:
             raise ValueError(f"{name} shape {value.shape} must equal tokens shape {tokens.shape}")
     if cache is not None:
-        expected = (config.num_layers, tokens.shape[0], cache.max_len, config.num_kv_heads, config.head_dim)
-        if cache.k.shape != expected or cache.v.shape != expected:
+        expected = cache_shapes(config, tokens.shape[0], cache.max_len)
+        if (cache.k.shape, cache.v.shape) != expected:
             raise ValueError(
-                f"cache k/v shapes {cache.k.shape}/{cache.v.shape} do not match {expected} "
-                "(num_layers, batch, max_len, num_kv_heads, head_dim)"
+                f"cache k/v shapes {cache.k.shape}/{cache.v.shape} do not match {expected[0]}/{expected[1]} "
+                "(num_layers, batch, num_kv_heads, max_len, head_dim)/(..., head_dim, max_len)"
             )
 
 

@@ -1,11 +1,12 @@
-"""Sampling: top-k / top-p thresholds against a sort-based reference, greedy rows, seeded draws."""
+"""Sampling: first_argmax against jnp.argmax, top-k / top-p thresholds against a sort-based reference, greedy
+rows, seeded draws."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rstar2jax.engine import sample_tokens, truncation_mask
+from rstar2jax.engine import first_argmax, sample_tokens, truncation_mask
 
 
 def _reference_mask(logits: np.ndarray, top_p: float, top_k: int) -> np.ndarray:
@@ -21,6 +22,26 @@ def _reference_mask(logits: np.ndarray, top_p: float, top_k: int) -> np.ndarray:
     keep = np.zeros(vocab, bool)
     keep[top[:n]] = True
     return keep
+
+
+@pytest.mark.parametrize("shape", [(3, 32000), (2, 5, 300), (97,), (4, 128)])
+def test_first_argmax_equals_argmax(shape):
+    """Ties (the first maximum wins, wherever it lies against the block boundaries), rows of -inf, sizes
+    that need padding to whole blocks, leading dimensions of any rank."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.normal(size=shape).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    flat[0, [shape[-1] - 1, 3, shape[-1] // 2]] = 10.0  # a three-way tie: index 3 first
+    if len(flat) > 1:
+        flat[1] = -np.inf
+    if len(flat) > 2:
+        flat[2, rng.integers(0, shape[-1], 40)] = flat[2].max()  # many ties with the maximum
+    x = flat.reshape(shape)
+    got = jax.jit(first_argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    half = jnp.asarray(x, jnp.bfloat16)  # rounding makes more ties
+    np.testing.assert_array_equal(first_argmax(half), jnp.argmax(half, axis=-1))
 
 
 def test_truncation_mask_matches_sorting():

@@ -64,6 +64,27 @@ def test_init_params_on_a_mesh_is_born_sharded(reference):
     jax.tree.map(np.testing.assert_array_equal, params, reference.params)
 
 
+def test_cached_forward_on_a_sharded_cache_equals_unsharded(reference):
+    """A cache placed by ``cache_sharding`` (batch over data, kv heads over tensor) stays so through a
+    prefill and gives the unsharded logits and cache."""
+    mesh = models.make_mesh(data=2, tensor=4)
+    tokens, batch, max_len = reference.tokens, len(reference.tokens), 16
+    k_sharding, v_sharding = models.cache_sharding(CONFIG, mesh, batch, max_len)
+    assert k_sharding.spec == v_sharding.spec == PartitionSpec(None, "data", "tensor", None, None)
+    cache = models.init_cache(CONFIG, batch, max_len)
+    sharded_cache = jax.device_put(cache, models.KVCache(k=k_sharding, v=v_sharding))
+    sharded = models.shard_params(reference.params, CONFIG, mesh)
+    sharded_tokens = jax.device_put(tokens, models.batch_sharding(mesh, tokens.shape))
+    with jax.set_mesh(mesh):
+        logits, new_cache = models.forward(sharded, CONFIG, sharded_tokens, cache=sharded_cache)
+    expected_logits, expected_cache = models.forward(reference.params, CONFIG, tokens, cache=cache)
+    np.testing.assert_allclose(logits, expected_logits, atol=1e-5, rtol=0)
+    for name, sharding in (("k", k_sharding), ("v", v_sharding)):
+        got, want = getattr(new_cache, name), getattr(expected_cache, name)
+        assert got.sharding.is_equivalent_to(sharding, got.ndim)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
 def test_logical_rules():
     mesh = models.make_mesh(data=2, fsdp=2, tensor=2)
     assert models.logical_to_spec(("batch", "length"), mesh) == PartitionSpec(("data", "fsdp"), None)

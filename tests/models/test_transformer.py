@@ -176,6 +176,35 @@ def test_cached_decode_step_updates_the_cache_in_place(layout):
     assert memory.temp_size_in_bytes < cache.k.size * cache.k.dtype.itemsize
 
 
+def test_cache_holds_each_token_where_kvcache_says(tiny_models):
+    """``k[:, b, :, j]`` / ``v[:, b, :, :, j]`` hold the key / value of row b's token at position j: checked
+    against layer 0's projections of a token at position 0 (where RoPE is the identity), and by which
+    entries a padded prefill fills."""
+    config, params = models.load_pretrained(tiny_models("qwen3").path)
+    tokens = random_tokens((2, 3), seed=8)
+    positions = np.array([[0, 1, 2], [5, -1, -1]], np.int32)  # row 1: one token, at position 5
+    cache = models.init_cache(config, batch_size=2, max_len=8)
+    _, cache = models.forward(params, config, tokens, positions=positions, cache=cache)
+    k_shape, v_shape = models.sharding.cache_shapes(config, 2, 8)
+    assert cache.k.shape == k_shape == (config.num_layers, 2, config.num_kv_heads, 8, config.head_dim)
+    assert cache.v.shape == v_shape == (config.num_layers, 2, config.num_kv_heads, config.head_dim, 8)
+    filled = {0: [0, 1, 2], 1: [5]}
+    for row, written in filled.items():
+        for j in range(8):
+            assert bool(np.any(cache.k[:, row, :, j])) == (j in written), (row, j)
+            assert bool(np.any(cache.v[:, row, :, :, j])) == (j in written), (row, j)
+
+    def rms_norm(x, weight):
+        return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps)
+
+    layer = jax.tree.map(lambda p: np.asarray(p[0]), params["layers"])
+    h = rms_norm(np.asarray(params["embed"])[tokens[0, 0]], layer["attn_norm"])
+    key = rms_norm(np.einsum("d,dkh->kh", h, layer["k_proj"]), layer["k_norm"])
+    np.testing.assert_allclose(cache.k[0, 0, :, 0], key, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(cache.v[0, 0, :, :, 0], np.einsum("d,dkh->kh", h, layer["v_proj"]), atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_cache_positions_out_of_range_are_dropped(tiny_models):
     """Writing 6 tokens into a 4-slot cache keeps the first 4 and silently drops positions 4 and 5."""
     config, params = models.load_pretrained(tiny_models("llama").path)
@@ -198,5 +227,8 @@ def test_bad_forward_inputs_are_named(tiny_models):
         models.forward(params, config, tokens, segment_ids=np.ones((2, 4), np.int32))
     with pytest.raises(ValueError, match="cache k/v shapes"):
         models.forward(params, config, tokens, cache=models.init_cache(config, batch_size=3, max_len=8))
+    cache = models.init_cache(config, batch_size=2, max_len=8)
+    with pytest.raises(ValueError, match="cache k/v shapes"):  # values in the keys' layout
+        models.forward(params, config, tokens, cache=models.KVCache(k=cache.k, v=cache.k))
     with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         models.forward(params, config, tokens[0])
