@@ -21,7 +21,7 @@ def main(argv=None) -> None:
         parser.error(str(error))
     if not config.loopback and not config.token and not args.insecure_no_token:
         parser.error(f"binding {config.host} needs --token (or SANDBOX_TOKEN), or --insecure-no-token")
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, stop_at_stdin_eof=args.stop_at_stdin_eof))
 
 
 if __name__ == "__main__":

@@ -268,13 +268,25 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.05)
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, printing the isolation report and the listening address."""
+async def serve(config: ServerConfig, *, stop_at_stdin_eof: bool = False) -> None:
+    """Run until SIGTERM/SIGINT, printing the isolation report and the listening address.
+
+    With ``stop_at_stdin_eof`` it also stops when standard input (a pipe from the starting process, which
+    never writes to it) reaches end of file: the kernel closes the pipe when that process dies, however.
+    """
     server = SandboxServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if stop_at_stdin_eof:
+
+        def on_stdin() -> None:
+            if not os.read(0, 1 << 12):
+                loop.remove_reader(0)
+                stop.set()
+
+        loop.add_reader(0, on_stdin)
     try:
         await server.start()
         print(server.startup_report(), flush=True)

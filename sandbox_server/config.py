@@ -205,6 +205,12 @@ def build_arg_parser():
             flag, dest=field.name, type=kind, default=field.default, help=field.metadata["help"]
         )
     parser.add_argument(
+        "--stop-at-stdin-eof",
+        action="store_true",
+        help="also stop when standard input reaches end of file (start_local passes a pipe, so the server "
+        "stops when the process that started it dies)",
+    )
+    parser.add_argument(
         "--insecure-no-token",
         action="store_true",
         help="allow binding a non-loopback address without a bearer token",

@@ -44,6 +44,9 @@ def start_local(
 ) -> Iterator[LocalServer]:
     """Start ``python -m sandbox_server`` on 127.0.0.1 and a free port; stop it (SIGTERM) on exit.
 
+    The server also stops by itself if this process dies without leaving the ``with`` block (a killed script,
+    a notebook kernel shut down mid-cell): its standard input is a pipe from here (``--stop-at-stdin-eof``).
+
     ``limits`` are ``ServerConfig`` fields (``workers=2``, ``memory_mb=512``, ``max_queue=64`` ...);
     ``env`` adds variables to the server's environment (calls never see them).
     """
@@ -53,15 +56,14 @@ def start_local(
         raise TypeError(f"unknown server option(s) {unknown}; valid: {sorted(fields)}")
     ServerConfig(**limits)  # fail here, with the config's message, rather than in the child
     args = [sys.executable, "-m", "sandbox_server", "--host", "127.0.0.1", "--port", "0"]
+    args.append("--stop-at-stdin-eof")
     for name, value in limits.items():
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]
     log_fd, log_path = tempfile.mkstemp(prefix="sandbox_server-", suffix=".log")
     python_path = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, **(env or {}), PYTHONPATH=python_path)
-    process = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=env
-    )
+    process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log_fd, stderr=subprocess.STDOUT, env=env)
     os.close(log_fd)
     server = LocalServer(url="", process=process, log_path=log_path)
     try:
@@ -85,4 +87,5 @@ def start_local(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        process.stdin.close()
         os.unlink(log_path)

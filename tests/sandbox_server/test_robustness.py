@@ -6,6 +6,8 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -142,3 +144,33 @@ def test_shutdown_answers_open_calls_and_cleans_up():
     assert not os.path.exists(health["temp_root"])
     assert health["cgroup"] is None or not os.path.exists(health["cgroup"])
     assert not any(os.path.exists(f"/proc/{w['pid']}") for w in health["workers"])
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie lingers until init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_server_stops_when_the_process_that_started_it_dies():
+    """``start_local``'s server and its workers go away with a parent killed inside the ``with`` block."""
+    starter = (
+        "import json, time\n"
+        "from sandbox_server import start_local\n"
+        "with start_local(workers=1, tiers='full') as server:\n"
+        "    pids = [server.process.pid] + [w['pid'] for w in server.get('/health')['workers']]\n"
+        "    print(json.dumps(pids), flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        pids = json.loads(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    assert len(pids) == 2
+    _wait_until(lambda: not any(_running(pid) for pid in pids), "the orphaned server and worker stop")

@@ -1,0 +1,69 @@
+"""Executes every ``notebooks/*.ipynb`` top to bottom in a fresh kernel; a cell that raises fails its test.
+
+The kernel is ipykernel's built-in ``python3`` spec, which runs ``sys.executable``: the interpreter running
+pytest, so the notebooks see the same installed rstar2jax whatever kernelspecs the machine has.
+"""
+
+import contextlib
+import os
+import pathlib
+import signal
+import sys
+
+import nbclient
+import nbformat
+import pytest
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+from traitlets import default
+
+NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+CELL_TIMEOUT_S = 300
+
+# Appended to each notebook: prints the kernel's interpreter, which must be the one running the tests.
+_INTERPRETER_PROBE = "import sys; print(sys.executable)"
+
+
+class _TestKernelManager(AsyncKernelManager):
+    """Starts the test interpreter's kernel and, when done, stops whatever the notebook left running."""
+
+    @default("kernel_spec_manager")
+    def _builtin_kernelspec_only(self) -> KernelSpecManager:
+        # No kernelspec directories: "python3" resolves to ipykernel's own spec, [sys.executable, -m,
+        # ipykernel_launcher, ...], never to a user or system kernelspec of that name pointing elsewhere.
+        return KernelSpecManager(kernel_dirs=[])
+
+    async def cleanup_resources(self, restart: bool = False) -> None:
+        # The kernel leads its own process group, which its children inherit: a sandbox server started by a
+        # notebook whose cell failed before the cleanup cell would otherwise outlive the test. SIGTERM lets
+        # it shut down cleanly.
+        group = getattr(self.provisioner, "pgid", None)
+        await super().cleanup_resources(restart=restart)
+        if not restart and group is not None and group != os.getpgrp():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
+
+
+def test_notebooks_folder_is_not_empty():
+    assert NOTEBOOKS, f"no notebooks found in {NOTEBOOKS_DIR}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_notebook_runs(path: pathlib.Path):
+    notebook = nbformat.read(path, as_version=4)
+    notebook.cells.append(nbformat.v4.new_code_cell(_INTERPRETER_PROBE))
+    client = nbclient.NotebookClient(
+        notebook,
+        kernel_name="python3",
+        kernel_manager_class=_TestKernelManager,
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(path.parent)}},  # the kernel's working directory
+    )
+    # A failing cell raises CellExecutionError, whose message holds the cell's source and traceback.
+    client.execute()
+
+    probe_output = "".join(output.get("text", "") for output in notebook.cells[-1].outputs)
+    assert probe_output.strip() == sys.executable, (
+        f"the kernel ran {probe_output.strip()!r}, not the test interpreter {sys.executable!r}"
+    )
