@@ -27,7 +27,7 @@ from rstar2jax.engine.state import (
     STOP,
     EngineState,
 )
-from rstar2jax.models import forward, layers_are_unstacked, unstack_layers
+from rstar2jax.models import forward
 
 _donate_state = functools.partial(jax.jit, donate_argnames=("state",))
 
@@ -292,9 +292,8 @@ _SLOT_FIELDS = ("tokens", "logprobs", "loss_mask", "seq_len", "status", "finish_
                 "top_p", "top_k", "rng_key", "budget_end", "segment_start", "segment_end", "stop_seqs")
 
 
-@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("num_steps", "unstacked"))
-def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None = None, *,
-           unstacked: bool = True) -> EngineState:
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("num_steps",))
+def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None = None) -> EngineState:
     """Run up to ``num_steps`` decode steps for every RUNNING slot, each at its own position.
 
     A step feeds each running slot its pending token, samples the next token and commits it: a matched stop
@@ -305,14 +304,10 @@ def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None =
     gathered out of the state and scattered back: a step then costs B rows instead of ``num_slots``, for one
     copy of their KV rows each way per call. Worth it when most slots are idle (paused on tools, free).
 
-    With ``unstacked`` (static), the layer weights are copied once per call into per-layer buffers in the
-    compute dtype (:func:`~rstar2jax.models.transformer.unstack_layers`), so that no step slices or casts
-    the stacked weights: on XLA:CPU each slice is a copy, which triples a small-batch step's memory traffic.
-    The price is one more copy of the layer weights in memory during the call; turn it off where memory is
-    tight and the backend fuses slices into matmuls.
+    ``params`` may be stacked or unstacked (:func:`~rstar2jax.models.unstack_layers`); on XLA:CPU every step
+    copies each slice of stacked weights, so decode many chunks from weights unstacked once
+    (:class:`EngineCore` does, with ``EngineConfig.unstacked_decode``).
     """
-    if unstacked and not layers_are_unstacked(params):
-        params = unstack_layers(params, state.config.compute_dtype)
     if slots is None:
         return _decode_loop(state, params, num_steps)
     _check_slots(slots)

@@ -238,10 +238,7 @@ class EngineCore:
 
     def _decode(self, slots: np.ndarray | None) -> EngineState:
         """One decode chunk of every running slot (``slots=None``) or of the compacted ``slots``."""
-        config = self.engine_config
-        return ops.decode(
-            self.state, self.params, config.decode_chunk, slots, unstacked=config.unstacked_decode
-        )
+        return ops.decode(self.state, self.params, self.engine_config.decode_chunk, slots)
 
     def _compact_decode(self, num_running: int) -> bool:
         """Decode only the running slots (gathered) when they are at most half of all slots: a dense step

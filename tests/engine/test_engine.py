@@ -22,7 +22,7 @@ from rstar2jax.engine import (
     init_state,
     resume,
 )
-from rstar2jax.models import ModelConfig, forward, init_params, layers_are_unstacked
+from rstar2jax.models import ModelConfig, forward, init_params, layers_are_unstacked, unstack_layers
 from tests.engine.conftest import ENGINE_CONFIG
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
@@ -320,8 +320,10 @@ def test_decode_updates_the_cache_in_place(unstacked):
     config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
                          num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    if unstacked:
+        params = jax.eval_shape(unstack_layers, params)
     state = jax.eval_shape(lambda: init_state(config, num_slots=8, max_len=512))
-    memory = decode.lower(state, params, 4, unstacked=unstacked).compile().memory_analysis()
+    memory = decode.lower(state, params, 4).compile().memory_analysis()
     cache_bytes = state.cache.k.size * state.cache.k.dtype.itemsize
     assert memory.alias_size_in_bytes >= 2 * cache_bytes  # the state is donated and its cache aliased
     assert memory.temp_size_in_bytes < cache_bytes
