@@ -272,7 +272,8 @@ async def serve(config: ServerConfig, *, stop_at_stdin_eof: bool = False) -> Non
     """Run until SIGTERM/SIGINT, printing the isolation report and the listening address.
 
     With ``stop_at_stdin_eof`` it also stops when standard input (a pipe from the starting process, which
-    never writes to it) reaches end of file: the kernel closes the pipe when that process dies, however.
+    never writes to it) reaches end of file: the kernel closes the pipe when that process dies, however it
+    dies.
     """
     server = SandboxServer(config)
     stop = asyncio.Event()

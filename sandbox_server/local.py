@@ -55,8 +55,9 @@ def start_local(
     if unknown:
         raise TypeError(f"unknown server option(s) {unknown}; valid: {sorted(fields)}")
     ServerConfig(**limits)  # fail here, with the config's message, rather than in the child
-    args = [sys.executable, "-m", "sandbox_server", "--host", "127.0.0.1", "--port", "0"]
-    args.append("--stop-at-stdin-eof")
+    args = [
+        sys.executable, "-m", "sandbox_server", "--host", "127.0.0.1", "--port", "0", "--stop-at-stdin-eof"
+    ]
     for name, value in limits.items():
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]

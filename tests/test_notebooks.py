@@ -4,10 +4,7 @@ The kernel is ipykernel's built-in ``python3`` spec, which runs ``sys.executable
 pytest, so the notebooks see the same installed rstar2jax whatever kernelspecs the machine has.
 """
 
-import contextlib
-import os
 import pathlib
-import signal
 import sys
 
 import nbclient
@@ -26,23 +23,14 @@ _INTERPRETER_PROBE = "import sys; print(sys.executable)"
 
 
 class _TestKernelManager(AsyncKernelManager):
-    """Starts the test interpreter's kernel and, when done, stops whatever the notebook left running."""
+    """Starts the test interpreter's kernel. (What a notebook starts ends with the kernel: ``start_local``'s
+    server and the reward's verifier workers both stop when the process that started them dies.)"""
 
     @default("kernel_spec_manager")
     def _builtin_kernelspec_only(self) -> KernelSpecManager:
         # No kernelspec directories: "python3" resolves to ipykernel's own spec, [sys.executable, -m,
         # ipykernel_launcher, ...], never to a user or system kernelspec of that name pointing elsewhere.
         return KernelSpecManager(kernel_dirs=[])
-
-    async def cleanup_resources(self, restart: bool = False) -> None:
-        # The kernel leads its own process group, which its children inherit: a sandbox server started by a
-        # notebook whose cell failed before the cleanup cell would otherwise outlive the test. SIGTERM lets
-        # it shut down cleanly.
-        group = getattr(self.provisioner, "pgid", None)
-        await super().cleanup_resources(restart=restart)
-        if not restart and group is not None and group != os.getpgrp():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGTERM)
 
 
 def test_notebooks_folder_is_not_empty():
