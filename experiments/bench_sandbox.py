@@ -226,12 +226,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--python", default=sys.executable, help="interpreter for the baseline")
+    parser.add_argument(
+        "--server-python", default=sys.executable, help="interpreter the sandbox server and its calls run on"
+    )
     parser.add_argument("--load-test", action="store_true", help="also 20,000 calls at 512 in flight")
     args = parser.parse_args()
 
     figures: dict = {"load_average_before": os.getloadavg(), "cpus": os.cpu_count()}
     rows = []
-    with start_local(workers=args.workers, slots=args.slots) as server:
+    with start_local(workers=args.workers, slots=args.slots, python=args.server_python) as server:
         for name in ("trivial", "mixed"):
             sandbox = asyncio.run(run_sandbox(server.url, workload(name, args.calls, seed=1), args.in_flight))
             baseline = asyncio.run(

@@ -43,10 +43,10 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.unshare.argtypes = [ctypes.c_int]
-_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.syscall.restype = ctypes.c_long
+# unshare and setns take only ints, which ctypes passes as C ints without ``argtypes``; they run around every
+# fork, and argtypes conversion would write ~15 more pages of the warm worker (copy-on-write faults) per call.
 
 
 def _fail(what: str) -> None:

@@ -40,7 +40,7 @@ class LocalServer:
 
 @contextlib.contextmanager
 def start_local(
-    *, startup_timeout: float = 180.0, env: dict | None = None, **limits
+    *, startup_timeout: float = 180.0, env: dict | None = None, python: str | None = None, **limits
 ) -> Iterator[LocalServer]:
     """Start ``python -m sandbox_server`` on 127.0.0.1 and a free port; stop it (SIGTERM) on exit.
 
@@ -48,16 +48,17 @@ def start_local(
     a notebook kernel shut down mid-cell): its standard input is a pipe from here (``--stop-at-stdin-eof``).
 
     ``limits`` are ``ServerConfig`` fields (``workers=2``, ``memory_mb=512``, ``max_queue=64`` ...);
-    ``env`` adds variables to the server's environment (calls never see them).
+    ``env`` adds variables to the server's environment (calls never see them); ``python`` is the interpreter
+    the server, its workers and so the calls run on (default: this one), which needs aiohttp, msgpack,
+    numpy, sympy and mpmath.
     """
     fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"host", "port"}
     unknown = sorted(set(limits) - fields)
     if unknown:
         raise TypeError(f"unknown server option(s) {unknown}; valid: {sorted(fields)}")
     ServerConfig(**limits)  # fail here, with the config's message, rather than in the child
-    args = [
-        sys.executable, "-m", "sandbox_server", "--host", "127.0.0.1", "--port", "0", "--stop-at-stdin-eof"
-    ]
+    args = [python or sys.executable, "-m", "sandbox_server"]
+    args += ["--host", "127.0.0.1", "--port", "0", "--stop-at-stdin-eof"]
     for name, value in limits.items():
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from sandbox_server import schema
+from sandbox_server import runner, schema
 from sandbox_server.config import ServerConfig, choose_tier
 from sandbox_server.framing import encode_frame, read_frame
 from sandbox_server.isolation import MALLOC_ENV
@@ -292,11 +292,13 @@ class Pool:
             worker_set, tier = best
             worker_set.inflight += 1
             queued.stamps["dispatched"] = time.monotonic()
+            code = queued.request["code"]
             future = worker_set.processes[tier].send(
                 {
                     "op": "run",
                     "id": next(self.call_ids),
-                    "code": queued.request["code"],
+                    "code": code,
+                    "compiled": runner.precompile(code, self.config.precompile_max_chars),
                     "stdin": queued.request["stdin"],
                     "timeout": queued.request["timeout"],
                 }

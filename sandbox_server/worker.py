@@ -6,7 +6,7 @@ and never blocks: one ``selectors`` loop watches the socket, every child's outpu
 and the nearest deadline. Output is read as it is produced into head/tail captures, so a call writing
 100 MB costs the worker O(max_output_bytes) memory and is killed at ``output_limit_bytes``.
 
-Frames in:  {"op": "run", "id", "code", "stdin", "timeout"}
+Frames in:  {"op": "run", "id", "code", "compiled", "stdin", "timeout"}  (compiled: runner.precompile or None)
             {"op": "session_run", "id", "session", "uid", "create", "code", "stdin", "timeout"}
             {"op": "session_close", "session"}
 Frames out: {"op": "ready", "pid", "tier", "mechanisms"}
@@ -230,7 +230,7 @@ class Worker:
         code, stdin = message["code"], message["stdin"]
         call.fork_start = time.monotonic()
         try:
-            entry = functools.partial(runner.run_once, code, stdin, self.stdio)
+            entry = functools.partial(runner.run_once, code, stdin, self.stdio, message["compiled"])
             child = self._spawn(plan, entry, math.ceil(call.timeout) + 1)
         except OSError as error:  # e.g. EAGAIN: the host is out of processes
             self.free_slots.append(slot)

@@ -71,6 +71,20 @@ def test_syntax_error(server):
     assert "SyntaxError" in result["stderr"]
 
 
+@pytest.mark.parametrize("where", ["precompiled", "compiled in the call", "session"])
+def test_cells_compile_as_a_python_file_would(server, where):
+    # The front end compiles short one-shot cells (runner.precompile), longer ones and sessions compile in the
+    # sandbox; either way no __future__ flag of the sandbox's own modules reaches the cell.
+    filler = "# " + "-" * 3000 + "\n" if where == "compiled in the call" else ""
+    code = filler + "def f(x: int):\n    return 1 / x\nprint(f.__annotations__)\nf(0)"
+    session = {"session": "compile-check"} if where == "session" else {}
+    result = run_code(server.url, code, **session)
+    assert result["stdout"] == "{'x': <class 'int'>}\n"
+    assert result["error_type"] == "ZeroDivisionError"
+    assert f'File "<cell>", line {4 + bool(filler)}' in result["stderr"]
+    assert "return 1 / x" in result["stderr"]
+
+
 @pytest.mark.parametrize(
     "code, status, exit_code",
     [

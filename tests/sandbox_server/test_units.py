@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -10,7 +12,7 @@ from sandbox_server import schema
 from sandbox_server.config import ServerConfig, build_arg_parser, choose_tier
 from sandbox_server.framing import encode_frame, split_frames
 from sandbox_server.output import StreamCapture
-from sandbox_server.runner import encode_record
+from sandbox_server.runner import encode_record, execute, precompile
 from sandbox_server.worker import _take_record
 
 LIMITS = dict(default_timeout=10.0, max_timeout=60.0, max_code_chars=100, max_stdin_chars=10)
@@ -130,6 +132,8 @@ def test_config_validation():
     assert "token" not in ServerConfig(token="secret").worker_payload()
     with pytest.raises(ValueError, match="uid_base"):
         ServerConfig(uid_base=2**31 - 10)
+    with pytest.raises(ValueError, match="precompile_max_chars must be >= 0"):
+        ServerConfig(precompile_max_chars=-1)
 
 
 def test_automatic_uid_blocks_do_not_overlap():
@@ -199,3 +203,42 @@ def test_encoded_record_is_one_json_line_the_worker_takes(record):
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == record
     assert _take_record(bytearray(line), record.get("id")) == record
+
+
+CELLS = [
+    "print(1 + 1)",
+    "x = 3\nx * 'ab'",
+    "2 ** 10;",
+    "x = 1; x + 1",
+    "def f(x: int): pass\nf.__annotations__",  # no __future__ flags leak in from the sandbox's modules
+    "def f(x):\n    return 1 / x\nf(0)",
+    "import sys\nsys.exit(3)",
+    "def broken(:\n    pass",
+    "x = 1\n  y = 2",
+]
+
+
+def _outcome(code: str, compiled: bytes | None) -> tuple:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        outcome = execute(code, {"__name__": "__main__"}, compiled)
+    return outcome, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("code", CELLS)
+def test_a_precompiled_cell_runs_like_one_compiled_in_the_call(code):
+    compiled = precompile(code, max_chars=4096)
+    assert (compiled is None) == (code in CELLS[-2:])  # cells that do not compile are left to the call
+    assert _outcome(code, compiled) == _outcome(code, None)
+
+
+def test_annotations_are_evaluated_as_in_a_python_file():
+    assert _outcome("def f(x: int): pass\nprint(f.__annotations__)", None)[1] == "{'x': <class 'int'>}\n"
+
+
+def test_precompile_leaves_long_or_invalid_cells_to_the_call():
+    assert isinstance(precompile("x = 1", max_chars=5), bytes)
+    assert precompile("x = 12", max_chars=5) is None
+    assert precompile("x = 1", max_chars=0) is None
+    assert precompile("x = '\0'\0", max_chars=100) is None  # a NUL byte: ValueError, not SyntaxError
+    assert precompile("a" + "[0]" * 20000, max_chars=10**6) is None  # RecursionError
