@@ -265,13 +265,11 @@ def forward(
 
     x = constrain(jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(dtype), _RESIDUAL_AXES)
     kv = None if cache is None else (cache.k, cache.v)
-    if layers_are_unstacked(params):  # one buffer per layer
-        if len(params["layers"]) != config.num_layers:
-            raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
-                             f"{config.num_layers}")
-        for i, layer in enumerate(params["layers"]):
-            x, kv = block(x, layer, i, kv)
-    elif config.scan_layers:
+    unstacked = layers_are_unstacked(params)  # one buffer per layer
+    if unstacked and len(params["layers"]) != config.num_layers:
+        raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
+                         f"{config.num_layers}")
+    if config.scan_layers and not unstacked:
 
         def scan_step(carry, layer_inputs):
             x, kv = carry
@@ -281,12 +279,8 @@ def forward(
         layer_indices = jnp.arange(config.num_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(scan_step, (x, kv), (params["layers"], layer_indices))
     else:
-        # One split per stacked leaf (its gradient is one concatenate) rather than L slices (whose gradients
-        # would be L full-size pads summed together: quadratic in the number of layers).
-        leaves, treedef = jax.tree.flatten(params["layers"])
-        parts = [jax.lax.split(leaf, [1] * config.num_layers, axis=0) for leaf in leaves]
-        for i in range(config.num_layers):
-            layer = jax.tree.unflatten(treedef, [leaf_parts[i][0] for leaf_parts in parts])
+        layers = params["layers"] if unstacked else _split_layers(params["layers"], config.num_layers)
+        for i, layer in enumerate(layers):
             x, kv = block(x, layer, i, kv)
 
     x = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
@@ -300,6 +294,17 @@ def forward(
         )
     new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1])
     return constrain(logits, _LOGITS_AXES), new_cache
+
+
+def _split_layers(stacked, num_layers: int) -> list:
+    """The per-layer trees of layer-stacked params, for an unrolled layer loop.
+
+    One split per stacked leaf (its gradient is one concatenate) rather than L slices (whose gradients would
+    be L full-size pads summed together: quadratic in the number of layers).
+    """
+    leaves, treedef = jax.tree.flatten(stacked)
+    parts = [jax.lax.split(leaf, [1] * num_layers, axis=0) for leaf in leaves]
+    return [jax.tree.unflatten(treedef, [part[i][0] for part in parts]) for i in range(num_layers)]
 
 
 def layers_are_unstacked(params: dict) -> bool:
