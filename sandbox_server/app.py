@@ -98,6 +98,8 @@ class SandboxServer:
         lines += [f"  [inactive] {name}: {reason}" for name, reason in inactive.items()]
         if self.cgroup_problem:
             lines.append(f"  (memory cgroup: {self.cgroup_problem})")
+        setups = sorted({w["call_setup"] for w in self.pool.describe_workers() if w["call_setup"]})
+        lines.append(f"sandbox_server: calls set up after the fork by: {'; '.join(setups)}")
         c = self.config
         lines.append(
             f"sandbox_server: {c.workers} workers x {c.slots} slots, tiers {','.join(self.pool.tiers)}; "

@@ -9,7 +9,8 @@ Worker, once (``WorkerSandbox.prepare``):
       slot because creating one costs ~0.6 ms and a finished call leaves nothing behind in it;
     * keeps its own PID-namespace handle so each fork can start a fresh PID namespace.
 
-Call, in the forked child while still root (``CallSandbox.enter``):
+Call, in the forked child while still root (``CallSandbox.fork``; done by the compiled helper
+``sandbox_server._spawn`` when it is built, else by the same steps in Python):
     * becomes init of a fresh PID namespace, so when it exits the kernel kills every process it started,
       detached (``setsid``) grandchildren included; also a new session;
     * fresh mount + IPC namespaces, a private size-limited tmpfs on /tmp as its working directory (gone
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import os
 import platform
 import resource
@@ -36,6 +38,18 @@ import sys
 
 from sandbox_server import linux
 
+try:  # built by setup.py where a C compiler is available; the Python steps below do the same, slower
+    from sandbox_server import _spawn as native_spawn
+
+    NATIVE_UNAVAILABLE = None
+except ImportError as _error:
+    native_spawn = None
+    NATIVE_UNAVAILABLE = f"sandbox_server._spawn is not built ({_error})"
+
+SETUP_FAILED_EXIT = 71
+SETUP_FAILED_MESSAGE = "sandbox setup failed:"
+WORKER_PIDFD = 5  # where a child finds the worker's pidfd during setup
+CHILD_FD_END = 6  # a child keeps fds 0..5 through setup (0-2 stdio, 3 record, 4 control, 5 worker pidfd)
 SANDBOX_TMP = "/tmp"
 SANDBOX_TMP_BYTES = SANDBOX_TMP.encode()
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -331,7 +345,8 @@ class CallSandbox:
     """What one call (or one session process) applies to itself right after the fork, as root.
 
     Built by the worker before it forks (``plan``), so the child does as little Python-level work as
-    possible: every object a child touches is a copy-on-write page fault, the largest cost of a call.
+    possible: every object a child touches is a copy-on-write page fault, the largest cost of a call. With
+    ``native_spec`` the whole set-up runs in C (``sandbox_server._spawn``) and touches no Python object.
     """
 
     uid: int | None
@@ -341,9 +356,12 @@ class CallSandbox:
     workdir: str  # the call's working directory (/tmp, or a host directory in degraded mode)
     limits: tuple  # ((resource, value), ...) applied with soft = hard; CPU time comes per call
     seccomp_address: int | None  # address of the worker's prepared ``sock_fprog``
+    native_spec: tuple | None  # the same plan for ``_spawn.spawn``; None: set up in Python
 
     @classmethod
-    def plan(cls, sandbox: WorkerSandbox, config: dict, *, uid, netns_fd, fresh_netns, workdir, memory_mb):
+    def plan(
+        cls, sandbox: WorkerSandbox, config: dict, *, uid, netns_fd, fresh_netns, workdir, memory_mb, native
+    ):
         mechanisms = sandbox.mechanisms
         flags = linux.CLONE_NEWNET if fresh_netns else 0
         flags |= linux.CLONE_NEWIPC if "ipc_namespace" in mechanisms else 0
@@ -360,11 +378,64 @@ class CallSandbox:
             (resource.RLIMIT_NOFILE, config["nofile"]),
             (resource.RLIMIT_CORE, 0),
         )
-        return cls(
-            uid, flags, netns_fd, tmpfs_options, workdir or SANDBOX_TMP, limits, sandbox.seccomp_address
-        )
+        workdir = workdir or SANDBOX_TMP
+        native_spec = None
+        if native and native_spawn is not None and not (tmpfs_options and PYTHON_UNDER_TMP):
+            native_spec = (
+                _or(sandbox.oom_adj_fd, -1),
+                _or(sandbox.own_pidns_fd, -1),
+                flags,
+                _or(netns_fd, -1),
+                tmpfs_options,
+                os.fsencode(workdir),
+                limits,
+                _or(uid, -1),
+                _or(sandbox.seccomp_address, 0),
+                WORKER_PIDFD,
+                CHILD_FD_END,
+            )
+        return cls(uid, flags, netns_fd, tmpfs_options, workdir, limits, sandbox.seccomp_address, native_spec)
 
-    def enter_namespaces(self) -> None:
+    def fork(self, sandbox: WorkerSandbox, targets: tuple, cpu_seconds: int) -> int:
+        """Fork the call: its pid in the worker; 0 in the child, once the child is isolated.
+
+        ``targets`` is ``(target_fd, source_fd, ...)``: the descriptors the child keeps (below
+        ``CHILD_FD_END``; every other one is closed), ``WORKER_PIDFD`` among them. A child whose set-up
+        fails writes ``SETUP_FAILED_MESSAGE`` and the error to its stderr and exits with
+        ``SETUP_FAILED_EXIT``.
+        """
+        if self.native_spec is not None:
+            pid = native_spawn.spawn(self.native_spec, targets, cpu_seconds)
+        else:
+            pid = sandbox.fork_call()
+            if pid == 0:
+                self._set_up(targets, cpu_seconds)
+        if pid == 0 and self.workdir != SANDBOX_TMP:  # the worker's environment is already scrubbed for /tmp
+            os.environ.update(HOME=self.workdir, TMPDIR=self.workdir)
+        return pid
+
+    def _set_up(self, targets: tuple, cpu_seconds: int) -> None:
+        """The Python steps of the set-up (``_spawn.c`` does the same ones in the same order)."""
+        try:
+            self._enter_namespaces()
+            # Lift every source above the targets first, so no dup2 can clobber a source still needed.
+            pairs = [(targets[i], targets[i + 1]) for i in range(0, len(targets), 2)]
+            lifted = [(target, fcntl.fcntl(source, fcntl.F_DUPFD, CHILD_FD_END)) for target, source in pairs]
+            for target, source in lifted:
+                os.dup2(source, target)
+            kept = targets[::2]
+            for fd in range(3, CHILD_FD_END):
+                if fd not in kept:
+                    _close_quietly(fd)
+            os.closerange(CHILD_FD_END, 2**31 - 1)  # everything else the worker had open, its socket included
+            self._drop_privileges(cpu_seconds)
+        except BaseException as error:
+            try:
+                os.write(2, f"{SETUP_FAILED_MESSAGE} {type(error).__name__}: {error}\n".encode())
+            finally:
+                os._exit(SETUP_FAILED_EXIT)
+
+    def _enter_namespaces(self) -> None:
         """Namespace and mount steps; run before the inherited file descriptors are closed."""
         os.setsid()
         if self.unshare_flags:
@@ -380,10 +451,11 @@ class CallSandbox:
                 _bind_readonly(PYTHON_STASH + path, path)
         os.chdir(self.workdir)
 
-    def drop_privileges(self, worker_pidfd: int, cpu_seconds: int) -> None:
+    def _drop_privileges(self, cpu_seconds: int) -> None:
         """Limits and credentials; after this the process can neither raise a limit nor regain root.
 
-        ``worker_pidfd`` (closed here) tells whether the worker died before the parent-death signal was armed.
+        The worker's pidfd (at ``WORKER_PIDFD``, closed here) tells whether the worker died before the
+        parent-death signal was armed.
         """
         for which, value in self.limits:
             resource.setrlimit(which, (value, value))
@@ -396,12 +468,21 @@ class CallSandbox:
         linux.prctl(linux.PR_SET_DUMPABLE, 0)
         if self.seccomp_address is not None:
             linux.prctl(linux.PR_SET_SECCOMP, linux.SECCOMP_MODE_FILTER, self.seccomp_address)
-        worker_gone = select.select([worker_pidfd], [], [], 0)[0]
-        os.close(worker_pidfd)
+        worker_gone = select.select([WORKER_PIDFD], [], [], 0)[0]
+        os.close(WORKER_PIDFD)
         if worker_gone:
             os._exit(0)
-        if self.workdir != SANDBOX_TMP:  # the worker's environment is already scrubbed for /tmp
-            os.environ.update(HOME=self.workdir, TMPDIR=self.workdir)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _probe_in_child(action) -> None:

@@ -61,6 +61,7 @@ class WorkerProcess:
         self.ready = False
         self.pid: int | None = None
         self.mechanisms: dict = {}
+        self.call_setup: str | None = None  # "native" or "python: <why>" (worker.Worker._describe_call_setup)
         self.generation = 0
 
     async def start(self) -> None:
@@ -94,7 +95,8 @@ class WorkerProcess:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as error:
             await self._reap()
             raise RuntimeError(f"worker {self.name} did not start: {error!r}") from error
-        self.pid, self.mechanisms, self.ready = hello["pid"], hello["mechanisms"], True
+        self.pid, self.mechanisms, self.call_setup = hello["pid"], hello["mechanisms"], hello["call_setup"]
+        self.ready = True
         self.pool.spawn_background(self._read_results(reader))
 
     def send(self, message: dict) -> asyncio.Future:
@@ -428,6 +430,13 @@ class Pool:
 
     def describe_workers(self) -> list[dict]:
         return [
-            {"worker": p.index, "tier": p.tier, "pid": p.pid, "ready": p.ready, "inflight": len(p.pending)}
+            {
+                "worker": p.index,
+                "tier": p.tier,
+                "pid": p.pid,
+                "ready": p.ready,
+                "inflight": len(p.pending),
+                "call_setup": p.call_setup,
+            }
             for p in self.processes()
         ]

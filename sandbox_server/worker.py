@@ -9,7 +9,7 @@ and the nearest deadline. Output is read as it is produced into head/tail captur
 Frames in:  {"op": "run", "id", "code", "compiled", "stdin", "timeout"}  (compiled: runner.precompile or None)
             {"op": "session_run", "id", "session", "uid", "create", "code", "stdin", "timeout"}
             {"op": "session_close", "session"}
-Frames out: {"op": "ready", "pid", "tier", "mechanisms"}
+Frames out: {"op": "ready", "pid", "tier", "mechanisms", "call_setup"}
             {"op": "result", "id", result fields..., "timings": {...}, "session_ended": reason | None}
 ``timings`` holds CLOCK_MONOTONIC stamps (comparable across processes) plus the call's CPU time and page
 faults; the front end turns them into the phase breakdown of /metrics.
@@ -18,7 +18,6 @@ faults; the front end turns them into the phase breakdown of /metrics.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import gc
 import heapq
@@ -37,15 +36,18 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 from sandbox_server import linux, runner  # noqa: E402
 from sandbox_server.config import TIER_PRELOAD, TIER_WARMUP  # noqa: E402
 from sandbox_server.framing import encode_frame, split_frames  # noqa: E402
-from sandbox_server.isolation import CallSandbox, WorkerSandbox  # noqa: E402
+from sandbox_server.isolation import (  # noqa: E402
+    NATIVE_UNAVAILABLE,
+    SETUP_FAILED_EXIT,
+    SETUP_FAILED_MESSAGE,
+    WORKER_PIDFD,
+    CallSandbox,
+    WorkerSandbox,
+)
 from sandbox_server.output import StreamCapture  # noqa: E402
 
 READ_CHUNK = 1 << 16
 MAX_RECORD_BYTES = 1 << 16
-SETUP_FAILED_EXIT = 71
-SETUP_FAILED_MESSAGE = "sandbox setup failed:"
-WORKER_PIDFD = 5  # where a child finds the worker's pidfd during setup
-CHILD_FD_END = 6  # a child keeps fds 0..5 through setup (0-2 stdio, 3 record, 4 control, 5 worker pidfd)
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,12 +107,31 @@ class Worker:
     # ----------------------------------------------------------------------------------------- main loop
     def serve(self) -> None:
         mechanisms = self.sandbox.mechanisms.as_dict()
-        self._send({"op": "ready", "pid": os.getpid(), "tier": self.tier, "mechanisms": mechanisms})
+        self._send(
+            {
+                "op": "ready",
+                "pid": os.getpid(),
+                "tier": self.tier,
+                "mechanisms": mechanisms,
+                "call_setup": self._describe_call_setup(),
+            }
+        )
         while True:
             timeout = max(0.0, self.deadlines[0][0] - time.monotonic()) if self.deadlines else None
             for key, mask in self.selector.select(timeout):
                 key.data(key.fileobj, mask)
             self._expire_deadlines()
+
+    def _describe_call_setup(self) -> str:
+        """How calls are set up after the fork: "native" (``sandbox_server._spawn``) or "python: <why>"."""
+        plan = self._plan(
+            uid=None, netns_fd=None, fresh_netns=False, workdir=None, memory_mb=self.config["memory_mb"]
+        )
+        if plan.native_spec is not None:
+            return "native"
+        if self.config["call_setup"] == "python":
+            return "python: --call-setup python"
+        return f"python: {NATIVE_UNAVAILABLE or 'a Python installed under /tmp needs its bind mounts'}"
 
     def _send(self, message: dict) -> None:
         self.outbox += encode_frame(message)
@@ -176,6 +197,7 @@ class Worker:
             fresh_netns=fresh_netns,
             workdir=workdir,
             memory_mb=memory_mb,
+            native=self.config["call_setup"] == "auto",
         )
 
     def _slot_plan(self, slot: int, workdir: str | None) -> CallSandbox:
@@ -196,17 +218,17 @@ class Worker:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         rec_r, rec_w = os.pipe()
-        targets = {1: out_w, 2: err_w, runner.RECORD_FD: rec_w, WORKER_PIDFD: self.worker_pidfd}
+        targets = (1, out_w, 2, err_w, runner.RECORD_FD, rec_w, WORKER_PIDFD, self.worker_pidfd)
         if control_r is not None:
-            targets[runner.CONTROL_FD] = control_r
+            targets += (runner.CONTROL_FD, control_r)
         try:
-            pid = self.sandbox.fork_call()
+            pid = plan.fork(self.sandbox, targets, cpu_seconds)
         except OSError:
             for fd in (out_r, out_w, err_r, err_w, rec_r, rec_w):
                 os.close(fd)
             raise
         if pid == 0:
-            _child_main(plan, targets, entry, cpu_seconds)
+            entry()
         for fd in (out_w, err_w, rec_w):
             os.close(fd)
         child = Child(
@@ -505,36 +527,6 @@ class Worker:
                 "session_ended": session_ended,
             }
         )
-
-
-def _child_main(plan: CallSandbox, targets: dict, entry, cpu_seconds: int) -> None:
-    """In the forked child: isolate, keep only the call's own descriptors, drop privileges, run ``entry``."""
-    try:
-        plan.enter_namespaces()
-        # Lift every source above the target numbers first, so no dup2 can clobber a source still needed.
-        lifted = {
-            target: fcntl.fcntl(source, fcntl.F_DUPFD, CHILD_FD_END) for target, source in targets.items()
-        }
-        for target, source in lifted.items():
-            os.dup2(source, target)
-        for fd in range(3, CHILD_FD_END):
-            if fd not in targets:
-                _close_quietly(fd)
-        os.closerange(CHILD_FD_END, 2**31 - 1)  # everything else the worker had open, its socket included
-        plan.drop_privileges(WORKER_PIDFD, cpu_seconds)
-    except BaseException as error:
-        try:
-            os.write(2, f"{SETUP_FAILED_MESSAGE} {type(error).__name__}: {error}\n".encode())
-        finally:
-            os._exit(SETUP_FAILED_EXIT)
-    entry()
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def _remove_workdir(workdir: str | None) -> None:

@@ -8,6 +8,7 @@ where the program tried to reach it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import textwrap
@@ -17,8 +18,9 @@ from collections.abc import Callable
 
 import pytest
 
+from sandbox_server import isolation, start_local
 from sandbox_server.config import ServerConfig
-from tests.sandbox_server.conftest import assert_clean, get, run_code
+from tests.sandbox_server.conftest import MAIN_SERVER_OPTIONS, assert_clean, get, run_code
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = f"sbx_probe_{uuid.uuid4().hex}"
@@ -357,3 +359,62 @@ def test_nothing_a_call_leaves_behind_reaches_the_next_calls(server):
     assert run_code(server.url, leave)["stdout"] == "True True True\n"
     for _ in range(4):
         assert run_code(server.url, look)["stdout"] == "-1 -1 False\n"
+
+
+ISOLATION_PROBE = _py("""
+    import ctypes, errno, json, os, resource, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    def attempt(action):
+        try:
+            action()
+            return "allowed"
+        except OSError as error:
+            return errno.errorcode[error.errno]
+    def connect():
+        socket.create_connection(("127.0.0.1", 22), timeout=1)
+    open_fds = []
+    for fd in range(64):
+        try:
+            os.fstat(fd)
+            open_fds.append(fd)
+        except OSError:
+            pass
+    print(json.dumps({
+        "unprivileged": os.getuid() == os.getgid() == os.geteuid() != 0 and os.getgroups() == [],
+        "limits": [resource.getrlimit(getattr(resource, "RLIMIT_" + name))
+                   for name in ("AS", "FSIZE", "NPROC", "NOFILE", "CORE", "CPU")],
+        "pid_and_session": [os.getpid(), os.getsid(0)],
+        "cwd_and_tmp": [os.getcwd(), os.listdir("/tmp")],
+        "fds": open_fds,
+        "prctl": [libc.prctl(39, 0, 0, 0, 0), libc.prctl(3, 0, 0, 0, 0), libc.prctl(21, 0, 0, 0, 0)],
+        "unshare_user": libc.unshare(0x10000000) == 0,
+        "network": attempt(connect),
+        "write_root": attempt(lambda: open("/escape", "w")),
+        "env": sorted(os.environ),
+    }, sort_keys=True))
+""")  # prctl 39/3/21: PR_GET_NO_NEW_PRIVS, PR_GET_DUMPABLE, PR_GET_SECCOMP
+
+
+def test_both_call_setups_isolate_alike(server):
+    """The compiled set-up (``sandbox_server._spawn``, the default where it is built) and the Python steps
+    leave a call in the same state; a few hostile programs are contained by both."""
+    expected = "native" if isolation.native_spawn is not None else f"python: {isolation.NATIVE_UNAVAILABLE}"
+    assert {w["call_setup"] for w in get(server.url, "/health")["workers"]} == {expected}
+    native_probe = run_code(server.url, ISOLATION_PROBE)
+    assert native_probe["status"] == "ok", native_probe
+    options = dict(MAIN_SERVER_OPTIONS, workers=1, slots=2, call_setup="python")
+    with start_local(**options) as python_server:
+        assert {w["call_setup"] for w in get(python_server.url, "/health")["workers"]} == {
+            "python: --call-setup python"
+        }
+        python_probe = run_code(python_server.url, ISOLATION_PROBE)
+        assert python_probe == dict(native_probe, duration=python_probe["duration"])
+        for name in ("fork_bomb", "raise_rlimit_then_allocate", "read_etc_shadow", "write_host_tmp"):
+            hostile = HOSTILE[name]
+            workers_before = [w["pid"] for w in get(python_server.url, "/health")["workers"]]
+            result = run_code(python_server.url, hostile.code, stdin=hostile.stdin, timeout=hostile.timeout)
+            _assert_contained(python_server, result, hostile, workers_before)
+    state = json.loads(native_probe["stdout"])
+    # fd 3 is the call's own outcome-record pipe (runner.RECORD_FD)
+    assert state["unprivileged"] and state["pid_and_session"] == [1, 1] and state["fds"] == [0, 1, 2, 3]
+    assert state["prctl"] == [1, 0, 2] and not state["unshare_user"] and state["network"] == "ENETUNREACH"

@@ -134,6 +134,8 @@ def test_config_validation():
         ServerConfig(uid_base=2**31 - 10)
     with pytest.raises(ValueError, match="precompile_max_chars must be >= 0"):
         ServerConfig(precompile_max_chars=-1)
+    with pytest.raises(ValueError, match="call_setup must be 'auto' or 'python'"):
+        ServerConfig(call_setup="native")
 
 
 def test_automatic_uid_blocks_do_not_overlap():
