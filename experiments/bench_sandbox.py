@@ -124,12 +124,13 @@ def _process_cpu(pid: int) -> tuple[float, float]:
 
 
 def cpu_snapshot(health: dict) -> dict:
-    """CPU seconds so far: the front end, the warm workers, and the calls (children reaped by workers)."""
+    """CPU seconds so far: the front end, the warm workers (with their fork servers), and the calls (children
+    reaped by workers)."""
     frontend = _process_cpu(health["server_pid"])[0]
     workers = calls = 0.0
     for worker in health["workers"]:
         own, children = _process_cpu(worker["pid"])
-        workers += own
+        workers += own + (_process_cpu(worker["fork_server_pid"])[0] if worker["fork_server_pid"] else 0.0)
         calls += children
     return {"frontend": frontend, "workers": workers, "calls": calls}
 
@@ -157,7 +158,10 @@ class RssSampler:
     """Samples the resident memory of the server's processes in the background; keeps the maxima (MiB)."""
 
     def __init__(self, health: dict, period: float = 0.25):
-        self.pids = {"frontend": [health["server_pid"]], "workers": [w["pid"] for w in health["workers"]]}
+        workers = [w["pid"] for w in health["workers"]] + [
+            w["fork_server_pid"] for w in health["workers"] if w["fork_server_pid"]
+        ]
+        self.pids = {"frontend": [health["server_pid"]], "workers": workers}
         self.max_mib = dict.fromkeys(self.pids, 0.0)
         self.period = period
         self._stop = threading.Event()

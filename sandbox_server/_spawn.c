@@ -1,27 +1,31 @@
-/* Fork one isolated call in a single C call: the child's whole set-up runs without Python.
+/* A fork server for sandbox calls, and each call's isolation, without running Python.
  *
- * Why: after fork every Python object the child touches (functions, code objects, ints, the ctypes
- * machinery) is a copy-on-write fault of the warm worker's memory. Setting up a call through
- * isolation.CallSandbox's Python steps costs ~150 such faults; here it costs none, because the set-up
- * only makes system calls on values parsed in the parent before the fork.
+ * Why: every page of the warm worker that is written after a fork costs a copy-on-write fault (~3 µs
+ * here), and faults are most of a trivial call's CPU. Two sources are removed here:
+ *   - the worker's own event loop: a process that forks write-protects all of its pages at every fork, so
+ *     each page the loop then writes faults again. Calls are therefore forked by a *fork server*, a copy of
+ *     the warm worker that runs only the C loop ``serve_forks`` and touches a few pages per fork. It clones
+ *     each call with CLONE_PARENT, so the call is still the worker's child (reaped, timed and killed as before);
+ *   - the child's set-up (namespaces, tmpfs, descriptors, rlimits, uid, prctl, seccomp): done here with
+ *     system calls on a plan parsed before the fork, instead of Python code that writes ~90 pages.
+ * The module is optional: without it the worker forks calls itself and sets them up in Python
+ * (isolation.CallSandbox), and the tests check that both leave a call in the same state.
  *
- * This module is optional: without a C compiler the package falls back to the same steps in Python
- * (isolation.CallSandbox.enter_namespaces / drop_privileges), which the tests check behave the same.
+ *   socketpair() -> (worker_end, forker_end)          SOCK_SEQPACKET, one request or reply per message
+ *   serve_forks(forker_end) -> bytes | None           in the fork server: None when the worker is gone;
+ *                                                     in a new call, once isolated: the request's payload
+ *   request_fork(worker_end, request, sources, payload) -> pid   in the worker (blocks for the reply)
  *
- *   spawn(spec, targets, cpu_seconds) -> pid in the worker, 0 in the isolated child
+ * ``request`` is isolation.FORK_REQUEST packed: the plan (struct wire_plan), cpu_seconds, the target
+ * descriptor numbers; ``sources`` (sent with SCM_RIGHTS, one per target) become those targets in the call;
+ * ``payload`` reaches the call through a memfd. The reply is the pid, or -errno if the clone failed.
  *
- * spec (isolation.CallSandbox.native_spec, built once per plan):
- *   (oom_adj_fd, own_pidns_fd, unshare_flags, netns_fd, tmpfs_options: bytes | None, workdir: bytes,
- *    limits: ((resource, value), ...), uid, seccomp_address, worker_pidfd_target, fd_end)
- *   with -1 (0 for seccomp_address) meaning "not used".
- * targets: (target_fd, source_fd, ...): what the child's descriptors below fd_end must be.
- *
- * Child steps, in order (as the Python fallback does them): new session; unshare the namespaces; join the
- * slot's network namespace; mount the private tmpfs on /tmp; chdir; move the targets into place and close
- * every other descriptor; rlimits with soft = hard (RLIMIT_CPU = cpu_seconds); drop to uid/gid with no
- * supplementary groups; no-new-privs, parent-death SIGKILL, not dumpable; seccomp filter; exit quietly if
- * the worker is already gone (its pidfd readable), then close that pidfd. A failing step writes
- * "sandbox setup failed: <step>: <error>" to the call's stderr and exits with status 71.
+ * Call set-up, in order (isolation.CallSandbox._set_up does the same in Python): new session; unshare the
+ * namespaces; join the slot's network namespace; mount the private tmpfs on /tmp; chdir; move the targets
+ * into place and close every other descriptor; rlimits with soft = hard (RLIMIT_CPU = cpu_seconds); drop to
+ * uid/gid with no supplementary groups; no-new-privs, parent-death SIGKILL, not dumpable; seccomp filter;
+ * exit quietly if the worker is already gone (its pidfd readable), then close that pidfd. A failing step
+ * writes "sandbox setup failed: OSError: <step>: <error>" to the call's stderr and exits with status 71.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,16 +36,22 @@
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define SETUP_FAILED_EXIT 71
 #define MAX_TARGETS 8
-#define MAX_LIMITS 16
+#define MAX_LIMITS 8
+#define TMPFS_OPTIONS_SIZE 256
+#define WORKDIR_SIZE 4096
 
 #ifndef PR_SET_NO_NEW_PRIVS
 #define PR_SET_NO_NEW_PRIVS 38
@@ -49,18 +59,33 @@
 #ifndef SECCOMP_MODE_FILTER
 #define SECCOMP_MODE_FILTER 2
 #endif
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 1U
+#endif
 
-typedef struct {
-    int oom_adj_fd, own_pidns_fd, unshare_flags, netns_fd;
-    const char *tmpfs_options, *workdir;
-    int n_limits, limit_resource[MAX_LIMITS];
-    long long limit_value[MAX_LIMITS];
-    int uid;
-    unsigned long long seccomp_address;
-    int worker_pidfd, fd_end;
-    int n_targets, target[MAX_TARGETS], source[MAX_TARGETS];
-    long long cpu_seconds;
-} Plan;
+/* Mirrored by isolation.WIRE_PLAN / FORK_REQUEST (struct formats "=..."): keep both in step. */
+struct __attribute__((packed)) wire_plan {
+    int32_t unshare_flags;
+    int32_t new_pid_namespace; /* clone the call as init of a fresh PID namespace */
+    int32_t netns_fd;          /* -1: none; a descriptor the fork server inherited from the worker */
+    int32_t uid;               /* -1: keep the uid */
+    uint64_t seccomp_address;  /* 0: none; a sock_fprog in the (inherited) memory of the worker */
+    int32_t worker_pidfd;      /* the target number the worker's pidfd arrives at */
+    int32_t fd_end;            /* targets are below it; everything from it up is closed */
+    int32_t n_limits;
+    int32_t limit_resource[MAX_LIMITS];
+    int64_t limit_value[MAX_LIMITS];
+    char tmpfs_options[TMPFS_OPTIONS_SIZE]; /* "": no private tmpfs */
+    char workdir[WORKDIR_SIZE];
+};
+
+struct __attribute__((packed)) fork_request {
+    struct wire_plan plan;
+    int64_t cpu_seconds;
+    int32_t n_targets;
+    int32_t target[MAX_TARGETS];
+    int64_t payload_size;
+};
 
 static void write_all(int fd, const char *text) {
     size_t left = strlen(text);
@@ -83,9 +108,9 @@ static void fail(int stderr_fd, const char *step) {
     _exit(SETUP_FAILED_EXIT);
 }
 
-static int is_target(const Plan *plan, int fd) {
-    for (int i = 0; i < plan->n_targets; i++)
-        if (plan->target[i] == fd) return 1;
+static int is_target(const struct fork_request *request, int fd) {
+    for (int i = 0; i < request->n_targets; i++)
+        if (request->target[i] == fd) return 1;
     return 0;
 }
 
@@ -94,40 +119,43 @@ static void close_from(int first) {
     if (syscall(SYS_close_range, (unsigned int)first, ~0U, 0) == 0) return;
 #endif
     struct rlimit limit;
-    long last = getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY ? (long)limit.rlim_cur
-                                                                                          : 1L << 20;
+    long last = getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY
+                    ? (long)limit.rlim_cur
+                    : 1L << 20;
     for (long fd = first; fd < last; fd++) close((int)fd);
 }
 
-static void child_setup(const Plan *plan) {
-    int err = 2;  /* the call's stderr: its source descriptor until the targets are in place */
-    for (int i = 0; i < plan->n_targets; i++)
-        if (plan->target[i] == 2) err = plan->source[i];
+/* In the new call, still root: isolate it. ``sources[i]`` becomes descriptor ``request->target[i]``. */
+static void set_up_call(const struct fork_request *request, const int *sources) {
+    const struct wire_plan *plan = &request->plan;
+    int err = 2; /* the call's stderr: its source descriptor until the targets are in place */
+    for (int i = 0; i < request->n_targets; i++)
+        if (request->target[i] == 2) err = sources[i];
 
     if (setsid() < 0) fail(err, "setsid");
     if (plan->unshare_flags && unshare(plan->unshare_flags) != 0) fail(err, "unshare");
     if (plan->netns_fd >= 0 && setns(plan->netns_fd, CLONE_NEWNET) != 0) fail(err, "setns(network)");
-    if (plan->tmpfs_options &&
+    if (plan->tmpfs_options[0] &&
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, plan->tmpfs_options) != 0)
         fail(err, "mount(tmpfs on /tmp)");
     if (chdir(plan->workdir) != 0) fail(err, "chdir");
 
     /* Lift every source above the targets first, so no dup2 clobbers a source still needed. */
     int lifted[MAX_TARGETS];
-    for (int i = 0; i < plan->n_targets; i++)
-        if ((lifted[i] = fcntl(plan->source[i], F_DUPFD, plan->fd_end)) < 0) fail(err, "fcntl(F_DUPFD)");
-    for (int i = 0; i < plan->n_targets; i++)
-        if (dup2(lifted[i], plan->target[i]) < 0) fail(err, "dup2");
+    for (int i = 0; i < request->n_targets; i++)
+        if ((lifted[i] = fcntl(sources[i], F_DUPFD, plan->fd_end)) < 0) fail(err, "fcntl(F_DUPFD)");
+    for (int i = 0; i < request->n_targets; i++)
+        if (dup2(lifted[i], request->target[i]) < 0) fail(err, "dup2");
     err = 2;
     for (int fd = 3; fd < plan->fd_end; fd++)
-        if (!is_target(plan, fd)) close(fd);
+        if (!is_target(request, fd)) close(fd);
     close_from(plan->fd_end);
 
     for (int i = 0; i < plan->n_limits; i++) {
         struct rlimit limit = {(rlim_t)plan->limit_value[i], (rlim_t)plan->limit_value[i]};
         if (setrlimit(plan->limit_resource[i], &limit) != 0) fail(err, "setrlimit");
     }
-    struct rlimit cpu = {(rlim_t)plan->cpu_seconds, (rlim_t)plan->cpu_seconds};
+    struct rlimit cpu = {(rlim_t)request->cpu_seconds, (rlim_t)request->cpu_seconds};
     if (setrlimit(RLIMIT_CPU, &cpu) != 0) fail(err, "setrlimit(RLIMIT_CPU)");
     if (plan->uid >= 0) {
         if (setgroups(0, NULL) != 0) fail(err, "setgroups");
@@ -142,96 +170,205 @@ static void child_setup(const Plan *plan) {
         prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, (unsigned long)plan->seccomp_address, 0, 0) != 0)
         fail(err, "prctl(PR_SET_SECCOMP)");
     struct pollfd worker = {plan->worker_pidfd, POLLIN, 0};
-    if (poll(&worker, 1, 0) > 0) _exit(0);  /* the worker died before the parent-death signal was armed */
+    if (poll(&worker, 1, 0) > 0) _exit(0); /* the worker died before the parent-death signal was armed */
     close(plan->worker_pidfd);
 }
 
-static int parse_plan(PyObject *spec, PyObject *targets, long long cpu_seconds, Plan *plan) {
-    PyObject *tmpfs, *limits;
-    memset(plan, 0, sizeof(*plan));
-    if (!PyArg_ParseTuple(spec, "iiiiOyO!iKii;spec", &plan->oom_adj_fd, &plan->own_pidns_fd,
-                          &plan->unshare_flags, &plan->netns_fd, &tmpfs, &plan->workdir, &PyTuple_Type,
-                          &limits, &plan->uid, &plan->seccomp_address, &plan->worker_pidfd, &plan->fd_end))
-        return -1;
-    if (tmpfs != Py_None) {
-        if (!PyBytes_Check(tmpfs)) {
-            PyErr_SetString(PyExc_TypeError, "spec: tmpfs_options must be bytes or None");
-            return -1;
-        }
-        plan->tmpfs_options = PyBytes_AS_STRING(tmpfs);
-    }
-    Py_ssize_t n_limits = PyTuple_GET_SIZE(limits);
-    if (n_limits > MAX_LIMITS) {
-        PyErr_SetString(PyExc_ValueError, "spec: too many limits");
-        return -1;
-    }
-    plan->n_limits = (int)n_limits;
-    for (Py_ssize_t i = 0; i < n_limits; i++)
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(limits, i), "iL;limit", &plan->limit_resource[i],
-                              &plan->limit_value[i]))
-            return -1;
-    if (!PyTuple_Check(targets) || PyTuple_GET_SIZE(targets) % 2 || PyTuple_GET_SIZE(targets) > 2 * MAX_TARGETS) {
-        PyErr_SetString(PyExc_ValueError, "targets must be a tuple of (target, source) descriptor pairs");
-        return -1;
-    }
-    plan->n_targets = (int)(PyTuple_GET_SIZE(targets) / 2);
-    for (int i = 0; i < plan->n_targets; i++) {
-        plan->target[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(targets, 2 * i));
-        plan->source[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(targets, 2 * i + 1));
-        if (PyErr_Occurred()) return -1;
-        if (plan->target[i] < 0 || plan->target[i] >= plan->fd_end || plan->source[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "targets: descriptors must be >= 0 and targets below fd_end");
-            return -1;
-        }
-    }
-    plan->cpu_seconds = cpu_seconds;
-    return 0;
+/* What a request must satisfy before anything is forked for it. */
+static int request_is_valid(const struct fork_request *request, int n_fds) {
+    const struct wire_plan *plan = &request->plan;
+    if (request->n_targets < 1 || request->n_targets > MAX_TARGETS || n_fds != request->n_targets + 1) return 0;
+    if (plan->n_limits < 0 || plan->n_limits > MAX_LIMITS || request->payload_size < 0) return 0;
+    if (plan->fd_end < 3 || plan->fd_end > 64) return 0;
+    for (int i = 0; i < request->n_targets; i++)
+        if (request->target[i] < 0 || request->target[i] >= plan->fd_end) return 0;
+    return memchr(plan->tmpfs_options, 0, TMPFS_OPTIONS_SIZE) && memchr(plan->workdir, 0, WORKDIR_SIZE);
 }
 
-static PyObject *spawn(PyObject *module, PyObject *args) {
-    PyObject *spec, *targets;
-    long long cpu_seconds;
-    Plan plan;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O!OL:spawn", &PyTuple_Type, &spec, &targets, &cpu_seconds)) return NULL;
-    if (parse_plan(spec, targets, cpu_seconds, &plan) != 0) return NULL;
+static pid_t clone_call(int new_pid_namespace) {
+    /* fork() cannot make the call a sibling; the raw clone with no new stack returns twice like fork. */
+    unsigned long flags = CLONE_PARENT | SIGCHLD | (new_pid_namespace ? CLONE_NEWPID : 0);
+#if defined(__s390__) || defined(__CRIS__)
+    return (pid_t)syscall(SYS_clone, 0, flags, 0, 0, 0);
+#else
+    return (pid_t)syscall(SYS_clone, flags, 0, 0, 0, 0);
+#endif
+}
 
-    if (plan.oom_adj_fd >= 0 && pwrite(plan.oom_adj_fd, "1000", 4, 0) < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    if (plan.own_pidns_fd >= 0 && unshare(CLONE_NEWPID) != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        if (plan.oom_adj_fd >= 0) (void)pwrite(plan.oom_adj_fd, "-1000", 5, 0);
+static PyObject *read_payload(int fd, int64_t size) {
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (payload == NULL) return NULL;
+    char *data = PyBytes_AS_STRING(payload);
+    for (int64_t done = 0; done < size;) {
+        ssize_t n = pread(fd, data + done, (size_t)(size - done), (off_t)done);
+        if (n <= 0) {
+            Py_DECREF(payload);
+            errno = n == 0 ? EIO : errno;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        done += n;
+    }
+    return payload;
+}
+
+static PyObject *serve_forks(PyObject *module, PyObject *args) {
+    int sock;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "i:serve_forks", &sock)) return NULL;
+    for (;;) {
+        struct fork_request request;
+        union {
+            char buffer[CMSG_SPACE(sizeof(int) * (MAX_TARGETS + 1))];
+            struct cmsghdr align;
+        } control;
+        struct iovec iov = {&request, sizeof(request)};
+        struct msghdr message = {0};
+        message.msg_iov = &iov;
+        message.msg_iovlen = 1;
+        message.msg_control = control.buffer;
+        message.msg_controllen = sizeof(control.buffer);
+        ssize_t n = recvmsg(sock, &message, MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) Py_RETURN_NONE; /* the worker is gone */
+
+        int fds[MAX_TARGETS + 1], n_fds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&message); c != NULL; c = CMSG_NXTHDR(&message, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < count; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (n_fds <= MAX_TARGETS) fds[n_fds++] = fd;
+                else close(fd);
+            }
+        }
+        int64_t reply;
+        if ((size_t)n != sizeof(request) || (message.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ||
+            !request_is_valid(&request, n_fds)) {
+            reply = -EINVAL;
+        } else {
+            PyOS_BeforeFork();
+            pid_t pid = clone_call(request.plan.new_pid_namespace);
+            if (pid == 0) {
+                PyOS_AfterFork_Child();
+                int payload_fd = fds[request.n_targets];
+                PyObject *payload = read_payload(payload_fd, request.payload_size);
+                if (payload == NULL) {
+                    errno = EIO;
+                    fail(fds[0], "reading the request");
+                }
+                set_up_call(&request, fds);
+                return payload;
+            }
+            reply = pid > 0 ? (int64_t)pid : -(int64_t)errno;
+            PyOS_AfterFork_Parent();
+        }
+        for (int i = 0; i < n_fds; i++) close(fds[i]);
+        while (send(sock, &reply, sizeof(reply), MSG_NOSIGNAL) < 0) {
+            if (errno != EINTR) Py_RETURN_NONE;
+        }
+    }
+}
+
+static PyObject *request_fork(PyObject *module, PyObject *args) {
+    int sock;
+    Py_buffer request, payload;
+    PyObject *sources;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "iy*O!y*:request_fork", &sock, &request, &PyTuple_Type, &sources, &payload))
         return NULL;
+    PyObject *result = NULL;
+    int memfd = -1;
+    Py_ssize_t n_sources = PyTuple_GET_SIZE(sources);
+    if (request.len != (Py_ssize_t)sizeof(struct fork_request) || n_sources < 1 || n_sources > MAX_TARGETS) {
+        PyErr_SetString(PyExc_ValueError, "request_fork: a packed FORK_REQUEST and 1 to 8 source descriptors");
+        goto done;
     }
-    PyOS_BeforeFork();
-    pid_t pid = fork();
-    if (pid == 0) {
-        child_setup(&plan);
-        PyOS_AfterFork_Child();
-        return PyLong_FromLong(0);
+    int fds[MAX_TARGETS + 1];
+    for (Py_ssize_t i = 0; i < n_sources; i++) {
+        fds[i] = (int)PyLong_AsLong(PyTuple_GET_ITEM(sources, i));
+        if (PyErr_Occurred()) goto done;
     }
-    int fork_error = errno;
-    PyOS_AfterFork_Parent();
-    /* Back to the worker's own PID namespace (for its future children) and OOM priority. */
-    if (plan.own_pidns_fd >= 0 && setns(plan.own_pidns_fd, CLONE_NEWPID) != 0) {
+    if ((memfd = (int)syscall(SYS_memfd_create, "sandbox-call", MFD_CLOEXEC)) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
-        return NULL;
+        goto done;
     }
-    if (plan.oom_adj_fd >= 0) (void)pwrite(plan.oom_adj_fd, "-1000", 5, 0);
-    if (pid < 0) {
-        errno = fork_error;
-        return PyErr_SetFromErrno(PyExc_OSError);
+    for (Py_ssize_t done = 0; done < payload.len;) {
+        ssize_t n = write(memfd, (char *)payload.buf + done, (size_t)(payload.len - done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        done += n;
     }
-    return PyLong_FromLong(pid);
+    fds[n_sources] = memfd;
+
+    union {
+        char buffer[CMSG_SPACE(sizeof(int) * (MAX_TARGETS + 1))];
+        struct cmsghdr align;
+    } control;
+    memset(&control, 0, sizeof(control));
+    struct iovec iov = {request.buf, (size_t)request.len};
+    struct msghdr message = {0};
+    message.msg_iov = &iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.buffer;
+    message.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)(n_sources + 1));
+    struct cmsghdr *c = CMSG_FIRSTHDR(&message);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)(n_sources + 1));
+    memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)(n_sources + 1));
+
+    int64_t reply = 0;
+    ssize_t n;
+    Py_BEGIN_ALLOW_THREADS
+    do n = sendmsg(sock, &message, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    if (n >= 0) {
+        do n = recv(sock, &reply, sizeof(reply), 0);
+        while (n < 0 && errno == EINTR);
+    }
+    Py_END_ALLOW_THREADS
+    if (n < 0) {
+        PyErr_SetFromErrno(PyExc_ConnectionError);
+    } else if (n != (ssize_t)sizeof(reply)) {
+        PyErr_SetString(PyExc_ConnectionError, "the fork server is gone");
+    } else if (reply <= 0) {
+        errno = (int)-reply;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromLongLong(reply);
+    }
+done:
+    if (memfd >= 0) close(memfd);
+    PyBuffer_Release(&request);
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+static PyObject *make_socketpair(PyObject *module, PyObject *unused) {
+    int fds[2];
+    (void)module;
+    (void)unused;
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return Py_BuildValue("(ii)", fds[0], fds[1]);
 }
 
 static PyMethodDef methods[] = {
-    {"spawn", spawn, METH_VARARGS,
-     "spawn(spec, targets, cpu_seconds) -> pid in the worker, 0 in the isolated child (see the module doc)."},
+    {"socketpair", make_socketpair, METH_NOARGS,
+     "socketpair() -> (worker_end, forker_end): a SOCK_SEQPACKET pair for requests and replies."},
+    {"serve_forks", serve_forks, METH_VARARGS,
+     "serve_forks(forker_end) -> bytes | None: the fork server's loop (see the module doc)."},
+    {"request_fork", request_fork, METH_VARARGS,
+     "request_fork(worker_end, request, sources, payload) -> pid of the new, isolated call."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "sandbox_server._spawn",
-                                    "Fork an isolated sandbox call with its set-up done in C.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "sandbox_server._spawn", "A fork server for isolated sandbox calls (see _spawn.c).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit__spawn(void) { return PyModule_Create(&module); }

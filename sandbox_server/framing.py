@@ -15,8 +15,17 @@ MAX_FRAME_BYTES = 1 << 30
 _UNICODE_ERRORS = "surrogatepass"  # JSON may carry lone surrogates ("\ud800"); they must survive the hop
 
 
+def pack(message) -> bytes:
+    """msgpack, keeping lone surrogates (also a fork server's payload to a call, ``worker._enter_call``)."""
+    return msgpack.packb(message, use_bin_type=True, unicode_errors=_UNICODE_ERRORS)
+
+
+def unpack(body: bytes):
+    return msgpack.unpackb(body, raw=False, unicode_errors=_UNICODE_ERRORS)
+
+
 def encode_frame(message: dict) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True, unicode_errors=_UNICODE_ERRORS)
+    body = pack(message)
     return _HEADER.pack(len(body)) + body
 
 
@@ -32,7 +41,7 @@ def split_frames(buffer: bytearray) -> list[dict]:
         if len(buffer) < end:
             break
         body = bytes(buffer[offset + _HEADER.size : end])
-        messages.append(msgpack.unpackb(body, raw=False, unicode_errors=_UNICODE_ERRORS))
+        messages.append(unpack(body))
         offset = end
     del buffer[:offset]
     return messages
@@ -43,4 +52,4 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
     (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     if length > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-    return msgpack.unpackb(await reader.readexactly(length), raw=False, unicode_errors=_UNICODE_ERRORS)
+    return unpack(await reader.readexactly(length))

@@ -9,8 +9,8 @@ Worker, once (``WorkerSandbox.prepare``):
       slot because creating one costs ~0.6 ms and a finished call leaves nothing behind in it;
     * keeps its own PID-namespace handle so each fork can start a fresh PID namespace.
 
-Call, in the forked child while still root (``CallSandbox.fork``; done by the compiled helper
-``sandbox_server._spawn`` when it is built, else by the same steps in Python):
+Call, in the forked child while still root (done in C by the fork server ``ForkServer`` when the optional
+extension ``sandbox_server._spawn`` is built, else by the worker and ``CallSandbox.fork`` in Python):
     * becomes init of a fresh PID namespace, so when it exits the kernel kills every process it started,
       detached (``setsid``) grandchildren included; also a new session;
     * fresh mount + IPC namespaces, a private size-limited tmpfs on /tmp as its working directory (gone
@@ -34,11 +34,12 @@ import platform
 import resource
 import select
 import signal
+import struct
 import sys
 
 from sandbox_server import linux
 
-try:  # built by setup.py where a C compiler is available; the Python steps below do the same, slower
+try:  # built by setup.py where a C compiler is available; without it the worker forks calls itself, in Python
     from sandbox_server import _spawn as native_spawn
 
     NATIVE_UNAVAILABLE = None
@@ -50,6 +51,11 @@ SETUP_FAILED_EXIT = 71
 SETUP_FAILED_MESSAGE = "sandbox setup failed:"
 WORKER_PIDFD = 5  # where a child finds the worker's pidfd during setup
 CHILD_FD_END = 6  # a child keeps fds 0..5 through setup (0-2 stdio, 3 record, 4 control, 5 worker pidfd)
+# The packed forms of a call's plan and of a fork request; _spawn.c's struct wire_plan / fork_request.
+MAX_TARGETS = MAX_LIMITS = 8
+TMPFS_OPTIONS_SIZE, WORKDIR_SIZE = 256, 4096  # with the terminating NUL
+WIRE_PLAN = struct.Struct(f"=iiiiQiii8i8q{TMPFS_OPTIONS_SIZE}s{WORKDIR_SIZE}s")
+REQUEST_TAIL = struct.Struct("=qi8iq")  # cpu_seconds, n_targets, targets, payload size
 SANDBOX_TMP = "/tmp"
 SANDBOX_TMP_BYTES = SANDBOX_TMP.encode()
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -311,11 +317,12 @@ class WorkerSandbox:
                 return int(value)
         return 0
 
-    def fork_call(self) -> int:
+    def fork_call(self, new_pid_namespace: bool = True) -> int:
         """``os.fork()``; the child is init of a fresh PID namespace (when active), oom_score_adj 1000."""
+        new_pid_namespace = new_pid_namespace and self.own_pidns_fd is not None
         if self.oom_adj_fd is not None:
             os.pwrite(self.oom_adj_fd, b"1000", 0)
-        if self.own_pidns_fd is not None:
+        if new_pid_namespace:
             linux.unshare(linux.CLONE_NEWPID)
         pid = -1
         try:
@@ -323,7 +330,7 @@ class WorkerSandbox:
             return pid
         finally:
             if pid != 0:  # in the worker: back to its own PID namespace and OOM priority
-                if self.own_pidns_fd is not None:
+                if new_pid_namespace:
                     linux.setns(self.own_pidns_fd, linux.CLONE_NEWPID)
                 if self.oom_adj_fd is not None:
                     os.pwrite(self.oom_adj_fd, b"-1000", 0)
@@ -346,7 +353,7 @@ class CallSandbox:
 
     Built by the worker before it forks (``plan``), so the child does as little Python-level work as
     possible: every object a child touches is a copy-on-write page fault, the largest cost of a call. With
-    ``native_spec`` the whole set-up runs in C (``sandbox_server._spawn``) and touches no Python object.
+    ``native_plan`` the fork server (``ForkServer``) does the whole set-up in C and touches no Python object.
     """
 
     uid: int | None
@@ -356,7 +363,7 @@ class CallSandbox:
     workdir: str  # the call's working directory (/tmp, or a host directory in degraded mode)
     limits: tuple  # ((resource, value), ...) applied with soft = hard; CPU time comes per call
     seccomp_address: int | None  # address of the worker's prepared ``sock_fprog``
-    native_spec: tuple | None  # the same plan for ``_spawn.spawn``; None: set up in Python
+    native_plan: bytes | None  # the same plan packed for the fork server (``WIRE_PLAN``); None: Python only
 
     @classmethod
     def plan(
@@ -379,39 +386,36 @@ class CallSandbox:
             (resource.RLIMIT_CORE, 0),
         )
         workdir = workdir or SANDBOX_TMP
-        native_spec = None
-        if native and native_spawn is not None and not (tmpfs_options and PYTHON_UNDER_TMP):
-            native_spec = (
-                _or(sandbox.oom_adj_fd, -1),
-                _or(sandbox.own_pidns_fd, -1),
+        native_plan = None
+        fits = len(tmpfs_options or b"") < TMPFS_OPTIONS_SIZE and len(os.fsencode(workdir)) < WORKDIR_SIZE
+        if native and native_spawn is not None and fits and not (tmpfs_options and PYTHON_UNDER_TMP):
+            native_plan = WIRE_PLAN.pack(
                 flags,
+                sandbox.own_pidns_fd is not None,
                 _or(netns_fd, -1),
-                tmpfs_options,
-                os.fsencode(workdir),
-                limits,
                 _or(uid, -1),
                 _or(sandbox.seccomp_address, 0),
                 WORKER_PIDFD,
                 CHILD_FD_END,
+                len(limits),
+                *_padded([which for which, _ in limits], MAX_LIMITS),
+                *_padded([value for _, value in limits], MAX_LIMITS),
+                tmpfs_options or b"",
+                os.fsencode(workdir),
             )
-        return cls(uid, flags, netns_fd, tmpfs_options, workdir, limits, sandbox.seccomp_address, native_spec)
+        return cls(uid, flags, netns_fd, tmpfs_options, workdir, limits, sandbox.seccomp_address, native_plan)
 
     def fork(self, sandbox: WorkerSandbox, targets: tuple, cpu_seconds: int) -> int:
-        """Fork the call: its pid in the worker; 0 in the child, once the child is isolated.
+        """Fork the call from this process and set it up in Python: its pid here; 0 in the isolated child.
 
         ``targets`` is ``(target_fd, source_fd, ...)``: the descriptors the child keeps (below
         ``CHILD_FD_END``; every other one is closed), ``WORKER_PIDFD`` among them. A child whose set-up
         fails writes ``SETUP_FAILED_MESSAGE`` and the error to its stderr and exits with
-        ``SETUP_FAILED_EXIT``.
+        ``SETUP_FAILED_EXIT``. (``ForkServer.fork`` is the fast way, where the extension is built.)
         """
-        if self.native_spec is not None:
-            pid = native_spawn.spawn(self.native_spec, targets, cpu_seconds)
-        else:
-            pid = sandbox.fork_call()
-            if pid == 0:
-                self._set_up(targets, cpu_seconds)
-        if pid == 0 and self.workdir != SANDBOX_TMP:  # the worker's environment is already scrubbed for /tmp
-            os.environ.update(HOME=self.workdir, TMPDIR=self.workdir)
+        pid = sandbox.fork_call()
+        if pid == 0:
+            self._set_up(targets, cpu_seconds)
         return pid
 
     def _set_up(self, targets: tuple, cpu_seconds: int) -> None:
@@ -476,6 +480,60 @@ class CallSandbox:
 
 def _or(value, default):
     return default if value is None else value
+
+
+def _padded(values: list, length: int) -> list:
+    return values + [0] * (length - len(values))
+
+
+class ForkServer:
+    """A copy of the warm worker that only forks its calls: ``_spawn.serve_forks``, a loop in C.
+
+    A process that forks write-protects all of its memory each time, so every page the worker's event loop
+    writes afterwards is a copy-on-write fault; the fork server writes a few pages per fork instead. It
+    clones each call with CLONE_PARENT, so the call is the worker's child as if the worker had forked it,
+    and it does the call's whole set-up in C. Forked by the worker once its warm state is complete (the
+    network namespaces, the seccomp program and the streams it inherits are the worker's); it has the
+    calls' OOM priority and dies with the worker.
+    """
+
+    def __init__(self, sock: int, pid: int):
+        self.sock = sock
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+
+    @classmethod
+    def start(cls, sandbox: WorkerSandbox, worker_pidfd: int, close_in_server: tuple) -> ForkServer | bytes:
+        """Start it: the ``ForkServer`` in the worker. Like ``fork()`` this returns more than once: in each
+        call the server later forks, it returns that call's payload, with the call isolated."""
+        worker_end, server_end = native_spawn.socketpair()
+        pid = sandbox.fork_call(new_pid_namespace=False)
+        if pid != 0:
+            os.close(server_end)
+            return cls(worker_end, pid)
+        try:
+            for fd in (worker_end, *close_in_server):  # the worker's channel: the front end sees it close
+                os.close(fd)
+            linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+            if not select.select([worker_pidfd], [], [], 0)[0]:  # else the worker died before the signal
+                payload = native_spawn.serve_forks(server_end)
+                if payload is not None:
+                    return payload
+        except BaseException as error:
+            os.write(2, f"sandbox fork server: {type(error).__name__}: {error}\n".encode())
+        os._exit(0)
+
+    def fork(self, plan: CallSandbox, targets: tuple, cpu_seconds: int, payload: bytes) -> int:
+        """Have a call forked and isolated (``plan.native_plan``; ``targets`` as in ``CallSandbox.fork``).
+
+        Its pid; OSError if the clone failed, ConnectionError if the fork server is gone. The call starts
+        where ``start`` returned, with ``payload``.
+        """
+        numbers = targets[::2]
+        request = plan.native_plan + REQUEST_TAIL.pack(
+            cpu_seconds, len(numbers), *_padded(list(numbers), MAX_TARGETS), len(payload)
+        )
+        return native_spawn.request_fork(self.sock, request, targets[1::2], payload)
 
 
 def _close_quietly(fd: int) -> None:

@@ -10,8 +10,11 @@ LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 1000
 # Phases of a call, in order, each measured between two CLOCK_MONOTONIC stamps (shared by all processes):
 #   queue        admitted by the front end -> sent to a worker (waiting for a free slot)
 #   to_worker    sent -> read by the worker
-#   fork         the worker's fork() (page-table copy; the worker cannot serve others meanwhile)
-#   child_setup  fork returned -> user code starts (namespaces, tmpfs, rlimits, uid, stdio)
+#   fork         the worker's fork(), or its request to the fork server until the reply (page-table copy)
+#   child_setup  fork returned -> user code starts (namespaces, tmpfs, rlimits, uid, stdio); a call forked
+#                by the fork server may start before the worker has the reply, so the boundary between
+#                these two is the earlier of the two stamps
+
 #   execution    the user code itself
 #   exit_reap    code finished -> the worker has reaped the child and drained its pipes
 #   to_frontend  worker reaped -> the front end has the result
@@ -56,11 +59,12 @@ class Metrics:
         if any(stamps.get(name) is None for name in order):
             return
         s = stamps
+        forked = min(s["fork_end"], s["exec_start"])
         spans = {
             "queue": s["dispatched"] - s["admitted"],
             "to_worker": s["fork_start"] - s["dispatched"],
-            "fork": s["fork_end"] - s["fork_start"],
-            "child_setup": s["exec_start"] - s["fork_end"],
+            "fork": forked - s["fork_start"],
+            "child_setup": s["exec_start"] - forked,
             "execution": s["exec_end"] - s["exec_start"],
             "exit_reap": s["exit_seen"] - s["exec_end"],
             "to_frontend": s["returned"] - s["exit_seen"],

@@ -62,6 +62,7 @@ class WorkerProcess:
         self.pid: int | None = None
         self.mechanisms: dict = {}
         self.call_setup: str | None = None  # "native" or "python: <why>" (worker.Worker._describe_call_setup)
+        self.fork_server_pid: int | None = None
         self.generation = 0
 
     async def start(self) -> None:
@@ -96,7 +97,7 @@ class WorkerProcess:
             await self._reap()
             raise RuntimeError(f"worker {self.name} did not start: {error!r}") from error
         self.pid, self.mechanisms, self.call_setup = hello["pid"], hello["mechanisms"], hello["call_setup"]
-        self.ready = True
+        self.fork_server_pid, self.ready = hello["fork_server_pid"], True
         self.pool.spawn_background(self._read_results(reader))
 
     def send(self, message: dict) -> asyncio.Future:
@@ -437,6 +438,7 @@ class Pool:
                 "ready": p.ready,
                 "inflight": len(p.pending),
                 "call_setup": p.call_setup,
+                "fork_server_pid": p.fork_server_pid,
             }
             for p in self.processes()
         ]

@@ -9,7 +9,7 @@ and the nearest deadline. Output is read as it is produced into head/tail captur
 Frames in:  {"op": "run", "id", "code", "compiled", "stdin", "timeout"}  (compiled: runner.precompile or None)
             {"op": "session_run", "id", "session", "uid", "create", "code", "stdin", "timeout"}
             {"op": "session_close", "session"}
-Frames out: {"op": "ready", "pid", "tier", "mechanisms", "call_setup"}
+Frames out: {"op": "ready", "pid", "tier", "mechanisms", "call_setup", "fork_server_pid"}
             {"op": "result", "id", result fields..., "timings": {...}, "session_ended": reason | None}
 ``timings`` holds CLOCK_MONOTONIC stamps (comparable across processes) plus the call's CPU time and page
 faults; the front end turns them into the phase breakdown of /metrics.
@@ -35,13 +35,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 from sandbox_server import linux, runner  # noqa: E402
 from sandbox_server.config import TIER_PRELOAD, TIER_WARMUP  # noqa: E402
-from sandbox_server.framing import encode_frame, split_frames  # noqa: E402
+from sandbox_server.framing import encode_frame, pack, split_frames, unpack  # noqa: E402
 from sandbox_server.isolation import (  # noqa: E402
     NATIVE_UNAVAILABLE,
+    SANDBOX_TMP,
     SETUP_FAILED_EXIT,
     SETUP_FAILED_MESSAGE,
     WORKER_PIDFD,
     CallSandbox,
+    ForkServer,
     WorkerSandbox,
 )
 from sandbox_server.output import StreamCapture  # noqa: E402
@@ -107,6 +109,7 @@ class Worker:
     # ----------------------------------------------------------------------------------------- main loop
     def serve(self) -> None:
         mechanisms = self.sandbox.mechanisms.as_dict()
+        self.fork_server = self._start_fork_server()
         self._send(
             {
                 "op": "ready",
@@ -114,6 +117,7 @@ class Worker:
                 "tier": self.tier,
                 "mechanisms": mechanisms,
                 "call_setup": self._describe_call_setup(),
+                "fork_server_pid": self.fork_server.pid if self.fork_server else None,
             }
         )
         while True:
@@ -122,12 +126,31 @@ class Worker:
                 key.data(key.fileobj, mask)
             self._expire_deadlines()
 
-    def _describe_call_setup(self) -> str:
-        """How calls are set up after the fork: "native" (``sandbox_server._spawn``) or "python: <why>"."""
+    def _start_fork_server(self) -> ForkServer | None:
+        """The fork server, where the extension is built and the configuration allows it (else None)."""
         plan = self._plan(
             uid=None, netns_fd=None, fresh_netns=False, workdir=None, memory_mb=self.config["memory_mb"]
         )
-        if plan.native_spec is not None:
+        if plan.native_plan is None:
+            return None
+        started = ForkServer.start(self.sandbox, self.worker_pidfd, (self.channel, self.selector.fileno()))
+        if isinstance(started, bytes):  # in a call the server forked, isolated
+            self._enter_call(unpack(started))
+        self.selector.register(started.pidfd, selectors.EVENT_READ, self._on_fork_server_exit)
+        return started
+
+    def _on_fork_server_exit(self, pidfd: int, mask) -> None:
+        self._fork_server_lost("exited")
+
+    def _fork_server_lost(self, how: str) -> None:
+        """Without its fork server a worker cannot start calls: it exits, and the front end restarts it
+        (calls in flight are answered ``killed``)."""
+        os.write(2, f"sandbox worker {os.getpid()}: fork server {how}; exiting\n".encode())
+        os._exit(1)
+
+    def _describe_call_setup(self) -> str:
+        """How calls are forked and set up: "native" (the fork server, in C) or "python: <why>"."""
+        if self.fork_server is not None:
             return "native"
         if self.config["call_setup"] == "python":
             return "python: --call-setup python"
@@ -213,8 +236,8 @@ class Worker:
             self.slot_plans[slot] = plan
         return plan
 
-    def _spawn(self, plan: CallSandbox, entry, cpu_seconds: int, control_r: int | None = None) -> Child:
-        """Fork an isolated child that runs ``entry()``; returns its bookkeeping (pipes registered)."""
+    def _spawn(self, plan: CallSandbox, payload: list, cpu_seconds: int, control_r: int | None = None):
+        """Fork an isolated child that runs ``payload`` (``_enter_call``); returns its ``Child``."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         rec_r, rec_w = os.pipe()
@@ -222,13 +245,18 @@ class Worker:
         if control_r is not None:
             targets += (runner.CONTROL_FD, control_r)
         try:
-            pid = plan.fork(self.sandbox, targets, cpu_seconds)
+            if self.fork_server is not None and plan.native_plan is not None:
+                pid = self.fork_server.fork(plan, targets, cpu_seconds, pack(payload))
+            else:
+                pid = plan.fork(self.sandbox, targets, cpu_seconds)
+                if pid == 0:
+                    self._enter_call(payload)
+        except ConnectionError as error:
+            self._fork_server_lost(f"unreachable ({error})")
         except OSError:
             for fd in (out_r, out_w, err_r, err_w, rec_r, rec_w):
                 os.close(fd)
             raise
-        if pid == 0:
-            entry()
         for fd in (out_w, err_w, rec_w):
             os.close(fd)
         child = Child(
@@ -252,8 +280,8 @@ class Worker:
         code, stdin = message["code"], message["stdin"]
         call.fork_start = time.monotonic()
         try:
-            entry = functools.partial(runner.run_once, code, stdin, self.stdio, message["compiled"])
-            child = self._spawn(plan, entry, math.ceil(call.timeout) + 1)
+            payload = ["run", plan.workdir, code, stdin, message["compiled"]]
+            child = self._spawn(plan, payload, math.ceil(call.timeout) + 1)
         except OSError as error:  # e.g. EAGAIN: the host is out of processes
             self.free_slots.append(slot)
             _remove_workdir(workdir)
@@ -305,9 +333,8 @@ class Worker:
         )
         control_r, control_w = os.pipe()
         try:
-            child = self._spawn(
-                plan, runner.serve_session, self.config["session_cpu_seconds"], control_r=control_r
-            )
+            payload = ["session", plan.workdir]
+            child = self._spawn(plan, payload, self.config["session_cpu_seconds"], control_r=control_r)
         except OSError:
             os.close(control_w)
             _remove_workdir(workdir)
@@ -317,6 +344,15 @@ class Worker:
         child.session, child.control_fd, child.workdir = session, control_w, workdir
         self.sessions[session] = child
         return child
+
+    def _enter_call(self, payload: list) -> None:
+        """In a new call, once isolated: run what ``payload`` says. Never returns."""
+        kind, workdir = payload[0], payload[1]
+        if workdir != SANDBOX_TMP:  # degraded mode; the worker's environment is already scrubbed for /tmp
+            os.environ.update(HOME=workdir, TMPDIR=workdir)
+        if kind == "run":
+            runner.run_once(payload[2], payload[3], self.stdio, payload[4])
+        runner.serve_session()
 
     def _new_call(self, message: dict) -> Call:
         keep = self.config["max_output_bytes"]

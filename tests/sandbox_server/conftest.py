@@ -85,20 +85,21 @@ def processes_in_uid_range(lo: int, hi: int) -> list[int]:
     return found
 
 
-def children_of(parents: set[int], exclude_uids: range) -> list[int]:
+def children_of(parents: set[int], exclude_uids: range, exclude_pids: set[int]) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         ppid, uid = _proc_status_field(pid, "PPid"), _proc_status_field(pid, "Uid")
         if ppid is not None and int(ppid) in parents and uid is not None and int(uid) not in exclude_uids:
             found.append(int(pid))
-    return found
+    return [pid for pid in found if pid not in exclude_pids]
 
 
 def leftovers(url: str) -> dict:
     """Everything a finished call could have left behind, as seen from the host.
 
     * processes running under any of the server's per-call uids (session processes live on by design);
-    * children of the warm workers other than session processes (every call is a direct child of its worker);
+    * children of the warm workers other than session processes and fork servers (every call is a direct child
+      of its worker);
     * files in a worker's /tmp (its view, through /proc/<pid>/root) or in the host-side worker directories.
     """
     health = get(url, "/health")
@@ -111,7 +112,7 @@ def leftovers(url: str) -> dict:
         files[path] = os.listdir(path) if os.path.isdir(path) else ["<not a directory>"]
     return {
         "uid_processes": processes_in_uid_range(*health["uid_ranges"]["calls"]),
-        "worker_children": children_of(workers, sessions),
+        "worker_children": children_of(workers, sessions, {w["fork_server_pid"] for w in health["workers"]}),
         "files": {k: v for k, v in files.items() if v},
     }
 

@@ -1,7 +1,8 @@
-"""The compiled call set-up (``sandbox_server._spawn``), driven directly in this test process.
+"""The fork server (``sandbox_server._spawn``), driven directly: this test process plays the worker.
 
-The server-level checks that it isolates a call exactly as the Python steps do are in test_hostile.py
-(``test_both_call_setups_isolate_alike``); here: descriptors, limits, the failure report and bad specs.
+The server-level check that its calls are isolated exactly as the Python steps isolate them is
+``test_both_call_setups_isolate_alike`` in test_hostile.py; here: the request/reply protocol, what a call
+keeps, the failure report, bad requests, and the fork server's end.
 """
 
 from __future__ import annotations
@@ -9,83 +10,126 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 
 import pytest
 
 from sandbox_server import isolation
 
-spawn_module = pytest.importorskip(
-    "sandbox_server._spawn", reason="the C helper is not built (no compiler at install time)"
+native = pytest.importorskip(
+    "sandbox_server._spawn", reason="the extension is not built (no C compiler at install time)"
 )
 
 
-def _spec(workdir: bytes = b"/", limits=((resource.RLIMIT_NOFILE, 64),)) -> tuple:
-    # No namespaces, uid change or seccomp: what an unprivileged test process may do itself.
-    return (-1, -1, 0, -1, None, workdir, limits, -1, 0, isolation.WORKER_PIDFD, isolation.CHILD_FD_END)
+def _plan(workdir: str = "/", limits=((resource.RLIMIT_NOFILE, 64),)) -> isolation.CallSandbox:
+    """No namespaces, uid change or seccomp: what an unprivileged test process may do itself."""
+    sandbox = isolation.WorkerSandbox(isolation.Mechanisms(), [], None, None, None, None, None)
+    config = {"tmp_mb": 8, "file_size_mb": 1, "nproc": 64, "nofile": 64}
+    plan = isolation.CallSandbox.plan(
+        sandbox, config, uid=None, netns_fd=None, fresh_netns=False, workdir=workdir, memory_mb=1 << 20,
+        native=True,
+    )  # fmt: skip
+    return plan
 
 
-def _run(spec: tuple, child_body) -> tuple[int, str]:
-    """Spawn a child that runs ``child_body()`` after the set-up: its exit code and its fd 1/2 output."""
+def _call_body(payload: bytes) -> None:
+    """What a call forked by the test's fork server does: report its state on fd 1."""
+    state = {
+        "payload_size": len(payload),
+        "payload_ok": payload == bytes(range(256)) * (len(payload) // 256),
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "limits": [resource.getrlimit(r) for r in (resource.RLIMIT_NOFILE, resource.RLIMIT_CPU)],
+        "cwd": os.getcwd(),
+        "session_leader": os.getsid(0) == os.getpid(),
+        "parent_is_the_worker": os.getppid() == int(os.environ["SPAWN_TEST_WORKER"]),
+    }
+    os.write(1, json.dumps(state).encode())
+
+
+@pytest.fixture
+def fork_server():
+    """A fork server forked from this process; yields (worker_end, fork server pid)."""
+    os.environ["SPAWN_TEST_WORKER"] = str(os.getpid())
+    worker_end, server_end = native.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(worker_end)
+            payload = native.serve_forks(server_end)
+            if payload is not None:  # in a call
+                _call_body(payload)
+        finally:
+            os._exit(0)
+    os.close(server_end)
+    yield worker_end, pid
+    os.close(worker_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # it ends when the worker's end closes
+
+
+def _fork(worker_end: int, plan: isolation.CallSandbox, payload: bytes) -> tuple[int, str]:
+    """Request a call that reports on a pipe; its exit code and everything it wrote."""
+    server = isolation.ForkServer.__new__(isolation.ForkServer)  # no process of its own: the fixture's
+    server.sock = worker_end
     read_end, write_end = os.pipe()
     pidfd = os.pidfd_open(os.getpid())
     try:
-        pid = spawn_module.spawn(spec, (1, write_end, 2, write_end, isolation.WORKER_PIDFD, pidfd), 7)
-        if pid == 0:
-            try:
-                child_body()
-            finally:
-                os._exit(0)
+        targets = (1, write_end, 2, write_end, isolation.WORKER_PIDFD, pidfd)
+        pid = server.fork(plan, targets, 7, payload)
     finally:
         os.close(write_end)
         os.close(pidfd)
     with os.fdopen(read_end, "rb") as pipe:
         output = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)  # CLONE_PARENT: the call is this process's child, not the server's
     return os.waitstatus_to_exitcode(status), output
 
 
-def test_child_keeps_only_its_descriptors_under_its_limits():
-    def report():
-        state = {
-            "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
-            "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
-            "cpu": resource.getrlimit(resource.RLIMIT_CPU),
-            "cwd": os.getcwd(),
-            "session_leader": os.getsid(0) == os.getpid(),
-        }
-        os.write(1, json.dumps(state).encode())
-
-    code, output = _run(_spec(), report)
-    assert code == 0, output
-    state = json.loads(output)
-    # 0-2 and the one listdir opens (the lowest free); the worker pidfd is closed by the set-up.
-    assert state["fds"] == [0, 1, 2, 3]
-    assert state["nofile"] == [64, 64] and state["cpu"] == [7, 7]
-    assert state["cwd"] == "/" and state["session_leader"]
+def test_call_is_the_workers_child_with_only_its_descriptors_and_limits(fork_server):
+    worker_end, _ = fork_server
+    for size in (0, 256 * 40_000):  # the payload goes through a memfd, whatever its size
+        code, output = _fork(worker_end, _plan(), bytes(range(256)) * (size // 256))
+        assert code == 0, output
+        state = json.loads(output)
+        assert state["payload_size"] == size and state["payload_ok"]
+        assert state["fds"] == [0, 1, 2, 3]  # 3: the one listdir opens; the worker pidfd was closed
+        assert state["limits"] == [[64, 64], [7, 7]]
+        assert state["cwd"] == "/" and state["session_leader"] and state["parent_is_the_worker"]
 
 
-def test_failed_step_is_reported_on_the_calls_stderr():
-    code, output = _run(_spec(workdir=b"/no/such/dir"), lambda: print("ran anyway"))
+def test_failed_step_is_reported_on_the_calls_stderr(fork_server):
+    worker_end, _ = fork_server
+    code, output = _fork(worker_end, _plan(workdir="/no/such/dir"), b"")
     assert code == isolation.SETUP_FAILED_EXIT
     assert output == f"{isolation.SETUP_FAILED_MESSAGE} OSError: chdir: No such file or directory\n"
+    assert _fork(worker_end, _plan(), b"")[0] == 0  # the server goes on
 
 
-@pytest.mark.parametrize(
-    "spec, targets, error",
-    [
-        ((1, 2), (1, 1), TypeError),  # too short a spec
-        (_spec(limits=((1,),)), (1, 1), TypeError),  # a limit without its value
-        (_spec(), (1,), ValueError),  # targets not in pairs
-        (_spec(), (9, 1), ValueError),  # a target at or above CHILD_FD_END
-        (_spec(), [1, 1], ValueError),  # not a tuple
-    ],
-)
-def test_bad_specs_are_refused_before_forking(spec, targets, error):
-    children_before = _child_count()
-    with pytest.raises(error):
-        spawn_module.spawn(spec, targets, 1)
-    assert _child_count() == children_before
+def test_bad_requests_are_refused_without_forking(fork_server):
+    worker_end, _ = fork_server
+    with pytest.raises(ValueError, match="packed FORK_REQUEST"):
+        native.request_fork(worker_end, b"short", (1,), b"")
+    plan = _plan()
+    bad_target = plan.native_plan + isolation.REQUEST_TAIL.pack(1, 1, 9, *[0] * 7, 0)  # 9 >= CHILD_FD_END
+    children = _child_count()
+    with pytest.raises(OSError) as error:
+        native.request_fork(worker_end, bad_target, (1,), b"")
+    assert error.value.errno == 22 and not isinstance(error.value, ConnectionError)
+    assert _child_count() == children
+    assert _fork(worker_end, plan, b"")[0] == 0
+
+
+def test_a_gone_fork_server_is_a_connection_error():
+    worker_end, server_end = native.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # a fork server that ends at once
+    os.close(server_end)
+    os.waitpid(pid, 0)
+    try:
+        with pytest.raises(ConnectionError):
+            _fork(worker_end, _plan(), b"")
+    finally:
+        os.close(worker_end)
 
 
 def _child_count() -> int:
@@ -93,11 +137,14 @@ def _child_count() -> int:
         return len(f.read().split())
 
 
-def test_plan_uses_the_helper_unless_told_not_to():
+def test_plan_is_packed_unless_python_is_asked_for_or_it_does_not_fit():
     sandbox = isolation.WorkerSandbox(isolation.Mechanisms(), [], None, None, None, None, None)
     config = {"tmp_mb": 8, "file_size_mb": 1, "nproc": 4, "nofile": 32}
     common = dict(uid=None, netns_fd=None, fresh_netns=False, workdir=None, memory_mb=64)
-    native = isolation.CallSandbox.plan(sandbox, config, native=True, **common)
-    assert native.native_spec is not None and native.native_spec[5] == b"/tmp"
-    assert isolation.CallSandbox.plan(sandbox, config, native=False, **common).native_spec is None
-    assert sys.platform.startswith("linux")
+    packed = isolation.CallSandbox.plan(sandbox, config, native=True, **common).native_plan
+    assert len(packed) == isolation.WIRE_PLAN.size and isolation.WIRE_PLAN.unpack(packed)[-1].rstrip(
+        b"\0"
+    ) == b"/tmp"
+    assert isolation.CallSandbox.plan(sandbox, config, native=False, **common).native_plan is None
+    too_long = dict(common, workdir="/" + "d" * isolation.WORKDIR_SIZE)  # left to the Python steps
+    assert isolation.CallSandbox.plan(sandbox, config, native=True, **too_long).native_plan is None

@@ -11,6 +11,7 @@ import pytest
 from sandbox_server import schema
 from sandbox_server.config import ServerConfig, build_arg_parser, choose_tier
 from sandbox_server.framing import encode_frame, split_frames
+from sandbox_server.metrics import Metrics
 from sandbox_server.output import StreamCapture
 from sandbox_server.runner import encode_record, execute, precompile
 from sandbox_server.worker import _take_record
@@ -244,3 +245,16 @@ def test_precompile_leaves_long_or_invalid_cells_to_the_call():
     assert precompile("x = 1", max_chars=0) is None
     assert precompile("x = '\0'\0", max_chars=100) is None  # a NUL byte: ValueError, not SyntaxError
     assert precompile("a" + "[0]" * 20000, max_chars=10**6) is None  # RecursionError
+
+
+@pytest.mark.parametrize("exec_start", [5.0, 3.5])  # after the fork reply, or before it (fork server)
+def test_phases_are_nonnegative_and_add_up_to_the_latency(exec_start):
+    metrics = Metrics()
+    stamps = dict(
+        admitted=0.0, dispatched=1.0, received=1.5, fork_start=2.0, fork_end=4.0, exec_start=exec_start,
+        exec_end=6.0, exit_seen=7.0, returned=8.0,
+    )  # fmt: skip
+    metrics.observe_call("ok", 8.0, stamps)
+    phases = metrics.snapshot()["phase_seconds_total"]
+    assert all(seconds >= 0 for seconds in phases.values()) and sum(phases.values()) == 8.0
+    assert phases["fork"] + phases["child_setup"] == exec_start - 2.0
