@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -31,8 +33,13 @@ def _plan(workdir: str = "/", limits=((resource.RLIMIT_NOFILE, 64),)) -> isolati
     return plan
 
 
-def _call_body(payload: bytes) -> None:
-    """What a call forked by the test's fork server does: report its state on fd 1."""
+# The fork server: a fresh interpreter (this test process may have threads, which a fork would not carry),
+# so the calls it clones with CLONE_PARENT are this process's children. Each reports its state on fd 1.
+FORK_SERVER = """
+import json, os, resource, sys
+from sandbox_server import _spawn
+payload = _spawn.serve_forks(int(sys.argv[1]))
+if payload is not None:  # in a call
     state = {
         "payload_size": len(payload),
         "payload_ok": payload == bytes(range(256)) * (len(payload) // 256),
@@ -40,36 +47,30 @@ def _call_body(payload: bytes) -> None:
         "limits": [resource.getrlimit(r) for r in (resource.RLIMIT_NOFILE, resource.RLIMIT_CPU)],
         "cwd": os.getcwd(),
         "session_leader": os.getsid(0) == os.getpid(),
-        "parent_is_the_worker": os.getppid() == int(os.environ["SPAWN_TEST_WORKER"]),
+        "parent": os.getppid(),
     }
     os.write(1, json.dumps(state).encode())
+"""
+
+
+def _start_fork_server(script: str = FORK_SERVER) -> tuple[isolation.ForkServer, subprocess.Popen]:
+    worker_end, server_end = native.socketpair()
+    process = subprocess.Popen([sys.executable, "-c", script, str(server_end)], pass_fds=[server_end])
+    os.close(server_end)
+    return isolation.ForkServer(worker_end, process.pid), process
 
 
 @pytest.fixture
 def fork_server():
-    """A fork server forked from this process; yields (worker_end, fork server pid)."""
-    os.environ["SPAWN_TEST_WORKER"] = str(os.getpid())
-    worker_end, server_end = native.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(worker_end)
-            payload = native.serve_forks(server_end)
-            if payload is not None:  # in a call
-                _call_body(payload)
-        finally:
-            os._exit(0)
-    os.close(server_end)
-    yield worker_end, pid
-    os.close(worker_end)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0  # it ends when the worker's end closes
+    server, process = _start_fork_server()
+    yield server
+    os.close(server.sock)
+    assert process.wait(timeout=30) == 0  # it ends when the worker's end closes
+    os.close(server.pidfd)
 
 
-def _fork(worker_end: int, plan: isolation.CallSandbox, payload: bytes) -> tuple[int, str]:
+def _fork(server: isolation.ForkServer, plan: isolation.CallSandbox, payload: bytes) -> tuple[int, str]:
     """Request a call that reports on a pipe; its exit code and everything it wrote."""
-    server = isolation.ForkServer.__new__(isolation.ForkServer)  # no process of its own: the fixture's
-    server.sock = worker_end
     read_end, write_end = os.pipe()
     pidfd = os.pidfd_open(os.getpid())
     try:
@@ -85,51 +86,45 @@ def _fork(worker_end: int, plan: isolation.CallSandbox, payload: bytes) -> tuple
 
 
 def test_call_is_the_workers_child_with_only_its_descriptors_and_limits(fork_server):
-    worker_end, _ = fork_server
     for size in (0, 256 * 40_000):  # the payload goes through a memfd, whatever its size
-        code, output = _fork(worker_end, _plan(), bytes(range(256)) * (size // 256))
+        code, output = _fork(fork_server, _plan(), bytes(range(256)) * (size // 256))
         assert code == 0, output
         state = json.loads(output)
         assert state["payload_size"] == size and state["payload_ok"]
         assert state["fds"] == [0, 1, 2, 3]  # 3: the one listdir opens; the worker pidfd was closed
         assert state["limits"] == [[64, 64], [7, 7]]
-        assert state["cwd"] == "/" and state["session_leader"] and state["parent_is_the_worker"]
+        assert state["cwd"] == "/" and state["session_leader"] and state["parent"] == os.getpid()
 
 
 def test_failed_step_is_reported_on_the_calls_stderr(fork_server):
-    worker_end, _ = fork_server
-    code, output = _fork(worker_end, _plan(workdir="/no/such/dir"), b"")
+    code, output = _fork(fork_server, _plan(workdir="/no/such/dir"), b"")
     assert code == isolation.SETUP_FAILED_EXIT
     assert output == f"{isolation.SETUP_FAILED_MESSAGE} OSError: chdir: No such file or directory\n"
-    assert _fork(worker_end, _plan(), b"")[0] == 0  # the server goes on
+    assert _fork(fork_server, _plan(), b"")[0] == 0  # the server goes on
 
 
 def test_bad_requests_are_refused_without_forking(fork_server):
-    worker_end, _ = fork_server
     with pytest.raises(ValueError, match="packed FORK_REQUEST"):
-        native.request_fork(worker_end, b"short", (1,), b"")
+        native.request_fork(fork_server.sock, b"short", (1,), b"")
     plan = _plan()
     bad_target = plan.native_plan + isolation.REQUEST_TAIL.pack(1, 1, 9, *[0] * 7, 0)  # 9 >= CHILD_FD_END
     children = _child_count()
     with pytest.raises(OSError) as error:
-        native.request_fork(worker_end, bad_target, (1,), b"")
+        native.request_fork(fork_server.sock, bad_target, (1,), b"")
     assert error.value.errno == 22 and not isinstance(error.value, ConnectionError)
     assert _child_count() == children
-    assert _fork(worker_end, plan, b"")[0] == 0
+    assert _fork(fork_server, plan, b"")[0] == 0
 
 
 def test_a_gone_fork_server_is_a_connection_error():
-    worker_end, server_end = native.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)  # a fork server that ends at once
-    os.close(server_end)
-    os.waitpid(pid, 0)
+    server, process = _start_fork_server("pass")  # a fork server that ends at once
+    process.wait(timeout=30)
     try:
         with pytest.raises(ConnectionError):
-            _fork(worker_end, _plan(), b"")
+            _fork(server, _plan(), b"")
     finally:
-        os.close(worker_end)
+        os.close(server.sock)
+        os.close(server.pidfd)
 
 
 def _child_count() -> int:
