@@ -1,10 +1,13 @@
-"""A warm worker: pre-imports its tier's modules, isolates itself once, then forks one child per call.
+"""A warm worker: pre-imports its tier's modules, isolates itself once, then runs one child per call.
 
 Started by the front end as ``python -m sandbox_server.worker``; talks to it over an inherited socketpair
-with length-prefixed msgpack frames. The worker is single-threaded (forking a threaded process is unsafe)
-and never blocks: one ``selectors`` loop watches the socket, every child's output pipes and its pidfd,
-and the nearest deadline. Output is read as it is produced into head/tail captures, so a call writing
-100 MB costs the worker O(max_output_bytes) memory and is killed at ``output_limit_bytes``.
+with length-prefixed msgpack frames. Its calls are forked by its fork server (``isolation.ForkServer``, a
+copy of the warm worker made once) or, without the C extension, by the worker itself; either way each call
+is the worker's child. The worker is single-threaded (forking a threaded process is unsafe) and never
+blocks on a call (only on the fork server's reply): one ``selectors`` loop watches the socket, every
+child's output pipes and its pidfd, the fork server's pidfd, and the nearest deadline. Output is read as
+it is produced into head/tail captures, so a call writing 100 MB costs the worker O(max_output_bytes)
+memory and is killed at ``output_limit_bytes``.
 
 Frames in:  {"op": "run", "id", "code", "compiled", "stdin", "timeout"}  (compiled: runner.precompile or None)
             {"op": "session_run", "id", "session", "uid", "create", "code", "stdin", "timeout"}
