@@ -125,12 +125,17 @@ static void close_from(int first) {
     for (long fd = first; fd < last; fd++) close((int)fd);
 }
 
+/* The call's stderr before the targets are in place: the source of target 2 (else the inherited fd 2). */
+static int stderr_source(const struct fork_request *request, const int *sources) {
+    for (int i = 0; i < request->n_targets; i++)
+        if (request->target[i] == 2) return sources[i];
+    return 2;
+}
+
 /* In the new call, still root: isolate it. ``sources[i]`` becomes descriptor ``request->target[i]``. */
 static void set_up_call(const struct fork_request *request, const int *sources) {
     const struct wire_plan *plan = &request->plan;
-    int err = 2; /* the call's stderr: its source descriptor until the targets are in place */
-    for (int i = 0; i < request->n_targets; i++)
-        if (request->target[i] == 2) err = sources[i];
+    int err = stderr_source(request, sources);
 
     if (setsid() < 0) fail(err, "setsid");
     if (plan->unshare_flags && unshare(plan->unshare_flags) != 0) fail(err, "unshare");
@@ -195,6 +200,7 @@ static pid_t clone_call(int new_pid_namespace) {
 #endif
 }
 
+/* The request's payload from its memfd; NULL with errno set if it cannot be read. */
 static PyObject *read_payload(int fd, int64_t size) {
     PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
     if (payload == NULL) return NULL;
@@ -202,9 +208,10 @@ static PyObject *read_payload(int fd, int64_t size) {
     for (int64_t done = 0; done < size;) {
         ssize_t n = pread(fd, data + done, (size_t)(size - done), (off_t)done);
         if (n <= 0) {
+            int error = n == 0 ? EIO : errno; /* the caller reports errno; no Python error is raised */
             Py_DECREF(payload);
-            errno = n == 0 ? EIO : errno;
-            return PyErr_SetFromErrno(PyExc_OSError);
+            errno = error;
+            return NULL;
         }
         done += n;
     }
@@ -253,10 +260,7 @@ static PyObject *serve_forks(PyObject *module, PyObject *args) {
                 PyOS_AfterFork_Child();
                 int payload_fd = fds[request.n_targets];
                 PyObject *payload = read_payload(payload_fd, request.payload_size);
-                if (payload == NULL) {
-                    errno = EIO;
-                    fail(fds[0], "reading the request");
-                }
+                if (payload == NULL) fail(stderr_source(&request, fds), "reading the request");
                 set_up_call(&request, fds);
                 return payload;
             }
