@@ -4,8 +4,9 @@ import sys
 
 from setuptools import Extension, find_packages, setup
 
-# sandbox_server's per-call isolation in C (Linux only). Optional: without a compiler the build goes on and
-# the server does the same steps in Python (sandbox_server.isolation), ~15% slower per trivial call.
+# sandbox_server's fork server, which forks and isolates each call in C (Linux only). Optional: without a
+# compiler the build goes on and the workers do the same in Python (sandbox_server.isolation), ~20% slower
+# per trivial call.
 native = [Extension("sandbox_server._spawn", ["sandbox_server/_spawn.c"], optional=True)]
 
 setup(

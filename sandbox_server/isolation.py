@@ -388,7 +388,7 @@ class CallSandbox:
         workdir = workdir or SANDBOX_TMP
         native_plan = None
         fits = len(tmpfs_options or b"") < TMPFS_OPTIONS_SIZE and len(os.fsencode(workdir)) < WORKDIR_SIZE
-        if native and native_spawn is not None and fits and not (tmpfs_options and PYTHON_UNDER_TMP):
+        if native and fits:  # native: fork_server_unavailable() said None
             native_plan = WIRE_PLAN.pack(
                 flags,
                 sandbox.own_pidns_fd is not None,
@@ -423,11 +423,10 @@ class CallSandbox:
         try:
             self._enter_namespaces()
             # Lift every source above the targets first, so no dup2 can clobber a source still needed.
-            pairs = [(targets[i], targets[i + 1]) for i in range(0, len(targets), 2)]
-            lifted = [(target, fcntl.fcntl(source, fcntl.F_DUPFD, CHILD_FD_END)) for target, source in pairs]
-            for target, source in lifted:
+            kept, sources = targets[::2], targets[1::2]
+            lifted = [fcntl.fcntl(source, fcntl.F_DUPFD, CHILD_FD_END) for source in sources]
+            for target, source in zip(kept, lifted, strict=True):
                 os.dup2(source, target)
-            kept = targets[::2]
             for fd in range(3, CHILD_FD_END):
                 if fd not in kept:
                     _close_quietly(fd)
@@ -476,6 +475,17 @@ class CallSandbox:
         os.close(WORKER_PIDFD)
         if worker_gone:
             os._exit(0)
+
+
+def fork_server_unavailable(sandbox: WorkerSandbox, call_setup: str) -> str | None:
+    """Why this worker's calls cannot be forked and set up in C (``ForkServer``); None when they can."""
+    if call_setup == "python":
+        return "--call-setup python"
+    if native_spawn is None:
+        return NATIVE_UNAVAILABLE
+    if PYTHON_UNDER_TMP and "private_tmpfs" in sandbox.mechanisms:
+        return "a Python installed under /tmp needs its bind mounts"
+    return None
 
 
 def _or(value, default):

@@ -14,7 +14,6 @@ LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 1000
 #   child_setup  fork returned -> user code starts (namespaces, tmpfs, rlimits, uid, stdio); a call forked
 #                by the fork server may start before the worker has the reply, so the boundary between
 #                these two is the earlier of the two stamps
-
 #   execution    the user code itself
 #   exit_reap    code finished -> the worker has reaped the child and drained its pipes
 #   to_frontend  worker reaped -> the front end has the result

@@ -61,7 +61,7 @@ class WorkerProcess:
         self.ready = False
         self.pid: int | None = None
         self.mechanisms: dict = {}
-        self.call_setup: str | None = None  # "native" or "python: <why>" (worker.Worker._describe_call_setup)
+        self.call_setup: str | None = None  # "native" (a fork server) or "python: <why>" (the worker forks)
         self.fork_server_pid: int | None = None
         self.generation = 0
 

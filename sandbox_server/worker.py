@@ -40,7 +40,6 @@ from sandbox_server import linux, runner  # noqa: E402
 from sandbox_server.config import TIER_PRELOAD, TIER_WARMUP  # noqa: E402
 from sandbox_server.framing import encode_frame, pack, split_frames, unpack  # noqa: E402
 from sandbox_server.isolation import (  # noqa: E402
-    NATIVE_UNAVAILABLE,
     SANDBOX_TMP,
     SETUP_FAILED_EXIT,
     SETUP_FAILED_MESSAGE,
@@ -48,6 +47,7 @@ from sandbox_server.isolation import (  # noqa: E402
     CallSandbox,
     ForkServer,
     WorkerSandbox,
+    fork_server_unavailable,
 )
 from sandbox_server.output import StreamCapture  # noqa: E402
 
@@ -106,6 +106,7 @@ class Worker:
         self.worker_pidfd = os.pidfd_open(os.getpid())
         self.oom_kills_seen = sandbox.oom_kills()
         self.slot_plans: dict[int, CallSandbox] = {}
+        self.native_unavailable = fork_server_unavailable(sandbox, config["call_setup"])  # None: fork server
         os.set_blocking(channel, False)
         self.selector.register(channel, selectors.EVENT_READ, self._on_channel)
 
@@ -119,7 +120,7 @@ class Worker:
                 "pid": os.getpid(),
                 "tier": self.tier,
                 "mechanisms": mechanisms,
-                "call_setup": self._describe_call_setup(),
+                "call_setup": "native" if self.fork_server else f"python: {self.native_unavailable}",
                 "fork_server_pid": self.fork_server.pid if self.fork_server else None,
             }
         )
@@ -131,10 +132,7 @@ class Worker:
 
     def _start_fork_server(self) -> ForkServer | None:
         """The fork server, where the extension is built and the configuration allows it (else None)."""
-        plan = self._plan(
-            uid=None, netns_fd=None, fresh_netns=False, workdir=None, memory_mb=self.config["memory_mb"]
-        )
-        if plan.native_plan is None:
+        if self.native_unavailable is not None:
             return None
         started = ForkServer.start(self.sandbox, self.worker_pidfd, (self.channel, self.selector.fileno()))
         if isinstance(started, bytes):  # in a call the server forked, isolated
@@ -150,14 +148,6 @@ class Worker:
         (calls in flight are answered ``killed``)."""
         os.write(2, f"sandbox worker {os.getpid()}: fork server {how}; exiting\n".encode())
         os._exit(1)
-
-    def _describe_call_setup(self) -> str:
-        """How calls are forked and set up: "native" (the fork server, in C) or "python: <why>"."""
-        if self.fork_server is not None:
-            return "native"
-        if self.config["call_setup"] == "python":
-            return "python: --call-setup python"
-        return f"python: {NATIVE_UNAVAILABLE or 'a Python installed under /tmp needs its bind mounts'}"
 
     def _send(self, message: dict) -> None:
         self.outbox += encode_frame(message)
@@ -223,7 +213,7 @@ class Worker:
             fresh_netns=fresh_netns,
             workdir=workdir,
             memory_mb=memory_mb,
-            native=self.config["call_setup"] == "auto",
+            native=self.native_unavailable is None,
         )
 
     def _slot_plan(self, slot: int, workdir: str | None) -> CallSandbox:
@@ -355,7 +345,8 @@ class Worker:
             os.environ.update(HOME=workdir, TMPDIR=workdir)
         if kind == "run":
             runner.run_once(payload[2], payload[3], self.stdio, payload[4])
-        runner.serve_session()
+        else:
+            runner.serve_session()
 
     def _new_call(self, message: dict) -> Call:
         keep = self.config["max_output_bytes"]

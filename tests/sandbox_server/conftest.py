@@ -90,8 +90,9 @@ def children_of(parents: set[int], exclude_uids: range, exclude_pids: set[int]) 
     for pid in filter(str.isdigit, os.listdir("/proc")):
         ppid, uid = _proc_status_field(pid, "PPid"), _proc_status_field(pid, "Uid")
         if ppid is not None and int(ppid) in parents and uid is not None and int(uid) not in exclude_uids:
-            found.append(int(pid))
-    return [pid for pid in found if pid not in exclude_pids]
+            if int(pid) not in exclude_pids:
+                found.append(int(pid))
+    return found
 
 
 def leftovers(url: str) -> dict:

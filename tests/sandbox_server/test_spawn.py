@@ -9,26 +9,26 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 
 import pytest
 
 from sandbox_server import isolation
+from tests.sandbox_server.conftest import children_of
 
 native = pytest.importorskip(
     "sandbox_server._spawn", reason="the extension is not built (no C compiler at install time)"
 )
 
 
-def _plan(workdir: str = "/", limits=((resource.RLIMIT_NOFILE, 64),)) -> isolation.CallSandbox:
+def _plan(workdir: str | None = "/", native: bool = True) -> isolation.CallSandbox:
     """No namespaces, uid change or seccomp: what an unprivileged test process may do itself."""
     sandbox = isolation.WorkerSandbox(isolation.Mechanisms(), [], None, None, None, None, None)
     config = {"tmp_mb": 8, "file_size_mb": 1, "nproc": 64, "nofile": 64}
     plan = isolation.CallSandbox.plan(
         sandbox, config, uid=None, netns_fd=None, fresh_netns=False, workdir=workdir, memory_mb=1 << 20,
-        native=True,
+        native=native,
     )  # fmt: skip
     return plan
 
@@ -85,6 +85,10 @@ def _fork(server: isolation.ForkServer, plan: isolation.CallSandbox, payload: by
     return os.waitstatus_to_exitcode(status), output
 
 
+def _children() -> list[int]:
+    return children_of({os.getpid()}, exclude_uids=range(0), exclude_pids=set())
+
+
 def test_call_is_the_workers_child_with_only_its_descriptors_and_limits(fork_server):
     for size in (0, 256 * 40_000):  # the payload goes through a memfd, whatever its size
         code, output = _fork(fork_server, _plan(), bytes(range(256)) * (size // 256))
@@ -108,11 +112,11 @@ def test_bad_requests_are_refused_without_forking(fork_server):
         native.request_fork(fork_server.sock, b"short", (1,), b"")
     plan = _plan()
     bad_target = plan.native_plan + isolation.REQUEST_TAIL.pack(1, 1, 9, *[0] * 7, 0)  # 9 >= CHILD_FD_END
-    children = _child_count()
+    children = _children()
     with pytest.raises(OSError) as error:
         native.request_fork(fork_server.sock, bad_target, (1,), b"")
     assert error.value.errno == 22 and not isinstance(error.value, ConnectionError)
-    assert _child_count() == children
+    assert _children() == children
     assert _fork(fork_server, plan, b"")[0] == 0
 
 
@@ -127,19 +131,9 @@ def test_a_gone_fork_server_is_a_connection_error():
         os.close(server.pidfd)
 
 
-def _child_count() -> int:
-    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-        return len(f.read().split())
-
-
 def test_plan_is_packed_unless_python_is_asked_for_or_it_does_not_fit():
-    sandbox = isolation.WorkerSandbox(isolation.Mechanisms(), [], None, None, None, None, None)
-    config = {"tmp_mb": 8, "file_size_mb": 1, "nproc": 4, "nofile": 32}
-    common = dict(uid=None, netns_fd=None, fresh_netns=False, workdir=None, memory_mb=64)
-    packed = isolation.CallSandbox.plan(sandbox, config, native=True, **common).native_plan
-    assert len(packed) == isolation.WIRE_PLAN.size and isolation.WIRE_PLAN.unpack(packed)[-1].rstrip(
-        b"\0"
-    ) == b"/tmp"
-    assert isolation.CallSandbox.plan(sandbox, config, native=False, **common).native_plan is None
-    too_long = dict(common, workdir="/" + "d" * isolation.WORKDIR_SIZE)  # left to the Python steps
-    assert isolation.CallSandbox.plan(sandbox, config, native=True, **too_long).native_plan is None
+    packed = _plan(workdir=None).native_plan
+    assert len(packed) == isolation.WIRE_PLAN.size
+    assert isolation.WIRE_PLAN.unpack(packed)[-1].rstrip(b"\0") == b"/tmp"
+    assert _plan(workdir=None, native=False).native_plan is None
+    assert _plan(workdir="/" + "d" * isolation.WORKDIR_SIZE).native_plan is None  # left to the Python steps
