@@ -63,6 +63,7 @@ class WorkerProcess:
         self.mechanisms: dict = {}
         self.call_setup: str | None = None  # "native" (a fork server) or "python: <why>" (the worker forks)
         self.fork_server_pid: int | None = None
+        self.huge_page_mib = 0  # of the warm heap the fork server forks from
         self.generation = 0
 
     async def start(self) -> None:
@@ -97,7 +98,8 @@ class WorkerProcess:
             await self._reap()
             raise RuntimeError(f"worker {self.name} did not start: {error!r}") from error
         self.pid, self.mechanisms, self.call_setup = hello["pid"], hello["mechanisms"], hello["call_setup"]
-        self.fork_server_pid, self.ready = hello["fork_server_pid"], True
+        self.fork_server_pid, self.huge_page_mib = hello["fork_server_pid"], hello["huge_page_mib"]
+        self.ready = True
         self.pool.spawn_background(self._read_results(reader))
 
     def send(self, message: dict) -> asyncio.Future:
@@ -439,6 +441,7 @@ class Pool:
                 "inflight": len(p.pending),
                 "call_setup": p.call_setup,
                 "fork_server_pid": p.fork_server_pid,
+                "huge_page_mib": p.huge_page_mib,
             }
             for p in self.processes()
         ]

@@ -12,7 +12,7 @@ memory and is killed at ``output_limit_bytes``.
 Frames in:  {"op": "run", "id", "code", "compiled", "stdin", "timeout"}  (compiled: runner.precompile or None)
             {"op": "session_run", "id", "session", "uid", "create", "code", "stdin", "timeout"}
             {"op": "session_close", "session"}
-Frames out: {"op": "ready", "pid", "tier", "mechanisms", "call_setup", "fork_server_pid"}
+Frames out: {"op": "ready", "pid", "tier", "mechanisms", "call_setup", "fork_server_pid", "huge_page_mib"}
             {"op": "result", "id", result fields..., "timings": {...}, "session_ended": reason | None}
 ``timings`` holds CLOCK_MONOTONIC stamps (comparable across processes) plus the call's CPU time and page
 faults; the front end turns them into the phase breakdown of /metrics.
@@ -20,21 +20,28 @@ faults; the front end turns them into the phase breakdown of /metrics.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import gc
-import heapq
-import importlib
-import json
-import math
 import os
-import selectors
-import signal
-import sys
-import time
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"  # must precede numpy's import: the worker has to stay single-threaded
+try:  # before the other imports: arenas made from here on can be mapped by huge pages (see _spawn.c)
+    from sandbox_server import _spawn
+
+    _spawn.use_huge_page_arenas()
+except ImportError:  # no C extension: no fork server either
+    pass
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import heapq  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import selectors  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 from sandbox_server import linux, runner  # noqa: E402
 from sandbox_server.config import TIER_PRELOAD, TIER_WARMUP  # noqa: E402
@@ -107,6 +114,7 @@ class Worker:
         self.oom_kills_seen = sandbox.oom_kills()
         self.slot_plans: dict[int, CallSandbox] = {}
         self.native_unavailable = fork_server_unavailable(sandbox, config["call_setup"])  # None: fork server
+        self.huge_page_bytes = 0  # of the warm heap, as the fork server started (ForkServer.collapse_heap)
         os.set_blocking(channel, False)
         self.selector.register(channel, selectors.EVENT_READ, self._on_channel)
 
@@ -122,6 +130,7 @@ class Worker:
                 "mechanisms": mechanisms,
                 "call_setup": "native" if self.fork_server else f"python: {self.native_unavailable}",
                 "fork_server_pid": self.fork_server.pid if self.fork_server else None,
+                "huge_page_mib": self.huge_page_bytes >> 20,
             }
         )
         while True:
@@ -134,6 +143,7 @@ class Worker:
         """The fork server, where the extension is built and the configuration allows it (else None)."""
         if self.native_unavailable is not None:
             return None
+        self.huge_page_bytes = ForkServer.collapse_heap()
         started = ForkServer.start(self.sandbox, self.worker_pidfd, (self.channel, self.selector.fileno()))
         if isinstance(started, bytes):  # in a call the server forked, isolated
             self._enter_call(unpack(started))

@@ -85,6 +85,17 @@ def processes_in_uid_range(lo: int, hi: int) -> list[int]:
     return found
 
 
+def collapse_expected() -> bool:
+    """MADV_COLLAPSE exists (Linux 6.1+) and transparent huge pages are not switched off."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return False
+    except OSError:
+        return False
+    return tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) >= (6, 1)
+
+
 def children_of(parents: set[int], exclude_uids: range, exclude_pids: set[int]) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -2,7 +2,8 @@
 
 The server-level check that its calls are isolated exactly as the Python steps isolate them is
 ``test_both_call_setups_isolate_alike`` in test_hostile.py; here: the request/reply protocol, what a call
-keeps, the failure report, bad requests, and the fork server's end.
+keeps, the failure report, bad requests, and the fork server's end; and the huge-page arenas of the warm
+heap it forks from.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import pytest
 
 from sandbox_server import isolation
-from tests.sandbox_server.conftest import children_of
+from tests.sandbox_server.conftest import children_of, collapse_expected
 
 native = pytest.importorskip(
     "sandbox_server._spawn", reason="the extension is not built (no C compiler at install time)"
@@ -137,3 +138,43 @@ def test_plan_is_packed_unless_python_is_asked_for_or_it_does_not_fit():
     assert isolation.WIRE_PLAN.unpack(packed)[-1].rstrip(b"\0") == b"/tmp"
     assert _plan(workdir=None, native=False).native_plan is None
     assert _plan(workdir="/" + "d" * isolation.WORKDIR_SIZE).native_plan is None  # left to the Python steps
+
+
+HUGE_PAGE_ARENAS = """
+import json, os
+from sandbox_server import _spawn
+_spawn.use_huge_page_arenas()
+CHUNK = 2 << 20
+def private_anonymous():
+    found = {}
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) == 5 and fields[1] == "rw-p":
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            found[low] = high
+    return found
+objects = [[i] for i in range(300_000)]  # ~30 MB of small objects: new arenas
+chunks = {low for low, high in private_anonymous().items() if low % CHUNK == 0 and high - low == CHUNK}
+sample = objects[::1000]
+in_chunks = sum(any(low <= id(o) < low + CHUNK for low in chunks) for o in sample)
+collapsed = _spawn.collapse_huge_pages()
+huge = next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages:"))
+intact = all(o == [i] for i, o in enumerate(objects))
+del objects, sample
+left = len(chunks & set(private_anonymous()))
+print(json.dumps({"chunks": len(chunks), "in_chunks": in_chunks, "sampled": 300, "collapsed": collapsed,
+                  "huge": huge * 1024, "intact": intact, "left": left}))
+"""
+
+
+def test_huge_page_arenas_place_collapse_and_release_the_heap():
+    run = subprocess.run([sys.executable, "-c", HUGE_PAGE_ARENAS], capture_output=True, text=True, check=True)
+    figures = json.loads(run.stdout)
+    assert figures["chunks"] >= 10, figures  # arenas made after the call sit in 2 MiB-aligned chunks
+    assert figures["in_chunks"] >= 0.9 * figures["sampled"], figures
+    assert figures["intact"], figures
+    assert figures["collapsed"] % (2 << 20) == 0, figures
+    if collapse_expected():
+        assert figures["collapsed"] >= 10 * (2 << 20), figures
+        assert figures["huge"] >= figures["collapsed"], figures  # nothing forked: no window split since
+    assert figures["left"] <= figures["chunks"] // 4, figures  # freed arenas give their chunks back
