@@ -83,6 +83,9 @@ class WorkerProcess:
         env = {name: os.environ[name] for name in WORKER_ENV if name in os.environ}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))
         env.update(MALLOC_ENV)  # read by glibc at start-up, so it has to be set before the worker starts
+        # Bind every library symbol at start-up: a call that first used one would bind it lazily, looking it
+        # up through every loaded library and writing (copying) a GOT page. Calls never see this variable.
+        env["LD_BIND_NOW"] = "1"
         self.generation += 1
         try:
             # A plain Popen watched through a pidfd: no asyncio child watcher, which would race with Popen.

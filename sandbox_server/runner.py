@@ -227,6 +227,37 @@ def _run_cell(
     }
 
 
+def rehearse(times: int = 16) -> None:
+    """Run a one-shot call's Python path ``times`` in this (warm) process, its output going to /dev/null.
+
+    CPython 3.11 rewrites a function's code object as it warms up (call counters, then specialized
+    instructions), so code that first runs in a forked call writes, and copies, those pages in every call.
+    Rehearsed in the warm worker, the runner's code is already specialized when calls fork: ~25 fewer
+    copy-on-write faults per trivial call. The rehearsal uses its own streams of the same types on
+    /dev/null and restores ``sys``'s streams, fds 1 and 2 and ``linecache`` afterwards.
+    """
+    saved_fds = [os.dup(fd) for fd in (1, 2)]
+    saved_streams = (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        streams = make_stdio()
+        code = "x = 1\nprint(x)\nx"
+        compiled = precompile(code, len(code))
+        for _ in range(times):
+            reseed_random_state()
+            namespace = {"__name__": "__main__", "__builtins__": builtins}
+            encode_record(_run_cell(code, "", namespace, streams, compiled))
+    finally:
+        sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__ = saved_streams
+        for fd, saved in zip((1, 2), saved_fds, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        os.close(devnull)
+        linecache.cache.pop(CELL_FILENAME, None)
+
+
 def run_once(code: str, stdin: str, streams: tuple, compiled: bytes | None = None) -> None:
     """Child entry for a one-shot call: run, report, exit (no interpreter teardown). Never returns.
 

@@ -24,12 +24,13 @@ import os
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"  # must precede numpy's import: the worker has to stay single-threaded
-try:  # before the other imports: arenas made from here on can be mapped by huge pages (see _spawn.c)
-    from sandbox_server import _spawn
+if __name__ == "__main__":  # a warm worker; before the other imports, so that their arenas can be
+    try:  # mapped by huge pages (see _spawn.c)
+        from sandbox_server import _spawn
 
-    _spawn.use_huge_page_arenas()
-except ImportError:  # no C extension: no fork server either
-    pass
+        _spawn.use_huge_page_arenas()
+    except ImportError:  # no C extension: no fork server either
+        pass
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -646,6 +647,7 @@ def main(argv=None) -> None:
         cgroup_dir=spec["cgroup"],
     )
     stdio = runner.make_stdio()
+    runner.rehearse()
     gc.collect()
     gc.freeze()  # keep the collector from touching (and copying) the parent's objects in every child
     Worker(spec["channel"], sandbox, config, spec["tier"], stdio).serve()

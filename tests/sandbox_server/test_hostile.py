@@ -421,3 +421,4 @@ def test_both_call_setups_isolate_alike(server):
     # fd 3 is the call's own outcome-record pipe (runner.RECORD_FD)
     assert state["unprivileged"] and state["pid_and_session"] == [1, 1] and state["fds"] == [0, 1, 2, 3]
     assert state["prctl"] == [1, 0, 2] and not state["unshare_user"] and state["network"] == "ENETUNREACH"
+    assert state["env"] == sorted({*isolation.SCRUBBED_ENV, "HOME", "TMPDIR"})  # not the worker's LD_BIND_NOW

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -258,3 +260,20 @@ def test_phases_are_nonnegative_and_add_up_to_the_latency(exec_start):
     phases = metrics.snapshot()["phase_seconds_total"]
     assert all(seconds >= 0 for seconds in phases.values()) and sum(phases.values()) == 8.0
     assert phases["fork"] + phases["child_setup"] == exec_start - 2.0
+
+
+def test_rehearsal_leaves_the_process_as_it_was():
+    """``runner.rehearse`` warms the call path in the worker: nothing printed, streams, fds and linecache
+    as before."""
+    script = (
+        "import linecache, sys\n"
+        "from sandbox_server import runner\n"
+        "before = (sys.stdin, sys.stdout, sys.stderr, sys.__stdout__)\n"
+        "print('before', flush=True)\n"
+        "runner.rehearse(times=3)\n"
+        "print('after', flush=True)\n"
+        "after = (sys.stdin, sys.stdout, sys.stderr, sys.__stdout__)\n"
+        "print(after == before, runner.CELL_FILENAME in linecache.cache)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert (run.stdout, run.stderr) == ("before\nafter\nTrue False\n", "")
