@@ -26,6 +26,7 @@ import time
 
 from rstar2jax.agent.sandbox_client import SandboxClient
 from sandbox_server import start_local
+from sandbox_server.config import ServerConfig
 
 TRIVIAL = (
     "print(1 + 1)",
@@ -228,7 +229,7 @@ def main() -> None:
     )
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=ServerConfig.slots, help="calls at once per worker")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the baseline")
     parser.add_argument(
         "--server-python", default=sys.executable, help="interpreter the sandbox server and its calls run on"
