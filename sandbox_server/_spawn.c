@@ -328,7 +328,10 @@ static PyObject *collapse_huge_pages(PyObject *module, PyObject *unused) {
     if (text == NULL) return PyLong_FromLong(0);
     size_t n = 0, capacity = 0;
     uintptr_t *start = NULL;
-    for (char *line = text; *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : line + strlen(line)) {
+    int out_of_memory = 0;
+    for (char *line = text, *next; *line && !out_of_memory; line = next) {
+        next = strchr(line, '\n');
+        next = next ? next + 1 : line + strlen(line);
         unsigned long low, high, inode;
         char perms[5];
         int path_at = 0;
@@ -339,9 +342,14 @@ static PyObject *collapse_huge_pages(PyObject *module, PyObject *unused) {
         for (uintptr_t w = (low + CHUNK_SIZE - 1) & ~(uintptr_t)(CHUNK_SIZE - 1); w + CHUNK_SIZE <= high;
              w += CHUNK_SIZE) {
             if (n == capacity) {
-                uintptr_t *grown = PyMem_RawRealloc(start, (capacity = capacity ? 2 * capacity : 256) * sizeof(*start));
-                if (grown == NULL) break;
+                size_t grown_capacity = capacity ? 2 * capacity : 256;
+                uintptr_t *grown = PyMem_RawRealloc(start, grown_capacity * sizeof(*start));
+                if (grown == NULL) { /* collapse the windows found so far */
+                    out_of_memory = 1;
+                    break;
+                }
                 start = grown;
+                capacity = grown_capacity;
             }
             start[n++] = w;
         }

@@ -232,7 +232,7 @@ def rehearse(times: int = 16) -> None:
 
     CPython 3.11 rewrites a function's code object as it warms up (call counters, then specialized
     instructions), so code that first runs in a forked call writes, and copies, those pages in every call.
-    Rehearsed in the warm worker, the runner's code is already specialized when calls fork: ~25 fewer
+    Rehearsed in the warm worker, the runner's code is already specialized when calls fork: ~20 fewer
     copy-on-write faults per trivial call. The rehearsal uses its own streams of the same types on
     /dev/null and restores ``sys``'s streams, fds 1 and 2 and ``linecache`` afterwards.
     """
