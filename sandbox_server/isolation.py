@@ -7,17 +7,21 @@ Worker, once (``WorkerSandbox.prepare``):
       filesystem is then unreachable from the worker and from everything it forks;
     * creates one network namespace per slot (loopback down, no interfaces): namespaces are reused slot by
       slot because creating one costs ~0.6 ms and a finished call leaves nothing behind in it;
+    * enters its own IPC namespace, so no call reaches the host's SysV IPC objects or message queues;
     * keeps its own PID-namespace handle so each fork can start a fresh PID namespace.
 
 Call, in the forked child while still root (done in C by the fork server ``ForkServer`` when the optional
 extension ``sandbox_server._spawn`` is built, else by the worker and ``CallSandbox.fork`` in Python):
     * becomes init of a fresh PID namespace, so when it exits the kernel kills every process it started,
       detached (``setsid``) grandchildren included; also a new session;
-    * fresh mount + IPC namespaces, a private size-limited tmpfs on /tmp as its working directory (gone
-      with the namespace), and its slot's network namespace;
+    * a fresh mount namespace, a private size-limited tmpfs on /tmp as its working directory (gone with
+      the namespace), and its slot's network namespace;
     * oom_score_adj 1000, rlimits with soft = hard (address space, CPU, file size, processes, open files,
       no core dumps), a per-slot unprivileged uid/gid with no supplementary groups, no-new-privs,
-      parent-death signal, not dumpable, scrubbed environment.
+      parent-death signal, not dumpable, scrubbed environment;
+    * a seccomp filter (``linux.seccomp_filter``) that denies namespaces, mounts, tracing, SysV IPC and
+      POSIX message queues; where it is unavailable, a fresh IPC namespace per call instead, since IPC
+      objects outlive the call that made them.
 
 Every mechanism is probed and degrades independently: without root there are no namespaces, no uid
 change and no cgroup; the call then runs in a fresh directory under the server's temporary root and its
@@ -243,12 +247,16 @@ class WorkerSandbox:
             slot_netns_fds = []
             mechanisms.mark("network_namespace", reason(error))
 
-        for mechanism, flag in (("ipc_namespace", linux.CLONE_NEWIPC), ("uts_namespace", linux.CLONE_NEWUTS)):
-            try:
-                _probe_in_child(lambda flag=flag: linux.unshare(flag))
-                mechanisms.mark(mechanism)
-            except OSError as error:
-                mechanisms.mark(mechanism, reason(error))
+        try:  # the worker's own: calls never see the host's SysV IPC objects or message queues
+            linux.unshare(linux.CLONE_NEWIPC)
+            mechanisms.mark("ipc_namespace")
+        except OSError as error:
+            mechanisms.mark("ipc_namespace", reason(error))
+        try:
+            _probe_in_child(lambda: linux.unshare(linux.CLONE_NEWUTS))
+            mechanisms.mark("uts_namespace")
+        except OSError as error:
+            mechanisms.mark("uts_namespace", reason(error))
 
         calls_dir = None
         try:
@@ -371,7 +379,10 @@ class CallSandbox:
     ):
         mechanisms = sandbox.mechanisms
         flags = linux.CLONE_NEWNET if fresh_netns else 0
-        flags |= linux.CLONE_NEWIPC if "ipc_namespace" in mechanisms else 0
+        # SysV IPC objects outlive their call; where seccomp denies IPC (linux._DENIED_SYSCALLS) no call can
+        # make one, and the worker's own IPC namespace is enough
+        fresh_ipc = "ipc_namespace" in mechanisms and "seccomp" not in mechanisms
+        flags |= linux.CLONE_NEWIPC if fresh_ipc else 0
         flags |= linux.CLONE_NEWUTS if "uts_namespace" in mechanisms else 0
         tmpfs_options = None
         if "private_tmpfs" in mechanisms:

@@ -340,25 +340,47 @@ def test_threads_are_stopped_by_the_process_limit_with_memory_to_spare(server):
     assert int(result["stdout"]) == ServerConfig().nproc - 1  # every thread but the main one
 
 
+IPC_KEY = 0x5B0C
+LEAVE_FILE_AND_IPC = _py(f"""
+    import ctypes, errno, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    open("left.txt", "w").write("x")
+    def attempt(result):
+        return "created" if result >= 0 else errno.errorcode[ctypes.get_errno()]
+    print(attempt(libc.shmget({IPC_KEY}, 4096, 0o1600)), attempt(libc.msgget({IPC_KEY}, 0o1600)),
+          attempt(libc.semget({IPC_KEY}, 1, 0o1600)),
+          attempt(libc.mq_open(b"/sbx", 0o100 | 0o2, 0o600, None)), "left.txt" in os.listdir())
+""")  # 0o1600: IPC_CREAT | 0600; 0o100 | 0o2: O_CREAT | O_RDWR
+LOOK_FOR_FILE_AND_IPC = _py(f"""
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    print(libc.shmget({IPC_KEY}, 0, 0), libc.msgget({IPC_KEY}, 0), libc.semget({IPC_KEY}, 0, 0),
+          libc.mq_open(b"/sbx", 0o2), "left.txt" in os.listdir())
+""")
+
+
 def test_nothing_a_call_leaves_behind_reaches_the_next_calls(server):
-    """Files in its /tmp and SysV IPC objects die with the call. On an idle server consecutive calls get the
-    same slot (the most recently freed one), so the later calls here run where the first one did."""
-    key = 0x5B0C
-    leave = _py(f"""
-        import ctypes, os
-        libc = ctypes.CDLL(None, use_errno=True)
-        open("left.txt", "w").write("x")
-        created = libc.shmget({key}, 4096, 0o1600) >= 0, libc.msgget({key}, 0o1600) >= 0
-        print(*created, "left.txt" in os.listdir())
-    """)  # 0o1600: IPC_CREAT | 0600
-    look = _py(f"""
-        import ctypes, os
-        libc = ctypes.CDLL(None, use_errno=True)
-        print(libc.shmget({key}, 0, 0), libc.msgget({key}, 0), "left.txt" in os.listdir())
-    """)
-    assert run_code(server.url, leave)["stdout"] == "True True True\n"
+    """Files in its /tmp die with the call; SysV IPC and message queues, whose objects would outlive it, are
+    denied by seccomp. On an idle server consecutive calls get the same slot (the most recently freed one),
+    so the later calls here run where the first one did."""
+    assert run_code(server.url, LEAVE_FILE_AND_IPC)["stdout"] == "EPERM EPERM EPERM EPERM True\n"
     for _ in range(4):
-        assert run_code(server.url, look)["stdout"] == "-1 -1 False\n"
+        assert run_code(server.url, LOOK_FOR_FILE_AND_IPC)["stdout"] == "-1 -1 -1 -1 False\n"
+
+
+def test_without_seccomp_ipc_objects_die_with_their_call(tmp_path, monkeypatch):
+    """Where seccomp is unavailable each call gets a fresh IPC namespace: what it creates is gone after it."""
+    # As on a machine without a syscall table: the server's processes start without the filter.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sandbox_server.linux as linux\nlinux.seccomp_filter = lambda: None\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with start_local(**dict(MAIN_SERVER_OPTIONS, workers=1, slots=1)) as bare:
+        health = get(bare.url, "/health")
+        assert "seccomp" in health["mechanisms"]["inactive"], health["mechanisms"]
+        assert run_code(bare.url, LEAVE_FILE_AND_IPC)["stdout"] == "created created created created True\n"
+        for _ in range(2):
+            assert run_code(bare.url, LOOK_FOR_FILE_AND_IPC)["stdout"] == "-1 -1 -1 -1 False\n"
 
 
 ISOLATION_PROBE = _py("""
@@ -390,6 +412,7 @@ ISOLATION_PROBE = _py("""
         "unshare_user": libc.unshare(0x10000000) == 0,
         "network": attempt(connect),
         "write_root": attempt(lambda: open("/escape", "w")),
+        "sysv_ipc": errno.errorcode[ctypes.get_errno()] if libc.shmget(0, 4096, 0o1600) < 0 else "allowed",
         "env": sorted(os.environ),
     }, sort_keys=True))
 """)  # prctl 39/3/21: PR_GET_NO_NEW_PRIVS, PR_GET_DUMPABLE, PR_GET_SECCOMP
@@ -421,4 +444,5 @@ def test_both_call_setups_isolate_alike(server):
     # fd 3 is the call's own outcome-record pipe (runner.RECORD_FD)
     assert state["unprivileged"] and state["pid_and_session"] == [1, 1] and state["fds"] == [0, 1, 2, 3]
     assert state["prctl"] == [1, 0, 2] and not state["unshare_user"] and state["network"] == "ENETUNREACH"
+    assert state["sysv_ipc"] == "EPERM"
     assert state["env"] == sorted({*isolation.SCRUBBED_ENV, "HOME", "TMPDIR"})  # not the worker's LD_BIND_NOW
