@@ -208,7 +208,12 @@ static pid_t clone_call(int new_pid_namespace) {
  * ``collapse_huge_pages`` (in the worker, once warm) has the kernel rebuild every aligned 2 MiB window of the
  * anonymous heap as a huge page (MADV_COLLAPSE, Linux 6.1+; elsewhere nothing changes); the fork server
  * redoes it for the windows its own start-up split, then forks from huge pages. A call that writes into a
- * window splits only its own mapping of it. */
+ * window splits only its own mapping of it.
+ * Objects over 512 bytes come from glibc's heap (the program break), which starts at an arbitrary address;
+ * both functions first move the break up to a 2 MiB boundary (``align_program_break``), so that what the
+ * heap grows into afterwards lies in whole windows too. glibc's malloc takes the gap for a foreign sbrk and
+ * leaves it alone. In a fork + exit loop, 4 MiB of 4 KiB pages cost 0.37 ms of CPU per child that writes 60
+ * scattered pages, 0.27 ms when the 4 MiB are two huge pages. */
 #define CHUNK_SIZE ((size_t)2 << 20)
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25
@@ -238,6 +243,14 @@ static char *map_chunk(void) {
     if (base > raw) munmap(raw, (size_t)(base - raw));
     munmap(base + CHUNK_SIZE, (size_t)(raw + 2 * CHUNK_SIZE - (base + CHUNK_SIZE)));
     return base;
+}
+
+static void align_program_break(void) {
+#ifdef __GLIBC__ /* other C libraries' mallocs need not tolerate a break moved under them */
+    uintptr_t now = (uintptr_t)sbrk(0);
+    uintptr_t aligned = (now + CHUNK_SIZE - 1) & ~(uintptr_t)(CHUNK_SIZE - 1);
+    if (now != (uintptr_t)-1 && aligned > now) (void)sbrk((intptr_t)(aligned - now));
+#endif
 }
 
 static void *arena_alloc(void *ctx, size_t size) {
@@ -288,6 +301,7 @@ static PyObject *use_huge_page_arenas(PyObject *module, PyObject *unused) {
     (void)unused;
     if (arenas.previous.alloc != NULL) Py_RETURN_NONE;
     arenas.maps_fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    align_program_break();
     PyObject_GetArenaAllocator(&arenas.previous);
     PyObjectArenaAllocator allocator = {NULL, arena_alloc, arena_free};
     PyObject_SetArenaAllocator(&allocator);
@@ -324,7 +338,9 @@ static size_t collapse_windows(void) {
 static PyObject *collapse_huge_pages(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
-    char *text = arenas.maps_fd >= 0 ? read_maps() : NULL;
+    if (arenas.maps_fd < 0) return PyLong_FromLong(0);
+    align_program_break(); /* the heap's last window, partly past the break, becomes whole */
+    char *text = read_maps();
     if (text == NULL) return PyLong_FromLong(0);
     size_t n = 0, capacity = 0;
     uintptr_t *start = NULL;
@@ -379,6 +395,20 @@ static PyObject *read_payload(int fd, int64_t size) {
     return payload;
 }
 
+/* Up to Python 3.12, PyOS_BeforeFork/PyOS_AfterFork_Parent only run the before/after-in-parent at-fork hooks
+ * and hold the import lock across the fork: nothing for a single-threaded loop that is neither importing
+ * nor running Python. They also write to the import lock, which PyOS_AfterFork_Child reallocated in glibc's
+ * heap when the fork server started; with every call sharing the heap's huge pages that write would split
+ * one of them in the fork server at its first fork, and every later fork would copy 512 entries for it.
+ * 3.13 pairs them with PyOS_AfterFork_Child (the runtime's head lock), so they stay there. */
+#if PY_VERSION_HEX < 0x030D0000
+#define BEFORE_FORK()
+#define AFTER_FORK_PARENT()
+#else
+#define BEFORE_FORK() PyOS_BeforeFork()
+#define AFTER_FORK_PARENT() PyOS_AfterFork_Parent()
+#endif
+
 static PyObject *serve_forks(PyObject *module, PyObject *args) {
     int sock;
     (void)module;
@@ -416,7 +446,7 @@ static PyObject *serve_forks(PyObject *module, PyObject *args) {
             !request_is_valid(&request, n_fds)) {
             reply = -EINVAL;
         } else {
-            PyOS_BeforeFork();
+            BEFORE_FORK();
             pid_t pid = clone_call(request.plan.new_pid_namespace);
             if (pid == 0) {
                 PyOS_AfterFork_Child();
@@ -427,7 +457,7 @@ static PyObject *serve_forks(PyObject *module, PyObject *args) {
                 return payload;
             }
             reply = pid > 0 ? (int64_t)pid : -(int64_t)errno;
-            PyOS_AfterFork_Parent();
+            AFTER_FORK_PARENT();
         }
         for (int i = 0; i < n_fds; i++) close(fds[i]);
         while (send(sock, &reply, sizeof(reply), MSG_NOSIGNAL) < 0) {

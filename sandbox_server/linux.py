@@ -100,10 +100,10 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
 # A small deny-list filter. Namespaces are the point: an unprivileged process may otherwise create a user
 # namespace, become "root" in it and reach mount/network code paths that the sandbox relies on being
 # closed. SysV IPC and POSIX message queues are denied too: their objects outlive the process that made
-# them, so without the filter each call needs a fresh IPC namespace, and creating and tearing one down costs
-# 0.03-0.05 ms of CPU, ~2% of a trivial call. Denied calls fail with EPERM (clone3 with ENOSYS, which makes glibc fall
-# back to clone, whose flags a filter can inspect). Calls from another ABI (i386 ``int 0x80``, x32) are
-# denied outright.
+# them, so without the filter each call needs a fresh IPC namespace, and creating and tearing one down
+# costs 0.03-0.05 ms of CPU, ~2% of a trivial call. Denied calls fail with EPERM (clone3 with ENOSYS, which
+# makes glibc fall back to clone, whose flags a filter can inspect). Calls from another ABI (i386
+# ``int 0x80``, x32) are denied outright.
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
 _DENIED_SYSCALLS = {
     # name: (x86_64, aarch64)

@@ -383,6 +383,24 @@ def test_without_seccomp_ipc_objects_die_with_their_call(tmp_path, monkeypatch):
             assert run_code(bare.url, LOOK_FOR_FILE_AND_IPC)["stdout"] == "-1 -1 -1 -1 False\n"
 
 
+def _huge_page_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_fork_servers_keep_their_huge_pages_across_calls(server):
+    """Each fork server re-collapses the windows its worker collapsed (``huge_page_mib``) and then writes to
+    none of them: a write into a huge page shared with its calls would split its own mapping of it, and
+    every later fork would copy 512 page-table entries for it."""
+    if isolation.native_spawn is None or not collapse_expected():
+        pytest.skip("no fork server, or no MADV_COLLAPSE here")
+    base = [w for w in get(server.url, "/health")["workers"] if w["tier"] == "base"]
+    for _ in range(40):
+        assert run_code(server.url, "x = [str(i) for i in range(100)]")["status"] == "ok"
+    kept = [_huge_page_bytes(w["fork_server_pid"]) >> 20 for w in base]
+    assert all(k >= w["huge_page_mib"] > 0 for k, w in zip(kept, base, strict=True)), (kept, base)
+
+
 ISOLATION_PROBE = _py("""
     import ctypes, errno, json, os, resource, socket
     libc = ctypes.CDLL(None, use_errno=True)

@@ -143,8 +143,9 @@ def test_plan_is_packed_unless_python_is_asked_for_or_it_does_not_fit():
 HUGE_PAGE_ARENAS = """
 import json, os
 from sandbox_server import _spawn
-_spawn.use_huge_page_arenas()
 CHUNK = 2 << 20
+heap_end = max(int(l.split()[0].split("-")[1], 16) for l in open("/proc/self/maps") if "[heap]" in l)
+_spawn.use_huge_page_arenas()
 def private_anonymous():
     found = {}
     for line in open("/proc/self/maps"):
@@ -154,16 +155,26 @@ def private_anonymous():
             found[low] = high
     return found
 objects = [[i] for i in range(300_000)]  # ~30 MB of small objects: new arenas
+blobs = [bytes(4000) for _ in range(2000)]  # ~7.7 MiB of objects over 512 bytes: glibc's heap
 chunks = {low for low, high in private_anonymous().items() if low % CHUNK == 0 and high - low == CHUNK}
 sample = objects[::1000]
 in_chunks = sum(any(low <= id(o) < low + CHUNK for low in chunks) for o in sample)
 collapsed = _spawn.collapse_huge_pages()
 huge = next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages:"))
+heap_windows = {id(b) & -CHUNK for b in blobs if id(b) >= (heap_end + CHUNK - 1) & -CHUNK}  # grown since
+heap_huge, in_heap = 0, False
+for line in open("/proc/self/smaps"):
+    fields = line.split()
+    if "-" in fields[0] and not fields[0].endswith(":"):
+        in_heap = fields[-1] == "[heap]"
+    elif in_heap and fields[0] == "AnonHugePages:":
+        heap_huge += int(fields[1]) * 1024
 intact = all(o == [i] for i, o in enumerate(objects))
 del objects, sample
 left = len(chunks & set(private_anonymous()))
 print(json.dumps({"chunks": len(chunks), "in_chunks": in_chunks, "sampled": 300, "collapsed": collapsed,
-                  "huge": huge * 1024, "intact": intact, "left": left}))
+                  "huge": huge * 1024, "heap_huge": heap_huge, "heap_windows": len(heap_windows),
+                  "intact": intact, "left": left}))
 """
 
 
@@ -177,4 +188,7 @@ def test_huge_page_arenas_place_collapse_and_release_the_heap():
     if collapse_expected():
         assert figures["collapsed"] >= 10 * (2 << 20), figures
         assert figures["huge"] >= figures["collapsed"], figures  # nothing forked: no window split since
+        # the program break was moved to 2 MiB boundaries, before the blobs and after: their windows are whole
+        assert figures["heap_windows"] >= 3, figures
+        assert figures["heap_huge"] >= figures["heap_windows"] * (2 << 20), figures
     assert figures["left"] <= figures["chunks"] // 4, figures  # freed arenas give their chunks back
