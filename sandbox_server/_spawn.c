@@ -15,7 +15,8 @@
  *   serve_forks(forker_end) -> bytes | None           in the fork server: None when the worker is gone;
  *                                                     in a new call, once isolated: the request's payload
  *   request_fork(worker_end, request, sources, payload) -> pid   in the worker (blocks for the reply)
- *   use_huge_page_arenas() -> None                    in the worker, first: 2 MiB-aligned arenas
+ *   use_huge_page_arenas() -> None                    in the worker, first: 2 MiB-aligned arenas and
+ *                                                     program break
  *   collapse_huge_pages() -> int                      in the worker, once warm: heap onto huge pages
  *
  * ``request`` is isolation.FORK_REQUEST packed: the plan (struct wire_plan), cpu_seconds, the target
@@ -560,7 +561,8 @@ static PyMethodDef methods[] = {
     {"request_fork", request_fork, METH_VARARGS,
      "request_fork(worker_end, request, sources, payload) -> pid of the new, isolated call."},
     {"use_huge_page_arenas", use_huge_page_arenas, METH_NOARGS,
-     "use_huge_page_arenas() -> None: put later small-object arenas in 2 MiB-aligned chunks (see _spawn.c)."},
+     "use_huge_page_arenas() -> None: put later small-object arenas in 2 MiB-aligned chunks and move the "
+     "program break to a 2 MiB boundary (see _spawn.c)."},
     {"collapse_huge_pages", collapse_huge_pages, METH_NOARGS,
      "collapse_huge_pages() -> int: map the anonymous heap with huge pages where possible; bytes mapped so."},
     {NULL, NULL, 0, NULL},
