@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -153,11 +154,17 @@ def _group_penalties(groups: list[list[Trajectory]], width: int) -> tuple[np.nda
 
 
 def _ratio(numerator: float, denominator: float) -> float:
-    return float(numerator / denominator) if denominator else 0.0
+    """NaN when there is nothing to divide by, as in ``eval.aggregate``: no calls is not "no failed calls"."""
+    return float(numerator / denominator) if denominator else math.nan
 
 
 def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
-    """What the sampled rollouts look like (all 2G per problem, before selection)."""
+    """What the sampled rollouts look like (all 2G per problem, before selection).
+
+    ``tool_error_ratio`` is failed / all tool calls and ``tool_error_ratio_correct`` the same inside
+    correct trajectories (the paper's Fig. 4); each is NaN when those trajectories made no call
+    (TensorBoard skips it).
+    """
     flat = [t for g in groups for t in g]
     if not flat:
         return {}

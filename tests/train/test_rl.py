@@ -1,5 +1,7 @@
 """The RL iteration: rollout metrics, RoC selection into a batch, the hard-problem filter, one iteration."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -56,6 +58,12 @@ def test_rollout_metrics_values():
     assert m["response_length"] == (3 + 3 + 5 + 7) / 4 and m["response_length_max"] == 7
     assert m["truncation_rate"] == 0.25 and m["turns"] == 2.0
     assert m["traj_time/generate"] == 1.0
+
+
+def test_rollout_metrics_tool_ratios_are_nan_without_calls():
+    no_calls = rollout_metrics([[_traj("a", 1.0), _traj("a", 0.0, ["error"])]])
+    assert no_calls["tool_error_ratio"] == 1.0 and math.isnan(no_calls["tool_error_ratio_correct"])
+    assert math.isnan(rollout_metrics([[_traj("a", 1.0), _traj("a", 0.0)]])["tool_error_ratio"])
 
 
 def test_release_mode_selection_and_advantages():
