@@ -14,6 +14,7 @@ from rstar2jax.eval.evaluate import (
     evaluate,
     evaluate_async,
     load_eval_set,
+    tool_error_ratios,
 )
 from rstar2jax.eval.pass_at_k import pass_at_1, pass_at_k
 
@@ -28,6 +29,7 @@ __all__ = [
     "evaluate",
     "evaluate_async",
     "load_eval_set",
+    "tool_error_ratios",
     "pass_at_1",
     "pass_at_k",
 ]

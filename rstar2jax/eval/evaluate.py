@@ -61,8 +61,19 @@ class EvalResult:
         }
 
 
-def _ratio(numerator: int, denominator: int) -> float:
-    return numerator / denominator if denominator else math.nan
+def tool_error_ratios(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``tool_error_ratio`` (failed / all tool calls) and ``tool_error_ratio_correct`` (the same inside the
+    correct trajectories, reward > 0: the paper's Fig. 4). Each is NaN when those trajectories made no call:
+    no calls is not "no failed calls"."""
+
+    def ratio(group):
+        calls = sum(t.num_tool_calls for t in group)
+        return sum(t.num_failed_calls for t in group) / calls if calls else math.nan
+
+    return {
+        "tool_error_ratio": ratio(trajectories),
+        "tool_error_ratio_correct": ratio([t for t in trajectories if t.reward > 0]),
+    }
 
 
 def aggregate(
@@ -94,15 +105,10 @@ def aggregate(
     metrics = {"pass@1": float(pass_at_1(correct))}
     for j in pass_ks if pass_ks is not None else ([k] if k > 1 else []):
         metrics[f"pass@{j}"] = float(pass_at_k(correct, j))
-    solved = [t for t in flat if t.reward > 0]
-    calls = sum(t.num_tool_calls for t in flat)
     metrics.update(
         response_length=float(np.mean([len(t.response_ids) for t in flat])),
-        tool_calls_per_traj=calls / len(flat),
-        tool_error_ratio=_ratio(sum(t.num_failed_calls for t in flat), calls),
-        tool_error_ratio_correct=_ratio(
-            sum(t.num_failed_calls for t in solved), sum(t.num_tool_calls for t in solved)
-        ),
+        tool_calls_per_traj=sum(t.num_tool_calls for t in flat) / len(flat),
+        **tool_error_ratios(flat),
         truncation_rate=float(np.mean([t.truncated for t in flat])),
         num_problems=float(len(problems)),
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ import numpy as np
 
 from rstar2jax import algo
 from rstar2jax.data.problems import Problem
+from rstar2jax.eval.evaluate import tool_error_ratios
 from rstar2jax.train.batch import Batch, build_batch, trajectory_sequence
 from rstar2jax.train.state import TrainState
 
@@ -153,26 +153,17 @@ def _group_penalties(groups: list[list[Trajectory]], width: int) -> tuple[np.nda
     return np.asarray(p_err), np.asarray(p_format)
 
 
-def _ratio(numerator: float, denominator: float) -> float:
-    """NaN when there is nothing to divide by, as in ``eval.aggregate``: no calls is not "no failed calls"."""
-    return float(numerator / denominator) if denominator else math.nan
-
-
 def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
     """What the sampled rollouts look like (all 2G per problem, before selection).
 
-    ``tool_error_ratio`` is failed / all tool calls and ``tool_error_ratio_correct`` the same inside
-    correct trajectories (the paper's Fig. 4); each is NaN when those trajectories made no call
-    (TensorBoard skips it).
+    The tool-error ratios are ``eval.evaluate.tool_error_ratios``'s (NaN without calls; TensorBoard skips
+    NaN).
     """
     flat = [t for g in groups for t in g]
     if not flat:
         return {}
     correct = [t for t in flat if t.reward > 0]
     calls = sum(t.num_tool_calls for t in flat)
-    failed = sum(t.num_failed_calls for t in flat)
-    correct_calls = sum(t.num_tool_calls for t in correct)
-    correct_failed = sum(t.num_failed_calls for t in correct)
     width = max(len(g) for g in groups)
     valid = _padded(groups, width, lambda t: 1.0) > 0
     _, p_format = _group_penalties(groups, width)
@@ -184,8 +175,7 @@ def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
         "problems_all_correct": float(np.mean(pass_rates == 1.0)),
         "problems_none_correct": float(np.mean(pass_rates == 0.0)),
         "tool_calls_per_traj": calls / len(flat),
-        "tool_error_ratio": _ratio(failed, calls),
-        "tool_error_ratio_correct": _ratio(correct_failed, correct_calls),
+        **tool_error_ratios(flat),
         "p_format": float(p_format[valid].mean()),
         "turns": float(np.mean([t.num_turns for t in flat])),
         "response_length": float(lengths.mean()),
