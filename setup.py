@@ -40,6 +40,11 @@ setup(
         "matplotlib>=3.11",
     ],
     extras_require={
+        # GPU backends: JAX's plugins at the JAX version this project is tested with. Pick the one that
+        # matches the machine's driver (`nvidia-smi` shows the CUDA version; ROCm 7 for AMD Instinct GPUs).
+        "cuda": ["jax[cuda12]==0.10.2"],
+        "cuda13": ["jax[cuda13]==0.10.2"],
+        "rocm": ["jax[rocm7-local]==0.10.2"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",

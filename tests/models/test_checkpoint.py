@@ -68,6 +68,7 @@ def test_bfloat16_load_and_save(tiny_models, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, reloaded, params)
 
 
+@pytest.mark.needs_devices(8)
 def test_load_with_mesh_places_each_tensor_in_its_sharding(tiny_models):
     tiny = tiny_models("qwen3")
     mesh = models.make_mesh(fsdp=2, tensor=4)

@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from rstar2jax import models
 from rstar2jax.train import Checkpointer, init_train_state, make_optimizer, state_shardings
@@ -20,6 +21,7 @@ from tests.train.conftest import copy_tree
 TIMING = ("time/", "throughput/")
 
 
+@pytest.mark.needs_devices(8)
 def test_round_trip_keeps_last_k(tmp_path, tiny_model):
     config, params = tiny_model
     optimizer = make_optimizer()
