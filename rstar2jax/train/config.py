@@ -16,6 +16,7 @@ import ml_collections
 
 from rstar2jax import algo
 from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES, RLLossConfig
@@ -111,8 +112,15 @@ def rl_config() -> ml_collections.ConfigDict:
             sandbox_url="",
             sandbox_workers=2,
             engine_slots=64,
+            kv_cache_tokens=0,  # tokens the engine's KV pool holds; 0: engine_slots x the longest sequence
         )
     )
+    # Colocated rollout and training (rstar2jax.train.colocate): where the optimizer moments wait while the
+    # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend), and
+    # whether the engine's KV pool is freed while the trainer runs.
+    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto", release_kv_cache=True))
+    # Per-device memory for the start-up memory plan check; None: what the device reports (none on CPU).
+    c.device_memory_gib = placeholder(float)
     c.filter_batch_size = 64
     c.stages = []
     return c
@@ -282,6 +290,10 @@ def validate_rl_config(config) -> None:
     if not config.data.source and not config.stages[0].dataset:
         raise ConfigError("config.data.source is empty and config.stages[0].dataset names no dataset")
     _positive_int(config, "filter_batch_size")
+    _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
+    _check(config, "colocate.release_kv_cache", lambda v: isinstance(v, bool), "must be True or False")
+    _check(config, "device_memory_gib", lambda v: v is None or v > 0, "must be positive or None")
 
 
 def _check_stage_int(config, index: int, name: str) -> None:

@@ -24,7 +24,9 @@ from jax.sharding import Mesh
 
 from rstar2jax import models
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
+from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
+from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.batch import Batch, build_batch
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.metrics import MetricsLogger
@@ -226,6 +228,7 @@ def train_rl(
         else min(max_steps, sum(s.steps for s in config.stages))
     )
     dataset = None
+    offload = colocate.resolve_offload(config.colocate.optimizer_memory)
     with _progress(run, total, "rl") as bar:
         try:
             for index in range(len(config.stages)):
@@ -245,6 +248,8 @@ def train_rl(
                 iteration = config_lib.build_iteration_config(config, s.max_response_length)
                 num_rows = None if config.batch.pack else config.rl.prompts_per_step * config.rl.keep
                 while run.meta["stage_step"] < s.steps and run.step < total:
+                    if offload:  # the moments wait in host memory while the engine runs
+                        run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
                     run.state, metrics = rl_iteration(
                         run.state,
                         next(iterator),
@@ -429,6 +434,8 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         num_params=num_params,
         compile_seconds=time.perf_counter() - start,
     )
+    if kind == "rl":
+        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report)
     return report
 
 
@@ -452,6 +459,8 @@ def format_dry_run(report: dict[str, Any]) -> str:
         lines.append(
             f"  {key.removesuffix('_in_bytes').removesuffix('_bytes'):<24} {report[key] / gib:10.3f} GiB"
         )
+    if "memory_plan" in report:
+        lines.append(memory_plan_lib.format_plan(report["memory_plan"]))
     return "\n".join(lines)
 
 
@@ -474,8 +483,19 @@ def launch_prologue(config, *, kind: str, dry_run_only: bool, print_config: bool
         config_lib.validate_sft_config(config, check_data=not dry_run_only)
     prepare_process(config)
     if dry_run_only:
-        print(format_dry_run(dry_run(config, kind=kind)), flush=True)
+        report = dry_run(config, kind=kind)
+        print(format_dry_run(report), flush=True)
+        if "memory_plan" in report:
+            path = memory_plan_lib.write_plan(report["memory_plan"], config.workdir)
+            print(f"memory plan written to {path}", flush=True)
+            memory_plan_lib.check_plan(report["memory_plan"])
         return False
+    if kind == "rl" and memory_plan_lib.device_memory_gib(config) is not None:
+        # Known device memory (an accelerator, or config.device_memory_gib): fail now with the plan rather
+        # than out of memory mid-run. Costs one compile of the step, which XLA's cache then serves.
+        report = dry_run(config, kind=kind)
+        memory_plan_lib.write_plan(report["memory_plan"], config.workdir)
+        memory_plan_lib.check_plan(report["memory_plan"])
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return True
 
