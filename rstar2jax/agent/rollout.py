@@ -418,9 +418,9 @@ class PolicyRollout:
                                   max_turns=10, seed=step_seed)
 
     Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
-    cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The engine's programs are compiled for
-    shapes, never values, so the new parameters of every training step reuse them; only a new response
-    budget (a new stage) compiles again.
+    cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The
+    engine's programs are compiled for shapes, never values, so the new parameters of every training step
+    reuse them; only a new response budget (a new stage) compiles again.
 
     Args:
       model_config: the policy's model config (the trainer's, so parameters match).

@@ -3,7 +3,8 @@
 Device level (pure, jitted, donate the state): :func:`admit`, :func:`append`, :func:`resume`, :func:`decode`,
 :func:`fork`, :func:`release`, :func:`set_pages`, :func:`attach` on an :class:`EngineState`, whose KV is a
 pool of pages (:mod:`~rstar2jax.engine.paged_attention`) that the host allocates (:class:`PageAllocator`).
-Host level: :class:`EngineCore` (synchronous), :class:`Engine` / :class:`Session` (asyncio, for agent rollouts) and :func:`generate` (one blocking call).
+Host level: :class:`EngineCore` (synchronous),
+:class:`Engine` / :class:`Session` (asyncio, for agent rollouts) and :func:`generate` (one blocking call).
 """
 
 from rstar2jax.engine.generate import Generation, generate
