@@ -418,9 +418,9 @@ class PolicyRollout:
                                   max_turns=10, seed=step_seed)
 
     Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
-    cache) with ``max_len = max_prompt_length + max_response_length``. The engine's programs are compiled for
-    shapes, never values, so the new parameters of every training step reuse them; only a new response
-    budget (a new stage) compiles again.
+    cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The
+    engine's programs are compiled for shapes, never values, so the new parameters of every training step
+    reuse them; only a new response budget (a new stage) compiles again.
 
     Args:
       model_config: the policy's model config (the trainer's, so parameters match).
@@ -447,8 +447,9 @@ class PolicyRollout:
 
     def __call__(self, params, problems: Sequence[Problem], *, samples_per_problem: int,
                  max_response_length: int, max_turns: int, seed: int) -> list[Trajectory]:
-        engine_config = dataclasses.replace(self.engine_config,
-                                            max_len=self.max_prompt_length + max_response_length)
+        page = self.engine_config.page_size  # max_len must be whole pages
+        max_len = -(-(self.max_prompt_length + max_response_length) // page) * page
+        engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
         config = dataclasses.replace(self.config, max_response_length=max_response_length,
                                      max_turns=max_turns, seed=seed)
         return rollout(problems, samples_per_problem, engine=Engine(params, self.model_config, engine_config),
