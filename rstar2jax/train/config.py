@@ -68,8 +68,9 @@ def rl_config() -> ml_collections.ConfigDict:
             split="train",
             problem_field="",
             answer_field="",
+            solution_field="",
             id_field="",
-            integer_answers=True,
+            integer_only=False,
             limit=placeholder(int),
         )
     )

@@ -184,8 +184,9 @@ def _stage_problems(config, index: int, previous: list[Problem] | None) -> tuple
         split=d.split,
         problem_field=d.problem_field or None,
         answer_field=d.answer_field or None,
+        solution_field=d.solution_field or None,
         id_field=d.id_field or None,
-        integer_answers=d.integer_answers,
+        integer_only=d.integer_only,
         limit=d.limit,
     )
     if not loaded.problems:
