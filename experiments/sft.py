@@ -11,8 +11,10 @@ workdir.
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from experiments import _launch
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -41,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from experiments import _launch
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "RL config file (experiments/configs/*.py) with get_config().", lock_config=True
@@ -58,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

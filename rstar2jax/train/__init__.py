@@ -11,6 +11,7 @@ from rstar2jax.train.config import (
     rl_config,
     sft_config,
     stage,
+    validate,
     validate_rl_config,
     validate_sft_config,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "train_rl",
     "train_sft",
     "trajectory_sequence",
+    "validate",
     "validate_rl_config",
     "validate_sft_config",
 ]

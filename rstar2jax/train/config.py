@@ -304,6 +304,31 @@ def validate_sft_config(config, *, check_data: bool = True) -> None:
     _check(config, "sft.steps", lambda v: v is None or (_is_int(v) and v > 0), "must be None or positive")
 
 
+#: Configs ``validate`` accepted, by content: a run's config is checked once, however many entry points
+#: (launcher, ``train_rl`` / ``train_sft``, ``dry_run``) it passes through.
+_ACCEPTED: dict[tuple[str, str], bool] = {}
+KINDS = ("rl", "sft")
+
+
+def validate(config, kind: str, *, check_data: bool = True) -> None:
+    """The one config check of a run: raises ``ConfigError`` naming the first invalid field, its value and
+    what is allowed, before any compute. ``kind`` is "rl" or "sft"; ``check_data=False`` (dry runs) skips
+    the existence of SFT data. A config whose content passed before is not checked again, so launchers and
+    the library entry points they call share one check."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
+    key = (kind, config.to_json_best_effort(sort_keys=True))
+    if _ACCEPTED.get(key, False) or (not check_data and key in _ACCEPTED):
+        return
+    if kind == "rl":
+        validate_rl_config(config)
+    else:
+        validate_sft_config(config, check_data=check_data)
+    if len(_ACCEPTED) > 64:
+        _ACCEPTED.clear()
+    _ACCEPTED[key] = _ACCEPTED.get(key, False) or check_data or kind == "rl"
+
+
 def _schedule_options(config, total_steps: int | None) -> dict[str, Any]:
     o = config.optimizer
     total = o.total_steps or total_steps

@@ -204,7 +204,7 @@ def train_rl(
     ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.rl``); ``max_steps`` stops early after
     that many steps in total (for demos and tests).
     """
-    config_lib.validate_rl_config(config)
+    config_lib.validate(config, "rl")
     optimizer = config_lib.build_optimizer(config)
     run = start_run(
         config,
@@ -298,7 +298,7 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
 
 def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
     """Runs (or resumes) SFT on ``config.sft.data``; returns the metrics history."""
-    config_lib.validate_sft_config(config)
+    config_lib.validate(config, "sft")
     from rstar2jax.models.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
@@ -372,17 +372,14 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
 
     RL plans for the worst case: every kept trajectory at full length on its own row.
     """
+    config_lib.validate(config, kind, check_data=False)
     if kind == "rl":
-        config_lib.validate_rl_config(config)
         optimizer = config_lib.build_optimizer(config)
         rows = config.rl.prompts_per_step * config.rl.keep
         seq_len = config.batch.max_prompt_length + max(s.max_response_length for s in config.stages) - 1
-    elif kind == "sft":
-        config_lib.validate_sft_config(config, check_data=False)
+    else:
         optimizer = config_lib.build_optimizer(config, total_steps=config.sft.steps or 1000)
         rows, seq_len = config.sft.batch_size, config.sft.seq_len
-    else:
-        raise ValueError(f"kind={kind!r}; expected 'rl' or 'sft'")
     multiple = config_lib.row_multiple(config)
     rows = -(-rows // multiple) * multiple
     mesh = mesh_from_config(config, allow_emulated=True)
@@ -469,10 +466,7 @@ def launch_prologue(config, *, kind: str, dry_run_only: bool, print_config: bool
         return False
     if "verbosity" not in flags.FLAGS or not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    if kind == "rl":
-        config_lib.validate_rl_config(config)
-    else:
-        config_lib.validate_sft_config(config, check_data=not dry_run_only)
+    config_lib.validate(config, kind, check_data=not dry_run_only)
     prepare_process(config)
     if dry_run_only:
         print(format_dry_run(dry_run(config, kind=kind)), flush=True)

@@ -39,12 +39,29 @@ def test_help_and_config_errors():
     )
     assert done.returncode == 0 and "steps: 7" in done.stdout and "eps_high: 0.28" in done.stdout
 
-    done = _launch(
-        "experiments.train_rl", "--config=experiments/configs/tiny_cpu.py", "--config.rl.keep=40", "--dry_run"
-    )
-    assert done.returncode != 0 and "config.rl.keep=40" in done.stderr
-    done = _launch("experiments.sft", "--config=experiments/configs/tiny_cpu.py:sft")
-    assert done.returncode != 0 and "config.sft.data=''" in done.stderr
+    # A bad config value or override: exit 2, one line naming the field, the value and what is allowed.
+    for module, args, line in [
+        (
+            "experiments.train_rl",
+            ["--config.rl.keep=40", "--dry_run"],
+            "error: config.rl.keep=40: must be an integer in [1, rl.samples_per_problem=4]",
+        ),
+        ("experiments.sft", [":sft"], "error: config.sft.data='': does not exist"),
+        (
+            "experiments.train_rl",
+            ["--config.rl.kep=1"],
+            'error: --config.rl.kep=1: no config field \'kep\'; Did you mean "keep" instead of "kep"?',
+        ),
+        (
+            "experiments.train_rl",
+            ["--config.rl.keep=two"],
+            "error: flag --config.rl.keep=two: invalid literal",
+        ),
+    ]:
+        config = "--config=experiments/configs/tiny_cpu.py" + (args.pop(0) if args[0] == ":sft" else "")
+        done = _launch(module, config, *args)
+        assert done.returncode == 2 and done.stderr.startswith(line), (args, done.stderr[-2000:])
+        assert done.stderr.count("\n") == 1, done.stderr
 
 
 def test_paper_config_dry_runs_on_64_emulated_devices(compile_cache_env):
