@@ -40,6 +40,8 @@ setup(
         "matplotlib>=3.11",
     ],
     extras_require={
+        # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
+        "tensorboard": ["tensorboard>=2.21"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",
