@@ -45,6 +45,8 @@ setup(
         "cuda": ["jax[cuda12]==0.10.2"],
         "cuda13": ["jax[cuda13]==0.10.2"],
         "rocm": ["jax[rocm7-local]==0.10.2"],
+        # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
+        "tensorboard": ["tensorboard>=2.21"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",

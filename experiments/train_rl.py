@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import contextlib
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from experiments import _launch
+
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "RL config file (experiments/configs/*.py) with get_config().", lock_config=True
+    "config",
+    None,
+    "RL config file (experiments/configs/*.py) with get_config(); --print_config lists its fields.",
+    lock_config=True,
 )
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Compile the RL step for the configured mesh, print per-device memory, exit."
 )
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many RL steps in total (default: all).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the config (after overrides) and exit.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 flags.mark_flag_as_required("config")
 
 
@@ -49,8 +54,8 @@ def main(argv):
     from rstar2jax import train  # no JAX backend starts on import
 
     config = _CONFIG.value
-    if not train.launch_prologue(
-        config, kind="rl", dry_run_only=_DRY_RUN.value, print_config=_PRINT_CONFIG.value
+    if not _launch.prologue(
+        config, kind="rl", title="rl", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
     ):
         return
     with contextlib.ExitStack() as stack:
@@ -58,4 +63,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

@@ -24,12 +24,13 @@ import jax
 import numpy as np
 
 from rstar2jax.train.colocate import resolve_offload
+from rstar2jax.train.config import ConfigError
 
 GIB = float(2**30)
 
 
-class MemoryPlanError(ValueError):
-    """The configured run does not fit its devices; the message holds the whole plan."""
+class MemoryPlanError(ConfigError):
+    """The configured run does not fit its devices; the message holds the whole plan (launchers exit 2)."""
 
 
 def tree_bytes_per_device(tree: Any) -> int:

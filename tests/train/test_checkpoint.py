@@ -53,6 +53,7 @@ def _run_driver(workdir, env):
         _driver(workdir), env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 def _metrics(workdir):
@@ -90,5 +91,12 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path, compile_cache
     saved = Checkpointer(interrupted / "checkpoints").latest_step
     assert saved is not None and 2 <= saved < 6, saved  # resumes from a checkpoint, not from scratch
 
-    _run_driver(interrupted, env)
+    resumed = _run_driver(interrupted, env)
     assert _metrics(interrupted) == expected
+    where = (
+        f"stage 1/2 'stage1', step {saved} of 3"
+        if saved < 3
+        else f"stage 2/2 'stage2', step {saved - 3} of 3"
+    )
+    assert f"resuming RL from the checkpoint at step {saved} in " in resumed.stdout, resumed.stdout
+    assert f"checkpoints: {where}\n" in resumed.stdout, resumed.stdout

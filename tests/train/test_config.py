@@ -3,7 +3,15 @@
 import pytest
 
 from experiments.configs import paper_qwen3_14b, tiny_cpu
-from rstar2jax.train import ConfigError, stage, train_rl, train_sft, validate_rl_config, validate_sft_config
+from rstar2jax.train import (
+    ConfigError,
+    stage,
+    train_rl,
+    train_sft,
+    validate,
+    validate_rl_config,
+    validate_sft_config,
+)
 from rstar2jax.train.config import build_iteration_config, row_multiple
 
 
@@ -98,6 +106,32 @@ def test_fails_before_any_compute(tmp_path):
         train_sft(sft)
     validate_sft_config(sft, check_data=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_validate_checks_each_content_once(monkeypatch, tmp_path):
+    from rstar2jax.train import config as config_lib
+
+    calls = []
+    original = config_lib.validate_sft_config
+    monkeypatch.setattr(
+        config_lib, "validate_sft_config", lambda c, **kw: (calls.append(kw), original(c, **kw))
+    )
+    sft = tiny_cpu.get_config("sft")
+    sft.sft.data = str(tmp_path / "missing.jsonl")
+    validate(sft, "sft", check_data=False)
+    validate(sft, "sft", check_data=False)  # the same content: not checked again
+    assert calls == [{"check_data": False}]
+    with pytest.raises(ConfigError, match="config.sft.data="):  # a stricter check still runs
+        validate(sft, "sft")
+    (tmp_path / "missing.jsonl").write_text("")
+    validate(sft, "sft")
+    validate(sft, "sft", check_data=False)
+    assert len(calls) == 3
+    sft.sft.epochs = 0  # changed content: checked again
+    with pytest.raises(ConfigError, match=r"^config.sft.epochs=0: must be a positive integer$"):
+        validate(sft, "sft")
+    with pytest.raises(ValueError, match="kind='eval'"):
+        validate(sft, "eval")
 
 
 def test_shipped_configs():
