@@ -12,12 +12,10 @@ workdir.
 from __future__ import annotations
 
 from absl import flags
-from ml_collections import config_flags
 
 from experiments import _launch
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+_CONFIG = _launch.define_config(
     None,
     "Config file with get_config('sft'), e.g. experiments/configs/tiny_cpu.py:sft; --print_config lists "
     "its fields.",

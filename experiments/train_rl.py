@@ -13,12 +13,10 @@ from __future__ import annotations
 import contextlib
 
 from absl import flags
-from ml_collections import config_flags
 
 from experiments import _launch
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+_CONFIG = _launch.define_config(
     None,
     "RL config file (experiments/configs/*.py) with get_config(); --print_config lists its fields.",
     lock_config=True,

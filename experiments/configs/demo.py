@@ -17,6 +17,31 @@ from rstar2jax.train.config import rl_config, sft_config, stage
 FAMILIES = ("modpow", "lcm")
 
 
+#: The demo's own fields (``--print_config``); its ``sft`` and ``rl`` parts are ``train.config.FIELD_HELP``'s.
+FIELD_HELP = {
+    "task.num_train": "synthetic training problems",
+    "task.num_eval": "held-out problems (disjoint from the training ones)",
+    "task.families": "task families (modpow, lcm, gcd, count, digit_sum)",
+    "task.difficulty": "size of the numbers in the problems",
+    "sft_data.num_examples": "SFT conversations written, every tool call run in the sandbox",
+    "sft_data.fail_rate": "share of conversations whose first tool call is broken, then fixed",
+    "sft_data.bug_kinds": "kinds of broken first calls",
+    "prompt.paper": "the paper's prompt (system text, tool schema listed); False: the fields below",
+    "prompt.system_prompt": "system text when prompt.paper is False",
+    "prompt.user_prefix": "text put before each problem when prompt.paper is False",
+    "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
+    "tokenizer_vocab_size": "vocabulary of the BPE tokenizer the demo trains",
+    "tokenizer_digit_group": "numbers split into groups of up to this many digits, one token each",
+    "sandbox_workers": "workers of the local code sandbox",
+    "model.*": "a ModelConfig field of the demo's model (vocabulary from the tokenizer)",
+    "sft": "the SFT phase's train_sft config (model, tokenizer and data filled in by the demo)",
+    "rl": "the RL phase's train_rl config (policy, tokenizer and data filled in by the demo)",
+    "eval.samples": "samples per held-out problem (average pass@1 over them)",
+    "eval.max_response_length": "response budget of the held-out evaluation",
+    "eval.max_turns": "assistant turns of the held-out evaluation",
+}
+
+
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.workdir = "runs/demo"

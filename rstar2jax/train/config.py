@@ -258,16 +258,17 @@ FIELD_HELP = {
 
 def field_help(path: str, extra: dict[str, str] | None = None) -> str | None:
     """The meaning of config field ``path`` (``stages[2].steps`` reads ``stages.steps``), looked up in
-    ``extra`` first, then in ``FIELD_HELP``, each time with leading components dropped until one matches
-    (a demo config's ``rl.rl.keep`` is ``rl.keep``). None when no table knows it."""
+    ``extra`` first, then in ``FIELD_HELP`` with leading components dropped until one matches (a demo
+    config's ``rl.rl.keep`` is ``rl.keep``); ``a.*`` entries cover every field under ``a``. None when no
+    table knows it."""
     parts = re.sub(r"\[\d+\]", "", path).split(".")
-    for table in (extra or {}, FIELD_HELP):
-        for start in range(len(parts)):
+    for table, starts in ((extra or {}, 1), (FIELD_HELP, len(parts))):
+        for start in range(starts):
             if (name := ".".join(parts[start:])) in table:
                 return table[name]
-            inline_model = parts[start : start + 2] == ["model", "spec"] and len(parts) > start + 2
-            if inline_model and "model.spec.*" in table:
-                return table["model.spec.*"]
+            for end in range(len(parts) - 1, start, -1):  # "model.spec.*" covers model.spec.hidden_size
+                if (group := ".".join(parts[start:end]) + ".*") in table:
+                    return table[group]
     return None
 
 
