@@ -120,13 +120,20 @@ def test_validate_checks_each_content_once(monkeypatch, tmp_path):
     sft.sft.data = str(tmp_path / "missing.jsonl")
     validate(sft, "sft", check_data=False)
     validate(sft, "sft", check_data=False)  # the same content: not checked again
-    assert calls == [{"check_data": False}]
+    assert calls == [{"check_data": False, "check_paths": True}]
     with pytest.raises(ConfigError, match="config.sft.data="):  # a stricter check still runs
         validate(sft, "sft")
     (tmp_path / "missing.jsonl").write_text("")
     validate(sft, "sft")
     validate(sft, "sft", check_data=False)
     assert len(calls) == 3
+    validate(sft, "sft", check_paths=False)  # a weaker check than one passed: not run
+    assert len(calls) == 3
+    sft.tokenizer = str(tmp_path / "no_tokenizer")
+    validate(sft, "sft", check_paths=False)  # a later phase's config, before its files exist
+    with pytest.raises(ConfigError, match="config.tokenizer=.*no_tokenizer': is not a tokenizer folder"):
+        validate(sft, "sft")
+    sft.tokenizer = ""
     sft.sft.epochs = 0  # changed content: checked again
     with pytest.raises(ConfigError, match=r"^config.sft.epochs=0: must be a positive integer$"):
         validate(sft, "sft")
