@@ -63,6 +63,9 @@ def main(argv):
     from sandbox_server import start_local
 
     paths = pipeline.DemoPaths(config.workdir)
+    train.validate(pipeline.sft_run_config(config, paths), "sft", check_paths=False)
+    for mode in _MODES.value:  # every run's config is checked before the first starts
+        train.validate(pipeline.rl_run_config(config, paths, roc_mode=mode), "rl", check_paths=False)
     out = pathlib.Path(_WORKDIR.value)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"{mode}-seed{seed}" for seed in map(int, _SEEDS.value) for mode in _MODES.value]

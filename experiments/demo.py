@@ -57,6 +57,9 @@ def main(argv):
     from sandbox_server import start_local
 
     paths = pipeline.DemoPaths(config.workdir)
+    # Both phases' configs are checked now, not when RL starts after SFT (their files come later).
+    train.validate(pipeline.sft_run_config(config, paths), "sft", check_paths=False)
+    train.validate(pipeline.rl_run_config(config, paths), "rl", check_paths=False)
     if _FRESH.value:
         shutil.rmtree(paths.workdir, ignore_errors=True)
     paths.workdir.mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,7 @@ flags.mark_flag_as_required("config")
 def agent_rollout_fn(config, stack: contextlib.ExitStack):
     """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
     sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run) and the answer verifier."""
-    from rstar2jax.agent import PromptConfig
-    from rstar2jax.train.pipeline import policy_rollout
+    from rstar2jax.train.pipeline import policy_rollout, prompt_from_config
 
     if not config.tokenizer:
         raise ValueError("config.tokenizer is empty: the rollout needs the policy's tokenizer")
@@ -42,7 +41,7 @@ def agent_rollout_fn(config, stack: contextlib.ExitStack):
         from sandbox_server import start_local
 
         url = stack.enter_context(start_local(workers=config.rollout.sandbox_workers)).url
-    rollout_fn = policy_rollout(config, url, PromptConfig())
+    rollout_fn = policy_rollout(config, url, prompt_from_config(config))
     stack.callback(rollout_fn.close)
     return rollout_fn
 

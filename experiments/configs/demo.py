@@ -42,7 +42,39 @@ FIELD_HELP = {
 }
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
+    """``kind``: "demo" (the whole recipe: python -m experiments.demo / ablate_roc), or one phase of it for
+    the training launchers, on the files a demo run wrote in its work folder (default runs/demo; another
+    after a comma, e.g. ``demo.py:rl,runs/demo2``):
+
+      python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
+      python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2
+    """
+    kind, _, demo_workdir = kind.partition(",")
+    c = _demo_config()
+    c.workdir = demo_workdir or c.workdir
+    if kind == "demo":
+        return c
+    if kind not in ("sft", "rl"):
+        raise ValueError(f"get_config: kind={kind!r}; expected 'demo', 'sft' or 'rl' (optionally ',WORKDIR')")
+    from rstar2jax.train import pipeline
+
+    paths = pipeline.DemoPaths(c.workdir)
+    if kind == "rl":
+        run = pipeline.rl_run_config(c, paths)
+    else:
+        from rstar2jax.models.tokenizer import load_tokenizer
+
+        have_tokenizer = (paths.tokenizer / "tokenizer.json").exists()
+        run = pipeline.sft_run_config(c, paths, load_tokenizer(paths.tokenizer) if have_tokenizer else None)
+    run.notice = (
+        f"the demo's {kind.upper()} phase on the files `python -m experiments.demo --workdir={c.workdir}` "
+        "wrote (run it first)"
+    )
+    return run
+
+
+def _demo_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.workdir = "runs/demo"
     c.seed = 0
@@ -96,6 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft = sft
 
     rl = rl_config()
+    del rl["prompt"]  # the RL phase uses the demo's prompt (above), the one its SFT data were written in
     rl.optimizer.learning_rate = 5e-4
     rl.optimizer.warmup_steps = 1
     rl.optimizer.weight_decay = 0.0

@@ -76,6 +76,9 @@ def rl_config() -> ml_collections.ConfigDict:
             limit=placeholder(int),
         )
     )
+    # What the policy sees around a problem (PromptConfig): the paper's prompt, or the fields below. SFT data
+    # written for this policy must use the same prompt (the demo copies its own prompt here).
+    c.prompt = ml_collections.ConfigDict(dict(paper=True, system_prompt="", user_prefix="", list_tools=True))
     c.loss = ml_collections.ConfigDict(
         dict(
             eps_low=0.2,

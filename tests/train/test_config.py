@@ -2,7 +2,8 @@
 
 import pytest
 
-from experiments.configs import paper_qwen3_14b, tiny_cpu
+from experiments import _launch
+from experiments.configs import demo, paper_qwen3_14b, tiny_cpu
 from rstar2jax.train import (
     ConfigError,
     stage,
@@ -174,3 +175,38 @@ def test_shipped_configs():
     )
     with pytest.raises(ValueError, match="kind='eval'"):
         tiny_cpu.get_config("eval")
+
+
+#: Every shipped config with every launcher that makes sense for it: (config module, get_config argument,
+#: kind the launcher trains). The demo's phases point into a demo work folder (checked without its files).
+LAUNCHABLE = [
+    (tiny_cpu, "rl", "rl"),  # experiments.train_rl
+    (tiny_cpu, "sft", "sft"),  # experiments.sft
+    (paper_qwen3_14b, "rl", "rl"),  # experiments.train_rl (--dry_run here; a cluster for real)
+    (paper_qwen3_14b, "sft", "sft"),  # experiments.sft
+    (demo, "sft", "sft"),  # experiments.sft on a demo run's files
+    (demo, "rl,runs/other_demo", "rl"),  # experiments.train_rl on a demo run's files
+]
+
+
+@pytest.mark.parametrize("module, argument, kind", LAUNCHABLE)
+def test_shipped_configs_for_every_launcher(module, argument, kind):
+    config = module.get_config(argument)
+    validate(config, kind, check_data=False, check_paths=module is not demo)
+    lines = _launch.describe_config(config)  # --print_config: every field has a meaning
+    assert lines and not [line for line in lines if line.endswith("# (no description)")]
+    if module is demo:
+        assert config.workdir.startswith("runs/other_demo/" if "," in argument else "runs/demo/")
+        assert "python -m experiments.demo" in config.notice
+    if kind == "rl":  # the policy is prompted as its SFT data were written
+        expected = demo.get_config().prompt if module is demo else {"paper": True}
+        assert config.prompt.paper == expected["paper"]
+    if module is tiny_cpu:
+        assert "smoke test" in config.notice
+    with pytest.raises(ValueError, match="kind='eval'"):
+        module.get_config("eval")
+
+
+def test_demo_config_fields_all_have_a_meaning():
+    lines = _launch.describe_config(demo.get_config(), demo.FIELD_HELP)
+    assert len(lines) > 100 and not [line for line in lines if line.endswith("# (no description)")]
