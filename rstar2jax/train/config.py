@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from rstar2jax import algo
+from rstar2jax.data.problems import looks_local
 from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
@@ -355,8 +356,9 @@ def row_multiple(config) -> int:
     return config.num_microbatches * config.mesh.data * config.mesh.fsdp
 
 
-def validate_rl_config(config, *, check_paths: bool = True) -> None:
-    """Raises ``ConfigError`` naming the first invalid field; runs before any model is built."""
+def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = True) -> None:
+    """Raises ``ConfigError`` naming the first invalid field; runs before any model is built
+    (``check_data=False``: dry runs need no problem set; ``check_paths=False``: no file need exist yet)."""
     _validate_common(config, check_paths=check_paths)
     _one_of(config, "loss.agg", algo.AGG_MODES)
     _check(config, "loss.eps_low", lambda v: 0 < v < 1, "must be in (0, 1)")
@@ -402,6 +404,12 @@ def validate_rl_config(config, *, check_paths: bool = True) -> None:
             )
     if not config.data.source and not config.stages[0].dataset:
         raise ConfigError("config.data.source is empty and config.stages[0].dataset names no dataset")
+    if check_data and check_paths:  # a local problem file that is not there fails now, not at its stage
+        missing = "does not exist (a local path; hub dataset names are 'name' or 'org/name')"
+        _check(config, "data.source", lambda v: not v or os.path.exists(v) or not looks_local(v), missing)
+        for i, s in enumerate(config.stages):
+            if s.dataset and not os.path.exists(s.dataset) and looks_local(s.dataset):
+                raise ConfigError(f"config.stages[{i}].dataset={s.dataset!r}: {missing}")
     _positive_int(config, "filter_batch_size")
 
 
@@ -445,7 +453,7 @@ def validate(config, kind: str, *, check_data: bool = True, check_paths: bool = 
     if done is not None and all(d >= w for d, w in zip(done, wanted, strict=True)):
         return
     if kind == "rl":
-        validate_rl_config(config, check_paths=check_paths)
+        validate_rl_config(config, check_data=check_data, check_paths=check_paths)
     else:
         validate_sft_config(config, check_data=check_data, check_paths=check_paths)
     if len(_ACCEPTED) > 64:

@@ -109,6 +109,23 @@ def test_fails_before_any_compute(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_missing_local_problem_files_fail_unless_dry_run(tmp_path):
+    config = tiny_cpu.get_config()
+    config.data.source = str(tmp_path / "rl.jsonl")
+    with pytest.raises(ConfigError, match=r"^config.data.source='.*rl.jsonl': does not exist \(a local path"):
+        validate_rl_config(config)
+    validate_rl_config(config, check_data=False)  # a dry run needs no problems
+    config.data.source = "org/hub_set"  # a hub name is not checked here
+    validate_rl_config(config)
+    config.stages[1].dataset = "data/hard.parquet"
+    with pytest.raises(ConfigError, match=r"^config.stages\[1\].dataset='data/hard.parquet': does not exist"):
+        validate_rl_config(config)
+    paper = paper_qwen3_14b.get_config()  # its problem set is a placeholder path: fine for --dry_run
+    validate(paper, "rl", check_data=False)
+    with pytest.raises(ConfigError, match="config.data.source='data/rstar2_agent_rl_42k.jsonl': does not"):
+        validate(paper, "rl")
+
+
 def test_validate_checks_each_content_once(monkeypatch, tmp_path):
     from rstar2jax.train import config as config_lib
 
@@ -144,7 +161,7 @@ def test_validate_checks_each_content_once(monkeypatch, tmp_path):
 
 def test_shipped_configs():
     paper = paper_qwen3_14b.get_config()
-    validate_rl_config(paper)
+    validate_rl_config(paper, check_data=False)  # its problem set is a placeholder path (see below)
     assert (paper.rl.prompts_per_step, paper.rl.samples_per_problem, paper.rl.keep) == (512, 32, 16)
     assert [(s.max_response_length, s.steps, s.max_turns) for s in paper.stages] == [
         (8192, 300, 10),
