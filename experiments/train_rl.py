@@ -2,9 +2,12 @@
 
   python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.workdir=runs/tiny
   python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py --dry_run
+  python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2
+  python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --print_config  # fields, meanings
 
 Any config field can be overridden: --config.rl.keep=8 --config.stages[0].steps=10 --config.mesh.fsdp=8.
-A run resumes from the latest checkpoint in its workdir. --dry_run compiles the update step for the configured
+A run resumes from the latest checkpoint in its workdir; Ctrl-C saves a checkpoint and stops; a bad config
+value exits 2 naming the field. --dry_run compiles the update step for the configured
 mesh on abstract shapes (emulating CPU devices when the host has fewer) and prints per-device memory.
 """
 
