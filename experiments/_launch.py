@@ -57,14 +57,29 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         fail(f"{e} (--help lists the flags, --print_config the config fields)")
     except (AttributeError, KeyError) as e:  # an override naming no config field (ml_collections)
-        detail: object = e
-        while isinstance(detail, BaseException) and detail.args:  # AttributeError(KeyError("'kep'\nDid..."))
-            detail = detail.args[0]
-        key, _, hint = str(detail).partition("\n")
-        key = key.strip("'\"")
-        arg = _override_arg(argv[1:], key)
-        fail(f"{arg or 'config override'}: no config field {key!r}{'; ' + hint if hint else ''}")
+        _unknown_field(argv, e)
     return []  # not reached
+
+
+def _unknown_field(argv: list[str], error: Exception) -> None:
+    detail: object = error
+    while isinstance(detail, BaseException) and detail.args:  # AttributeError(KeyError("'kep'\nDid..."))
+        detail = detail.args[0]
+    key, _, hint = str(detail).partition("\n")
+    key = key.strip("'\"")
+    arg = _override_arg(argv[1:], key)
+    fail(f"{arg or 'config override'}: no config field {key!r}{'; ' + hint if hint else ''}")
+
+
+def define_config(default: str | None, help_text: str, *, lock_config: bool = True):
+    """``config_flags.DEFINE_config_file("config", ...)``. With a default file ml_collections applies the
+    command line's overrides right here, at import; an override naming no field is then one line, exit 2."""
+    from ml_collections import config_flags
+
+    try:
+        return config_flags.DEFINE_config_file("config", default, help_text, lock_config=lock_config)
+    except (AttributeError, KeyError) as e:
+        _unknown_field(sys.argv, e)
 
 
 def _on_signal(signum, frame) -> None:

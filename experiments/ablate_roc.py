@@ -23,13 +23,13 @@ import json
 import pathlib
 import time
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+from experiments import _launch
+
+_CONFIG = _launch.define_config(
     "experiments/configs/demo.py",
-    "Demo config (the RL recipe and the SFT policy's recipe).",
+    "Demo config (the RL recipe and the SFT policy's recipe); --print_config lists its fields.",
     lock_config=False,
 )
 _DEMO_WORKDIR = flags.DEFINE_string(
@@ -40,6 +40,7 @@ _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs both m
 _MODES = flags.DEFINE_list("modes", ["paper", "uniform"], "roc_mode values to compare.")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 
 #: What the ablation compares over steps (names logged by the RL iteration).
 CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
@@ -48,19 +49,29 @@ LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO"}
 
 def main(argv):
     del argv
-    if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if _DEMO_WORKDIR.value:
         config.workdir = _DEMO_WORKDIR.value
+    if _PRINT_CONFIG.value:
+        from experiments.configs.demo import FIELD_HELP
+
+        _launch.print_config(config, FIELD_HELP)
+        return
     from rstar2jax import train
     from rstar2jax.eval import report
     from rstar2jax.train import pipeline
     from sandbox_server import start_local
 
     paths = pipeline.DemoPaths(config.workdir)
+    train.validate(pipeline.sft_run_config(config, paths), "sft", check_paths=False)
+    for mode in _MODES.value:  # every run's config is checked before the first starts
+        train.validate(pipeline.rl_run_config(config, paths, roc_mode=mode), "rl", check_paths=False)
     out = pathlib.Path(_WORKDIR.value)
     out.mkdir(parents=True, exist_ok=True)
+    names = [f"{mode}-seed{seed}" for seed in map(int, _SEEDS.value) for mode in _MODES.value]
+    _launch.announce(
+        "RoC ablation", out, runs={"sft": paths.sft_run, **{n: out / n for n in names}}, config=config.rl
+    )
     pipeline.configure_compile_cache(_COMPILE_CACHE.value)
     timer = pipeline.PhaseTimer()
     runs: dict[str, list[list[dict]]] = {LABELS.get(m, m): [] for m in _MODES.value}
@@ -117,4 +128,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

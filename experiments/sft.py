@@ -2,22 +2,22 @@
 
   python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --config.sft.data=sft.jsonl
   python -m experiments.sft --config=experiments/configs/paper_qwen3_14b.py:sft --dry_run
+  python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
+  python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --print_config  # fields, meanings
 
 Data: JSONL rows of chats ({"messages": [...], "tools": [...]}, rendered with config.tokenizer's template,
 loss on assistant turns) or pre-tokenised {"input_ids": [...], "loss_mask": [...]}. Any config field can be
 overridden (--config.sft.epochs=1 --config.mesh.fsdp=8). A run resumes from the latest checkpoint in its
-workdir.
+workdir; Ctrl-C saves a checkpoint and stops; a bad config value exits 2 naming the field.
 """
 
 from __future__ import annotations
 
 from absl import flags
-from ml_collections import config_flags
 
 from experiments import _launch
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+_CONFIG = _launch.define_config(
     None,
     "Config file with get_config('sft'), e.g. experiments/configs/tiny_cpu.py:sft; --print_config lists "
     "its fields.",

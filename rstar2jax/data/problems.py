@@ -134,7 +134,7 @@ def _excerpt(row: Any, width: int = 160) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _looks_local(source: str) -> bool:
+def looks_local(source: str) -> bool:
     """Whether a missing ``source`` is meant as a local path, not a hub name (``name`` / ``org/name``)."""
     path = pathlib.Path(source).expanduser()
     return (
@@ -181,7 +181,7 @@ def _read_rows(source: str | os.PathLike, split: str) -> Iterable[Mapping[str, A
     if path.is_file():
         return _read_file(path)
     if not path.exists():
-        if _looks_local(str(source)):
+        if looks_local(str(source)):
             raise FileNotFoundError(f"problem source {str(source)!r} does not exist (no such file or folder)")
         return _read_hub(str(source), split)
 

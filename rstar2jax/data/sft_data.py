@@ -197,7 +197,7 @@ def build_sft_examples(
       bug_kinds: which ``BUG_KINDS`` to inject; each failing conversation gets one that applies to its code.
       seed: picks the failing conversations, their bug kinds and the misspelled names.
       max_workers: threads calling ``run_code`` (it must then be thread-safe; an HTTP sandbox client is).
-      progress: show a progress bar.
+      progress: show a progress bar (on a terminal only).
 
     Returns:
       One ``SFTExample`` per problem, in order. Raises RuntimeError if a broken call runs cleanly or the
@@ -230,7 +230,9 @@ def build_sft_examples(
     with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
         written = pool.map(write, problems, buggy_codes, chosen_kinds)
         return list(
-            tqdm.tqdm(written, total=len(problems), desc="sft data", unit="conv", disable=not progress)
+            tqdm.tqdm(
+                written, total=len(problems), desc="sft data", unit="conv", disable=None if progress else True
+            )
         )
 
 

@@ -132,14 +132,15 @@ async def evaluate_async(
       k: samples per problem (the paper: 16).
       pass_ks: extra pass@j to report (see ``aggregate``).
       max_concurrency: problems in flight at once (the engine batches their rollouts).
-      progress: show a progress bar over problems.
+      progress: show a progress bar over problems (on a terminal only).
     """
     if k < 1 or max_concurrency < 1:
         raise ValueError(f"k and max_concurrency must be >= 1, got {k} and {max_concurrency}")
     datasets = dict(problems) if isinstance(problems, Mapping) else {"eval": list(problems)}
     semaphore = asyncio.Semaphore(max_concurrency)
     total = sum(len(ds) for ds in datasets.values())
-    with tqdm.tqdm(total=total, desc="eval", unit="problem", disable=not progress) as bar:
+    # disable=None: no bar when stderr is not a terminal (a bar in a log file is one endless line)
+    with tqdm.tqdm(total=total, desc="eval", unit="problem", disable=None if progress else True) as bar:
 
         async def sample(problem: Problem) -> list[Trajectory]:
             async with semaphore:

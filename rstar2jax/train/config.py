@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from rstar2jax import algo
+from rstar2jax.data.problems import looks_local
 from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
@@ -77,6 +78,9 @@ def rl_config() -> ml_collections.ConfigDict:
             limit=placeholder(int),
         )
     )
+    # What the policy sees around a problem (PromptConfig): the paper's prompt, or the fields below. SFT data
+    # written for this policy must use the same prompt (the demo copies its own prompt here).
+    c.prompt = ml_collections.ConfigDict(dict(paper=True, system_prompt="", user_prefix="", list_tools=True))
     c.loss = ml_collections.ConfigDict(
         dict(
             eps_low=0.2,
@@ -270,16 +274,17 @@ FIELD_HELP = {
 
 def field_help(path: str, extra: dict[str, str] | None = None) -> str | None:
     """The meaning of config field ``path`` (``stages[2].steps`` reads ``stages.steps``), looked up in
-    ``extra`` first, then in ``FIELD_HELP``, each time with leading components dropped until one matches
-    (a demo config's ``rl.rl.keep`` is ``rl.keep``). None when no table knows it."""
+    ``extra`` first, then in ``FIELD_HELP`` with leading components dropped until one matches (a demo
+    config's ``rl.rl.keep`` is ``rl.keep``); ``a.*`` entries cover every field under ``a``. None when no
+    table knows it."""
     parts = re.sub(r"\[\d+\]", "", path).split(".")
-    for table in (extra or {}, FIELD_HELP):
-        for start in range(len(parts)):
+    for table, starts in ((extra or {}, 1), (FIELD_HELP, len(parts))):
+        for start in range(starts):
             if (name := ".".join(parts[start:])) in table:
                 return table[name]
-            inline_model = parts[start : start + 2] == ["model", "spec"] and len(parts) > start + 2
-            if inline_model and "model.spec.*" in table:
-                return table["model.spec.*"]
+            for end in range(len(parts) - 1, start, -1):  # "model.spec.*" covers model.spec.hidden_size
+                if (group := ".".join(parts[start:end]) + ".*") in table:
+                    return table[group]
     return None
 
 
@@ -319,7 +324,7 @@ def _one_of(config, path, options):
     return _check(config, path, lambda v: v in options, f"must be one of {tuple(options)}")
 
 
-def _validate_common(config, *, warmup_may_be_auto: bool = False) -> None:
+def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: bool = True) -> None:
     _check(config, "seed", _is_int, "must be an integer")
     _check(config, "workdir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
     sources = [name for name in ("path", "config_json") if _field(config, f"model.{name}")]
@@ -328,8 +333,10 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False) -> None:
         raise ConfigError(
             f"config.model: set exactly one of path / config_json / spec, got {sources or 'none'}"
         )
-    for name in ("path", "config_json"):
+    for name in ("path", "config_json") if check_paths else ():
         _check(config, f"model.{name}", lambda v: not v or os.path.exists(v), "does not exist")
+    if check_paths:
+        _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
@@ -361,10 +368,10 @@ def row_multiple(config) -> int:
     return config.num_microbatches * config.mesh.data * config.mesh.fsdp
 
 
-def validate_rl_config(config) -> None:
-    """Raises ``ConfigError`` naming the first invalid field; runs before any model is built."""
-    _validate_common(config)
-    _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
+def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = True) -> None:
+    """Raises ``ConfigError`` naming the first invalid field; runs before any model is built
+    (``check_data=False``: dry runs need no problem set; ``check_paths=False``: no file need exist yet)."""
+    _validate_common(config, check_paths=check_paths)
     _one_of(config, "loss.agg", algo.AGG_MODES)
     _check(config, "loss.eps_low", lambda v: 0 < v < 1, "must be in (0, 1)")
     _check(config, "loss.eps_high", lambda v: v > 0, "must be positive")
@@ -409,6 +416,12 @@ def validate_rl_config(config) -> None:
             )
     if not config.data.source and not config.stages[0].dataset:
         raise ConfigError("config.data.source is empty and config.stages[0].dataset names no dataset")
+    if check_data and check_paths:  # a local problem file that is not there fails now, not at its stage
+        missing = "does not exist (a local path; hub dataset names are 'name' or 'org/name')"
+        _check(config, "data.source", lambda v: not v or os.path.exists(v) or not looks_local(v), missing)
+        for i, s in enumerate(config.stages):
+            if s.dataset and not os.path.exists(s.dataset) and looks_local(s.dataset):
+                raise ConfigError(f"config.stages[{i}].dataset={s.dataset!r}: {missing}")
     _positive_int(config, "filter_batch_size")
     _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
@@ -422,12 +435,12 @@ def _check_stage_int(config, index: int, name: str) -> None:
         raise ConfigError(f"config.stages[{index}].{name}={value!r}: must be a positive integer")
 
 
-def validate_sft_config(config, *, check_data: bool = True) -> None:
-    """Raises ``ConfigError`` naming the first invalid field (``check_data=False``: dry runs need no data)."""
-    _validate_common(config, warmup_may_be_auto=True)
-    if check_data:
+def validate_sft_config(config, *, check_data: bool = True, check_paths: bool = True) -> None:
+    """Raises ``ConfigError`` naming the first invalid field (``check_data=False``: dry runs need no data;
+    ``check_paths=False``: neither data nor the model and tokenizer folders need to exist yet)."""
+    _validate_common(config, warmup_may_be_auto=True, check_paths=check_paths)
+    if check_data and check_paths:
         _check(config, "sft.data", lambda v: isinstance(v, str) and os.path.exists(v), "does not exist")
-    _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
     _positive_int(config, "sft.epochs")
     _positive_int(config, "sft.batch_size")
     _positive_int(config, "sft.seq_len")
@@ -435,29 +448,33 @@ def validate_sft_config(config, *, check_data: bool = True) -> None:
     _check(config, "sft.steps", lambda v: v is None or (_is_int(v) and v > 0), "must be None or positive")
 
 
-#: Configs ``validate`` accepted, by content: a run's config is checked once, however many entry points
-#: (launcher, ``train_rl`` / ``train_sft``, ``dry_run``) it passes through.
-_ACCEPTED: dict[tuple[str, str], bool] = {}
+#: Configs ``validate`` accepted, by content, with how much of them was checked: a run's config is checked
+#: once, however many entry points (launcher, ``train_rl`` / ``train_sft``, ``dry_run``) it passes through.
+_ACCEPTED: dict[tuple[str, str], tuple[bool, bool]] = {}
 KINDS = ("rl", "sft")
 
 
-def validate(config, kind: str, *, check_data: bool = True) -> None:
+def validate(config, kind: str, *, check_data: bool = True, check_paths: bool = True) -> None:
     """The one config check of a run: raises ``ConfigError`` naming the first invalid field, its value and
     what is allowed, before any compute. ``kind`` is "rl" or "sft"; ``check_data=False`` (dry runs) skips
-    the existence of SFT data. A config whose content passed before is not checked again, so launchers and
-    the library entry points they call share one check."""
+    the existence of SFT data, ``check_paths=False`` also that of the model and tokenizer folders (a recipe
+    checking a later phase's config before an earlier phase writes them). A config whose content passed an
+    equal or stricter check before is not checked again, so launchers and the library entry points they
+    call share one check."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
     key = (kind, config.to_json_best_effort(sort_keys=True))
-    if _ACCEPTED.get(key, False) or (not check_data and key in _ACCEPTED):
+    wanted = (check_paths, check_data and check_paths)
+    done = _ACCEPTED.get(key)
+    if done is not None and all(d >= w for d, w in zip(done, wanted, strict=True)):
         return
     if kind == "rl":
-        validate_rl_config(config)
+        validate_rl_config(config, check_data=check_data, check_paths=check_paths)
     else:
-        validate_sft_config(config, check_data=check_data)
+        validate_sft_config(config, check_data=check_data, check_paths=check_paths)
     if len(_ACCEPTED) > 64:
         _ACCEPTED.clear()
-    _ACCEPTED[key] = _ACCEPTED.get(key, False) or check_data or kind == "rl"
+    _ACCEPTED[key] = tuple(max(d, w) for d, w in zip(done or (False, False), wanted, strict=True))
 
 
 def _schedule_options(config, total_steps: int | None) -> dict[str, Any]:

@@ -215,15 +215,20 @@ def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
 
 
 def sft_run_config(
-    config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer
+    config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer=None
 ) -> ml_collections.ConfigDict:
-    """The ``train_sft`` config of the demo's SFT phase."""
+    """The ``train_sft`` config of the demo's SFT phase (``tokenizer`` None, before the demo trains it: the
+    vocabulary is ``config.tokenizer_vocab_size``, enough to check the config)."""
     c = ml_collections.ConfigDict(config.sft.to_dict())
     c.seed = config.seed
     c.workdir = str(paths.sft_run)
     c.tokenizer = str(paths.tokenizer)
     c.sft.data = str(paths.sft_data)
-    c.model.spec = ml_collections.ConfigDict(model_spec(config, tokenizer))
+    if tokenizer is None:
+        spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
+    else:
+        spec = model_spec(config, tokenizer)
+    c.model.spec = ml_collections.ConfigDict(spec)
     return c
 
 
@@ -243,6 +248,7 @@ def rl_run_config(
     c.tokenizer = str(paths.tokenizer)
     c.model.path = str(paths.sft_policy)
     c.data.source = str(paths.train_problems)
+    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data were written in
     if roc_mode is not None:
         c.rl.roc_mode = roc_mode
     return c
