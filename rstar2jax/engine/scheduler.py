@@ -704,6 +704,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._inflight: asyncio.Future | None = None  # the iteration running in the worker thread
 
     async def __aenter__(self) -> Engine:
         self._wakeup = asyncio.Event()
@@ -716,6 +717,11 @@ class Engine:
             await self._task
         except asyncio.CancelledError:
             pass
+        if self._inflight is not None:
+            await asyncio.wait([self._inflight])
+        for record in self._closes:  # host bookkeeping only: their slots and pages count as free again
+            self._core.close(record)
+        self._closes = []
         self._fail_all(RuntimeError("the engine was stopped"))
 
     async def open(
@@ -796,7 +802,11 @@ class Engine:
                 await asyncio.sleep(0)  # let ready coroutines queue their requests: bigger batches per round
                 waiting, starts, closes = list(self._waiting), self._starts, self._closes
                 self._starts, self._closes = [], []
-                admitted, ended = await asyncio.to_thread(self._iteration, waiting, starts, closes)
+                # Shielded: stopping the engine must not cancel an iteration before it ran (its closes would
+                # be lost); __aexit__ waits for it instead.
+                self._inflight = asyncio.ensure_future(
+                    asyncio.to_thread(self._iteration, waiting, starts, closes))
+                admitted, ended = await asyncio.shield(self._inflight)
                 for group in admitted:
                     _, future = self._waiting.popleft()
                     if not future.cancelled():

@@ -332,3 +332,19 @@ def test_decode_updates_the_pages_in_place(unstacked):
     pool_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.pages))
     assert memory.alias_size_in_bytes >= pool_bytes  # the state is donated and its pool aliased
     assert memory.temp_size_in_bytes < pool_bytes / 2
+
+
+def test_prefill_attention_memory_is_blocked_not_quadratic():
+    """A 1024-token prefill chunk attends block by block over the pages: its scratch memory stays well under
+    the [chunk, chunk] score matrix a dense prefill would build."""
+    config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
+    state = jax.eval_shape(lambda: init_state(config, num_slots=1, max_len=2048, attention="jnp",
+                                              block_tokens=128))
+    chunk = 1024
+    tokens, lengths = jax.ShapeDtypeStruct((1, chunk), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    slots = jax.ShapeDtypeStruct((1,), jnp.int32)
+    memory = append.lower(state, params, slots, tokens, lengths, sample=False).compile().memory_analysis()
+    dense_scores = chunk * chunk * config.num_heads * 4
+    assert memory.temp_size_in_bytes < dense_scores / 2
