@@ -60,15 +60,17 @@ def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _logprobs_and_entropy(params, model_config, batch: Batch, temperature: float = 1.0):
-    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each)."""
-    logits, _ = models.forward(
-        params, model_config, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
+    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each), from the final
+    hidden states by vocabulary chunks (``models.sequence_logprobs``: no ``[rows, seq_len, vocab]`` array)."""
+    return models.sequence_logprobs(
+        params,
+        model_config,
+        batch.tokens,
+        batch.targets,
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        temperature=temperature,
     )
-    logits = logits / temperature
-    logp = models.token_logprobs(logits, batch.targets)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    entropy = log_z - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-    return logp, entropy
 
 
 def sft_loss(params, batch: Batch, normalizer: jax.Array, *, model_config) -> tuple[jax.Array, dict]:
