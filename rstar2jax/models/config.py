@@ -28,7 +28,10 @@ class ModelConfig:
     ``compute_dtype`` the dtype matmuls run in (``"bfloat16"`` for mixed precision); softmax, norms and logits
     are always float32. ``attention`` picks the training attention's implementation (``models.attention``:
     ``"auto"`` = tokamax's kernels on NVIDIA GPUs, the blockwise XLA one elsewhere), ``attention_block_size``
-    the blockwise one's block. Change options with ``dataclasses.replace``.
+    the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks of that many tokens, each
+    rematerialised, when it divides the sequence: long-sequence training then holds the MLP's
+    ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
+    ``dataclasses.replace``.
     """
 
     model_type: str
@@ -52,6 +55,7 @@ class ModelConfig:
     remat_policy: str = "none"
     attention: str = "auto"
     attention_block_size: int = 512
+    mlp_chunk_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -100,6 +104,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_block_size must be a positive multiple of 8, got {self.attention_block_size!r}"
             )
+        if not isinstance(self.mlp_chunk_size, int) or self.mlp_chunk_size < 0:
+            raise ValueError(f"mlp_chunk_size must be an int >= 0, got {self.mlp_chunk_size!r}")
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             missing = [key for key in _LLAMA3_ROPE_KEYS if key not in scaling]

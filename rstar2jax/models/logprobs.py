@@ -41,7 +41,7 @@ def _chunk_logits(h, w, c, chunk, vd: bool, temperature):
     """z for vocabulary columns [start, start + chunk) (start clamped to V - chunk) and their ids."""
     vocab = w.shape[0] if vd else w.shape[1]
     start = jnp.minimum(c * chunk, vocab - chunk)
-    w_c = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=0 if vd else 1)
+    w_c = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=0 if vd else 1).astype(h.dtype)
     spec = "nd,vd->nv" if vd else "nd,dv->nv"
     z = jnp.einsum(spec, h, w_c, preferred_element_type=jnp.float32) / temperature
     ids = start + jnp.arange(chunk)
@@ -99,7 +99,7 @@ def _bwd(temperature, chunk, vd, residuals, cotangents):
         spec_h, spec_w = ("nv,vd->nd", "nv,nd->vd") if vd else ("nv,dv->nd", "nv,nd->dv")
         # Columns shared with the chunk before count once in dh; their dW is rewritten with the same value.
         d_h = d_h + jnp.einsum(
-            spec_h, jnp.where(fresh, d_z, 0.0).astype(w.dtype), w_c, preferred_element_type=jnp.float32
+            spec_h, jnp.where(fresh, d_z, 0.0).astype(h.dtype), w_c, preferred_element_type=jnp.float32
         )
         d_w_c = jnp.einsum(spec_w, d_z.astype(h.dtype), h, preferred_element_type=jnp.float32)
         d_w = jax.lax.dynamic_update_slice_in_dim(d_w, d_w_c.astype(d_w.dtype), start, axis=0 if vd else 1)
@@ -131,7 +131,8 @@ def token_logprobs_and_entropy(
     Args:
       hidden: ``[..., D]`` final (normed) hidden states.
       head: the output head, ``[D, V]`` (``head_layout="dv"``, an ``lm_head``) or ``[V, D]`` (``"vd"``, a
-        tied embedding).
+        tied embedding); each chunk is cast to ``hidden``'s dtype as it is read (no cast copy of the whole
+        head), and its gradient comes back in the head's own dtype.
       targets: int ``[...]`` target ids in ``[0, V)``.
       temperature: divides the logits (the sampler's temperature).
       chunk: vocabulary columns per block; default :func:`vocab_chunk` of the token count.

@@ -173,11 +173,28 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     x = constrain(x + out, _RESIDUAL_AXES)
 
     h = _rms_norm(x, layer["mlp_norm"], eps)
-    gate = checkpoint_name(constrain(jnp.einsum("btd,df->btf", h, layer["gate_proj"]), _MLP_AXES), "mlp_gate")
-    up = checkpoint_name(constrain(jnp.einsum("btd,df->btf", h, layer["up_proj"]), _MLP_AXES), "mlp_up")
-    out = checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["down_proj"]), "mlp_out")
-    x = constrain(x + out, _RESIDUAL_AXES)
+    x = constrain(x + _mlp(config, h, layer), _RESIDUAL_AXES)
     return x, new_kv
+
+
+def _mlp(config: ModelConfig, h, layer):
+    """SwiGLU MLP; with ``config.mlp_chunk_size`` dividing T (< T), over token chunks by ``lax.map``, each
+    chunk rematerialised, so its ``[B, T, intermediate]`` activations exist one chunk at a time."""
+
+    def mlp(h):
+        gate = constrain(jnp.einsum("btd,df->btf", h, layer["gate_proj"]), _MLP_AXES)
+        up = constrain(jnp.einsum("btd,df->btf", h, layer["up_proj"]), _MLP_AXES)
+        gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+        out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["down_proj"])
+        return checkpoint_name(out, "mlp_out")
+
+    B, T, D = h.shape
+    chunk = config.mlp_chunk_size
+    if not chunk or T <= chunk or T % chunk:
+        return mlp(h)
+    chunks = jnp.swapaxes(h.reshape(B, T // chunk, chunk, D), 0, 1)
+    out = jax.lax.map(jax.checkpoint(mlp), chunks)
+    return jnp.swapaxes(out, 0, 1).reshape(B, T, D)
 
 
 _PROJECTIONS = ("query", "key", "value", "attention_out", "mlp_gate", "mlp_up", "mlp_out")
@@ -280,7 +297,8 @@ def sequence_logprobs(
     ``[B, T]`` each), computed from :func:`hidden_states` by ``logprobs.token_logprobs_and_entropy``: no
     ``[B, T, V]`` array in the forward or the backward pass."""
     x = hidden_states(params, config, tokens, positions=positions, segment_ids=segment_ids)
-    head, layout = output_head(params, config)
+    # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
+    head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
     return token_logprobs_and_entropy(x, head, targets, temperature=temperature, head_layout=layout)
 
 

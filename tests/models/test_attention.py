@@ -9,7 +9,7 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.models import attention as attention_lib
-from tests.models.conftest import REFERENCE_CONFIG
+from tests.models.conftest import REFERENCE_CONFIG, logprob_loss
 
 # Rows of [3, 50]: contiguous segments of several lengths, a padding run (id 0), one whole row.
 SEGMENTS = np.array([[1] * 10 + [2] * 15 + [3] * 25, [1] * 33 + [0] * 17, [7] * 50], np.int32)
@@ -130,7 +130,6 @@ def test_model_with_blockwise_attention_matches_dense_on_packed_rows():
 @pytest.mark.parametrize("policy", ["save_projections", "save_attention", "full"])
 def test_remat_policies_keep_loss_and_gradients(reference, policy):
     variant = dataclasses.replace(reference.config, remat_policy=policy)
-    from tests.models.conftest import logprob_loss
 
     loss_and_grad = jax.value_and_grad(functools.partial(logprob_loss, config=variant), has_aux=True)
     (loss, _), grads = loss_and_grad(reference.params, reference.tokens)
@@ -146,3 +145,13 @@ def test_bad_attention_options_are_named():
         attention_lib.attention(q, k, v, SEGMENTS, block_size=12)
     with pytest.raises(ValueError, match="attention='flash'"):
         dataclasses.replace(REFERENCE_CONFIG, attention="flash")
+
+
+def test_token_chunked_mlp_keeps_loss_and_gradients(reference):
+    """mlp_chunk_size 4 over 12 tokens: three rematerialised chunks, the same loss and gradients."""
+    variant = dataclasses.replace(reference.config, mlp_chunk_size=4, remat_policy="full")
+
+    loss_and_grad = jax.value_and_grad(functools.partial(logprob_loss, config=variant), has_aux=True)
+    (loss, _), grads = loss_and_grad(reference.params, reference.tokens)
+    np.testing.assert_allclose(loss, reference.loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, reference.grads)
