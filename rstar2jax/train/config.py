@@ -259,11 +259,6 @@ def validate_rl_config(config) -> None:
     _one_of(config, "rl.std", algo.STD_MODES)
     _check(config, "rl.roc_eps", lambda v: v > 0, "must be positive")
     _positive_int(config, "batch.max_prompt_length")
-    if config.loss.agg != "token_mean" and config.batch.pack:
-        raise ConfigError(
-            f"config.batch.pack=True: loss.agg={config.loss.agg!r} averages per sequence and needs "
-            "one trajectory per row; set batch.pack=False"
-        )
     if not config.batch.pack:
         rows, multiple = config.rl.prompts_per_step * config.rl.keep, row_multiple(config)
         if rows % multiple:
