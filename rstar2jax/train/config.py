@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 from rstar2jax import algo
-from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES, RLLossConfig
@@ -33,8 +33,11 @@ def _common() -> ml_collections.ConfigDict:
     c.model.spec = ml_collections.ConfigDict()  # or inline ModelConfig fields: random init (tiny models)
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
-    c.model.remat_policy = "none"
+    c.model.remat_policy = "none"  # none | save_projections | save_attention | full (| dots | dots_no_batch)
     c.model.scan_layers = True
+    c.model.attention = "auto"  # auto (tokamax on NVIDIA GPUs, else blockwise) | blockwise | tokamax | xla
+    c.model.attention_block_size = 512  # the blockwise attention's query/key block
+    c.model.mlp_chunk_size = 0  # > 0: the MLP over rematerialised token chunks of this size
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
     c.optimizer = ml_collections.ConfigDict(
         dict(
@@ -206,6 +209,11 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False) -> None:
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
+    _one_of(config, "model.attention", ATTENTION_IMPLEMENTATIONS)
+    _check(
+        config, "model.attention_block_size", lambda v: v > 0 and v % 8 == 0, "must be a multiple of 8 (> 0)"
+    )
+    _check(config, "model.mlp_chunk_size", lambda v: v >= 0, "must be >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _positive_int(config, f"mesh.{axis}")
     _check(config, "optimizer.learning_rate", lambda v: v > 0, "must be positive")
