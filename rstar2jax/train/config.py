@@ -17,7 +17,7 @@ import ml_collections
 
 from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
-from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
@@ -37,8 +37,11 @@ def _common() -> ml_collections.ConfigDict:
     c.model.spec = ml_collections.ConfigDict()  # or inline ModelConfig fields: random init (tiny models)
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
-    c.model.remat_policy = "none"
+    c.model.remat_policy = "none"  # none | save_projections | save_attention | full (| dots | dots_no_batch)
     c.model.scan_layers = True
+    c.model.attention = "auto"  # auto (tokamax on NVIDIA GPUs, else blockwise) | blockwise | tokamax | xla
+    c.model.attention_block_size = 512  # the blockwise attention's query/key block
+    c.model.mlp_chunk_size = 0  # > 0: the MLP over rematerialised token chunks of this size
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
     c.optimizer = ml_collections.ConfigDict(
         dict(
@@ -340,6 +343,11 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
+    _one_of(config, "model.attention", ATTENTION_IMPLEMENTATIONS)
+    _check(
+        config, "model.attention_block_size", lambda v: v > 0 and v % 8 == 0, "must be a multiple of 8 (> 0)"
+    )
+    _check(config, "model.mlp_chunk_size", lambda v: v >= 0, "must be >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _positive_int(config, f"mesh.{axis}")
     _check(config, "optimizer.learning_rate", lambda v: v > 0, "must be positive")
@@ -394,11 +402,6 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _one_of(config, "rl.std", algo.STD_MODES)
     _check(config, "rl.roc_eps", lambda v: v > 0, "must be positive")
     _positive_int(config, "batch.max_prompt_length")
-    if config.loss.agg != "token_mean" and config.batch.pack:
-        raise ConfigError(
-            f"config.batch.pack=True: loss.agg={config.loss.agg!r} averages per sequence and needs "
-            "one trajectory per row; set batch.pack=False"
-        )
     if not config.batch.pack:
         rows, multiple = config.rl.prompts_per_step * config.rl.keep, row_multiple(config)
         if rows % multiple:

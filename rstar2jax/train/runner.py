@@ -45,6 +45,9 @@ def model_config_from(config) -> models.ModelConfig:
         compute_dtype=m.compute_dtype,
         remat_policy=m.remat_policy,
         scan_layers=m.scan_layers,
+        attention=m.attention,
+        attention_block_size=m.attention_block_size,
+        mlp_chunk_size=m.mlp_chunk_size,
     )
     if m.path or m.config_json:
         return models.config_from_hf(m.path or m.config_json, **options)
@@ -61,6 +64,9 @@ def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
             mesh=mesh,
             remat_policy=model_config.remat_policy,
             scan_layers=model_config.scan_layers,
+            attention=model_config.attention,
+            attention_block_size=model_config.attention_block_size,
+            mlp_chunk_size=model_config.mlp_chunk_size,
         )
         return params
     return models.init_params(model_config, jax.random.PRNGKey(config.seed), mesh=mesh)
@@ -543,6 +549,9 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         microbatch_rows=rows // config.num_microbatches,
         num_params=num_params,
         compile_seconds=time.perf_counter() - start,
+        attention=models.attention.resolve_implementation(model_config.attention),
+        remat_policy=model_config.remat_policy,
+        logprobs="vocabulary chunks (models.sequence_logprobs)",
     )
     if kind == "rl":
         report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report)
@@ -556,6 +565,7 @@ def format_dry_run(report: dict[str, Any]) -> str:
         f"compiled for {report['devices']} {report['platform']} devices, mesh {report['mesh']}, "
         f"{report['num_params'] / 1e6:,.1f}M parameters, batch {report['batch_shape']} "
         f"({report['microbatch_rows']} rows per micro-batch), compile {report['compile_seconds']:.1f}s",
+        f"attention {report['attention']}, remat {report['remat_policy']}, log-probs by {report['logprobs']}",
         "per-device memory of the compiled step:",
     ]
     for key in (

@@ -60,15 +60,17 @@ def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _logprobs_and_entropy(params, model_config, batch: Batch, temperature: float = 1.0):
-    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each)."""
-    logits, _ = models.forward(
-        params, model_config, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
+    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each), from the final
+    hidden states by vocabulary chunks (``models.sequence_logprobs``: no ``[rows, seq_len, vocab]`` array)."""
+    return models.sequence_logprobs(
+        params,
+        model_config,
+        batch.tokens,
+        batch.targets,
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        temperature=temperature,
     )
-    logits = logits / temperature
-    logp = models.token_logprobs(logits, batch.targets)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    entropy = log_z - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-    return logp, entropy
 
 
 def sft_loss(params, batch: Batch, normalizer: jax.Array, *, model_config) -> tuple[jax.Array, dict]:
@@ -88,19 +90,27 @@ def rl_loss(params, batch: Batch, normalizer: jax.Array, *, model_config, loss_c
     if loss_config.old_logprobs == "recompute":
         # One update per rollout batch: π_old is the current policy before this update.
         old_logp = jax.lax.stop_gradient(logp)
-    loss, metrics = algo.policy_loss(
+    policy_loss = functools.partial(
+        algo.policy_loss,
         logp,
         old_logp,
         batch.advantages,
-        batch.loss_mask,
         eps_low=loss_config.eps_low,
         eps_high=loss_config.eps_high,
         dual_clip=loss_config.dual_clip,
         entropy=entropy if loss_config.entropy_coef else None,
         entropy_coef=loss_config.entropy_coef,
-        agg=loss_config.agg,
         normalizer=normalizer,
     )
+    if loss_config.agg == "seq_mean_token_mean":
+        # Per sequence (segment), not per row: weight each loss token by 1 / its sequence's loss tokens and
+        # sum; the token-mean metrics come from the plain mask.
+        _, metrics = policy_loss(batch.loss_mask, agg="token_mean")
+        weights = batch.loss_mask / jnp.maximum(_segment_loss_tokens(batch.loss_mask, batch.segment_ids), 1.0)
+        loss, weighted = policy_loss(weights, agg="seq_mean_token_sum")
+        metrics.update({k: v for k, v in weighted.items() if k in (*_NORMALISED_METRICS, "entropy")})
+    else:
+        loss, metrics = policy_loss(batch.loss_mask, agg=loss_config.agg)
     # policy_loss's token means over this micro-batch, weighted by its token count, add up to token sums over
     # the batch; its terms already divided by the whole-batch normaliser add up as they are.
     tokens = jnp.sum(batch.loss_mask)
@@ -110,6 +120,26 @@ def rl_loss(params, batch: Batch, normalizer: jax.Array, *, model_config, loss_c
     token_sums["entropy"] = jax.lax.stop_gradient(_masked_sum(entropy, batch.loss_mask))
     totals = {k: v for k, v in metrics.items() if k in _NORMALISED_METRICS}
     return loss, {"token_sums": token_sums, "totals": totals}
+
+
+def _segment_loss_tokens(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Per position, the number of loss tokens in its sequence (its run of equal segment ids in the row)."""
+    starts = models.attention.segment_starts(segment_ids)
+    ends = segment_ids.shape[1] - 1 - models.attention.segment_starts(segment_ids[:, ::-1])[:, ::-1]
+    cumulative = jnp.cumsum(loss_mask, axis=1)  # exact: integer counts below 2^24
+    before = jnp.take_along_axis(cumulative - loss_mask, starts, axis=1)
+    return jnp.take_along_axis(cumulative, ends, axis=1) - before
+
+
+def sequence_loss_normalizer(loss_mask: jax.Array, segment_ids: jax.Array, *, agg: str) -> jax.Array:
+    """``algo.loss_normalizer`` with sequences as the packed segments rather than rows: the loss tokens
+    (``token_mean``) or the number of sequences with at least one loss token (the ``seq_mean_*`` modes), so a
+    packed batch has the normaliser of the same sequences padded one per row."""
+    if agg == "token_mean":
+        return algo.loss_normalizer(loss_mask, agg=agg)
+    algo.loss_normalizer(loss_mask, agg=agg)  # checks the mask and the mode
+    first = jnp.arange(loss_mask.shape[1]) == models.attention.segment_starts(segment_ids)
+    return jnp.sum(first & (_segment_loss_tokens(loss_mask, segment_ids) > 0)).astype(jnp.float32)
 
 
 def _strided_microbatches(batch: Batch, num_microbatches: int) -> Batch:
@@ -186,7 +216,7 @@ def rl_step(
     (clip fractions, approx KL, ratio).
     """
     tokens = jnp.sum(batch.loss_mask)
-    normalizer = algo.loss_normalizer(batch.loss_mask, agg=loss_config.agg)
+    normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)
     loss_fn = functools.partial(rl_loss, model_config=model_config, loss_config=loss_config)
     loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
     metrics = {k: v / jnp.maximum(tokens, 1.0) for k, v in sums["token_sums"].items()}
