@@ -35,7 +35,7 @@ flags.mark_flag_as_required("config")
 def agent_rollout_fn(config, stack: contextlib.ExitStack):
     """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
     sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run) and the answer verifier."""
-    from rstar2jax.train.pipeline import policy_rollout, prompt_from_config
+    from rstar2jax.train.policy import policy_rollout, prompt_from_config
 
     if not config.tokenizer:
         raise ValueError("config.tokenizer is empty: the rollout needs the policy's tokenizer")

@@ -57,16 +57,16 @@ def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
         return c
     if kind not in ("sft", "rl"):
         raise ValueError(f"get_config: kind={kind!r}; expected 'demo', 'sft' or 'rl' (optionally ',WORKDIR')")
-    from rstar2jax.train import pipeline
+    from experiments import demo_recipe as recipe
 
-    paths = pipeline.DemoPaths(c.workdir)
+    paths = recipe.DemoPaths(c.workdir)
     if kind == "rl":
-        run = pipeline.rl_run_config(c, paths)
+        run = recipe.rl_run_config(c, paths)
     else:
-        from rstar2jax.models.tokenizer import load_tokenizer
+        from rstar2jax.data.tokenizer import load_tokenizer
 
         have_tokenizer = (paths.tokenizer / "tokenizer.json").exists()
-        run = pipeline.sft_run_config(c, paths, load_tokenizer(paths.tokenizer) if have_tokenizer else None)
+        run = recipe.sft_run_config(c, paths, load_tokenizer(paths.tokenizer) if have_tokenizer else None)
     run.notice = (
         f"the demo's {kind.upper()} phase on the files `python -m experiments.demo --workdir={c.workdir}` "
         "wrote (run it first)"

@@ -11,10 +11,10 @@ point it at the base checkpoint, its tokenizer and a problem set:
       --config.model.path=/ckpt/Qwen3-1.7B-Base --config.model.config_json= \\
       --config.tokenizer=/ckpt/Qwen3-1.7B-Base --config.data.source=/data/rl.jsonl
 
-How it fits: float32 master weights (6.4 GiB) and AdamW moments (12.8 GiB) are needed only by the update, so
-the moments wait in pinned host memory while the engine runs (``colocate.optimizer_memory="host"``); the engine
-decodes from a bfloat16 cast of the weights with a KV page pool of 256K tokens (28 GiB at 112 KiB per token),
-freed again while the trainer runs (``colocate.release_kv_cache``). Training runs micro-batches of packed
+How it fits: float32 master weights (6.4 GiB) and AdamW moments (12.8 GiB) are needed only by the update,
+so the moments wait in pinned host memory while the engine runs (``colocate.optimizer_memory="host"``); the
+engine decodes from a bfloat16 cast of the weights with a KV page pool of 256K tokens (28 GiB at 112 KiB per
+token), freed again while the trainer runs (``colocate.release_kv_cache``). Training runs micro-batches of
 10K-token rows with full rematerialisation and chunked vocabulary log-probs.
 """
 
@@ -32,7 +32,7 @@ def get_config():
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "bfloat16"
     c.model.remat_policy = "full"
-    c.data.source = "data/rl_problems.jsonl"  # replace with your problem set (see README: bring your own data)
+    c.data.source = "data/rl_problems.jsonl"  # your problem set (README: bring your own data)
     c.data.integer_only = True
 
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1

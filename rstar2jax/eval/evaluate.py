@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import pathlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -18,8 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import numpy as np
 import tqdm.auto as tqdm
 
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem, load_problems
+from rstar2jax.data.trajectory import Trajectory, tool_error_ratios
 from rstar2jax.eval.pass_at_k import pass_at_1, pass_at_k
 
 #: ``await sample_fn(problem, k)`` -> k trajectories of ``problem`` with their binary rewards filled in.
@@ -59,21 +58,6 @@ class EvalResult:
             for name, ds in self.datasets.items()
             for key, value in ds.metrics.items()
         }
-
-
-def tool_error_ratios(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``tool_error_ratio`` (failed / all tool calls) and ``tool_error_ratio_correct`` (the same inside the
-    correct trajectories, reward > 0: the paper's Fig. 4). Each is NaN when those trajectories made no call:
-    no calls is not "no failed calls"."""
-
-    def ratio(group):
-        calls = sum(t.num_tool_calls for t in group)
-        return sum(t.num_failed_calls for t in group) / calls if calls else math.nan
-
-    return {
-        "tool_error_ratio": ratio(trajectories),
-        "tool_error_ratio_correct": ratio([t for t in trajectories if t.reward > 0]),
-    }
 
 
 def aggregate(

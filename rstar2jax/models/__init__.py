@@ -1,7 +1,6 @@
 """Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding."""
 
 from rstar2jax.models import attention  # the module: attention.attention, .IMPLEMENTATIONS
-from rstar2jax.models.checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
     REMAT_POLICIES,
@@ -9,6 +8,7 @@ from rstar2jax.models.config import (
     config_from_hf,
     config_to_hf,
 )
+from rstar2jax.models.hf_checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
 from rstar2jax.models.sharding import (

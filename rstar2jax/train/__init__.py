@@ -1,10 +1,11 @@
-"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics, the staged recipe.
+"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics, policy export and evaluation.
 
 Importing this package does not start JAX's backends, so launchers can still request emulated devices
 (``request_host_devices``) or join a multi-host run (``initialize_distributed``) afterwards.
 """
 
-from rstar2jax.train.batch import Batch, TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.data.sft_data import load_sft_sequences
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import (
     ConfigError,
@@ -36,7 +37,6 @@ from rstar2jax.train.runner import (
     train_sft,
 )
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, request_host_devices
-from rstar2jax.train.sft_data import load_sft_sequences
 from rstar2jax.train.state import (
     TrainState,
     init_train_state,

@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from rstar2jax import algo
+from rstar2jax.data.batch import Batch, build_batch, trajectory_sequence
 from rstar2jax.data.problems import Problem
-from rstar2jax.eval.evaluate import tool_error_ratios
+from rstar2jax.data.trajectory import tool_error_ratios
 from rstar2jax.train import colocate
-from rstar2jax.train.batch import Batch, build_batch, trajectory_sequence
 from rstar2jax.train.state import TrainState
 
 RolloutFn = Callable[..., list["Trajectory"]]
@@ -35,7 +35,7 @@ RolloutFn = Callable[..., list["Trajectory"]]
 RewardFn = Callable[[Problem, "Trajectory"], float]
 
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
-    from rstar2jax.agent.trajectory import Trajectory
+    from rstar2jax.data.trajectory import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,16 +22,16 @@ import optax
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.data.batch import Batch, build_batch
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
+from rstar2jax.data.sft_data import load_sft_sequences
 from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
-from rstar2jax.train.batch import Batch, build_batch
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.rl import RewardFn, RolloutFn, filter_hard_problems, put_batch, rl_iteration
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, mesh_size, request_host_devices
-from rstar2jax.train.sft_data import load_sft_sequences
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
 
@@ -414,7 +414,7 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
 def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
     """Runs (or resumes) SFT on ``config.sft.data``; returns the metrics history."""
     config_lib.validate(config, "sft")
-    from rstar2jax.models.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
+    from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     sequences, skipped = load_sft_sequences(config.sft.data, tokenizer)

@@ -18,8 +18,8 @@ import numpy as np
 
 from rstar2jax.data import packing
 
-if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
-    from rstar2jax.agent.trajectory import Trajectory
+if TYPE_CHECKING:
+    from rstar2jax.data.trajectory import Trajectory
 
 
 @flax.struct.dataclass
