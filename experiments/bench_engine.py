@@ -55,6 +55,7 @@ import numpy as np
 
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
 from rstar2jax.engine.paged_attention import init_pages
+from rstar2jax.engine.scheduler import engine_params
 from rstar2jax.models import config_from_hf, init_params, load_pretrained
 
 MODEL_CONFIGS = os.path.join(os.path.dirname(__file__), "model_configs")  # copies with provenance (README)
@@ -277,8 +278,11 @@ def _clock() -> float:
 
 
 def _model(shape: str, dtype: str = "float32"):
+    """Random weights of ``shape``, already in the layout the engine decodes from (so each engine built on
+    them uses them as they are: one copy in memory)."""
     config = config_from_hf(_hf_config(shape), param_dtype=dtype, compute_dtype=dtype)
-    return config, init_params(config, jax.random.key(0))
+    params = init_params(config, jax.random.key(0))
+    return config, engine_params(params, config)
 
 
 def _scale_core(params, config, *, slots: int, max_len: int, tokens_per_slot: int, chunk: int, bucket: int,
