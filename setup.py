@@ -40,6 +40,9 @@ setup(
         "matplotlib>=3.11",
     ],
     extras_require={
+        # tokamax's fused attention kernels (models.attention, "auto" on NVIDIA GPUs); its private Mask API is
+        # used, hence the pin. Without it "auto" uses the blockwise XLA attention.
+        "gpu": ["tokamax==0.0.12"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",
@@ -53,6 +56,7 @@ setup(
             "traitlets>=5.16",
             "ruff>=0.17",
             "torch==2.13.0",
+            "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
         ],
     },
 )

@@ -279,6 +279,10 @@ def memory_main() -> None:
     packed_s = time_rl_step(small, packed, _STEPS.value)
     padded_s = time_rl_step(small, padded, _STEPS.value)
     ratio = padded_s / packed_s
+    # No regression at 2048 tokens: the small shape, 2 full rows of 2048, blockwise vs dense attention.
+    rows_2048 = _packed_batch([2049, 2049], 2048, small.vocab_size, pack=False)
+    blockwise_s = time_rl_step(small, rows_2048, _STEPS.value)
+    dense_s = time_rl_step(dataclasses.replace(small, attention="xla"), rows_2048, _STEPS.value)
 
     print(
         "rl_step compiled temporaries, Qwen3-0.6B shape with 2 layers, vocabulary 151,936, one packed row, "
@@ -295,6 +299,10 @@ def memory_main() -> None:
         f"padded {padded.shape[0]} rows x 2048: {real_tokens / padded_s:.0f} tokens/s; ratio {ratio:.2f}"
     )
     print(
+        f"small shape, 2 x 2048 tokens: blockwise attention {4096 / blockwise_s:.0f} tokens/s, dense "
+        f"{4096 / dense_s:.0f} tokens/s (ratio {dense_s / blockwise_s:.2f})"
+    )
+    print(
         json.dumps(
             {
                 "temp_gib_8192": round(temp[8192] / GIB, 3),
@@ -305,6 +313,7 @@ def memory_main() -> None:
                 "packed_tokens_per_s_ratio": round(ratio, 3),
                 "packed_tokens_per_s": round(real_tokens / packed_s, 1),
                 "padded_tokens_per_s": round(real_tokens / padded_s, 1),
+                "blockwise_over_dense_tokens_per_s_2048": round(dense_s / blockwise_s, 3),
                 "packed_rows": packed.shape[0],
                 "padded_rows": padded.shape[0],
                 "device": "cpu",
