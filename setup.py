@@ -42,8 +42,10 @@ setup(
     extras_require={
         # GPU backends: JAX's plugins at the JAX version this project is tested with. Pick the one that
         # matches the machine's driver (`nvidia-smi` shows the CUDA version; ROCm 7 for AMD Instinct GPUs).
-        "cuda": ["jax[cuda12]==0.10.2"],
-        "cuda13": ["jax[cuda13]==0.10.2"],
+        # On NVIDIA, tokamax's fused attention kernels come too (models.attention "auto"); its private Mask
+        # API is used, hence the pin. Without it "auto" uses the blockwise XLA attention.
+        "cuda": ["jax[cuda12]==0.10.2", "tokamax==0.0.12"],
+        "cuda13": ["jax[cuda13]==0.10.2", "tokamax==0.0.12"],
         "rocm": ["jax[rocm7-local]==0.10.2"],
         # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
         "tensorboard": ["tensorboard>=2.21"],
@@ -59,6 +61,7 @@ setup(
             "traitlets>=5.16",
             "ruff>=0.17",
             "torch==2.13.0",
+            "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
         ],
     },
 )

@@ -17,9 +17,9 @@ its 28 layers and one row (fp32 weights + AdamW of all 28 need ~10 GiB per proce
 (151,936), one packed row, float32, remat "full" and the MLP in 512-token chunks: at 2048 tokens and at
 8192 (4 trajectories of 2048); against the same step with dense attention (the quadratic baseline) at 8192
 and the float32 [8192, V] logits the trainer used to hold. Then ``rl_step`` tokens/s (real tokens) of the
-small shape on 16 trajectories with lengths drawn from 64-2048, packed first-fit decreasing into 2048-token
-rows, against the same trajectories padded one per row. JSON keys: temp_gib_8192, temp_ratio_8192_over_2048,
-packed_tokens_per_s_ratio.
+small shape on 8 trajectories (--trajectories) with lengths drawn from 64-2048, packed first-fit decreasing
+into 2048-token rows, against the same trajectories padded one per row; and one 2048-token row with
+blockwise vs dense attention. JSON keys: temp_gib_8192, temp_ratio_8192_over_2048, packed_tokens_per_s_ratio.
 
 ``--gpu``: Qwen3-1.7B (28 layers), float32 master weights and AdamW, bfloat16 compute, remat "full",
 attention "auto" (tokamax), 8 rows x 8192 tokens: tokens/s and MFU (model FLOPs: 6 x parameters x tokens
@@ -41,6 +41,7 @@ _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per run (after one warm-u
 _FULL_DEPTH = flags.DEFINE_bool("full_depth", False, "run all 28 layers of the Qwen3-0.6B shape")
 _WORKER = flags.DEFINE_string("worker", None, "internal: run one 'framework:shape' measurement")
 _MEMORY = flags.DEFINE_bool("memory", False, "long-context memory and packing figures (issue 22)")
+_TRAJECTORIES = flags.DEFINE_integer("trajectories", 8, "--memory: trajectories in the packing batch")
 _GPU = flags.DEFINE_bool("gpu", False, "Qwen3-1.7B rl_step at 8 x 8192, bf16, on the default GPU")
 _GPU_ROWS = flags.DEFINE_integer("gpu_rows", 8, "--gpu: rows per step")
 _GPU_SEQ_LEN = flags.DEFINE_integer("gpu_seq_len", 8192, "--gpu: tokens per row")
@@ -260,39 +261,47 @@ def memory_main() -> None:
     long_context = models.config_from_hf(
         shape, remat_policy="full", mlp_chunk_size=512, attention="blockwise", attention_block_size=256
     )
+    print(
+        "rl_step compiled temporaries, Qwen3-0.6B shape with 2 layers, vocabulary 151,936, one packed row, "
+        "fp32, remat full, MLP in 512-token chunks (XLA memory analysis, CPU)",
+        flush=True,
+    )
+    print(f"{'tokens':>8}{'attention':>12}{'temp GiB':>10}", flush=True)
     temp = {}
     for tokens in (2048, 8192):
-        batch = _packed_batch([2048] * (tokens // 2048), tokens, long_context.vocab_size, pack=True)
+        batch = _packed_batch([2049] * (tokens // 2048), tokens, long_context.vocab_size, pack=True)
         assert batch.shape == (1, tokens), batch.shape  # one packed row
         temp[tokens] = compiled_temp_bytes(long_context, batch)
-    batch = _packed_batch([2048] * 4, 8192, long_context.vocab_size, pack=True)
+        print(f"{tokens:>8}{'blockwise':>12}{temp[tokens] / GIB:>10.3f}", flush=True)
     dense = compiled_temp_bytes(dataclasses.replace(long_context, attention="xla"), batch)
+    print(f"{8192:>8}{'dense':>12}{dense / GIB:>10.3f}", flush=True)
     logits_gib = 8192 * long_context.vocab_size * 4 / GIB
+    print(f"(the float32 [8192, V] logits the trainer used to materialise: {logits_gib:.2f} GiB)", flush=True)
 
-    # Packing: the small shape, 16 trajectories of 64-2048 tokens (+1: a trajectory of n tokens fills n - 1
-    # positions), packed vs padded one per row.
+    # Packing: the small shape, trajectories of 64-2048 tokens (+1: a trajectory of n tokens fills n - 1
+    # positions), packed first-fit decreasing vs padded one per row.
     small = models.config_from_hf(hf_config("small", False))
-    lengths = np.random.default_rng(0).integers(64, 2049, 16) + 1
+    lengths = np.random.default_rng(0).integers(64, 2049, _TRAJECTORIES.value) + 1
     real_tokens = int(np.sum(lengths - 1))
     packed = _packed_batch(lengths, 2048, small.vocab_size, pack=True)
     padded = _packed_batch(lengths, 2048, small.vocab_size, pack=False)
     packed_s = time_rl_step(small, packed, _STEPS.value)
     padded_s = time_rl_step(small, padded, _STEPS.value)
     ratio = padded_s / packed_s
-
     print(
-        "rl_step compiled temporaries, Qwen3-0.6B shape with 2 layers, vocabulary 151,936, one packed row, "
-        "fp32, remat full, MLP in 512-token chunks (XLA memory analysis, CPU)"
-    )
-    print(f"{'tokens':>8}{'attention':>12}{'temp GiB':>10}")
-    print(f"{2048:>8}{'blockwise':>12}{temp[2048] / GIB:>10.3f}")
-    print(f"{8192:>8}{'blockwise':>12}{temp[8192] / GIB:>10.3f}")
-    print(f"{8192:>8}{'dense':>12}{dense / GIB:>10.3f}")
-    print(f"(the float32 [8192, V] logits the trainer used to materialise: {logits_gib:.2f} GiB)")
-    print(
-        f"packing, small shape, 16 trajectories of 64-2048 tokens ({real_tokens} real tokens): "
+        f"packing, small shape, {len(lengths)} trajectories of 64-2048 tokens ({real_tokens} real tokens): "
         f"packed {packed.shape[0]} rows x 2048: {real_tokens / packed_s:.0f} tokens/s; "
-        f"padded {padded.shape[0]} rows x 2048: {real_tokens / padded_s:.0f} tokens/s; ratio {ratio:.2f}"
+        f"padded {padded.shape[0]} rows x 2048: {real_tokens / padded_s:.0f} tokens/s; ratio {ratio:.2f}",
+        flush=True,
+    )
+    # No regression at 2048 tokens: the small shape, one full row of 2048, blockwise vs dense attention.
+    row_2048 = _packed_batch([2049], 2048, small.vocab_size, pack=False)
+    blockwise_s = time_rl_step(small, row_2048, _STEPS.value)
+    dense_s = time_rl_step(dataclasses.replace(small, attention="xla"), row_2048, _STEPS.value)
+    print(
+        f"small shape, 1 x 2048 tokens: blockwise attention {2048 / blockwise_s:.0f} tokens/s, dense "
+        f"{2048 / dense_s:.0f} tokens/s (ratio {dense_s / blockwise_s:.2f})",
+        flush=True,
     )
     print(
         json.dumps(
@@ -305,8 +314,10 @@ def memory_main() -> None:
                 "packed_tokens_per_s_ratio": round(ratio, 3),
                 "packed_tokens_per_s": round(real_tokens / packed_s, 1),
                 "padded_tokens_per_s": round(real_tokens / padded_s, 1),
+                "blockwise_over_dense_tokens_per_s_2048": round(dense_s / blockwise_s, 3),
                 "packed_rows": packed.shape[0],
                 "padded_rows": padded.shape[0],
+                "trajectories": len(lengths),
                 "device": "cpu",
                 "cores": os.cpu_count(),
                 "steps": _STEPS.value,
