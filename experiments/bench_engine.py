@@ -34,9 +34,9 @@ import jax
 import numpy as np
 
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
-from rstar2jax.models import config_from_hf, init_params, load_pretrained
+from rstar2jax.models import HF_CONFIGS_DIR, config_from_hf, init_params, load_pretrained
 
-QWEN3_06B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "model_configs", "qwen3-0.6b.json")
+QWEN3_06B = HF_CONFIGS_DIR / "qwen3-0.6b.json"
 SMALL_SHAPE = dict(
     hidden_size=256,
     intermediate_size=768,

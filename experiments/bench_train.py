@@ -26,7 +26,8 @@ _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per run (after one warm-u
 _FULL_DEPTH = flags.DEFINE_bool("full_depth", False, "run all 28 layers of the Qwen3-0.6B shape")
 _WORKER = flags.DEFINE_string("worker", None, "internal: run one 'framework:shape' measurement")
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3_06B = os.path.join(REPO, "rstar2jax", "models", "hf_configs", "qwen3-0.6b.json")  # preset "qwen3-0.6b"
 SMALL = dict(
     vocab_size=8192,
     hidden_size=256,
@@ -43,7 +44,7 @@ SHAPES = {"small": (SMALL, 8, 256), "qwen3-0.6b": (None, 1, 256)}  # (HF config 
 def hf_config(shape: str, full_depth: bool) -> dict:
     fields, _, _ = SHAPES[shape]
     if fields is None:
-        with open(os.path.join(SHARED, "model_configs", "qwen3-0.6b.json")) as f:
+        with open(QWEN3_06B) as f:
             config = json.load(f)
         if not full_depth:
             config["num_hidden_layers"] = 4

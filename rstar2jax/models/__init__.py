@@ -3,6 +3,7 @@
 from rstar2jax.models.checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.config import ModelConfig, config_from_hf, config_to_hf
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
+from rstar2jax.models.presets import HF_CONFIGS_DIR, PRESETS, QWEN3_TOKENIZER_DIR, TINY, preset
 from rstar2jax.models.sharding import (
     CACHE_LOGICAL_AXES,
     CACHE_VALUE_LOGICAL_AXES,
@@ -31,6 +32,11 @@ from rstar2jax.models.transformer import (
 
 __all__ = [
     "CACHE_LOGICAL_AXES",
+    "HF_CONFIGS_DIR",
+    "PRESETS",
+    "QWEN3_TOKENIZER_DIR",
+    "TINY",
+    "preset",
     "CACHE_VALUE_LOGICAL_AXES",
     "LOGICAL_RULES",
     "MESH_AXES",

@@ -12,7 +12,7 @@ from rstar2jax.agent.tool_parser import (
     parse_tool_call,
     parse_tool_calls,
 )
-from rstar2jax.models.tokenizer import load_tokenizer, render_chat
+from rstar2jax.models.tokenizer import render_chat
 
 Kind = ToolCallErrorKind
 
@@ -111,8 +111,8 @@ def test_unbalanced_tags_are_reported_not_guessed():
     assert results[1] == ToolCall(PYTHON_TOOL_NAME, "print(1)", "")
 
 
-def test_parses_what_the_qwen3_template_renders(shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_parses_what_the_qwen3_template_renders(qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     arguments = {"code": 'import sys\nprint("{}".format(sys.stdin.read()[::-1]))', "input": "abc"}
     messages = [
         {"role": "user", "content": "q"},

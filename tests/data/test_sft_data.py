@@ -21,7 +21,6 @@ from rstar2jax.data.sft_data import (
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.models.tokenizer import (
     CHATML_TOOLS_TEMPLATE,
-    load_tokenizer,
     render_chat,
     train_tiny_tokenizer,
 )
@@ -74,8 +73,8 @@ def examples(problems):
 
 
 @pytest.fixture(scope="module")
-def qwen3(shared_dir):
-    return load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def qwen3(qwen3_tokenizer):
+    return qwen3_tokenizer
 
 
 def test_failing_then_fixed_share_with_real_outputs(problems, examples):

@@ -4,12 +4,11 @@ import json
 
 import pytest
 
-from rstar2jax.models.tokenizer import load_tokenizer
 from rstar2jax.train.sft_data import load_sft_sequences
 
 
-def test_chat_and_pretokenised_rows(tmp_path, shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_chat_and_pretokenised_rows(tmp_path, qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     chat = {
         "messages": [
             {"role": "user", "content": "What is 2+2?"},
