@@ -5,7 +5,7 @@ Importing this package does not start JAX's backends, so launchers can still req
 """
 
 from rstar2jax.train.batch import Batch, TokenSequence, build_batch, trajectory_sequence
-from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.checkpoint import Checkpointer, CheckpointError
 from rstar2jax.train.config import (
     ConfigError,
     rl_config,
@@ -54,6 +54,7 @@ from rstar2jax.train.steps import (
 
 __all__ = [
     "Batch",
+    "CheckpointError",
     "Checkpointer",
     "ConfigError",
     "MetricsLogger",
