@@ -18,6 +18,12 @@ setup(
     python_requires=">=3.11",
     # The launchers and benchmarks (experiments/) run from the checkout: python -m experiments.X.
     packages=find_packages(include=["rstar2jax", "rstar2jax.*", "sandbox_server", "sandbox_server.*"]),
+    # Data the library reads at run time: eval sets, Qwen3 architecture configs, the Qwen3 tokenizer (each
+    # folder's README gives source and licence).
+    package_data={
+        "rstar2jax.eval": ["sets/*.jsonl", "sets/README.md"],
+        "rstar2jax.models": ["hf_configs/*.json", "hf_configs/README.md", "tokenizers/*/*"],
+    },
     ext_modules=native if sys.platform.startswith("linux") else [],
     install_requires=[
         "jax>=0.10.2",

@@ -56,11 +56,10 @@ import numpy as np
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
 from rstar2jax.engine.paged_attention import init_pages
 from rstar2jax.engine.scheduler import engine_params
-from rstar2jax.models import config_from_hf, init_params, load_pretrained
+from rstar2jax.models import HF_CONFIGS_DIR, config_from_hf, init_params, load_pretrained
 
-MODEL_CONFIGS = os.path.join(os.path.dirname(__file__), "model_configs")  # copies with provenance (README)
-QWEN3_06B = os.path.join(MODEL_CONFIGS, "qwen3-0.6b.json")
-QWEN3_17B = os.path.join(MODEL_CONFIGS, "qwen3-1.7b.json")
+QWEN3_06B = HF_CONFIGS_DIR / "qwen3-0.6b.json"
+QWEN3_17B = HF_CONFIGS_DIR / "qwen3-1.7b.json"
 SMALL_SHAPE = dict(
     hidden_size=256,
     intermediate_size=768,

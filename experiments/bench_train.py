@@ -46,25 +46,9 @@ _GPU = flags.DEFINE_bool("gpu", False, "Qwen3-1.7B rl_step at 8 x 8192, bf16, on
 _GPU_ROWS = flags.DEFINE_integer("gpu_rows", 8, "--gpu: rows per step")
 _GPU_SEQ_LEN = flags.DEFINE_integer("gpu_seq_len", 8192, "--gpu: tokens per row")
 
-# Hugging Face config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-1.7B (Apache-2.0): the shape fields only.
-_QWEN3_COMMON = dict(
-    model_type="qwen3",
-    vocab_size=151936,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=1000000,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-    hidden_act="silu",
-    attention_bias=False,
-    tie_word_embeddings=True,
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
-QWEN3_0_6B = dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072)
-QWEN3_1_7B = dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The bundled HF config of preset "qwen3-0.6b", read as a file: the PyTorch worker imports no JAX.
+QWEN3_06B = os.path.join(REPO, "rstar2jax", "models", "hf_configs", "qwen3-0.6b.json")
 SMALL = dict(
     vocab_size=8192,
     hidden_size=256,
@@ -81,7 +65,8 @@ SHAPES = {"small": (SMALL, 8, 256), "qwen3-0.6b": (None, 1, 256)}  # (HF config 
 def hf_config(shape: str, full_depth: bool) -> dict:
     fields, _, _ = SHAPES[shape]
     if fields is None:
-        config = dict(QWEN3_0_6B)
+        with open(QWEN3_06B) as f:
+            config = json.load(f)
         if not full_depth:
             config["num_hidden_layers"] = 4
         return config
@@ -257,9 +242,13 @@ def memory_main() -> None:
 
     from rstar2jax import models
 
-    shape = dict(QWEN3_0_6B, num_hidden_layers=2)
-    long_context = models.config_from_hf(
-        shape, remat_policy="full", mlp_chunk_size=512, attention="blockwise", attention_block_size=256
+    long_context = models.preset(
+        "qwen3-0.6b",
+        num_layers=2,
+        remat_policy="full",
+        mlp_chunk_size=512,
+        attention="blockwise",
+        attention_block_size=256,
     )
     print(
         "rl_step compiled temporaries, Qwen3-0.6B shape with 2 layers, vocabulary 151,936, one packed row, "
@@ -337,9 +326,7 @@ def gpu_main() -> None:
 
     device = jax.devices()[0]
     rows, seq_len = _GPU_ROWS.value, _GPU_SEQ_LEN.value
-    config = models.config_from_hf(
-        QWEN3_1_7B, compute_dtype="bfloat16", remat_policy="full", attention="auto"
-    )
+    config = models.preset("qwen3-1.7b", compute_dtype="bfloat16", remat_policy="full", attention="auto")
     lengths = [seq_len + 1] * rows  # one trajectory per row, every position trained on after the prompt
     batch = _packed_batch(lengths, seq_len, config.vocab_size, pack=False)
     step_s = time_rl_step(config, batch, _STEPS.value)

@@ -6,7 +6,7 @@ As shipped the model is the real Qwen3-14B shape with random weights (enough for
 it at the base checkpoint and the 42K integer-answer problem set:
 
   python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py \
-      --config.model.path=/ckpt/Qwen3-14B-Base --config.model.config_json= \
+      --config.model.path=/ckpt/Qwen3-14B-Base --config.model.preset= \
       --config.data.source=/data/rl_42k.jsonl
 
 Choices the paper leaves open (README §1.11) follow the released code: Bessel std + 1e-6, all-equal groups
@@ -14,22 +14,19 @@ rejected before the token normaliser, old log-probs recomputed by the trainer (o
 release's ppo_mini_batch_size = train_batch_size), tool tokens masked out of the loss.
 """
 
-import pathlib
-
+from rstar2jax import models
 from rstar2jax.train.config import rl_config, sft_config, stage
-
-SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared"
 
 
 def _model_and_mesh(c):
-    c.model.config_json = str(SHARED / "model_configs" / "qwen3-14b.json")
+    c.model.preset = "qwen3-14b"  # the official Qwen3-14B config.json, bundled (models.PRESETS)
     c.model.param_dtype = "float32"  # master weights and AdamW moments
     c.model.compute_dtype = "bfloat16"
     c.model.remat_policy = "full"
     # Attention linear in memory (tokamax's kernels on NVIDIA GPUs, the blockwise XLA one elsewhere, e.g. the
     # CPU dry run); log-probs and entropy come from vocabulary chunks (no [rows, 12K, 152K] logits).
     c.model.attention = "auto"
-    c.tokenizer = str(SHARED / "tokenizers" / "qwen3")
+    c.tokenizer = str(models.QWEN3_TOKENIZER_DIR)
     # 64 devices: FSDP over 8 x tensor parallel over 8 (40 heads and the 152K vocabulary split 8 ways).
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 8
     return c

@@ -8,7 +8,7 @@ which prints the per-device plan of both phases and writes it to ``<workdir>/mem
 point it at the base checkpoint, its tokenizer and a problem set:
 
   python -m experiments.train_rl --config=experiments/configs/qwen3_1p7b_1gpu.py \\
-      --config.model.path=/ckpt/Qwen3-1.7B-Base --config.model.config_json= \\
+      --config.model.path=/ckpt/Qwen3-1.7B-Base --config.model.preset= \\
       --config.tokenizer=/ckpt/Qwen3-1.7B-Base --config.data.source=/data/rl.jsonl
 
 How it fits: float32 master weights (6.4 GiB) and AdamW moments (12.8 GiB) are needed only by the update,
@@ -18,17 +18,13 @@ token), freed again while the trainer runs (``colocate.release_kv_cache``). Trai
 10K-token rows with full rematerialisation and chunked vocabulary log-probs.
 """
 
-import pathlib
-
 from rstar2jax.train.config import rl_config, stage
-
-MODEL_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "model_configs"
 
 
 def get_config():
     c = rl_config()
     c.workdir = "runs/qwen3_1p7b_1gpu"
-    c.model.config_json = str(MODEL_CONFIGS / "qwen3-1.7b.json")  # random weights until model.path is set
+    c.model.preset = "qwen3-1.7b"  # random weights until model.path is set
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "bfloat16"
     c.model.remat_policy = "full"

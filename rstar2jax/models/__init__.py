@@ -11,6 +11,7 @@ from rstar2jax.models.config import (
 from rstar2jax.models.hf_checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
+from rstar2jax.models.presets import HF_CONFIGS_DIR, PRESETS, QWEN3_TOKENIZER_DIR, TINY, preset
 from rstar2jax.models.sharding import (
     CACHE_LOGICAL_AXES,
     CACHE_VALUE_LOGICAL_AXES,
@@ -49,6 +50,11 @@ __all__ = [
     "sequence_logprobs",
     "token_logprobs_and_entropy",
     "CACHE_LOGICAL_AXES",
+    "HF_CONFIGS_DIR",
+    "PRESETS",
+    "QWEN3_TOKENIZER_DIR",
+    "TINY",
+    "preset",
     "CACHE_VALUE_LOGICAL_AXES",
     "LOGICAL_RULES",
     "MESH_AXES",

@@ -18,6 +18,7 @@ import ml_collections
 from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
 from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
@@ -34,7 +35,8 @@ def _common() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # HF checkpoint folder (config.json + safetensors): load_pretrained
     c.model.config_json = ""  # or an HF config.json: random init of that shape
-    c.model.spec = ml_collections.ConfigDict()  # or inline ModelConfig fields: random init (tiny models)
+    c.model.preset = ""  # or a named shape (models.PRESETS: "tiny", "qwen3-0.6b" ... "qwen3-14b")
+    c.model.spec = ml_collections.ConfigDict()  # or ModelConfig fields (with a preset: overrides)
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
     c.model.remat_policy = "none"  # none | save_projections | save_attention | full (| dots | dots_no_batch)
@@ -330,12 +332,15 @@ def _one_of(config, path, options):
 def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: bool = True) -> None:
     _check(config, "seed", _is_int, "must be an integer")
     _check(config, "workdir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
-    sources = [name for name in ("path", "config_json") if _field(config, f"model.{name}")]
-    sources += ["spec"] if len(_field(config, "model.spec")) else []
+    sources = [name for name in ("path", "config_json", "preset") if _field(config, f"model.{name}")]
+    if len(_field(config, "model.spec")) and sources != ["preset"]:  # spec fields override a preset's
+        sources += ["spec"]
     if len(sources) != 1:
         raise ConfigError(
-            f"config.model: set exactly one of path / config_json / spec, got {sources or 'none'}"
+            f"config.model: set exactly one of path / config_json / preset / spec (spec may refine a "
+            f"preset), got {sources or 'none'}"
         )
+    _check(config, "model.preset", lambda v: not v or v in PRESETS, f"must be one of {PRESETS}")
     for name in ("path", "config_json") if check_paths else ():
         _check(config, f"model.{name}", lambda v: not v or os.path.exists(v), "does not exist")
     if check_paths:

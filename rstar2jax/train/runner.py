@@ -37,8 +37,8 @@ from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, s
 
 
 def model_config_from(config) -> models.ModelConfig:
-    """The ``ModelConfig`` of ``config.model`` (an HF folder, an HF config.json or inline fields) with its
-    dtype / remat / scan options applied."""
+    """The ``ModelConfig`` of ``config.model`` (an HF folder, an HF config.json, a named preset refined by
+    ``spec`` fields, or inline fields) with its dtype / remat / scan options applied."""
     m = config.model
     options = dict(
         param_dtype=m.param_dtype,
@@ -51,6 +51,8 @@ def model_config_from(config) -> models.ModelConfig:
     )
     if m.path or m.config_json:
         return models.config_from_hf(m.path or m.config_json, **options)
+    if m.get("preset"):
+        return models.preset(m.preset, **{**m.spec.to_dict(), **options})
     return models.ModelConfig(**{**m.spec.to_dict(), **options})
 
 

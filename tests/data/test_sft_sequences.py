@@ -5,11 +5,10 @@ import json
 import pytest
 
 from rstar2jax.data.sft_data import load_sft_sequences
-from rstar2jax.data.tokenizer import load_tokenizer
 
 
-def test_chat_and_pretokenised_rows(tmp_path, shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_chat_and_pretokenised_rows(tmp_path, qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     chat = {
         "messages": [
             {"role": "user", "content": "What is 2+2?"},

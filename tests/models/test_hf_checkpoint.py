@@ -1,6 +1,7 @@
 """HF checkpoints: save -> transformers loads the same model; load into a mesh; bad checkpoints are named."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -138,3 +139,22 @@ def test_save_rejects_params_of_another_shape(tiny_models, tmp_path):
     params["layers"]["up_proj"] = params["layers"]["up_proj"][:, :, :5]
     with pytest.raises(ValueError, match=r"\['layers'\]\['up_proj'\] has shape \(2, 64, 5\)"):
         models.save_pretrained(params, config, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b[: len(b) // 2], r"tensor '[\w.]+': bytes \d+\.\.\d+ lie outside the \d+ data bytes"),
+        (lambda b: b[:5], r"5 bytes, shorter than the 8-byte header length"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], r"header of 1000000000 bytes does not fit"),
+        (lambda b: b[:8] + b"\xff" * 20 + b[28:], r"header is not JSON"),
+    ],
+    ids=["truncated", "stub", "header_length", "header_bytes"],
+)
+def test_damaged_safetensors_file_is_named(editable_checkpoint, damage, message):
+    path, _ = editable_checkpoint
+    weights = path / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    named = f"^{re.escape(str(weights))}: not a valid safetensors file: "
+    with pytest.raises(ValueError, match=named + message):
+        models.load_pretrained(path)

@@ -226,3 +226,19 @@ def test_shipped_configs_for_every_launcher(module, argument, kind):
 def test_demo_config_fields_all_have_a_meaning():
     lines = _launch.describe_config(demo.get_config(), demo.FIELD_HELP)
     assert len(lines) > 100 and not [line for line in lines if line.endswith("# (no description)")]
+
+
+def test_model_preset_field():
+    from rstar2jax import models
+    from rstar2jax.train.runner import model_config_from
+
+    config = tiny_cpu.get_config()  # preset "tiny" refined by spec fields (the real Qwen3 vocabulary)
+    expected = models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))
+    assert model_config_from(config) == expected
+    paper = paper_qwen3_14b.get_config()
+    assert model_config_from(paper) == models.preset(
+        "qwen3-14b", compute_dtype="bfloat16", remat_policy="full"
+    )
+    config.model.preset = "qwen3-15b"
+    with pytest.raises(ConfigError, match=r"config.model.preset='qwen3-15b': must be one of \('tiny'"):
+        validate_rl_config(config)
