@@ -9,8 +9,16 @@ from rstar2jax.algo.advantages import (
     group_stats,
     register_estimator,
 )
+from rstar2jax.algo.corrections import (
+    SEQUENCE_RATIOS,
+    gspo_log_ratio,
+    rollout_correction,
+    sequence_log_ratio,
+    sequence_sum,
+)
 from rstar2jax.algo.losses import (
     AGG_MODES,
+    IS_LEVELS,
     KL_ESTIMATORS,
     aggregate_loss,
     loss_normalizer,
@@ -22,8 +30,10 @@ from rstar2jax.algo.roc import ROC_MODES, RocSelection, roc_select
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "IS_LEVELS",
     "KL_ESTIMATORS",
     "ROC_MODES",
+    "SEQUENCE_RATIOS",
     "STD_MODES",
     "AdvantageEstimator",
     "GroupStats",
@@ -32,9 +42,13 @@ __all__ = [
     "answer_format_penalty",
     "group_advantages",
     "group_stats",
+    "gspo_log_ratio",
     "loss_normalizer",
     "policy_loss",
     "register_estimator",
     "roc_select",
+    "rollout_correction",
+    "sequence_log_ratio",
+    "sequence_sum",
     "tool_error_penalty",
 ]
