@@ -24,12 +24,19 @@ from rstar2jax.algo.losses import (
     loss_normalizer,
     policy_loss,
 )
-from rstar2jax.algo.penalties import answer_format_penalty, tool_error_penalty
+from rstar2jax.algo.penalties import (
+    FORMAT_PENALTIES,
+    answer_format_penalty,
+    answer_format_penalty_release,
+    soft_overlong_penalty,
+    tool_error_penalty,
+)
 from rstar2jax.algo.roc import ROC_MODES, RocSelection, roc_select
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "FORMAT_PENALTIES",
     "IS_LEVELS",
     "KL_ESTIMATORS",
     "ROC_MODES",
@@ -40,6 +47,7 @@ __all__ = [
     "RocSelection",
     "aggregate_loss",
     "answer_format_penalty",
+    "answer_format_penalty_release",
     "group_advantages",
     "group_stats",
     "gspo_log_ratio",
@@ -50,5 +58,6 @@ __all__ = [
     "rollout_correction",
     "sequence_log_ratio",
     "sequence_sum",
+    "soft_overlong_penalty",
     "tool_error_penalty",
 ]
