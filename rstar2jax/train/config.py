@@ -82,8 +82,21 @@ def rl_config() -> ml_collections.ConfigDict:
             entropy_coef=0.0,
             temperature=1.0,
             old_logprobs="sampler",
+            # GSPO: "sequence" (its own clip range below); "token" is PPO/GRPO.
+            importance_sampling_level="token",
+            gspo_eps_low=3e-4,
+            gspo_eps_high=4e-4,
+            # KL to a frozen reference policy (the initial params); off in the paper.
+            kl_coef=0.0,
+            kl="k3",
+            # Rollout correction (needs old_logprobs="recompute"): token TIS cap C, sequence mask
+            # ("sequence" / "geometric" ratio) outside [1/C', C'].
+            rollout_is_cap=placeholder(float),
+            rollout_mask=placeholder(str),
+            rollout_mask_threshold=2.0,
         )
     )
+    c.loss.dual_clip = 3.0  # verl's clip_ratio_c and the released code; None turns it off
     c.rl = ml_collections.ConfigDict(
         dict(
             prompts_per_step=512,
@@ -97,6 +110,13 @@ def rl_config() -> ml_collections.ConfigDict:
             estimator="grpo",
             std="unbiased",
             advantage_eps=1e-6,
+            # "paper" (Eq. 5) or "release" (the released code's answer-format rule) for RoC's p_format.
+            format_penalty="paper",
+            # Truncated responses: drop them from the loss (TRL's mask_truncated_completions) and/or DAPO's
+            # soft overlong penalty over the last overlong_buffer tokens of the budget (0 = off).
+            mask_truncated=False,
+            overlong_buffer=0,
+            overlong_penalty_factor=1.0,
         )
     )
     c.batch = ml_collections.ConfigDict(dict(max_prompt_length=1024, pack=True))
@@ -244,6 +264,22 @@ def validate_rl_config(config) -> None:
     _check(config, "loss.entropy_coef", lambda v: v >= 0, "must be >= 0")
     _check(config, "loss.temperature", lambda v: v > 0, "must be positive")
     _one_of(config, "loss.old_logprobs", OLD_LOGPROB_SOURCES)
+    _one_of(config, "loss.importance_sampling_level", algo.IS_LEVELS)
+    _check(config, "loss.gspo_eps_low", lambda v: 0 < v < 1, "must be in (0, 1)")
+    _check(config, "loss.gspo_eps_high", lambda v: v > 0, "must be positive")
+    _check(config, "loss.kl_coef", lambda v: v >= 0, "must be >= 0")
+    _one_of(config, "loss.kl", algo.KL_ESTIMATORS)
+    _check(config, "loss.rollout_is_cap", lambda v: v is None or v > 1, "must be None or > 1")
+    _check(config, "loss.rollout_mask", lambda v: v is None or v in algo.SEQUENCE_RATIOS,
+           f"must be None or one of {algo.SEQUENCE_RATIOS}")
+    _check(config, "loss.rollout_mask_threshold", lambda v: v > 1, "must be > 1")
+    if (config.loss.rollout_is_cap is not None or config.loss.rollout_mask is not None) and (
+        config.loss.old_logprobs != "recompute"
+    ):
+        raise ConfigError(
+            "config.loss.rollout_is_cap / loss.rollout_mask: rollout correction compares the trainer's "
+            "log-probs with the sampler's; set loss.old_logprobs='recompute'"
+        )
     _positive_int(config, "rl.prompts_per_step")
     samples = _check(
         config, "rl.samples_per_problem", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2"
@@ -258,6 +294,10 @@ def validate_rl_config(config) -> None:
     _one_of(config, "rl.estimator", algo.ADVANTAGE_ESTIMATORS)
     _one_of(config, "rl.std", algo.STD_MODES)
     _check(config, "rl.roc_eps", lambda v: v > 0, "must be positive")
+    _one_of(config, "rl.format_penalty", algo.FORMAT_PENALTIES)
+    _check(config, "rl.mask_truncated", lambda v: isinstance(v, bool), "must be True or False")
+    _check(config, "rl.overlong_buffer", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _check(config, "rl.overlong_penalty_factor", lambda v: v >= 0, "must be >= 0")
     _positive_int(config, "batch.max_prompt_length")
     if config.loss.agg != "token_mean" and config.batch.pack:
         raise ConfigError(
@@ -275,6 +315,11 @@ def validate_rl_config(config) -> None:
     for i, s in enumerate(config.stages):
         for name in ("steps", "max_response_length", "max_turns"):
             _check_stage_int(config, i, name)
+        if config.rl.overlong_buffer > s.max_response_length:
+            raise ConfigError(
+                f"config.rl.overlong_buffer={config.rl.overlong_buffer} is longer than "
+                f"stages[{i}].max_response_length={s.max_response_length}"
+            )
         if s.hard_filter_rollouts < 0:
             raise ConfigError(
                 f"config.stages[{i}].hard_filter_rollouts={s.hard_filter_rollouts}: must be >= 0"
@@ -331,6 +376,11 @@ def build_optimizer(config, total_steps: int | None = None):
 
 def build_loss_config(config) -> RLLossConfig:
     return RLLossConfig(**config.loss.to_dict())
+
+
+def uses_reference(config) -> bool:
+    """Whether the run keeps a frozen reference policy in its state (RL with ``loss.kl_coef`` > 0)."""
+    return "loss" in config and config.loss.kl_coef > 0
 
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:
