@@ -170,18 +170,39 @@ def _padded(groups: list[list[Trajectory]], width: int, value: Callable[[Traject
     return out
 
 
-@jax.jit
-def _penalties(calls, failed, answers, turns):
-    """(p_err, p_format) of ``[groups, rollouts]`` counts, paper Eq. 4-5 (one compiled call per shape)."""
-    return algo.tool_error_penalty(calls, failed), algo.answer_format_penalty(answers, turns)
+@functools.partial(jax.jit, static_argnames="rule")
+def _penalties(calls, failed, opens, closes, pairs, turns, *, rule):
+    """(p_err, p_format) of ``[groups, rollouts]`` counts, Eq. 4 and the ``rule``'s format penalty (one
+    compiled call per shape)."""
+    if rule == "release":
+        p_format = algo.answer_format_penalty_release(opens, closes, pairs, turns)
+    else:
+        p_format = algo.answer_format_penalty(opens, turns)
+    return algo.tool_error_penalty(calls, failed), p_format
 
 
-def _group_penalties(groups: list[list[Trajectory]], width: int) -> tuple[np.ndarray, np.ndarray]:
+def _answer_count(t: Trajectory, name: str) -> int:
+    value = getattr(t, name)
+    if value is None:
+        raise ValueError(
+            f"format_penalty='release' needs {name} of every trajectory; a trajectory of problem "
+            f"{t.problem_id!r} has none (set it with data.trajectory.answer_tag_counts)"
+        )
+    return value
+
+
+def _group_penalties(
+    groups: list[list[Trajectory]], width: int, rule: str = "paper"
+) -> tuple[np.ndarray, np.ndarray]:
+    release = rule == "release"
     p_err, p_format = _penalties(
         _padded(groups, width, lambda t: t.num_tool_calls),
         _padded(groups, width, lambda t: t.num_failed_calls),
         _padded(groups, width, lambda t: t.num_answer_blocks),
+        _padded(groups, width, lambda t: _answer_count(t, "num_answer_closes") if release else 0),
+        _padded(groups, width, lambda t: _answer_count(t, "num_answer_pairs") if release else 0),
         _padded(groups, width, lambda t: t.num_turns),
+        rule=rule,
     )
     return np.asarray(p_err), np.asarray(p_format)
 
@@ -291,7 +312,7 @@ def select_and_build_batch(
             )
         )
     valid = _padded(groups, width, lambda t: 1.0) > 0
-    p_total = sum(_group_penalties(groups, width))
+    p_total = sum(_group_penalties(groups, width, config.format_penalty))
     selection, advantages, selected_p_total = jax.device_get(
         _select(
             key,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rstar2jax.data.problems import Problem
-from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.train import (
     RLIterationConfig,
     RLLossConfig,
@@ -222,3 +222,34 @@ def test_truncated_responses_masked_and_soft_overlong_penalty():
         select_and_build_batch(jax.random.PRNGKey(0), [group], _three_rollouts(overlong_buffer=4), num_rows=4)
     with pytest.raises(ValueError, match="format_penalty='strict'"):
         _three_rollouts(format_penalty="strict")
+
+
+def test_answer_tag_counts():
+    assert answer_tag_counts("<reason>r</reason><answer>\\boxed{1}</answer>") == (1, 1, 1)
+    assert answer_tag_counts("<answer>a</answer> x <answer>b</answer>") == (2, 2, 2)
+    assert answer_tag_counts("<answer>a <answer>b</answer>") == (2, 1, 1)  # an unclosed block
+    assert answer_tag_counts("</answer><answer>") == (1, 1, 0)
+    assert answer_tag_counts("no tags") == (0, 0, 0)
+
+
+@pytest.mark.parametrize("rule, kept_length", [("paper", 4), ("release", 6)])
+def test_format_penalty_rule_changes_release_selection(rule, kept_length):
+    def positive(length, answers, turns):
+        t = _traj("a", 1.0, ["ok"], answers=answers, turns=turns, length=length)
+        t.num_answer_closes = t.num_answer_pairs = answers
+        return t
+
+    # Positive A (length 4): one answer in one turn, paper p_format 0, released rule 1 (no turn in the
+    # response). Positive B (length 6): two answers in three turns, paper 1/3, released rule 1/2.
+    group = [positive(4, 1, 1), _traj("a", 0.0, length=2), positive(6, 2, 3), _traj("a", 0.0, length=3)]
+    for t in group[1::2]:
+        t.num_answer_closes = t.num_answer_pairs = 1
+    config = RLIterationConfig(samples_per_problem=4, keep=2, roc_mode="release", min_negatives=1,
+                               min_positives=1, seq_len=16, pack=False, format_penalty=rule)
+    batch, metrics = select_and_build_batch(jax.random.PRNGKey(0), [group], config, num_rows=2)
+    lengths = set((batch.segment_ids > 0).sum(axis=1) - 1)
+    assert lengths == {2, kept_length}  # the first negative and the positive with the lower p_total
+    group[1].num_answer_pairs = None
+    if rule == "release":
+        with pytest.raises(ValueError, match="format_penalty='release' needs num_answer_pairs"):
+            select_and_build_batch(jax.random.PRNGKey(0), [group], config, num_rows=2)
