@@ -66,6 +66,12 @@ def get_config(kind: str = "rl"):
     c.loss.eps_low, c.loss.eps_high = 0.2, 0.28  # clip-higher; no KL, no entropy term
     c.loss.agg = "token_mean"  # 1 / sum |o_i| over the whole batch (Eq. 6)
     c.loss.old_logprobs = "recompute"
+    c.loss.dual_clip = 3.0  # not in the paper; the released code on verl (clip_ratio_c = 3)
+    c.loss.importance_sampling_level = "token"  # PPO/GRPO ratio; "sequence" is GSPO (gspo_eps 3e-4 / 4e-4)
+    c.loss.kl_coef = 0.0  # KL removed (§2.2.1): no reference policy is kept
+    # Rollout correction off, as in the paper; the usual setting is rollout_is_cap = 2 (token-level
+    # truncated IS) and/or rollout_mask = "geometric" with rollout_mask_threshold = 2.
+    c.loss.rollout_is_cap, c.loss.rollout_mask = None, None
 
     c.rl.prompts_per_step = 512
     c.rl.samples_per_problem = 32
@@ -74,6 +80,10 @@ def get_config(kind: str = "rl"):
     c.rl.reject_equal_reward = True
     c.rl.std = "unbiased"
     c.rl.advantage_eps = 1e-6
+    c.rl.format_penalty = "paper"  # Eq. 5; "release" is the released code's rule (README §1.3)
+    # Truncated rollouts keep reward 0 and stay in the loss: overlong filtering raised truncation (§4.3).
+    c.rl.mask_truncated = False
+    c.rl.overlong_buffer = 0  # no DAPO soft overlong penalty
 
     c.batch.max_prompt_length = 2048
     c.batch.pack = False  # one trajectory per row; the worst case (every response at the limit) must fit

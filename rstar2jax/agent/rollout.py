@@ -52,7 +52,7 @@ from rstar2jax.data.conversation import (
 )
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
-from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
 from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
@@ -234,6 +234,7 @@ class _Rollout:
         finally:
             session.close()
         text = "".join(conversation.model_text)
+        opens, closes, pairs = answer_tag_counts(text)
         if conversation.truncated:
             answer, reward = extract_answer(text), 0.0
         else:
@@ -248,7 +249,9 @@ class _Rollout:
             logprobs=conversation.logprobs,
             tool_outcomes=conversation.tool_outcomes,
             num_turns=conversation.num_turns,
-            num_answer_blocks=text.count("<answer>"),
+            num_answer_blocks=opens,
+            num_answer_closes=closes,
+            num_answer_pairs=pairs,
             truncated=conversation.truncated,
             answer=answer,
             reward=reward,

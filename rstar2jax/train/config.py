@@ -95,8 +95,21 @@ def rl_config() -> ml_collections.ConfigDict:
             entropy_coef=0.0,
             temperature=1.0,
             old_logprobs="sampler",
+            # GSPO: "sequence" (its own clip range below); "token" is PPO/GRPO.
+            importance_sampling_level="token",
+            gspo_eps_low=3e-4,
+            gspo_eps_high=4e-4,
+            # KL to a frozen reference policy (the initial params); off in the paper.
+            kl_coef=0.0,
+            kl="k3",
+            # Rollout correction (needs old_logprobs="recompute"): token TIS cap C, sequence mask
+            # ("sequence" / "geometric" ratio) outside [1/C', C'].
+            rollout_is_cap=placeholder(float),
+            rollout_mask=placeholder(str),
+            rollout_mask_threshold=2.0,
         )
     )
+    c.loss.dual_clip = 3.0  # verl's clip_ratio_c and the released code; None turns it off
     c.rl = ml_collections.ConfigDict(
         dict(
             prompts_per_step=512,
@@ -110,6 +123,13 @@ def rl_config() -> ml_collections.ConfigDict:
             estimator="grpo",
             std="unbiased",
             advantage_eps=1e-6,
+            # "paper" (Eq. 5) or "release" (the released code's answer-format rule) for RoC's p_format.
+            format_penalty="paper",
+            # Truncated responses: drop them from the loss (TRL's mask_truncated_completions) and/or DAPO's
+            # soft overlong penalty over the last overlong_buffer tokens of the budget (0 = off).
+            mask_truncated=False,
+            overlong_buffer=0,
+            overlong_penalty_factor=1.0,
         )
     )
     c.batch = ml_collections.ConfigDict(dict(max_prompt_length=1024, pack=True))
@@ -228,11 +248,19 @@ FIELD_HELP = {
     "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
     "loss.eps_low": "PPO clip range below 1 (ratio >= 1 - eps_low)",
     "loss.eps_high": "PPO clip range above 1 (clip-higher: ratio <= 1 + eps_high)",
-    "loss.dual_clip": "dual-clip bound c > 1 for negative advantages (None: off)",
-    "loss.agg": "loss aggregation: token_mean (paper) or per-sequence means",
+    "loss.dual_clip": "dual-clip bound c > 1 for negative advantages (default 3 as verl; None: off)",
+    "loss.agg": "loss aggregation: token_mean (paper), per-sequence means, verl / Dr. GRPO sum-norm",
     "loss.entropy_coef": "entropy bonus coefficient (paper: 0)",
     "loss.temperature": "sampling temperature the trainer divides logits by (match rollout.temperature)",
     "loss.old_logprobs": "pi_old from the sampler's log-probs or recomputed by the trainer",
+    "loss.importance_sampling_level": "ratio per token (PPO/GRPO) or per sequence (GSPO, geometric mean)",
+    "loss.gspo_eps_low": "GSPO clip range below 1 (used when importance_sampling_level = sequence)",
+    "loss.gspo_eps_high": "GSPO clip range above 1 (used when importance_sampling_level = sequence)",
+    "loss.kl_coef": "KL penalty to a frozen copy of the initial policy (paper: 0, no reference kept)",
+    "loss.kl": "KL estimator: k1 / k2 / k3, + for the straight-through gradient of k2",
+    "loss.rollout_is_cap": "rollout correction: cap C of token weights pi_train / pi_rollout (None: off)",
+    "loss.rollout_mask": "rollout correction: drop sequences whose (geometric) ratio leaves [1/C', C']",
+    "loss.rollout_mask_threshold": "rollout correction: C' of rollout_mask",
     "rl.prompts_per_step": "problems per RL step",
     "rl.samples_per_problem": "rollouts sampled per problem (2G)",
     "rl.keep": "rollouts kept per problem by Resample-on-Correct (G)",
@@ -244,6 +272,10 @@ FIELD_HELP = {
     "rl.estimator": "advantage estimator (grpo: group-normalised reward)",
     "rl.std": "group std: unbiased (Bessel) or biased",
     "rl.advantage_eps": "added to the group std before dividing",
+    "rl.format_penalty": "RoC answer-format penalty: paper (Eq. 5) or release (the released code's rule)",
+    "rl.mask_truncated": "truncated responses carry no loss (they still count in their group's advantages)",
+    "rl.overlong_buffer": "DAPO soft overlong penalty over the last N tokens of the budget (0: off)",
+    "rl.overlong_penalty_factor": "DAPO soft overlong penalty at the budget (reward - factor)",
     "batch.max_prompt_length": "longest prompt in tokens (longer problems are rejected)",
     "batch.pack": "pack several trajectories per row; False: one per row (worst case must fit)",
     "rollout.temperature": "sampling temperature of rollouts",
@@ -392,6 +424,22 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _check(config, "loss.entropy_coef", lambda v: v >= 0, "must be >= 0")
     _check(config, "loss.temperature", lambda v: v > 0, "must be positive")
     _one_of(config, "loss.old_logprobs", OLD_LOGPROB_SOURCES)
+    _one_of(config, "loss.importance_sampling_level", algo.IS_LEVELS)
+    _check(config, "loss.gspo_eps_low", lambda v: 0 < v < 1, "must be in (0, 1)")
+    _check(config, "loss.gspo_eps_high", lambda v: v > 0, "must be positive")
+    _check(config, "loss.kl_coef", lambda v: v >= 0, "must be >= 0")
+    _one_of(config, "loss.kl", algo.KL_ESTIMATORS)
+    _check(config, "loss.rollout_is_cap", lambda v: v is None or v > 1, "must be None or > 1")
+    _check(config, "loss.rollout_mask", lambda v: v is None or v in algo.SEQUENCE_RATIOS,
+           f"must be None or one of {algo.SEQUENCE_RATIOS}")
+    _check(config, "loss.rollout_mask_threshold", lambda v: v > 1, "must be > 1")
+    if (config.loss.rollout_is_cap is not None or config.loss.rollout_mask is not None) and (
+        config.loss.old_logprobs != "recompute"
+    ):
+        raise ConfigError(
+            "config.loss.rollout_is_cap / loss.rollout_mask: rollout correction compares the trainer's "
+            "log-probs with the sampler's; set loss.old_logprobs='recompute'"
+        )
     _positive_int(config, "rl.prompts_per_step")
     samples = _check(
         config, "rl.samples_per_problem", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2"
@@ -406,6 +454,10 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _one_of(config, "rl.estimator", algo.ADVANTAGE_ESTIMATORS)
     _one_of(config, "rl.std", algo.STD_MODES)
     _check(config, "rl.roc_eps", lambda v: v > 0, "must be positive")
+    _one_of(config, "rl.format_penalty", algo.FORMAT_PENALTIES)
+    _check(config, "rl.mask_truncated", lambda v: isinstance(v, bool), "must be True or False")
+    _check(config, "rl.overlong_buffer", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _check(config, "rl.overlong_penalty_factor", lambda v: v >= 0, "must be >= 0")
     _positive_int(config, "batch.max_prompt_length")
     if not config.batch.pack:
         rows, multiple = config.rl.prompts_per_step * config.rl.keep, row_multiple(config)
@@ -418,6 +470,11 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     for i, s in enumerate(config.stages):
         for name in ("steps", "max_response_length", "max_turns"):
             _check_stage_int(config, i, name)
+        if config.rl.overlong_buffer > s.max_response_length:
+            raise ConfigError(
+                f"config.rl.overlong_buffer={config.rl.overlong_buffer} is longer than "
+                f"stages[{i}].max_response_length={s.max_response_length}"
+            )
         if s.hard_filter_rollouts < 0:
             raise ConfigError(
                 f"config.stages[{i}].hard_filter_rollouts={s.hard_filter_rollouts}: must be >= 0"
@@ -513,6 +570,11 @@ def build_optimizer(config, total_steps: int | None = None):
 
 def build_loss_config(config) -> RLLossConfig:
     return RLLossConfig(**config.loss.to_dict())
+
+
+def uses_reference(config) -> bool:
+    """Whether the run keeps a frozen reference policy in its state (RL with ``loss.kl_coef`` > 0)."""
+    return "loss" in config and config.loss.kl_coef > 0
 
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:

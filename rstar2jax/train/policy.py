@@ -43,7 +43,8 @@ def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | 
     model_config = runner.model_config_from(run_config)
     optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
     mesh = runner.mesh_from_config(run_config)
-    shardings = state_shardings(model_config, optimizer, mesh)
+    reference = config_lib.uses_reference(run_config)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=reference)
     checkpointer = Checkpointer(pathlib.Path(run_config.workdir) / "checkpoints", async_save=False)
     try:
         restored = checkpointer.restore(

@@ -119,8 +119,11 @@ def request_stop() -> bool:
 
 def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) -> TrainState:
     """Shapes, dtypes and shardings of the train state, without allocating it."""
+    reference = shardings.ref_params is not None
     shapes = jax.eval_shape(
-        lambda: init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, seed)
+        lambda: init_train_state(
+            models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, seed, reference=reference
+        )
     )
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -198,7 +201,7 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     workdir = pathlib.Path(config.workdir)
     mesh = mesh_from_config(config)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
     checkpointer = Checkpointer(
         workdir / CHECKPOINT_DIR,
         save_every=config.checkpoint.save_every,
@@ -208,7 +211,8 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed))
     if restored is None:
         params = initial_params(config, model_config, mesh)
-        init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed)
+        reference = shardings.ref_params is not None
+        init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed, reference=reference)
         state = jax.jit(init, out_shardings=shardings)(params)
         meta = {**initial_meta, "history": [], "optimizer_steps": 0}
     else:
@@ -509,7 +513,7 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
     rows = -(-rows // multiple) * multiple
     mesh = mesh_from_config(config, allow_emulated=True)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
     state = abstract_state(model_config, optimizer, shardings, config.seed)
     batch = _abstract_batch(rows, seq_len, batch_sharding(mesh), rl=kind == "rl")
     if kind == "rl":
