@@ -61,6 +61,7 @@ from sandbox_server.output import StreamCapture  # noqa: E402
 
 READ_CHUNK = 1 << 16
 MAX_RECORD_BYTES = 1 << 16
+MAX_ERROR_TYPE = 200  # characters of an exception type name kept in a record
 
 
 @dataclasses.dataclass(eq=False)
@@ -487,7 +488,7 @@ class Worker:
                 call.kill_reason, "SessionClosed"
             )
         elif record is not None:
-            status, error_type = record["status"], record["error_type"]
+            status, error_type = record["status"], wire_text(record["error_type"])
         elif exit_code is not None and exit_code < 0:
             status, error_type = self._classify_signal(-exit_code)
         elif exit_code == SETUP_FAILED_EXIT and stderr.startswith(SETUP_FAILED_MESSAGE):
@@ -554,20 +555,31 @@ class Worker:
         timings=None,
         session_ended=None,
     ) -> None:
-        self._send(
-            {
-                "op": "result",
-                "id": call.id,
-                "status": status,
-                "stdout": stdout,
-                "stderr": stderr,
-                "exit_code": exit_code,
-                "error_type": error_type,
-                "duration": duration,
-                "timings": timings or {},
-                "session_ended": session_ended,
-            }
-        )
+        message = {
+            "op": "result",
+            "id": call.id,
+            "status": status,
+            "stdout": stdout,
+            "stderr": stderr,
+            "exit_code": exit_code,
+            "error_type": error_type,
+            "duration": duration,
+            "timings": timings or {},
+            "session_ended": session_ended,
+        }
+        try:
+            self._send(message)
+        except (ValueError, TypeError, OverflowError) as error:  # never one call's result kills the worker
+            note = f"sandbox: the call's result could not be sent: {error}\n"
+            self._send_result(call, "internal", stderr=note, error_type="BadResult")
+
+
+def wire_text(text: str | None) -> str | None:
+    """``text`` as valid UTF-8 for the wire: lone surrogates (an exception type may be named
+    ``"\\ud800"``) become ``\\ud800`` escapes."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _remove_workdir(workdir: str | None) -> None:
@@ -615,12 +627,21 @@ def _take_record(buffer: bytearray, session_call_id: int | None) -> dict | None:
 
 
 def _valid_record(record) -> bool:
-    return (
-        isinstance(record, dict)
-        and record.get("status") in ("ok", "error", "memory_limit")
-        and (record.get("error_type") is None or isinstance(record.get("error_type"), str))
-        and isinstance(record.get("exit_code"), int)
-        and all(isinstance(record.get(k), (int, float)) for k in ("exec_start", "exec_end"))
+    """Whether ``record`` is a well-formed outcome record. The code runs in the process that writes the
+    record, so it can write one too: only its own call's result can change, and only to a value that is
+    valid here (a status it could reach anyway, bounded integers, finite times, a short error type name)."""
+    if not isinstance(record, dict) or record.get("status") not in ("ok", "error", "memory_limit"):
+        return False
+    error_type, exit_code = record.get("error_type"), record.get("exit_code")
+    if error_type is not None and not (isinstance(error_type, str) and 0 < len(error_type) <= MAX_ERROR_TYPE):
+        return False
+    if type(exit_code) is not int or not 0 <= exit_code <= 255:
+        return False
+    if "id" in record and (type(record["id"]) is not int or not 0 <= record["id"] < 2**63):
+        return False
+    return all(
+        type(record.get(k)) in (int, float) and math.isfinite(record[k]) and abs(record[k]) < 1e12
+        for k in ("exec_start", "exec_end")
     )
 
 
