@@ -95,6 +95,7 @@ class Child:
     control_fd: int | None = None
     call: Call | None = None
     record_buffer: bytearray = dataclasses.field(default_factory=bytearray)
+    skipping_record: bool = False  # dropping the rest of an over-long line on the record pipe
     exited: bool = False
 
 
@@ -113,7 +114,8 @@ class Worker:
         self.lost_sessions: dict[str, str] = {}  # session id -> why its process ended between calls
         self.deadlines: list = []  # heap of (deadline, call id, child)
         self.worker_pidfd = os.pidfd_open(os.getpid())
-        self.oom_kills_seen = sandbox.oom_kills()
+        self.oom_kills_seen = {None: sandbox.oom_kills()}  # per slot with call cgroups (key None: server's)
+        self.oom_kills_seen.update((n, sandbox.oom_kills(n)) for n in range(len(sandbox.slot_cgroups)))
         self.slot_plans: dict[int, CallSandbox] = {}
         self.native_unavailable = fork_server_unavailable(sandbox, config["call_setup"])  # None: fork server
         self.huge_page_bytes = 0  # of the warm heap, as the fork server started (ForkServer.collapse_heap)
@@ -216,7 +218,7 @@ class Worker:
             os.chown(workdir, uid, uid)
         return workdir
 
-    def _plan(self, *, uid, netns_fd, fresh_netns, workdir, memory_mb) -> CallSandbox:
+    def _plan(self, *, uid, netns_fd, fresh_netns, workdir, memory_mb, cgroup_fd=None) -> CallSandbox:
         return CallSandbox.plan(
             self.sandbox,
             self.config,
@@ -226,6 +228,7 @@ class Worker:
             workdir=workdir,
             memory_mb=memory_mb,
             native=self.native_unavailable is None,
+            cgroup_fd=cgroup_fd,
         )
 
     def _slot_plan(self, slot: int, workdir: str | None) -> CallSandbox:
@@ -234,8 +237,14 @@ class Worker:
             return self.slot_plans[slot]
         uid = None if self.sandbox.uid_base is None else self.sandbox.uid_base + slot
         netns = self.sandbox.slot_netns_fds[slot] if self.sandbox.slot_netns_fds else None
+        cgroups = self.sandbox.slot_cgroups
         plan = self._plan(
-            uid=uid, netns_fd=netns, fresh_netns=False, workdir=workdir, memory_mb=self.config["memory_mb"]
+            uid=uid,
+            netns_fd=netns,
+            fresh_netns=False,
+            workdir=workdir,
+            memory_mb=self.config["memory_mb"],
+            cgroup_fd=cgroups[slot][0] if cgroups else None,
         )
         if workdir is None:
             self.slot_plans[slot] = plan
@@ -401,8 +410,7 @@ class Worker:
         kind = child.fds[fd]
         call = child.call
         if kind == "record":
-            if len(child.record_buffer) < MAX_RECORD_BYTES:
-                child.record_buffer += data
+            _feed_records(child, data)
         elif call is not None:  # a session's background output between calls is dropped
             (call.stdout if kind == "stdout" else call.stderr).feed(data)
             if call.stdout.total + call.stderr.total > self.config["output_limit_bytes"]:
@@ -490,7 +498,7 @@ class Worker:
         elif record is not None:
             status, error_type = record["status"], wire_text(record["error_type"])
         elif exit_code is not None and exit_code < 0:
-            status, error_type = self._classify_signal(-exit_code)
+            status, error_type = self._classify_signal(-exit_code, child.slot)
         elif exit_code == SETUP_FAILED_EXIT and stderr.startswith(SETUP_FAILED_MESSAGE):
             status, error_type = "internal", "SandboxSetupFailed"
         else:
@@ -531,14 +539,16 @@ class Worker:
             session_ended=session_ended,
         )
 
-    def _classify_signal(self, signum: int) -> tuple[str, str]:
+    def _classify_signal(self, signum: int, slot: int | None) -> tuple[str, str]:
         name = _signal_name(signum)
         if signum == signal.SIGXCPU:
             return "timeout", name
         if signum == signal.SIGKILL:
-            oom_kills = self.sandbox.oom_kills()
-            if oom_kills > self.oom_kills_seen:
-                self.oom_kills_seen = oom_kills
+            # The call's own cgroup (exact: nothing else runs in it), else the server's (any call's kill).
+            key = slot if slot is not None and self.sandbox.slot_cgroups else None
+            oom_kills = self.sandbox.oom_kills(key)
+            if oom_kills > self.oom_kills_seen.get(key, 0):
+                self.oom_kills_seen[key] = oom_kills
                 return "memory_limit", "OutOfMemory"
         return "killed", name
 
@@ -607,6 +617,36 @@ def _describe_exit(status: int) -> str:
     return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
 
 
+def _feed_records(child: Child, data: bytes) -> None:
+    """Append ``data`` to the child's record buffer, bounded: past ``MAX_RECORD_BYTES`` only valid records
+    (the last few) are kept, and an over-long line is dropped, so code writing junk to the record pipe can
+    neither grow the worker nor push out the runner's own record."""
+    if child.skipping_record:
+        end = data.find(b"\n")
+        if end < 0:
+            return
+        data, child.skipping_record = data[end + 1 :], False
+    buffer = child.record_buffer
+    buffer += data
+    if len(buffer) <= MAX_RECORD_BYTES:
+        return
+    *lines, rest = bytes(buffer).split(b"\n")
+    kept = [line for line in lines if _parse_record(line) is not None][-4:]
+    if len(rest) > MAX_RECORD_BYTES:
+        rest, child.skipping_record = b"", True
+    buffer[:] = b"".join(line + b"\n" for line in kept) + rest
+
+
+def _parse_record(line: bytes) -> dict | None:
+    if len(line) > MAX_RECORD_BYTES:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if _valid_record(record) else None
+
+
 def _take_record(buffer: bytearray, session_call_id: int | None) -> dict | None:
     """Consume the complete lines of ``buffer``; return the last valid outcome record among them.
 
@@ -617,11 +657,8 @@ def _take_record(buffer: bytearray, session_call_id: int | None) -> dict | None:
     buffer[:] = rest
     found = None
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if _valid_record(record) and (session_call_id is None or record.get("id") == session_call_id):
+        record = _parse_record(line)
+        if record is not None and (session_call_id is None or record.get("id") == session_call_id):
             found = record
     return found
 
@@ -666,6 +703,7 @@ def main(argv=None) -> None:
         slots=config["slots"],
         uid_base=spec["uid_base"],
         cgroup_dir=spec["cgroup"],
+        call_memory_bytes=(config["memory_mb"] + config["tmp_mb"]) << 20,
     )
     stdio = runner.make_stdio()
     runner.rehearse()

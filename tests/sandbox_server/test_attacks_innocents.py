@@ -98,3 +98,52 @@ def test_lone_surrogates_in_output_are_replaced(server, code):
     result = attack_with_innocents(server.url, {"code": code, "timeout": 10})
     assert result["status"] == "ok", result
     result["stdout"].encode("utf-8")  # valid UTF-8
+
+
+MEMFD_FILL = textwrap.dedent(
+    """
+    import os
+    fds, block = [], b"x" * (1 << 20)
+    for _ in range(200):  # 3 GiB in files of 15 MiB (under RLIMIT_FSIZE), never mapped: outside RLIMIT_AS
+        fd = os.memfd_create("fill")
+        for _ in range(15):
+            os.write(fd, block)
+        fds.append(fd)
+    print("survived")
+    """
+)
+PIPE_FILL = textwrap.dedent(
+    """
+    import fcntl, os
+    ends, block = [], b"x" * (1 << 16)
+    for _ in range(120):
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        os.set_blocking(w, False)
+        try:
+            while True:
+                os.write(w, block)
+        except BlockingIOError:
+            pass
+        ends += [r, w]
+    print("filled")
+    """
+)
+
+
+def test_memfd_memory_counts_against_the_call(server):
+    result = attack_with_innocents(server.url, {"code": MEMFD_FILL, "timeout": 20})
+    mechanisms = get(server.url, "/health")["mechanisms"]["active"]
+    if "call_memory_cgroup" not in mechanisms:
+        pytest.skip("no per-call memory cgroup here (needs root and a memory cgroup)")
+    assert result["status"] == "memory_limit" and "survived" not in result["stdout"], result
+    assert_clean(server.url)
+
+
+def test_filled_pipes_harm_no_other_call(server):
+    result = attack_with_innocents(server.url, {"code": PIPE_FILL, "timeout": 20})
+    assert result["status"] in ("ok", "memory_limit", "error"), result
+    assert_clean(server.url)
