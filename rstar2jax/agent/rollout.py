@@ -58,7 +58,8 @@ from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
 
 # ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
-_CLIENT_FAILURE_TYPES = frozenset({"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse"})
+_CLIENT_FAILURE_TYPES = frozenset(
+    {"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse", "Unreachable"})
 
 
 @dataclasses.dataclass(frozen=True)
