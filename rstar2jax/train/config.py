@@ -211,6 +211,10 @@ FIELD_HELP = {
     "model.compute_dtype": "dtype of activations and matmuls",
     "model.remat_policy": "activation rematerialisation: none / full / ... (memory for compute)",
     "model.scan_layers": "scan over stacked layers (faster compiles) instead of unrolling them",
+    "model.attention": "training attention: auto (tokamax on NVIDIA GPUs, else blockwise) / blockwise / "
+    "tokamax / xla",
+    "model.attention_block_size": "query/key block of the blockwise attention (a multiple of 8)",
+    "model.mlp_chunk_size": "> 0: the MLP over rematerialised token chunks of this size (0: whole sequence)",
     "mesh.data": "data-parallel mesh axis size",
     "mesh.fsdp": "fully-sharded data-parallel axis size (weights and optimizer sharded)",
     "mesh.tensor": "tensor-parallel axis size (heads and MLP split); data x fsdp x tensor = devices",
