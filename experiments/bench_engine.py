@@ -282,7 +282,7 @@ def _model(shape: str, dtype: str = "float32"):
     them uses them as they are: one copy in memory)."""
     config = config_from_hf(_hf_config(shape), param_dtype=dtype, compute_dtype=dtype)
     params = init_params(config, jax.random.key(0))
-    return config, engine_params(params, config)
+    return config, engine_params(params, config, unstacked=True)  # unrolled layers slice nothing per step
 
 
 def _scale_core(params, config, *, slots: int, max_len: int, tokens_per_slot: int, chunk: int, bucket: int,
