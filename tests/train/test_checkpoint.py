@@ -100,3 +100,15 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path, compile_cache
     )
     assert f"resuming RL from the checkpoint at step {saved} in " in resumed.stdout, resumed.stdout
     assert f"checkpoints: {where}\n" in resumed.stdout, resumed.stdout
+
+
+def test_meta_of_older_checkpoints_is_upgraded_to_start_steps():
+    """Checkpoints from before ``state.step`` became the one step counter counted their own steps."""
+    from rstar2jax.train.runner import _upgrade_meta
+
+    meta = {"stage": 1, "stage_step": 2, "optimizer_steps": 5, "position": 3}
+    _upgrade_meta(meta, 7)
+    assert meta == {"stage": 1, "stage_start": 5, "optimizer_start": 2, "position": 3}
+    current = {"stage_start": 4, "optimizer_start": 0}
+    _upgrade_meta(current, 7)
+    assert current == {"stage_start": 4, "optimizer_start": 0}
