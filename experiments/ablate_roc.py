@@ -60,6 +60,7 @@ def main(argv):
     from experiments import demo_recipe as recipe
     from rstar2jax import train
     from rstar2jax.eval import report
+    from rstar2jax.train import policy as policy_lib
     from sandbox_server import start_local
 
     paths = recipe.DemoPaths(config.workdir)
@@ -80,7 +81,7 @@ def main(argv):
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(start_local(workers=config.sandbox_workers))
         recipe.prepare_policy(config, paths, server.url, timer)
-        prompt = recipe.prompt_from_config(config)
+        prompt = policy_lib.prompt_from_config(config)
         for seed in map(int, _SEEDS.value):
             for mode in _MODES.value:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
@@ -88,12 +89,12 @@ def main(argv):
                     config, paths, workdir=out / name, seed=seed, roc_mode=mode
                 )
                 policy = out / name / "policy"
-                rollout_fn = recipe.policy_rollout(rl_config, server.url, prompt)
+                rollout_fn = policy_lib.policy_rollout(rl_config, server.url, prompt)
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
                         train.train_rl(rl_config, rollout_fn=rollout_fn)
-                        recipe.export_policy(rl_config, policy)
+                        policy_lib.export_policy(rl_config, policy)
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))

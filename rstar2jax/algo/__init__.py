@@ -1,5 +1,6 @@
 """GRPO-RoC algorithm core: group advantages, RoC selection, penalties, policy losses (pure jnp)."""
 
+from rstar2jax.algo._checks import masked as masked_values
 from rstar2jax.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     STD_MODES,
@@ -52,6 +53,7 @@ __all__ = [
     "group_stats",
     "gspo_log_ratio",
     "loss_normalizer",
+    "masked_values",
     "policy_loss",
     "register_estimator",
     "roc_select",

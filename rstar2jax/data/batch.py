@@ -1,4 +1,5 @@
-"""Token batches for the SFT and RL steps: sequences packed (or padded) into fixed ``[rows, seq_len]`` arrays.
+"""Token batches for the SFT and RL steps: sequences packed (or padded) into fixed ``[rows, seq_len]`` arrays,
+and per-trajectory values as ``[groups, 2G]`` arrays (:func:`group_array`) for ``algo``.
 
 Every array is *target-aligned*: position ``t`` holds the input token ``tokens[t]``, the token it must predict
 ``targets[t]`` and that target's loss mask, sampler log-prob and advantage. A sequence of ``n`` tokens uses
@@ -9,7 +10,7 @@ to predict the next segment's first one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import flax.struct
@@ -86,6 +87,19 @@ def trajectory_sequence(trajectory: Trajectory, advantage: float) -> TokenSequen
         logprobs=[0.0] * prompt + list(trajectory.logprobs),
         advantage=float(advantage),
     )
+
+
+def group_array(
+    groups: Sequence[Sequence[Trajectory]], width: int, value: Callable[[Trajectory], float]
+) -> np.ndarray:
+    """``value`` of each trajectory as a float32 ``[groups, width]`` array (GRPO's ``[groups, 2G]`` layout for
+    ``algo``): row g holds group g's trajectories in order, zero-padded past its length."""
+    out = np.zeros((len(groups), width), np.float32)
+    for g, group in enumerate(groups):
+        if len(group) > width:
+            raise ValueError(f"group {g} has {len(group)} trajectories, more than width={width}")
+        out[g, : len(group)] = [value(t) for t in group]
+    return out
 
 
 def _assign_rows(

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from rstar2jax import algo
-from rstar2jax.data.batch import Batch, build_batch, trajectory_sequence
+from rstar2jax.data.batch import Batch, build_batch, group_array, trajectory_sequence
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import tool_error_ratios
 from rstar2jax.train import colocate
@@ -163,13 +163,6 @@ def check_rewards(groups: list[list[Trajectory]]) -> None:
                 )
 
 
-def _padded(groups: list[list[Trajectory]], width: int, value: Callable[[Trajectory], float]) -> np.ndarray:
-    out = np.zeros((len(groups), width), np.float32)
-    for g, group in enumerate(groups):
-        out[g, : len(group)] = [value(t) for t in group]
-    return out
-
-
 @functools.partial(jax.jit, static_argnames="rule")
 def _penalties(calls, failed, opens, closes, pairs, turns, *, rule):
     """(p_err, p_format) of ``[groups, rollouts]`` counts, Eq. 4 and the ``rule``'s format penalty (one
@@ -191,36 +184,73 @@ def _answer_count(t: Trajectory, name: str) -> int:
     return value
 
 
-def _group_penalties(
-    groups: list[list[Trajectory]], width: int, rule: str = "paper"
-) -> tuple[np.ndarray, np.ndarray]:
-    release = rule == "release"
+@dataclasses.dataclass(frozen=True)
+class ScoredGroups:
+    """Each problem's rollouts as ``[groups, width]`` arrays (zero past a group's end): the rewards, which
+    entries hold a rollout, and the penalties of paper Eq. 4-5, computed once per iteration
+    (:func:`score_groups`) for both the metrics and RoC."""
+
+    rewards: np.ndarray
+    valid: np.ndarray
+    p_err: np.ndarray
+    p_format: np.ndarray
+
+    @property
+    def p_total(self) -> np.ndarray:
+        """p_total = p_err + p_format, RoC's penalty of each rollout."""
+        return self.p_err + self.p_format
+
+
+def score_groups(groups: list[list[Trajectory]], width: int, format_penalty: str = "paper") -> ScoredGroups:
+    """The :class:`ScoredGroups` of ``groups`` (each at most ``width`` rollouts); ``format_penalty`` picks
+    p_format's rule ("paper": Eq. 5; "release": the released code's). A reward that is not a finite number
+    is an error naming its trajectory."""
+    check_rewards(groups)
+    release = format_penalty == "release"
     p_err, p_format = _penalties(
-        _padded(groups, width, lambda t: t.num_tool_calls),
-        _padded(groups, width, lambda t: t.num_failed_calls),
-        _padded(groups, width, lambda t: t.num_answer_blocks),
-        _padded(groups, width, lambda t: _answer_count(t, "num_answer_closes") if release else 0),
-        _padded(groups, width, lambda t: _answer_count(t, "num_answer_pairs") if release else 0),
-        _padded(groups, width, lambda t: t.num_turns),
-        rule=rule,
+        group_array(groups, width, lambda t: t.num_tool_calls),
+        group_array(groups, width, lambda t: t.num_failed_calls),
+        group_array(groups, width, lambda t: t.num_answer_blocks),
+        group_array(groups, width, lambda t: _answer_count(t, "num_answer_closes") if release else 0),
+        group_array(groups, width, lambda t: _answer_count(t, "num_answer_pairs") if release else 0),
+        group_array(groups, width, lambda t: t.num_turns),
+        rule=format_penalty,
     )
-    return np.asarray(p_err), np.asarray(p_format)
+    return ScoredGroups(
+        rewards=group_array(groups, width, lambda t: t.reward),
+        valid=group_array(groups, width, lambda t: 1.0) > 0,
+        p_err=np.asarray(p_err),
+        p_format=np.asarray(p_format),
+    )
 
 
-def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
+def rescore(
+    problems: Sequence[Problem], groups: list[list[Trajectory]], reward_fn: RewardFn
+) -> list[list[Trajectory]]:
+    """``groups`` with every trajectory's reward set by ``reward_fn(problem, trajectory)``: new trajectory
+    records, the rollout's own are left as they were."""
+    by_id = {p.id: p for p in problems}
+    return [
+        [dataclasses.replace(t, reward=float(reward_fn(by_id[t.problem_id], t))) for t in group]
+        for group in groups
+    ]
+
+
+def rollout_metrics(
+    groups: list[list[Trajectory]], scored: ScoredGroups | None = None
+) -> dict[str, float]:
     """What the sampled rollouts look like (all 2G per problem, before selection).
 
-    The tool-error ratios are ``eval.evaluate.tool_error_ratios``'s (NaN without calls; TensorBoard skips
-    NaN).
+    ``scored``: the groups' :func:`score_groups` when the caller has it (default: computed here). The
+    tool-error ratios are ``data.trajectory.tool_error_ratios``'s (NaN without calls; TensorBoard skips NaN).
     """
     flat = [t for g in groups for t in g]
     if not flat:
         return {}
     correct = [t for t in flat if t.reward > 0]
     calls = sum(t.num_tool_calls for t in flat)
-    width = max(len(g) for g in groups)
-    valid = _padded(groups, width, lambda t: 1.0) > 0
-    _, p_format = _group_penalties(groups, width)
+    if scored is None:
+        scored = score_groups(groups, max(len(g) for g in groups))
     lengths = np.array([len(t.response_ids) for t in flat], np.float64)
     pass_rates = np.array([np.mean([t.reward > 0 for t in g]) for g in groups if g])
     metrics = {
@@ -230,7 +260,7 @@ def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
         "problems_none_correct": float(np.mean(pass_rates == 0.0)),
         "tool_calls_per_traj": calls / len(flat),
         **tool_error_ratios(flat),
-        "p_format": float(p_format[valid].mean()),
+        "p_format": float(scored.p_format[scored.valid].mean()),
         "turns": float(np.mean([t.num_turns for t in flat])),
         "response_length": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
@@ -288,21 +318,26 @@ def select_and_build_batch(
     groups: list[list[Trajectory]],
     config: RLIterationConfig,
     num_rows: int | None = None,
+    scored: ScoredGroups | None = None,
     *,
     max_response_length: int | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch.
 
+    ``scored``: the groups' :func:`score_groups` at width ``samples_per_problem`` (default: computed here).
     ``max_response_length`` (the response budget) is needed with ``config.overlong_buffer`` > 0.
     """
-    check_rewards(groups)
     width = config.samples_per_problem
-    rewards = _padded(groups, width, lambda t: t.reward)
+    if scored is None:
+        scored = score_groups(groups, width, config.format_penalty)
+    if scored.rewards.shape != (len(groups), width):
+        raise ValueError(f"scored arrays are {scored.rewards.shape}, expected {(len(groups), width)}")
+    rewards, valid, p_total = scored.rewards, scored.valid, scored.p_total
     shaping = np.zeros_like(rewards)
     if config.overlong_buffer:
         if max_response_length is None:
             raise ValueError("overlong_buffer > 0 needs max_response_length (the response token budget)")
-        lengths = _padded(groups, width, lambda t: len(t.response_ids))
+        lengths = group_array(groups, width, lambda t: len(t.response_ids))
         shaping = np.asarray(
             algo.soft_overlong_penalty(
                 lengths,
@@ -311,8 +346,6 @@ def select_and_build_batch(
                 factor=config.overlong_penalty_factor,
             )
         )
-    valid = _padded(groups, width, lambda t: 1.0) > 0
-    p_total = sum(_group_penalties(groups, width, config.format_penalty))
     selection, advantages, selected_p_total = jax.device_get(
         _select(
             key,
@@ -409,16 +442,13 @@ def rl_iteration(
     )
     rollout_done = time.perf_counter()
     if reward_fn is not None:
-        by_id = {p.id: p for p in unique}
-        for group in groups:
-            for t in group:
-                t.reward = float(reward_fn(by_id[t.problem_id], t))
+        groups = rescore(unique, groups, reward_fn)
     verify_done = time.perf_counter()
 
-    check_rewards(groups)
-    metrics = rollout_metrics(groups)
+    scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
+    metrics = rollout_metrics(groups, scored)
     batch, select_metrics = select_and_build_batch(
-        roc_key, groups, config, num_rows, max_response_length=max_response_length
+        roc_key, groups, config, num_rows, scored, max_response_length=max_response_length
     )
     metrics.update(select_metrics)
     update_start = time.perf_counter()

@@ -1,8 +1,9 @@
 """Training loops behind the launchers: the staged GRPO-RoC recipe and SFT, with exact resume.
 
 Both loops keep everything that decides the next step in the checkpoint (state: params, optimizer, step, RNG;
-meta: stage, step inside the stage, data-iterator position, filtered problem ids, metrics history), so a run
-killed at any moment and restarted continues with exactly the metrics an uninterrupted run would log.
+meta: stage, the step it started at, the step the optimizer was last reset at, data-iterator position,
+filtered problem ids, metrics history), so a run killed at any moment and restarted continues with exactly the
+metrics an uninterrupted run would log. ``state.step`` is the only step counter.
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ class Run:
 
     @property
     def step(self) -> int:
-        return len(self.meta["history"])
+        """Updates applied so far: ``state.step``, the one step counter (stages and the learning-rate
+        schedule record the step they started at, ``meta["stage_start"]`` and ``meta["optimizer_start"]``)."""
+        return int(jax.device_get(self.state.step.addressable_data(0)))
 
     @property
     def resumed(self) -> bool:
@@ -170,19 +173,18 @@ class Run:
     def record(self, metrics: dict, **meta_updates) -> dict:
         """Logs one step's metrics (plus the learning rate it used), updates the resume record and saves a
         checkpoint when one is due."""
-        learning_rate = float(self.schedule(self.meta["optimizer_steps"]))
-        record = self.logger.log(self.step + 1, {**metrics, "learning_rate": learning_rate})
-        self.meta.update(
-            meta_updates, history=self.logger.history, optimizer_steps=self.meta["optimizer_steps"] + 1
-        )
-        self.checkpointer.save(self.step, self.state, self.meta)
+        step = self.step  # the update just applied is number ``step``; it ran at schedule position step - 1
+        learning_rate = float(self.schedule(step - 1 - self.meta["optimizer_start"]))
+        record = self.logger.log(step, {**metrics, "learning_rate": learning_rate})
+        self.meta.update(meta_updates, history=self.logger.history)
+        self.checkpointer.save(step, self.state, self.meta)
         return record
 
     def reset_optimizer(self) -> None:
         """Fresh optimizer moments and schedule (a stage start with ``reset_optimizer``)."""
         reset = functools.partial(reset_optimizer, optimizer=self.optimizer)
         self.state = jax.jit(reset, out_shardings=self.shardings, donate_argnums=0)(self.state)
-        self.meta["optimizer_steps"] = 0
+        self.meta["optimizer_start"] = self.step
 
     def close(self) -> None:
         """Final save (unless the state was lost mid-step) and flush; closing twice is harmless."""
@@ -194,6 +196,15 @@ class Run:
             self.checkpointer.save(self.step, self.state, self.meta, force=True)
         self.checkpointer.close()
         self.logger.close()
+
+
+def _upgrade_meta(meta: dict, step: int) -> None:
+    """Checkpoints written before the step counters became one kept counts of their own
+    (``optimizer_steps``, ``stage_step``); now they hold the step they started at."""
+    if "optimizer_steps" in meta:
+        meta["optimizer_start"] = step - meta.pop("optimizer_steps")
+    if "stage_step" in meta:
+        meta["stage_start"] = step - meta.pop("stage_step")
 
 
 def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
@@ -214,9 +225,10 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
         reference = shardings.ref_params is not None
         init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed, reference=reference)
         state = jax.jit(init, out_shardings=shardings)(params)
-        meta = {**initial_meta, "history": [], "optimizer_steps": 0}
+        meta = {**initial_meta, "history": [], "optimizer_start": 0}
     else:
         state, meta = restored
+        _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     logger = MetricsLogger(
         workdir, history=meta["history"], tensorboard=config.logging.tensorboard, enabled=is_main
@@ -317,7 +329,7 @@ def train_rl(
         config,
         optimizer,
         config_lib.build_schedule(config),
-        initial_meta={"stage": 0, "stage_step": 0, "position": 0, "problem_ids": None},
+        initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
     )
     loss_config = config_lib.build_loss_config(config)
     step_fn = make_rl_step(
@@ -338,7 +350,7 @@ def train_rl(
         print(
             f"resuming RL from the checkpoint at step {run.step} in {run.workdir / CHECKPOINT_DIR}: stage "
             f"{run.meta['stage'] + 1}/{len(config.stages)} {config.stages[stage_index].name!r}, "
-            f"step {run.meta['stage_step']} of {config.stages[stage_index].steps}",
+            f"step {run.step - run.meta['stage_start']} of {config.stages[stage_index].steps}",
             flush=True,
         )
     dataset = None
@@ -352,7 +364,7 @@ def train_rl(
                 if index < run.meta["stage"]:
                     continue
                 s = config.stages[index]
-                if run.meta["stage_step"] == 0 and s.reset_optimizer:
+                if run.step == run.meta["stage_start"] and s.reset_optimizer:
                     run.reset_optimizer()
                 problems = _hard_problems(run, index, dataset, rollout_fn)
                 iterator = ProblemIterator(
@@ -363,7 +375,7 @@ def train_rl(
                 )
                 iteration = config_lib.build_iteration_config(config, s.max_response_length)
                 num_rows = None if config.batch.pack else config.rl.prompts_per_step * config.rl.keep
-                while run.meta["stage_step"] < s.steps and run.step < total:
+                while run.step - run.meta["stage_start"] < s.steps and run.step < total:
                     if offload:  # the moments wait in host memory while the engine runs
                         run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
                     run.state, metrics = rl_iteration(
@@ -380,14 +392,14 @@ def train_rl(
                     )
                     record = run.record(
                         {"stage": index, **data_metrics, **metrics},
-                        stage_step=run.meta["stage_step"] + 1,
                         position=iterator.position,
                     )
-                    progress.update(record, f"stage {s.name!r} {run.meta['stage_step']}/{s.steps}")
+                    stage_step = run.step - run.meta["stage_start"]
+                    progress.update(record, f"stage {s.name!r} {stage_step}/{s.steps}")
                     run.stop_if_requested()
                 if run.step >= total:
                     break
-                run.meta.update(stage=index + 1, stage_step=0, position=0, problem_ids=None)
+                run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
         finally:
             run.close()
     return run.logger.history

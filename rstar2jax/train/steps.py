@@ -99,7 +99,8 @@ class RLLossConfig:
 
 
 def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(x * mask)
+    """Σ mask·x with masked-out positions dropped before the product (a NaN / Inf there stays out)."""
+    return jnp.sum(algo.masked_values(x, mask) * mask)
 
 
 def _logprobs_and_entropy(params, model_config, batch: Batch, temperature: float = 1.0):

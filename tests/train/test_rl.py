@@ -19,6 +19,7 @@ from rstar2jax.train import (
     rollout_metrics,
     select_and_build_batch,
 )
+from rstar2jax.train import rl as rl_lib
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import make_scripted_rollout
 
@@ -125,7 +126,7 @@ def test_filter_hard_problems_drops_always_solved():
     assert stats["filter_kept"] + stats["filter_dropped"] == 12 and stats["filter_dropped"] == len(solved_all)
 
 
-def test_rl_iteration_is_deterministic_and_updates(tiny_model):
+def test_rl_iteration_is_deterministic_and_updates(tiny_model, monkeypatch):
     config, params = tiny_model
     optimizer = make_optimizer(1e-3, warmup_steps=1)
     step = make_rl_step(config, optimizer, RLLossConfig(), num_microbatches=2, compiler_options=FAST_COMPILE)
@@ -133,12 +134,12 @@ def test_rl_iteration_is_deterministic_and_updates(tiny_model):
     problems = [Problem(id=str(i), problem="q", answer="1") for i in range(4)] + [Problem("0", "q", "1")]
     rollout = make_scripted_rollout(vocab_size=config.vocab_size)
 
-    def iterate(**kwargs):
+    def iterate(rollout_fn=rollout, **kwargs):
         state = init_train_state(copy_tree(params), optimizer, 3)
         return rl_iteration(
             state,
             problems,
-            rollout_fn=rollout,
+            rollout_fn=rollout_fn,
             rl_step=step,
             config=iteration,
             max_response_length=24,
@@ -175,8 +176,24 @@ def test_rl_iteration_is_deterministic_and_updates(tiny_model):
     ):
         assert key in m1, key
 
-    rescored = iterate(reward_fn=lambda problem, t: 0.0)[1]
+    returned = []
+
+    def recording_rollout(*args, **kwargs):
+        trajectories = rollout(*args, **kwargs)
+        returned.extend((t, t.reward) for t in trajectories)
+        return trajectories
+
+    penalty_calls = []
+    real_penalties = rl_lib._penalties
+    monkeypatch.setattr(
+        rl_lib, "_penalties", lambda *a, **k: penalty_calls.append(1) or real_penalties(*a, **k)
+    )
+    rescored = iterate(rollout_fn=recording_rollout, reward_fn=lambda problem, t: 0.0)[1]
     assert rescored["reward"] == 0.0 and rescored["groups_rejected"] == 4
+    assert len(penalty_calls) == 1  # penalties computed once, for the metrics and RoC alike
+    # The rescoring made new records: the rollout's trajectories keep the rewards it gave them.
+    assert any(reward > 0 for _, reward in returned)
+    assert all(t.reward == reward for t, reward in returned)
 
 
 def _three_rollouts(**overrides):

@@ -274,3 +274,20 @@ def test_loss_config_errors():
     with pytest.raises(ValueError, match="kl='k9'"):
         RLLossConfig(kl="k9")
     assert RLLossConfig().dual_clip == 3.0
+
+
+def test_nan_in_masked_positions_stays_out_of_the_step(tiny_model, rl_batch):
+    config, params = tiny_model
+    masked_out = rl_batch.loss_mask == 0
+    dirty = rl_batch.replace(
+        old_logp=np.where(masked_out, np.nan, rl_batch.old_logp).astype(np.float32),
+        advantages=np.where(masked_out, np.inf, rl_batch.advantages).astype(np.float32),
+    )
+    optimizer = make_optimizer(1e-3, warmup_steps=1)
+    step = make_rl_step(config, optimizer, RLLossConfig(entropy_coef=0.01), compiler_options=FAST_COMPILE)
+    clean_state, clean = step(init_train_state(copy_tree(params), optimizer, 0), rl_batch)
+    dirty_state, got = step(init_train_state(copy_tree(params), optimizer, 0), dirty)
+    assert all(np.isfinite(float(v)) for v in got.values())
+    for key, value in clean.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=key)
+    _assert_trees_close(dirty_state.params, clean_state.params, rtol=0, atol=0)
