@@ -52,6 +52,7 @@ setup(
             "jupyter-client>=8.10",
             "traitlets>=5.16",
             "ruff>=0.17",
+            "openai>=1.0",  # the serving tests drive the server with the official client
             "torch==2.13.0",
         ],
     },

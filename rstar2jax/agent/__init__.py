@@ -38,11 +38,15 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
             "run_code_sync",
         ],
         "tool_parser": [
+            "FunctionCall",
             "ToolCall",
             "ToolCallError",
             "ToolCallErrorKind",
             "parse_tool_call",
+            "parse_function_call",
+            "parse_function_calls",
             "parse_tool_calls",
+            "tool_call_bodies",
         ],
         "trajectory": [
             "FAILED_OUTCOMES",
