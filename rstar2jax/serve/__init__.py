@@ -13,6 +13,6 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
     submod_attrs={
         "policy": ["Policy", "load_policy"],
         "protocol": ["ChatRequest", "RequestError", "parse_chat_request"],
-        "server": ["ChatService", "ServerConfig", "run_server", "start_server"],
+        "server": ["BackgroundServer", "ChatService", "ServerConfig", "run_server", "start_server"],
     },
 )

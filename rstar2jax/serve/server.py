@@ -55,6 +55,8 @@ class ServerConfig:
       max_len: context length: prompt + completion tokens of one sequence.
       segment_tokens: tokens a session decodes between looks from the server (streaming granularity, stop
         strings, disconnect checks).
+      first_segment_tokens: the first segment of a streamed choice (time to first token).
+      decode_chunk: the engine's decode steps per device call.
       assistant_opener: text appended after the generation prompt (the training prompt's opener).
       model_name: the model id reported and accepted; None: the policy's name.
       warmup: compile every engine program before reporting healthy.
@@ -64,13 +66,16 @@ class ServerConfig:
     num_slots: int = 16
     max_len: int = 2048
     segment_tokens: int = 32
+    first_segment_tokens: int = 1
+    decode_chunk: int = 16
     assistant_opener: str = DEFAULT_ASSISTANT_OPENER
     model_name: str | None = None
     warmup: bool = True
     max_body_bytes: int = 32 * 2**20
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "segment_tokens", "max_body_bytes"):
+        for name in ("num_slots", "max_len", "segment_tokens", "first_segment_tokens", "decode_chunk",
+                     "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive int, got {value!r}")
@@ -104,10 +109,12 @@ class _Choice:
 
     async def _segment(self, stop: Sequence[Sequence[int]]):
         """One segment. If the caller is cancelled (the client went away), the segment in flight runs to its
-        end (at most ``segment_tokens``) and :meth:`close` then frees the slot."""
-        self.in_flight = asyncio.ensure_future(
-            self.session.generate(stop=stop, max_new_tokens=self.service.config.segment_tokens)
-        )
+        end (at most ``segment_tokens``) and :meth:`close` then frees the slot. A stream's first segment is
+        ``first_segment_tokens`` long, so that its first text goes out soon."""
+        config = self.service.config
+        first = self.request.stream and self.num_sampled == 0
+        size = config.first_segment_tokens if first else config.segment_tokens
+        self.in_flight = asyncio.ensure_future(self.session.generate(stop=stop, max_new_tokens=size))
         return await asyncio.shield(self.in_flight)
 
     def close(self) -> None:
@@ -253,7 +260,7 @@ class ChatService:
             max_stops=1,
             max_stop_len=stop_len,
             eos_token_ids=tuple(self.eos_ids),
-            decode_chunk=min(16, config.segment_tokens),
+            decode_chunk=config.decode_chunk,
         )
         self.engine: Engine | None = None
         self.ready = False
@@ -271,16 +278,21 @@ class ChatService:
         return self
 
     async def _warm_up(self) -> None:
-        """Compiles the common programs before the first client waits for them: one request alone (prefill,
-        compacted decode) and one that fills every slot (fork, dense decode)."""
+        """Compiles the engine's programs before the first client waits for them: for every power of two
+        ``k`` up to the slot count, ``k`` single requests at once (prefill of ``k`` rows, decode of ``k``
+        running sequences) and one request of ``n = k`` choices (fork)."""
         prompt = encode_text(self.tokenizer, "warm up")[:8] or [0]
-        for n in (1, self.config.num_slots):
-            sessions = await self.engine.open(
-                prompt, n, sampling=SamplingParams(temperature=0.0), max_tokens=2
-            )
-            await asyncio.gather(*(s.generate(max_new_tokens=2) for s in sessions))
-            for session in sessions:
-                session.close()
+        greedy = SamplingParams(temperature=0.0)
+        sizes = [1 << i for i in range(self.config.num_slots.bit_length()) if 1 << i <= self.config.num_slots]
+        for k in sorted(set(sizes) | {self.config.num_slots}):
+            for groups in ([1] * k, [k]):
+                opened = await asyncio.gather(
+                    *(self.engine.open(prompt, n, sampling=greedy, max_tokens=2) for n in groups)
+                )
+                sessions = [s for group in opened for s in group]
+                await asyncio.gather(*(s.generate(max_new_tokens=2) for s in sessions))
+                for session in sessions:
+                    session.close()
 
     async def __aexit__(self, *exc_info) -> None:
         self.ready = False
@@ -580,3 +592,53 @@ async def run_server(
             await asyncio.Event().wait()
         finally:
             await runner.cleanup()
+
+
+class BackgroundServer:
+    """A :class:`ChatService` served from its own event loop on a daemon thread (tests, benchmarks,
+    notebooks): ``with BackgroundServer(policy, config) as server: ... server.url ...``."""
+
+    def __init__(
+        self, policy: Policy, config: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0
+    ):
+        import threading
+
+        self.policy, self.config, self.host, self.port = policy, config, host, port
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rstar2jax-serve", daemon=True)
+        self.service: ChatService | None = None
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def call(self, coroutine, timeout: float | None = None):
+        """Runs ``coroutine`` on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+
+        async def start():
+            self.service = ChatService(self.policy, self.config)
+            await self.service.__aenter__()
+            self.runner = await start_server(self.service, self.host, self.port)
+            if self.port == 0:
+                self.port = self.runner.addresses[0][1]
+
+        self.call(start())
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        async def stop():
+            if self.runner is not None:
+                await self.runner.cleanup()
+            if self.service is not None:
+                await self.service.__aexit__(None, None, None)
+
+        try:
+            self.call(stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
