@@ -37,6 +37,7 @@ from aiohttp import web
 
 from rstar2jax import models
 from rstar2jax.agent.prompts import DEFAULT_ASSISTANT_OPENER
+from rstar2jax.agent.rollout import _gather_or_cancel as gather_or_cancel
 from rstar2jax.agent.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session
 from rstar2jax.models.tokenizer import encode_text, render_chat
@@ -454,7 +455,7 @@ class ChatService:
                 "logprobs": {"content": entries, "refusal": None} if request.logprobs else None,
             }
 
-        results = await _gather_or_cancel([collect(c) for c in choices])
+        results = await gather_or_cancel([collect(c) for c in choices])
         for index, result in enumerate(results):
             result["index"] = index
         return {
@@ -538,17 +539,6 @@ class ChatService:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-async def _gather_or_cancel(awaitables) -> list:
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 @web.middleware
