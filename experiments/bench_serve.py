@@ -39,7 +39,8 @@ _MAX_TOKENS_06B = flags.DEFINE_integer("max_tokens_06b", 8, "Output tokens per r
 _REQUESTS = flags.DEFINE_integer("requests", 64, "Requests per concurrency level (at least one per client).")
 _REQUESTS_06B = flags.DEFINE_integer("requests_06b", 16, "Requests per concurrency level, 0.6B shape.")
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 64, "Engine slots.")
-_SEGMENT = flags.DEFINE_integer("segment_tokens", 16, "Tokens per server segment.")
+_SEGMENT = flags.DEFINE_integer("segment_tokens", 64, "Tokens per server segment (streamed chunk).")
+_DECODE_CHUNK = flags.DEFINE_integer("decode_chunk", 16, "Engine decode steps per device call.")
 _BASELINE = 16  # batching_speedup: this many requests sequential vs at once
 
 # Qwen3-0.6B (config.json of Qwen/Qwen3-0.6B, Apache-2.0).
@@ -132,6 +133,7 @@ def bench_shape(shape: str) -> dict:
         num_slots=_NUM_SLOTS.value,
         max_len=256,
         segment_tokens=_SEGMENT.value,
+        decode_chunk=_DECODE_CHUNK.value,
         assistant_opener="",
         warmup=True,
     )
