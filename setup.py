@@ -16,7 +16,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["rstar2jax*", "sandbox_server*", "experiments*"]),
+    # The launchers and benchmarks (experiments/) run from the checkout: python -m experiments.X.
+    packages=find_packages(include=["rstar2jax", "rstar2jax.*", "sandbox_server", "sandbox_server.*"]),
     ext_modules=native if sys.platform.startswith("linux") else [],
     install_requires=[
         "jax>=0.10.2",
@@ -31,7 +32,6 @@ setup(
         "msgpack>=1.2",
         "aiohttp>=3.14",
         "absl-py>=2.5",
-        "lazy-loader>=0.6",
         "ml-collections>=1.1",
         "math-verify>=0.9",
         "sympy>=1.14",
@@ -40,12 +40,18 @@ setup(
         "matplotlib>=3.11",
     ],
     extras_require={
+        # GPU backends: JAX's plugins at the JAX version this project is tested with. Pick the one that
+        # matches the machine's driver (`nvidia-smi` shows the CUDA version; ROCm 7 for AMD Instinct GPUs).
+        "cuda": ["jax[cuda12]==0.10.2"],
+        "cuda13": ["jax[cuda13]==0.10.2"],
+        "rocm": ["jax[rocm7-local]==0.10.2"],
+        # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
+        "tensorboard": ["tensorboard>=2.21"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",
             "pytest-xdist>=3.8",
             "hypothesis>=6.170",
-            "chex>=0.1.92",
             "nbclient>=0.11",
             "nbformat>=5.11",
             "ipykernel>=7.4",

@@ -23,13 +23,13 @@ import json
 import pathlib
 import time
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+from experiments import _launch
+
+_CONFIG = _launch.define_config(
     "experiments/configs/demo.py",
-    "Demo config (the RL recipe and the SFT policy's recipe).",
+    "Demo config (the RL recipe and the SFT policy's recipe); --print_config lists its fields.",
     lock_config=False,
 )
 _DEMO_WORKDIR = flags.DEFINE_string(
@@ -40,6 +40,7 @@ _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs both m
 _MODES = flags.DEFINE_list("modes", ["paper", "uniform"], "roc_mode values to compare.")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 
 #: What the ablation compares over steps (names logged by the RL iteration).
 CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
@@ -48,46 +49,56 @@ LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO"}
 
 def main(argv):
     del argv
-    if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
     if _DEMO_WORKDIR.value:
         config.workdir = _DEMO_WORKDIR.value
+    if _PRINT_CONFIG.value:
+        from experiments.configs.demo import FIELD_HELP
+
+        _launch.print_config(config, FIELD_HELP)
+        return
+    from experiments import demo_recipe as recipe
     from rstar2jax import train
     from rstar2jax.eval import report
-    from rstar2jax.train import pipeline
     from sandbox_server import start_local
 
-    paths = pipeline.DemoPaths(config.workdir)
+    paths = recipe.DemoPaths(config.workdir)
+    train.validate(recipe.sft_run_config(config, paths), "sft", check_paths=False)
+    for mode in _MODES.value:  # every run's config is checked before the first starts
+        train.validate(recipe.rl_run_config(config, paths, roc_mode=mode), "rl", check_paths=False)
     out = pathlib.Path(_WORKDIR.value)
     out.mkdir(parents=True, exist_ok=True)
-    pipeline.configure_compile_cache(_COMPILE_CACHE.value)
-    timer = pipeline.PhaseTimer()
+    names = [f"{mode}-seed{seed}" for seed in map(int, _SEEDS.value) for mode in _MODES.value]
+    _launch.announce(
+        "RoC ablation", out, runs={"sft": paths.sft_run, **{n: out / n for n in names}}, config=config.rl
+    )
+    recipe.configure_compile_cache(_COMPILE_CACHE.value)
+    timer = recipe.PhaseTimer()
     runs: dict[str, list[list[dict]]] = {LABELS.get(m, m): [] for m in _MODES.value}
     evaluations: dict[str, list[dict]] = {LABELS.get(m, m): [] for m in _MODES.value}
     metrics_files: dict[str, list[str]] = {LABELS.get(m, m): [] for m in _MODES.value}
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(start_local(workers=config.sandbox_workers))
-        pipeline.prepare_policy(config, paths, server.url, timer)
-        prompt = pipeline.prompt_from_config(config)
+        recipe.prepare_policy(config, paths, server.url, timer)
+        prompt = recipe.prompt_from_config(config)
         for seed in map(int, _SEEDS.value):
             for mode in _MODES.value:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
-                rl_config = pipeline.rl_run_config(
+                rl_config = recipe.rl_run_config(
                     config, paths, workdir=out / name, seed=seed, roc_mode=mode
                 )
                 policy = out / name / "policy"
-                rollout_fn = pipeline.policy_rollout(rl_config, server.url, prompt)
+                rollout_fn = recipe.policy_rollout(rl_config, server.url, prompt)
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
                         train.train_rl(rl_config, rollout_fn=rollout_fn)
-                        pipeline.export_policy(rl_config, policy)
+                        recipe.export_policy(rl_config, policy)
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))
                 if _EVAL.value:
-                    evaluation = pipeline.evaluate_saved(
+                    evaluation = recipe.evaluate_saved(
                         config, out / name / "eval.json", policy, paths.eval_problems, rollout_fn, timer
                     )
                     evaluations[label].append({"seed": seed, **evaluation["metrics"]})
@@ -117,4 +128,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

@@ -16,6 +16,25 @@
 Usage: ``python experiments/bench_engine.py [--new-tokens 256] [--new-tokens-06b 256] [--skip-06b]``.
 Prints a table and, as the last line, a JSON object with the three ratios. The transformers side runs in a
 subprocess (``--torch-worker``) so the two models never share memory.
+
+``--scale`` measures the paged KV cache instead (issue 21), each figure against its baseline in the same run:
+
+- ``long_cache_step_ratio``: decode step time of 64 sequences holding 640 tokens each on an engine configured
+  for 8192-token sequences over the same on one configured for 640 (+ the 64 tokens of head room the
+  measured steps need). Goal <= 1.3.
+- ``kv_bytes_ratio``: KV bytes the pool holds for those sequences (pages allocated, look-ahead of the decode
+  chunk included) over their tokens x the per-token KV size. Goal <= 1.25.
+- ``group_prompt_kv_ratio``: KV bytes held by one 512-token prompt forked into 16 samples that generated 64
+  tokens each, over (512 + 16 x 64) x the per-token KV size. Goal <= 1.2.
+- ``multistep_speedup``: batch-1 decode tokens/s of the tiny model with 32 decode steps per device call over
+  one step per call. Goal >= 2.
+- ``decode_tokens_per_s``: tokens/s of ``generate`` (16-token prompts, greedy) for the tiny and the
+  Qwen3-0.6B-shaped model at batch 1 and 64; ``batch1_step_over_floor``: the 0.6B batch-1 decode step over
+  the memory-bandwidth floor (parameter bytes / copy bandwidth).
+
+``--scale --gpu``: the same in bfloat16 with the Qwen3-1.7B shape for the ratios, plus tokens/s and the decode
+step over the HBM floor ((parameter + KV bytes read per step) / measured device copy bandwidth) for 0.6B and
+1.7B at batch 1/64/256 (``--gpu-batches``, ``--gpu-models``).
 """
 
 from __future__ import annotations
@@ -29,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -36,7 +56,9 @@ import numpy as np
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
 from rstar2jax.models import config_from_hf, init_params, load_pretrained
 
-QWEN3_06B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "model_configs", "qwen3-0.6b.json")
+MODEL_CONFIGS = os.path.join(os.path.dirname(__file__), "model_configs")  # copies with provenance (README)
+QWEN3_06B = os.path.join(MODEL_CONFIGS, "qwen3-0.6b.json")
+QWEN3_17B = os.path.join(MODEL_CONFIGS, "qwen3-1.7b.json")
 SMALL_SHAPE = dict(
     hidden_size=256,
     intermediate_size=768,
@@ -62,7 +84,7 @@ TOOL_TOKENS = (4, 16)
 
 
 def _hf_config(shape: str) -> dict:
-    with open(QWEN3_06B, encoding="utf-8") as f:
+    with open(QWEN3_17B if shape == "1.7b" else QWEN3_06B, encoding="utf-8") as f:
         config = json.load(f)
     config.update({"small": SMALL_SHAPE, "tiny": TINY_SHAPE}.get(shape, {}))
     config.update(eos_token_id=None, bos_token_id=None, torch_dtype="float32")
@@ -244,6 +266,160 @@ def multiturn(num_rollouts: int = 64, turns: int = 3) -> dict:
     return dict(engine_s=engine_s, static_s=static_s, same_tokens=same)
 
 
+# ---- --scale: the paged KV cache
+
+
+def _model(shape: str, dtype: str = "float32"):
+    config = config_from_hf(_hf_config(shape), param_dtype=dtype, compute_dtype=dtype)
+    return config, init_params(config, jax.random.key(0))
+
+
+def _scale_core(params, config, *, slots: int, max_len: int, tokens_per_slot: int, chunk: int, bucket: int,
+                **overrides) -> EngineCore:
+    """An engine whose pool holds ``slots`` sequences of ``tokens_per_slot`` tokens, whatever ``max_len``."""
+    engine_config = EngineConfig(
+        num_slots=slots, max_len=max_len, decode_chunk=chunk, prefill_buckets=(bucket,), eos_token_ids=(),
+        num_pages=slots * -(-tokens_per_slot // 16) + 1, page_size=16, return_on_stop=False,
+        prefix_sharing=False, **overrides)
+    return EngineCore(params, config, engine_config)
+
+
+class _DecodeRun:
+    """``slots`` sequences that hold ``prompt_len`` tokens, decoding greedily in chunks of ``chunk`` steps."""
+
+    def __init__(self, params, config, *, slots: int, prompt_len: int, max_len: int, chunk: int = 8,
+                 chunks: int = 6, bucket: int = 128):
+        steps = chunk * (chunks + 1)  # a chunk more than run, so no sequence finishes (and frees its pages)
+        self.chunk = chunk
+        self.core = _scale_core(params, config, slots=slots, max_len=max_len,
+                                tokens_per_slot=prompt_len + steps, chunk=chunk, bucket=bucket)
+        rng = np.random.default_rng(0)
+        greedy = SamplingParams(temperature=0.0)
+        groups = self.core.admit([(rng.integers(0, config.vocab_size, prompt_len).tolist(), 1, greedy, steps,
+                                   (i,)) for i in range(slots)])
+        for (record,) in groups:
+            self.core.start(record)
+        self.core.step()  # the first chunk (and, once per shape, compiling)
+        self.times = []
+
+    def time_chunk(self) -> None:
+        start = time.perf_counter()
+        self.core.step()  # synchronous: it reads the slots' statuses back
+        self.times.append(time.perf_counter() - start)
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per decode step: the best timed chunk over its steps."""
+        return min(self.times) / self.chunk
+
+    def kv(self) -> dict:
+        """KV bytes the pool holds now, and the bytes of the tokens held."""
+        held_tokens = int(self.core._lengths.sum())
+        per_token = self.core.state.pages.nbytes_per_page / self.core.engine_config.page_size
+        return dict(kv_bytes=self.core.kv_bytes_held, token_bytes=held_tokens * per_token,
+                    held_tokens=held_tokens)
+
+
+def decode_steps(runs: Sequence[_DecodeRun], rounds: int = 4) -> None:
+    """Time chunks of ``runs`` interleaved (so load changes on a shared machine hit them alike)."""
+    for _ in range(rounds):
+        for run in runs:
+            run.time_chunk()
+
+
+def group_prompt_kv(params, config, *, prompt_len: int = 512, samples: int = 16,
+                    new_tokens: int = 64) -> dict:
+    """KV bytes held by one prompt forked into ``samples`` samples that generated ``new_tokens`` each."""
+    engine_config = EngineConfig(num_slots=samples, max_len=prompt_len + 2 * new_tokens, decode_chunk=16,
+                                 prefill_buckets=(128,), eos_token_ids=(), page_size=16)
+    core = EngineCore(params, config, engine_config)
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, prompt_len).tolist()
+    (group,) = core.admit([(prompt, samples, SamplingParams(temperature=1.0), 2 * new_tokens, (0,))])
+    for record in group:
+        core.start(record, max_new_tokens=new_tokens)  # they pause (holding their pages) after new_tokens
+    while core.num_active:
+        core.step()
+    assert all(len(r.response_ids) == new_tokens for r in group)
+    per_token = core.state.pages.nbytes_per_page / engine_config.page_size
+    return dict(kv_bytes=core.kv_bytes_held, token_bytes=(prompt_len + samples * new_tokens) * per_token)
+
+
+def generate_tokens_per_s(params, config, *, batch: int, new_tokens: int, chunk: int = 32) -> float:
+    """Tokens/s of ``generate`` (16-token prompts, greedy), after a warm-up call with the same shapes."""
+    engine_config = EngineConfig(num_slots=batch, max_len=_round_up(PROMPT_LEN + new_tokens, 16),
+                                 decode_chunk=chunk, prefill_buckets=(PROMPT_LEN,), eos_token_ids=())
+    prompts = _prompts(batch, config.vocab_size)
+    generate(params, config, prompts, max_new_tokens=min(new_tokens, chunk), engine_config=engine_config)
+    start = time.perf_counter()
+    generate(params, config, prompts, max_new_tokens=new_tokens, engine_config=engine_config)
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def device_copy_bandwidth(num_bytes: int = 2**30) -> float:
+    """Bytes read + written per second by a jitted copy of a large device array (best of 5)."""
+    x = jax.numpy.ones((num_bytes // 4,), jax.numpy.float32)
+    copy = jax.jit(lambda a: a + 1)
+    copy(x).block_until_ready()
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        copy(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.nbytes / best
+
+
+def scale(args, report) -> None:
+    """The ``--scale`` measurements (see the module docstring)."""
+    gpu = args.gpu
+    dtype = "bfloat16" if gpu else "float32"
+    ratio_shape = "1.7b" if gpu else "tiny"
+    config, params = _model(ratio_shape, dtype)
+    short = _DecodeRun(params, config, slots=64, prompt_len=640, max_len=640 + 64)
+    long = _DecodeRun(params, config, slots=64, prompt_len=640, max_len=8192)
+    decode_steps([short, long])
+    report("long_cache_step_ratio", f"step ms, {ratio_shape}, 64 x 640 tok, max_len 8192 vs 704",
+           long.step_s * 1e3, short.step_s * 1e3, long.step_s / short.step_s, "<= 1.3", "")
+    kv = long.kv()
+    report("kv_bytes_ratio", "KV MiB held vs tokens x per-token KV", kv["kv_bytes"] / 2**20,
+           kv["token_bytes"] / 2**20, kv["kv_bytes"] / kv["token_bytes"], "<= 1.25",
+           f"{kv['held_tokens']} tokens held, 8192 engine")
+    del short, long
+    group = group_prompt_kv(params, config)
+    report("group_prompt_kv_ratio", "KV MiB, 512-tok prompt x 16 samples x 64 tok", group["kv_bytes"] / 2**20,
+           group["token_bytes"] / 2**20, group["kv_bytes"] / group["token_bytes"], "<= 1.2",
+           "vs (512 + 16 x 64) tokens")
+    del params
+    tiny_config, tiny_params = _model("tiny", dtype)
+    many = generate_tokens_per_s(tiny_params, tiny_config, batch=1, new_tokens=128, chunk=32)
+    one = generate_tokens_per_s(tiny_params, tiny_config, batch=1, new_tokens=128, chunk=1)
+    report("multistep_speedup", "batch-1 tok/s, tiny, 32 steps per call vs 1", many, one, many / one, ">= 2",
+           "")
+    speeds = {}
+    shapes = args.gpu_models if gpu else ["tiny", "0.6b"]
+    batches = args.gpu_batches if gpu else [1, 64]
+    bandwidth = device_copy_bandwidth() if gpu else copy_bandwidth()
+    for shape in shapes:
+        config, params = (tiny_config, tiny_params) if shape == "tiny" else _model(shape, dtype)
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        for batch in batches:
+            new_tokens = 128 if shape == "tiny" or gpu else (16 if batch == 1 else 8)
+            rate = generate_tokens_per_s(params, config, batch=batch, new_tokens=new_tokens,
+                                         chunk=min(32, new_tokens))
+            speeds[f"{shape}_batch{batch}"] = round(rate, 1)
+            print(f"decode tok/s, {shape}, batch {batch}: {rate:.1f}", flush=True)
+            if shape != "tiny" and (gpu or batch == 1):
+                held = 512 if gpu else 64
+                run = _DecodeRun(params, config, slots=batch, prompt_len=held, max_len=2048, chunks=3)
+                decode_steps([run], rounds=2)
+                floor = (param_bytes + run.kv()["token_bytes"]) / bandwidth
+                report(f"step_over_floor_{shape}_batch{batch}",
+                       f"decode step ms, {shape}, b{batch}, {held} tok",
+                       run.step_s * 1e3, floor * 1e3, run.step_s / floor,
+                       "<= 1.5x" if batch == 1 else "<= 1.4x", f"floor at {bandwidth / 1e9:.0f} GB/s")
+        del params
+    report.figures["decode_tokens_per_s"] = speeds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -252,6 +428,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per sequence (small)")
     parser.add_argument("--new-tokens-06b", type=int, default=256, help="new tokens per sequence (0.6B)")
     parser.add_argument("--skip-06b", action="store_true", help="leave out the two 0.6B measurements")
+    parser.add_argument("--scale", action="store_true", help="measure the paged KV cache (issue 21)")
+    parser.add_argument("--gpu", action="store_true", help="with --scale: bfloat16, 1.7B ratios, GPU table")
+    parser.add_argument("--gpu-models", nargs="+", default=["0.6b", "1.7b"])
+    parser.add_argument("--gpu-batches", nargs="+", type=int, default=[1, 64, 256])
     parser.add_argument(
         "--torch-worker", nargs=4, metavar=("SHAPE", "PATH", "BATCH", "NEW"), help=argparse.SUPPRESS
     )
@@ -271,6 +451,15 @@ def main() -> None:
         rows.append(f"{name:<44}{ours:>12.2f}{base:>12.2f}{ratio:>9.2f}  {goal:<9}{note}")
         print(rows[-1], flush=True)
 
+    report.figures = figures
+    if args.scale:
+        scale(args, report)
+        print(f"\n{'measurement':<44}{'ours':>12}{'baseline':>12}{'ratio':>9}  {'goal':<9}note")
+        print("\n".join(rows))
+        print(f"whole benchmark: {time.perf_counter() - bench_start:.0f} s on "
+              f"{jax.devices()[0].device_kind}; load average at end: {os.getloadavg()[0]:.2f}")
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+        return
     small = decode_throughput("small", args.batch, args.new_tokens)
     report("decode_speedup_small", f"decode tok/s, small, batch {args.batch} x {args.new_tokens}",
            small["ours_tok_s"], small["hf_tok_s"], small["ours_tok_s"] / small["hf_tok_s"], ">= 3x",

@@ -56,10 +56,11 @@ from rstar2jax.agent import (
     rollout_async,
     tool_response_ids,
 )
+from rstar2jax.data.conversation import encode_text
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.synthetic import make_task
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
-from rstar2jax.models.tokenizer import encode_text, train_tiny_tokenizer
 from rstar2jax.reward import AnswerVerifier
 from sandbox_server import start_local
 

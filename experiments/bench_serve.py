@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags
 
 from rstar2jax import models
-from rstar2jax.models.tokenizer import train_tiny_tokenizer
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 from rstar2jax.serve import BackgroundServer, Policy, ServerConfig
 
 _SHAPES = flags.DEFINE_list("shapes", ["tiny", "qwen3_0.6b"], "Model shapes: tiny, qwen3_0.6b.")

@@ -55,7 +55,10 @@ def main(argv):
         policy.params,
         policy.model_config,
         EngineConfig(
-            num_slots=1, max_len=_MAX_LEN.value, eos_token_ids=policy.eos_token_ids, seed=_SEED.value or 0
+            num_slots=1,
+            max_len=-(-_MAX_LEN.value // EngineConfig.page_size) * EngineConfig.page_size,
+            eos_token_ids=policy.eos_token_ids,
+            seed=_SEED.value or 0,
         ),
     )
     observer = TerminalObserver(hide=(policy.tokenizer.eos_token,))

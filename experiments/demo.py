@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import shutil
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "experiments/configs/demo.py", "Demo config (experiments/configs/demo.py).", lock_config=False
+from experiments import _launch
+
+_CONFIG = _launch.define_config(
+    "experiments/configs/demo.py",
+    "Demo config (experiments/configs/demo.py); --print_config lists its fields.",
+    lock_config=False,
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work folder (default: config.workdir, runs/demo).")
 _FRESH = flags.DEFINE_bool("fresh", False, "Delete the work folder first instead of resuming.")
@@ -36,46 +39,55 @@ _COMPILE_CACHE = flags.DEFINE_string(
     "runs/jax_cache",
     "Persistent JAX compilation cache ('' to disable): re-runs start faster.",
 )
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 
 
 def main(argv):
     del argv
-    if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
     config = _CONFIG.value
     if _WORKDIR.value:
         config.workdir = _WORKDIR.value
+    if _PRINT_CONFIG.value:
+        from experiments.configs.demo import FIELD_HELP
+
+        _launch.print_config(config, FIELD_HELP)
+        return
+    from experiments import demo_recipe as recipe
     from rstar2jax import train
-    from rstar2jax.train import pipeline
     from sandbox_server import start_local
 
-    paths = pipeline.DemoPaths(config.workdir)
+    paths = recipe.DemoPaths(config.workdir)
+    # Both phases' configs are checked now, not when RL starts after SFT (their files come later).
+    train.validate(recipe.sft_run_config(config, paths), "sft", check_paths=False)
+    train.validate(recipe.rl_run_config(config, paths), "rl", check_paths=False)
     if _FRESH.value:
         shutil.rmtree(paths.workdir, ignore_errors=True)
     paths.workdir.mkdir(parents=True, exist_ok=True)
-    pipeline.configure_compile_cache(_COMPILE_CACHE.value)
-    timer = pipeline.PhaseTimer()
-    print(f"rstar2jax demo: work folder {paths.workdir.resolve()}", flush=True)
+    recipe.configure_compile_cache(_COMPILE_CACHE.value)
+    timer = recipe.PhaseTimer()
+    _launch.announce(
+        "rstar2jax demo", paths.workdir, runs={"sft": paths.sft_run, "rl": paths.rl_run}, config=config.rl
+    )
     with contextlib.ExitStack() as stack:
         with timer.phase("sandbox"):
             server = stack.enter_context(start_local(workers=config.sandbox_workers))
             print(f"   {server.url}")
-        pipeline.prepare_policy(config, paths, server.url, timer)
-        rl_config = pipeline.rl_run_config(config, paths)
-        rollout_fn = pipeline.policy_rollout(rl_config, server.url, pipeline.prompt_from_config(config))
+        recipe.prepare_policy(config, paths, server.url, timer)
+        rl_config = recipe.rl_run_config(config, paths)
+        rollout_fn = recipe.policy_rollout(rl_config, server.url, recipe.prompt_from_config(config))
         stack.callback(rollout_fn.close)
-        before = pipeline.evaluate_saved(
+        before = recipe.evaluate_saved(
             config, paths.evaluation("sft"), paths.sft_policy, paths.eval_problems, rollout_fn, timer
         )
         if not (paths.rl_policy / "config.json").exists():
             with timer.phase("rl (GRPO-RoC)", paths.rl_run):
                 train.train_rl(rl_config, rollout_fn=rollout_fn)
-                pipeline.export_policy(rl_config, paths.rl_policy)
-        after = pipeline.evaluate_saved(
+                recipe.export_policy(rl_config, paths.rl_policy)
+        after = recipe.evaluate_saved(
             config, paths.evaluation("rl"), paths.rl_policy, paths.eval_problems, rollout_fn, timer
         )
     with timer.phase("report", paths.report):
-        report = pipeline.write_demo_report(paths, before, after, timings=timer.seconds)
+        report = recipe.write_demo_report(paths, before, after, timings=timer.seconds)
     gain = after["metrics"]["pass@1"] - before["metrics"]["pass@1"]
     print(
         f"\nheld-out pass@1: {before['metrics']['pass@1']:.3f} after SFT -> {after['metrics']['pass@1']:.3f} "
@@ -90,4 +102,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

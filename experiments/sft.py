@@ -2,29 +2,32 @@
 
   python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --config.sft.data=sft.jsonl
   python -m experiments.sft --config=experiments/configs/paper_qwen3_14b.py:sft --dry_run
+  python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
+  python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --print_config  # fields, meanings
 
 Data: JSONL rows of chats ({"messages": [...], "tools": [...]}, rendered with config.tokenizer's template,
 loss on assistant turns) or pre-tokenised {"input_ids": [...], "loss_mask": [...]}. Any config field can be
 overridden (--config.sft.epochs=1 --config.mesh.fsdp=8). A run resumes from the latest checkpoint in its
-workdir.
+workdir; Ctrl-C saves a checkpoint and stops; a bad config value exits 2 naming the field.
 """
 
 from __future__ import annotations
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+from experiments import _launch
+
+_CONFIG = _launch.define_config(
     None,
-    "Config file with get_config('sft'), e.g. experiments/configs/tiny_cpu.py:sft.",
+    "Config file with get_config('sft'), e.g. experiments/configs/tiny_cpu.py:sft; --print_config lists "
+    "its fields.",
     lock_config=True,
 )
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Compile the SFT step for the configured mesh, print per-device memory, exit."
 )
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many steps (default: the whole run).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the config (after overrides) and exit.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 flags.mark_flag_as_required("config")
 
 
@@ -33,12 +36,12 @@ def main(argv):
     from rstar2jax import train  # no JAX backend starts on import
 
     config = _CONFIG.value
-    if not train.launch_prologue(
-        config, kind="sft", dry_run_only=_DRY_RUN.value, print_config=_PRINT_CONFIG.value
+    if not _launch.prologue(
+        config, kind="sft", title="sft", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
     ):
         return
     train.train_sft(config, max_steps=_MAX_STEPS.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

@@ -25,8 +25,14 @@ import numpy as np
 import optax
 
 from rstar2jax import models
-from rstar2jax.agent.prompts import PYTHON_TOOL_NAME, PromptConfig, render_prompt_text
-from rstar2jax.models.tokenizer import encode_text, render_chat, train_tiny_tokenizer
+from rstar2jax.data.conversation import (
+    PYTHON_TOOL_NAME,
+    PromptConfig,
+    encode_text,
+    render_chat,
+    render_prompt_text,
+)
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 
 WEATHER_TOOL = {
     "type": "function",

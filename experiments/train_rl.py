@@ -2,9 +2,12 @@
 
   python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.workdir=runs/tiny
   python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py --dry_run
+  python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2
+  python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --print_config  # fields, meanings
 
 Any config field can be overridden: --config.rl.keep=8 --config.stages[0].steps=10 --config.mesh.fsdp=8.
-A run resumes from the latest checkpoint in its workdir. --dry_run compiles the update step for the configured
+A run resumes from the latest checkpoint in its workdir; Ctrl-C saves a checkpoint and stops; a bad config
+value exits 2 naming the field. --dry_run compiles the update step for the configured
 mesh on abstract shapes (emulating CPU devices when the host has fewer) and prints per-device memory.
 """
 
@@ -12,25 +15,27 @@ from __future__ import annotations
 
 import contextlib
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "RL config file (experiments/configs/*.py) with get_config().", lock_config=True
+from experiments import _launch
+
+_CONFIG = _launch.define_config(
+    None,
+    "RL config file (experiments/configs/*.py) with get_config(); --print_config lists its fields.",
+    lock_config=True,
 )
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Compile the RL step for the configured mesh, print per-device memory, exit."
 )
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many RL steps in total (default: all).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the config (after overrides) and exit.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 flags.mark_flag_as_required("config")
 
 
 def agent_rollout_fn(config, stack: contextlib.ExitStack):
     """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
     sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run) and the answer verifier."""
-    from rstar2jax.agent import PromptConfig
-    from rstar2jax.train.pipeline import policy_rollout
+    from rstar2jax.train.policy import policy_rollout, prompt_from_config
 
     if not config.tokenizer:
         raise ValueError("config.tokenizer is empty: the rollout needs the policy's tokenizer")
@@ -39,7 +44,7 @@ def agent_rollout_fn(config, stack: contextlib.ExitStack):
         from sandbox_server import start_local
 
         url = stack.enter_context(start_local(workers=config.rollout.sandbox_workers)).url
-    rollout_fn = policy_rollout(config, url, PromptConfig())
+    rollout_fn = policy_rollout(config, url, prompt_from_config(config))
     stack.callback(rollout_fn.close)
     return rollout_fn
 
@@ -49,8 +54,8 @@ def main(argv):
     from rstar2jax import train  # no JAX backend starts on import
 
     config = _CONFIG.value
-    if not train.launch_prologue(
-        config, kind="rl", dry_run_only=_DRY_RUN.value, print_config=_PRINT_CONFIG.value
+    if not _launch.prologue(
+        config, kind="rl", title="rl", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
     ):
         return
     with contextlib.ExitStack() as stack:
@@ -58,4 +63,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

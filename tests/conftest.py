@@ -12,6 +12,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ["XLA_FLAGS"] = flags.strip()
+# Tests compare float32 results against references at tight tolerances. GPUs default to TF32 (NVIDIA) or
+# reduced-precision matmuls; pin full float32 so the same tolerances hold on every backend.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
@@ -23,3 +26,14 @@ def shared_dir() -> pathlib.Path:
     if not SHARED.is_dir():
         pytest.skip(f"{SHARED} not found")
     return SHARED
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("needs_devices")
+    if marker is None:
+        return
+    import jax
+
+    need, have = marker.args[0], jax.device_count()
+    if have < need:
+        pytest.skip(f"needs {need} devices, {have} {jax.default_backend()} device(s) exist")

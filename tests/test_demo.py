@@ -127,3 +127,44 @@ def test_rerun_resumes_without_redoing_any_phase(demo_run):
         [line for line in out.splitlines() if line.startswith("held-out pass@1")] for out in (first, second)
     ]
     assert summaries[0] == summaries[1] and len(summaries[0]) == 1
+
+
+def test_demo_phases_run_from_the_training_launchers(demo_run, tmp_path):
+    """``demo.py:sft,WORKDIR`` and ``demo.py:rl,WORKDIR``: one phase of the demo run by ``experiments.sft`` /
+    ``experiments.train_rl`` on the files the demo wrote (the RL rollouts in the demo's own prompt)."""
+    workdir, _, cache = demo_run
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+    }
+    rl_overrides = [a.replace("--config.rl.", "--config.") for a in SHORT if a.startswith("--config.rl.")]
+    sft_overrides = [a.replace("--config.sft.", "--config.") for a in SHORT if a.startswith("--config.sft.")]
+    for module, kind, overrides in (
+        ("experiments.sft", "sft", sft_overrides),
+        ("experiments.train_rl", "rl", rl_overrides),
+    ):
+        run = tmp_path / kind
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                module,
+                f"--config=experiments/configs/demo.py:{kind},{workdir}",
+                f"--config.workdir={run}",
+                "--max_steps=1",
+                *overrides,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        assert done.stdout.startswith(f"{kind}: work folder {run.resolve()}\n"), done.stdout
+        assert f"NOTE: the demo's {kind.upper()} phase on the files" in done.stdout
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1]
+    assert records[0]["num_trajectories"] == 2 * 4 and "reward" in records[0]  # the RL step's rollouts

@@ -17,7 +17,64 @@ from rstar2jax.train.config import rl_config, sft_config, stage
 FAMILIES = ("modpow", "lcm")
 
 
-def get_config() -> ml_collections.ConfigDict:
+#: The demo's own fields (``--print_config``); its ``sft`` and ``rl`` parts are ``train.config.FIELD_HELP``'s.
+FIELD_HELP = {
+    "task.num_train": "synthetic training problems",
+    "task.num_eval": "held-out problems (disjoint from the training ones)",
+    "task.families": "task families (modpow, lcm, gcd, count, digit_sum)",
+    "task.difficulty": "size of the numbers in the problems",
+    "sft_data.num_examples": "SFT conversations written, every tool call run in the sandbox",
+    "sft_data.fail_rate": "share of conversations whose first tool call is broken, then fixed",
+    "sft_data.bug_kinds": "kinds of broken first calls",
+    "prompt.paper": "the paper's prompt (system text, tool schema listed); False: the fields below",
+    "prompt.system_prompt": "system text when prompt.paper is False",
+    "prompt.user_prefix": "text put before each problem when prompt.paper is False",
+    "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
+    "tokenizer_vocab_size": "vocabulary of the BPE tokenizer the demo trains",
+    "tokenizer_digit_group": "numbers split into groups of up to this many digits, one token each",
+    "sandbox_workers": "workers of the local code sandbox",
+    "model.*": "a ModelConfig field of the demo's model (vocabulary from the tokenizer)",
+    "sft": "the SFT phase's train_sft config (model, tokenizer and data filled in by the demo)",
+    "rl": "the RL phase's train_rl config (policy, tokenizer and data filled in by the demo)",
+    "eval.samples": "samples per held-out problem (average pass@1 over them)",
+    "eval.max_response_length": "response budget of the held-out evaluation",
+    "eval.max_turns": "assistant turns of the held-out evaluation",
+}
+
+
+def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
+    """``kind``: "demo" (the whole recipe: python -m experiments.demo / ablate_roc), or one phase of it for
+    the training launchers, on the files a demo run wrote in its work folder (default runs/demo; another
+    after a comma, e.g. ``demo.py:rl,runs/demo2``):
+
+      python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
+      python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2
+    """
+    kind, _, demo_workdir = kind.partition(",")
+    c = _demo_config()
+    c.workdir = demo_workdir or c.workdir
+    if kind == "demo":
+        return c
+    if kind not in ("sft", "rl"):
+        raise ValueError(f"get_config: kind={kind!r}; expected 'demo', 'sft' or 'rl' (optionally ',WORKDIR')")
+    from experiments import demo_recipe as recipe
+
+    paths = recipe.DemoPaths(c.workdir)
+    if kind == "rl":
+        run = recipe.rl_run_config(c, paths)
+    else:
+        from rstar2jax.data.tokenizer import load_tokenizer
+
+        have_tokenizer = (paths.tokenizer / "tokenizer.json").exists()
+        run = recipe.sft_run_config(c, paths, load_tokenizer(paths.tokenizer) if have_tokenizer else None)
+    run.notice = (
+        f"the demo's {kind.upper()} phase on the files `python -m experiments.demo --workdir={c.workdir}` "
+        "wrote (run it first)"
+    )
+    return run
+
+
+def _demo_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.workdir = "runs/demo"
     c.seed = 0
@@ -71,6 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft = sft
 
     rl = rl_config()
+    del rl["prompt"]  # the RL phase uses the demo's prompt (above), the one its SFT data were written in
     rl.optimizer.learning_rate = 5e-4
     rl.optimizer.warmup_steps = 1
     rl.optimizer.weight_decay = 0.0

@@ -53,6 +53,7 @@ def get_config(kind: str = "rl"):
     c.data.source = (
         "data/rstar2_agent_rl_42k.jsonl"  # 17K DAPO + 93K AoPS + 937 Project Euler, cleaned to 42K
     )
+    c.data.integer_only = True  # the paper's RL set keeps integer answers only (rejected rows are reported)
 
     # 8192 trajectories per step in 1024 micro-batches of one row per FSDP shard.
     c.num_microbatches = 1024

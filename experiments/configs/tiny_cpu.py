@@ -1,5 +1,7 @@
-"""A tiny Qwen3-shaped model on one CPU device: two short stages (the second with the hard-problem filter and
-an optimizer reset), small batches. For tests, demos and checking the system end to end on a laptop.
+"""SMOKE TEST ONLY: random weights of a tiny Qwen3-shaped model on one CPU device, so every reward is 0 and
+nothing is learned. It checks that the whole system runs end to end on a laptop (two short stages, the second
+with the hard-problem filter and an optimizer reset; small batches). For a run that learns on a CPU, see
+``python -m experiments.demo``; for the paper's recipe, ``paper_qwen3_14b.py``.
 
   python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.workdir=runs/tiny
 """
@@ -9,6 +11,16 @@ import pathlib
 from rstar2jax.train.config import rl_config, sft_config, stage
 
 SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared"
+
+
+SMOKE_TEST = (
+    "tiny_cpu is a smoke test: a random 2-layer model, so rewards are 0 and nothing is learned "
+    "(python -m experiments.demo trains one that learns)"
+)
+SMOKE_TEST_SFT = (
+    "tiny_cpu:sft is a smoke test: a random 2-layer model trained for a few steps, to check that SFT runs "
+    "(python -m experiments.demo trains one that learns)"
+)
 
 
 def _model(c):
@@ -33,6 +45,7 @@ def get_config(kind: str = "rl"):
     --config.sft.data=...)."""
     if kind == "sft":
         c = _model(sft_config())
+        c.notice = SMOKE_TEST_SFT
         c.workdir = "runs/tiny_cpu_sft"
         c.optimizer.learning_rate = 1e-3
         c.sft.epochs, c.sft.batch_size, c.sft.seq_len = 1, 8, 1024
@@ -42,6 +55,7 @@ def get_config(kind: str = "rl"):
     if kind != "rl":
         raise ValueError(f"get_config: kind={kind!r}; expected 'rl' or 'sft'")
     c = _model(rl_config())
+    c.notice = SMOKE_TEST
     c.workdir = "runs/tiny_cpu"
     c.data.source = str(SHARED / "data" / "aime24.jsonl")
 

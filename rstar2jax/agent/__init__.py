@@ -1,60 +1,77 @@
-"""Multi-turn tool rollouts (:func:`rollout`, :func:`rollout_async`), the trajectory record, tool-call
-parsing, the prompt protocol and the sandbox client.
+"""Multi-turn tool rollouts (:func:`rollout`, :func:`rollout_async`) and the sandbox client; for convenience
+also the names of the conversation format, the trajectory record and the tool-call parser, which live in
+``rstar2jax.data`` (``data.conversation``, ``data.trajectory``, ``data.tool_parser``) because the trainer and
+the SFT data use them too.
 
-Importing starts nothing: no JAX backend, no sandbox server, no verifier process. Names load on first use
-(``lazy_loader``), so ``from rstar2jax.agent.sandbox_client import SandboxClient`` costs aiohttp and msgpack,
-not JAX and transformers: a client process keeps a small heap, and its full garbage collections stay short.
+Importing starts nothing: no JAX backend, no sandbox server, no verifier process. Names load on first use,
+so ``from rstar2jax.agent.sandbox_client import SandboxClient`` costs aiohttp and msgpack, not JAX and
+transformers: a client process keeps a small heap, and its full garbage collections stay short.
 """
 
-import lazy_loader
+import importlib
 
-__getattr__, __dir__, __all__ = lazy_loader.attach(
-    __name__,
-    submod_attrs={
-        "prompts": [
-            "PYTHON_TOOL_NAME",
-            "PromptConfig",
-            "format_tool_result",
-            "python_tool_schema",
-            "render_prompt_ids",
-            "render_prompt_text",
-            "tool_response_ids",
-            "tool_response_text",
-        ],
-        "rollout": [
-            "PolicyRollout",
-            "RolloutConfig",
-            "RolloutEngine",
-            "Conversation",
-            "Observer",
-            "RolloutSession",
-            "converse_async",
-            "ToolSandbox",
-            "rollout",
-            "rollout_async",
-            "tool_outcome",
-        ],
-        "sandbox_client": [
-            "SandboxClient",
-            "SandboxResult",
-            "SyncSandboxClient",
-            "run_code_sync",
-        ],
-        "tool_parser": [
-            "FunctionCall",
-            "ToolCall",
-            "ToolCallError",
-            "ToolCallErrorKind",
-            "parse_tool_call",
-            "parse_function_call",
-            "parse_function_calls",
-            "parse_tool_calls",
-            "tool_call_bodies",
-        ],
-        "trajectory": [
-            "FAILED_OUTCOMES",
-            "ToolOutcome",
-            "Trajectory",
-        ],
-    },
-)
+_NAMES = {
+    "rstar2jax.data.conversation": [
+        "PYTHON_TOOL_NAME",
+        "PromptConfig",
+        "format_tool_result",
+        "python_tool_schema",
+        "render_prompt_ids",
+        "render_prompt_text",
+        "tool_response_ids",
+        "tool_response_text",
+    ],
+    "rstar2jax.agent.rollout": [
+        "PolicyRollout",
+        "RolloutConfig",
+        "RolloutEngine",
+        "RolloutSession",
+        "ToolSandbox",
+        "Conversation",
+        "Observer",
+        "converse_async",
+        "rollout",
+        "rollout_async",
+        "tool_outcome",
+    ],
+    "rstar2jax.agent.sandbox_client": [
+        "SandboxClient",
+        "SandboxResult",
+        "SyncSandboxClient",
+        "run_code_sync",
+    ],
+    "rstar2jax.data.tool_parser": [
+        "FunctionCall",
+        "ToolCall",
+        "ToolCallError",
+        "ToolCallErrorKind",
+        "parse_tool_call",
+        "parse_tool_calls",
+        "parse_function_call",
+        "parse_function_calls",
+        "tool_call_bodies",
+    ],
+    "rstar2jax.data.trajectory": [
+        "FAILED_OUTCOMES",
+        "ToolOutcome",
+        "Trajectory",
+    ],
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        module = importlib.import_module(_MODULE_OF[name])
+        # Bind all of the module's names at once: importing ``agent.rollout`` binds the submodule as
+        # ``agent.rollout``, which the function of that name must win over.
+        for attr in _NAMES[_MODULE_OF[name]]:
+            globals()[attr] = getattr(module, attr)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return globals()[name]
+
+
+def __dir__():
+    return __all__

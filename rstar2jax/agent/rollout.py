@@ -1,7 +1,7 @@
 """Agentic rollouts: multi-turn reason → code → execute → reflect, token in / token out (paper §2.1, Fig. 3).
 
-Each problem's prompt is rendered once (:func:`~rstar2jax.agent.prompts.render_prompt_ids`) and opened as one
-engine group of ``samples_per_problem`` sessions (prefilled once, forked). Every session then runs its own
+Each problem's prompt is rendered once (:func:`~rstar2jax.data.conversation.render_prompt_ids`) and opened as
+one engine group of ``samples_per_problem`` sessions (prefilled once, forked). Every session then runs its own
 coroutine, and all of them share one event loop, so decoding, sandbox calls and answer verification overlap:
 
 1. generate until ``</tool_call>``, the end of the assistant turn or the response budget;
@@ -9,7 +9,7 @@ coroutine, and all of them share one event loop, so decoding, sandbox calls and 
    model sees (outcome ``"parse_error"``); a valid one goes to the sandbox at once (outcome: the sandbox
    status, or ``"unreachable"`` when the service could not be reached);
 3. append the results as one ``<tool_response>`` user turn plus the next assistant opener (loss mask 0,
-   :func:`~rstar2jax.agent.prompts.tool_response_ids`) and go back to 1.
+   :func:`~rstar2jax.data.conversation.tool_response_ids`) and go back to 1.
 
 The history is never re-tokenised: the response is exactly the sampled tokens and the appended ones, in order.
 A finished response is graded by the :class:`~rstar2jax.reward.AnswerVerifier` (off the event loop) on the
@@ -42,19 +42,19 @@ from typing import Any, Protocol
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from rstar2jax.agent.prompts import (
+from rstar2jax.data.conversation import (
     PromptConfig,
+    encode_text,
     format_tool_result,
     render_prompt_ids,
     tool_response_ids,
     truncate_middle,
 )
-from rstar2jax.agent.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
+from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
 from rstar2jax.models import ModelConfig
-from rstar2jax.models.tokenizer import encode_text
 from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
 
 # ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
@@ -152,7 +152,7 @@ class Observer(Protocol):
 
 
 def tool_outcome(result: Any) -> str:
-    """The :data:`~rstar2jax.agent.trajectory.ToolOutcome` of a sandbox result: its status, or
+    """The :data:`~rstar2jax.data.trajectory.ToolOutcome` of a sandbox result: its status, or
     ``"unreachable"`` for the ``internal`` results the client returns when no server answered."""
     error_type = result.error_type or ""
     if result.status == "internal" and (error_type in _CLIENT_FAILURE_TYPES or error_type.startswith("HTTP")):
@@ -479,9 +479,9 @@ class PolicyRollout:
                                   max_turns=10, seed=step_seed)
 
     Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
-    cache) with ``max_len = max_prompt_length + max_response_length``. The engine's programs are compiled for
-    shapes, never values, so the new parameters of every training step reuse them; only a new response
-    budget (a new stage) compiles again.
+    cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The
+    engine's programs are compiled for shapes, never values, so the new parameters of every training step
+    reuse them; only a new response budget (a new stage) compiles again.
 
     Args:
       model_config: the policy's model config (the trainer's, so parameters match).
@@ -508,8 +508,9 @@ class PolicyRollout:
 
     def __call__(self, params, problems: Sequence[Problem], *, samples_per_problem: int,
                  max_response_length: int, max_turns: int, seed: int) -> list[Trajectory]:
-        engine_config = dataclasses.replace(self.engine_config,
-                                            max_len=self.max_prompt_length + max_response_length)
+        page = self.engine_config.page_size  # max_len must be whole pages
+        max_len = -(-(self.max_prompt_length + max_response_length) // page) * page
+        engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
         config = dataclasses.replace(self.config, max_response_length=max_response_length,
                                      max_turns=max_turns, seed=seed)
         return rollout(problems, samples_per_problem, engine=Engine(params, self.model_config, engine_config),

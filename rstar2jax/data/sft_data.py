@@ -1,4 +1,4 @@
-"""Non-reasoning SFT data in the rStar2-Agent format, and token ids + loss mask from a chat template.
+"""SFT data: non-reasoning tool-use conversations in the rStar2-Agent format; SFT files as token sequences.
 
 Each conversation is the paper's multi-turn tool use (Fig. 2-3) in the Hugging Face chat format::
 
@@ -14,8 +14,9 @@ A configurable share of conversations first calls a realistically broken version
 repairs real tool errors that GRPO-RoC can then select against. Tool outputs are never invented: every call
 runs through the injected ``run_code`` (the sandbox client), and the answers are checked against the gold.
 
-This module takes the prompt text, tool name and tool-output formatting as arguments (``data`` sits below
-``agent``; the caller passes ``agent.prompts`` values) so the SFT text matches what rollouts will see.
+The prompt text, tool name and tool-output formatting come from ``rstar2jax.data.conversation`` (the caller
+may pass its own), so the SFT text matches what rollouts will see. :func:`load_sft_sequences` reads an SFT
+file (chats or pre-tokenised rows) into the ``TokenSequence``s the SFT step packs.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import dataclasses
+import json
+import os
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tqdm.auto as tqdm
-from transformers import PreTrainedTokenizerBase
 
+from rstar2jax.data.batch import TokenSequence
+from rstar2jax.data.conversation import PYTHON_TOOL_NAME, tokenize_conversation
 from rstar2jax.data.synthetic import SyntheticProblem
-from rstar2jax.models.tokenizer import encode_text, render_chat
 
 #: ``run_code(code, stdin) -> {"status": "ok" | "error" | "timeout" | ..., "stdout": str, "stderr": str}``.
 RunCode = Callable[[str, str], Mapping[str, Any]]
@@ -175,7 +178,7 @@ def build_sft_examples(
     format_tool_output: Callable[[Mapping[str, Any]], str],
     system_prompt: str = "",
     user_prefix: str = "",
-    tool_name: str = "execute_python_code_with_standard_io",
+    tool_name: str = PYTHON_TOOL_NAME,
     fail_rate: float = 0.3,
     bug_kinds: Sequence[str] = DEFAULT_BUG_KINDS,
     seed: int = 0,
@@ -189,15 +192,15 @@ def build_sft_examples(
       run_code: runs ``(code, stdin)``, returns the sandbox result (``status``, ``stdout``, ``stderr``).
         Called ``len(problems) + round(fail_rate * len(problems))`` times.
       format_tool_output: sandbox result -> tool message text; pass the rollout's formatter
-        (``functools.partial(agent.prompts.format_tool_result, max_chars=...)``) so SFT matches RL.
+        (``functools.partial(conversation.format_tool_result, max_chars=...)``) so SFT matches RL.
       system_prompt / user_prefix: the system turn ('' for none) and the text before the problem in the
-        user turn (``agent.prompts.PromptConfig`` fields). The tool schema goes to the chat template later.
+        user turn (``conversation.PromptConfig`` fields). The tool schema goes to the chat template later.
       tool_name: the Python tool's function name (the paper's by default).
       fail_rate: exact share (rounded) of conversations whose first call is broken, then fixed.
       bug_kinds: which ``BUG_KINDS`` to inject; each failing conversation gets one that applies to its code.
       seed: picks the failing conversations, their bug kinds and the misspelled names.
       max_workers: threads calling ``run_code`` (it must then be thread-safe; an HTTP sandbox client is).
-      progress: show a progress bar.
+      progress: show a progress bar (on a terminal only).
 
     Returns:
       One ``SFTExample`` per problem, in order. Raises RuntimeError if a broken call runs cleanly or the
@@ -230,118 +233,51 @@ def build_sft_examples(
     with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
         written = pool.map(write, problems, buggy_codes, chosen_kinds)
         return list(
-            tqdm.tqdm(written, total=len(problems), desc="sft data", unit="conv", disable=not progress)
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizedConversation:
-    """Token ids of a conversation and the SFT loss mask (1 on tokens the assistant wrote, 0 elsewhere)."""
-
-    input_ids: list[int]
-    loss_mask: list[int]
-
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# A user turn appended after an assistant turn so that the template renders it as a finished, earlier turn.
-_NEXT_TURN_PROBE = "\x00next-turn-probe\x00"
-
-
-def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    assistant_opener: str = "",
-    end_of_turn: str | None = None,
-    **template_kwargs: Any,
-) -> TokenizedConversation:
-    """Token ids and loss mask of a chat, with 1 exactly on the assistant-written tokens.
-
-    Templates with ``{% generation %}`` tags and no ``assistant_opener`` use HF's
-    ``apply_chat_template(return_assistant_tokens_mask=True)``. Otherwise (Qwen3's template,
-    ``models.tokenizer.CHATML_TOOLS_TEMPLATE``, or with an opener, which a rollout encodes together with
-    the inserted text while a whole-text tokenization may merge it into the assistant's first word) the chat
-    is rendered incrementally, the way a rollout builds its token stream: for each assistant turn, the
-    template's rendering of the history with the generation prompt (+ ``assistant_opener``) is inserted
-    (mask 0), then the assistant's text up to and including ``end_of_turn`` (mask 1). Pieces are encoded
-    separately, as a rollout encodes them, and each history rendering must extend the previous one (else
-    ValueError). Rendering each assistant turn as a finished, earlier turn also keeps last-turn quirks
-    (Qwen3's empty ``<think>`` block) out of the data.
-
-    Args:
-      tokenizer: a tokenizer with a chat template.
-      messages: HF chat messages ending with an assistant turn (e.g. ``SFTExample.messages``).
-      tools: tool schemas for the template's tools block (``agent.prompts.PromptConfig.tools``).
-      assistant_opener: text the rollout inserts at the start of every assistant turn (``"<reason>"``); it
-        must start each assistant message's content and gets mask 0.
-      end_of_turn: the text that ends an assistant turn (default ``tokenizer.eos_token``), incremental mode.
-      **template_kwargs: extra chat-template variables (e.g. ``enable_thinking``).
-    """
-    roles = [m.get("role") for m in messages]
-    if not roles or roles[-1] != "assistant":
-        raise ValueError(
-            f"messages must end with an assistant turn (nothing to train after it); roles {roles}"
-        )
-    for i, message in enumerate(messages):
-        content = message.get("content") or ""
-        if message["role"] == "assistant" and not content.startswith(assistant_opener):
-            raise ValueError(f"assistant message {i} does not start with the opener {assistant_opener!r}")
-    tools = [dict(t) for t in tools] if tools else None
-    if not assistant_opener and _GENERATION_TAG.search(tokenizer.get_chat_template(tools=tools)):
-        return _tokenize_with_generation_tags(tokenizer, messages, tools, template_kwargs)
-    end_of_turn = end_of_turn or tokenizer.eos_token
-    if not end_of_turn:
-        raise ValueError(
-            "the tokenizer has no eos_token; pass end_of_turn (the text closing an assistant turn)"
-        )
-
-    input_ids: list[int] = []
-    loss_mask: list[int] = []
-    covered = ""  # the rendered text the ids encode so far
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        history = render_chat(
-            tokenizer, messages[:i], tools=tools, add_generation_prompt=True, **template_kwargs
-        )
-        prompt = history + assistant_opener
-        if not prompt.startswith(covered):
-            raise ValueError(
-                f"the chat template re-renders earlier turns differently once message {i} follows; it is not "
-                "prefix-stable, so no rollout could have produced this token stream"
+            tqdm.tqdm(
+                written, total=len(problems), desc="sft data", unit="conv", disable=None if progress else True
             )
-        probe_messages = [*messages[: i + 1], {"role": "user", "content": _NEXT_TURN_PROBE}]
-        rendered = render_chat(tokenizer, probe_messages, tools=tools, **template_kwargs)
-        end = rendered.find(end_of_turn, len(prompt))
-        if not rendered.startswith(prompt) or not 0 <= end < rendered.index(_NEXT_TURN_PROBE):
-            raise ValueError(
-                f"assistant message {i} is not rendered as generation prompt + content + {end_of_turn!r}: "
-                f"{rendered[len(history) : rendered.index(_NEXT_TURN_PROBE)]!r}"
-            )
-        end += len(end_of_turn)
-        for text, trainable in ((prompt[len(covered) :], 0), (rendered[len(prompt) : end], 1)):
-            ids = encode_text(tokenizer, text)
-            input_ids += ids
-            loss_mask += [trainable] * len(ids)
-        covered = rendered[:end]
-    return TokenizedConversation(input_ids, loss_mask)
+        )
+
+#: Row formats :func:`load_sft_sequences` reads: a chat, ``{"messages": [...], "tools": [...]?,
+#: "assistant_opener": "<reason>"?}`` (tokenised the way a rollout builds its token stream by
+#: ``conversation.tokenize_conversation``: loss on the assistant-written tokens only), or pre-tokenised
+#: ``{"input_ids": [...], "loss_mask": [...]}``.
 
 
-def _tokenize_with_generation_tags(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    template_kwargs: Mapping[str, Any],
-) -> TokenizedConversation:
-    encoded = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tools=tools,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-        **template_kwargs,
-    )
-    loss_mask = list(encoded["assistant_masks"])
-    # Drop what the template writes after the last assistant turn (e.g. its newline): no rollout holds it.
-    length = max(t + 1 for t, m in enumerate(loss_mask) if m)
-    return TokenizedConversation(list(encoded["input_ids"])[:length], loss_mask[:length])
+def load_sft_sequences(path: str | os.PathLike, tokenizer=None) -> tuple[list[TokenSequence], int]:
+    """Reads SFT examples; returns the sequences and the count of rows skipped for having nothing to train on
+    (fewer than two tokens, or no loss token after the first)."""
+    sequences, skipped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "messages" in row:
+                if tokenizer is None:
+                    raise ValueError(f"{path}:{line_number}: chat rows need config.tokenizer")
+                if not any(m.get("role") == "assistant" for m in row["messages"]):
+                    skipped += 1
+                    continue
+                try:
+                    tokenized = tokenize_conversation(
+                        tokenizer,
+                        row["messages"],
+                        tools=row.get("tools"),
+                        assistant_opener=row.get("assistant_opener", ""),
+                    )
+                except ValueError as error:
+                    raise ValueError(f"{path}:{line_number}: {error}") from error
+                ids, mask = tokenized.input_ids, tokenized.loss_mask
+            elif "input_ids" in row:
+                ids, mask = row["input_ids"], row.get("loss_mask")
+                if mask is None or len(mask) != len(ids):
+                    raise ValueError(f"{path}:{line_number}: input_ids needs a loss_mask of the same length")
+            else:
+                raise ValueError(f"{path}:{line_number}: a row needs 'messages' or 'input_ids'")
+            if len(ids) < 2 or not any(mask[1:]):
+                skipped += 1
+                continue
+            # The first token has no context to be predicted from.
+            sequences.append(TokenSequence(tokens=list(ids), loss_mask=[0, *mask[1:]]))
+    return sequences, skipped

@@ -14,12 +14,13 @@ _MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across c
 
 
 class Generation(NamedTuple):
-    """One prompt's completion: sampled tokens, their raw policy log-probs, and ``"eos"`` / ``"stop"`` /
-    ``"budget"`` (``max_new_tokens`` reached)."""
+    """One prompt's completion: sampled tokens, their raw policy log-probs, ``"eos"`` / ``"stop"`` /
+    ``"budget"`` (``max_new_tokens`` reached), and each token's sampling-distribution entropy."""
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
+    entropies: list[float] = []
 
 
 def generate(
@@ -39,7 +40,8 @@ def generate(
 
     Prompt ``i`` samples with seed ``(seed, i)``, so its completion does not depend on the other prompts or on
     slot assignment. ``stop`` token sequences end a completion (the stop tokens included). With more prompts
-    than ``engine_config.num_slots`` (default: up to 32 slots), slots are reused as completions finish.
+    than fit in ``engine_config.num_slots`` (default: up to 32 slots) and its KV pages, the rest wait and
+    slots and pages are reused as completions finish.
     """
     if not prompts:
         return []
@@ -57,7 +59,9 @@ def generate(
     waiting = collections.deque(enumerate(prompts))
     owner, results = {}, [None] * len(prompts)
     while waiting or core.num_active:
-        requests = [waiting.popleft() for _ in range(min(core.num_free_slots, len(waiting)))]
+        heads = [waiting[k] for k in range(min(core.num_free_slots, len(waiting)))]
+        fits = core.admissible([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in heads])
+        requests = [waiting.popleft() for _ in range(fits)]
         groups = core.admit([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in requests])
         for (i, _), (record,) in zip(requests, groups, strict=True):
             owner[id(record)] = i

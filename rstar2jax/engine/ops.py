@@ -3,7 +3,13 @@
 Every function takes the state as its first argument, donates it (its buffers are reused in place: use the
 returned state, never the argument) and returns the new state. Slot lists are int32 arrays that may be
 padded with ``num_slots`` (an out-of-range slot): padded entries are ignored, so a host can round list lengths
-up to a few sizes and never trigger a recompilation. Budgets, temperatures and stop sequences are array data.
+up to a few sizes and never trigger a recompilation. Budgets, temperatures, stop sequences, lengths and page
+tables are array data.
+
+KV lives in the state's page pool. The host allocates pages and writes page-table rows (:func:`set_pages`,
+driven by :class:`~rstar2jax.engine.pages.PageAllocator`); :func:`append` and :func:`decode` write keys and
+values straight into those pages (a scatter into the donated pool: no copies of cache rows) and attend over
+the pages each row holds, for as many blocks as the longest row needs (not ``max_len``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from rstar2jax.engine.paged_attention import NULL_PAGE, PagedCacheView
 from rstar2jax.engine.sampling import sample_tokens
 from rstar2jax.engine.state import (
     BUDGET,
@@ -118,19 +125,79 @@ def resume(state: EngineState, slots: jax.Array, stop_seqs: jax.Array,
 
 
 @_donate_state
-def release(state: EngineState, slots: jax.Array) -> EngineState:
-    """Free ``slots`` (int32 ``[B]``, padding ``num_slots``); their cache and token rows become garbage."""
+def release(state: EngineState, slots: jax.Array, freed_pages: jax.Array | None = None) -> EngineState:
+    """Free ``slots`` (int32 ``[B]``, padding ``num_slots``): their page-table rows point to the null page and
+    their token rows become garbage.
+
+    ``freed_pages``: bool ``[num_pages]``, the pages no slot holds any more; with ``state.poison_freed`` they
+    are filled with NaN (so a later read of one shows up in the outputs), otherwise they are left as they are.
+    """
     _check_slots(slots)
+    pages = state.pages
+    if state.poison_freed and freed_pages is not None:
+        if freed_pages.shape != (state.num_pages,):
+            raise ValueError(f"freed_pages must be bool [{state.num_pages}], got {freed_pages.shape}")
+        poison = lambda a: jnp.where(freed_pages[None, :, None, None], jnp.nan, a).astype(a.dtype)
+        pages = jax.tree.map(poison, pages)
     return state.replace(
+        pages=pages,
+        page_table=_scatter_rows(state.page_table, slots, NULL_PAGE),
         status=_scatter_rows(state.status, slots, FREE),
         seq_len=_scatter_rows(state.seq_len, slots, 0),
     )
 
 
 @_donate_state
+def set_pages(state: EngineState, slots: jax.Array, rows: jax.Array, copy_src: jax.Array,
+              copy_dst: jax.Array) -> EngineState:
+    """Write page-table rows and copy pages (the host's allocation, see :mod:`rstar2jax.engine.pages`).
+
+    Args:
+      slots: int32 ``[B]`` (padding: ``num_slots``); rows: int32 ``[B, max_len // page_size]``.
+      copy_src, copy_dst: int32 ``[C]``: page ``copy_src[i]`` is copied into ``copy_dst[i]`` (a forked
+        sibling's private copy of the partly filled page); padding: ``num_pages`` in ``copy_dst``.
+    """
+    _check_slots(slots)
+    _check_per_slot(slots, rows=rows)
+    if rows.shape[1:] != state.page_table.shape[1:] or copy_src.shape != copy_dst.shape:
+        raise ValueError(f"rows must be [slots, {state.page_table.shape[1]}] and copy_src/copy_dst alike, "
+                         f"got {rows.shape}, {copy_src.shape}, {copy_dst.shape}")
+    src = jnp.minimum(copy_src, state.num_pages - 1)
+    copy = lambda a: a.at[:, copy_dst].set(a[:, src], mode="drop")
+    return state.replace(
+        pages=jax.tree.map(copy, state.pages),
+        page_table=_scatter_rows(state.page_table, slots, rows.astype(jnp.int32)),
+    )
+
+
+@_donate_state
+def attach(state: EngineState, slots: jax.Array, tokens: jax.Array, lengths: jax.Array) -> EngineState:
+    """Set each slot's token record to ``tokens[b, :lengths[b]]`` without prefilling: the slot's page-table
+    row (set by :func:`set_pages`) must already hold the keys/values of its first ``lengths[b] - 1`` tokens
+    (pages shared with a sequence whose prompt has the same prefix).
+
+    Args:
+      slots: int32 ``[B]`` (padding: ``num_slots``) of admitted, empty slots.
+      tokens: int32 ``[B, max_len]``; lengths: int32 ``[B]``.
+    """
+    _check_slots(slots)
+    _check_per_slot(slots, tokens=tokens, lengths=lengths)
+    if tokens.shape[1:] != (state.max_len,):
+        raise ValueError(f"tokens must be [slots, {state.max_len}], got {tokens.shape}")
+    return state.replace(
+        tokens=_scatter_rows(state.tokens, slots, tokens.astype(jnp.int32)),
+        logprobs=_scatter_rows(state.logprobs, slots, 0.0),
+        entropies=_scatter_rows(state.entropies, slots, 0.0),
+        seq_len=_scatter_rows(state.seq_len, slots, lengths.astype(jnp.int32)),
+    )
+
+
+@_donate_state
 def fork(state: EngineState, src: jax.Array, dsts: jax.Array) -> EngineState:
-    """Copy the sequence in slot ``src`` (its KV cache, tokens, log-probs, loss mask, length, status and
-    current segment) into ``dsts`` (int32 ``[B]``, padding ``num_slots``).
+    """Copy the sequence in slot ``src`` (tokens, log-probs, entropies, length, status and current segment)
+    into ``dsts`` (int32 ``[B]``, padding ``num_slots``). Its keys/values are not copied: the host gives the
+    destinations page-table rows that share ``src``'s full pages and a copy of its partly filled one
+    (:meth:`~rstar2jax.engine.pages.PageAllocator.fork` then :func:`set_pages`).
 
     The destinations keep their own sampling settings, PRNG key and budget (set by :func:`admit`). Forking a
     slot whose pending token is the prompt's last token (``append(..., sample=False)``) lets every sibling
@@ -141,18 +208,13 @@ def fork(state: EngineState, src: jax.Array, dsts: jax.Array) -> EngineState:
     if src.ndim:
         raise ValueError(f"src must be one slot index, got shape {src.shape}")
 
-    def copy_row(array, axis=0):
-        row = jnp.take(array, src, axis=axis)
-        index = (slice(None),) * axis + (dsts,)
-        target = jnp.broadcast_to(jnp.expand_dims(row, axis), array[index].shape)
-        return array.at[index].set(target, mode="drop")
+    def copy_row(array):
+        row = jnp.broadcast_to(array[src], array[dsts].shape)
+        return array.at[dsts].set(row, mode="drop")
 
-    per_slot = ("tokens", "logprobs", "loss_mask", "seq_len", "status", "finish_reason", "segment_start",
+    per_slot = ("tokens", "logprobs", "entropies", "seq_len", "status", "finish_reason", "segment_start",
                 "segment_end", "stop_seqs")
-    return state.replace(
-        cache=jax.tree.map(lambda a: copy_row(a, axis=1), state.cache),
-        **{name: copy_row(getattr(state, name)) for name in per_slot},
-    )
+    return state.replace(**{name: copy_row(getattr(state, name)) for name in per_slot})
 
 
 def _stop_matched(state: EngineState, tokens: jax.Array, rows: jax.Array, pos: jax.Array) -> jax.Array:
@@ -172,7 +234,7 @@ def _stop_matched(state: EngineState, tokens: jax.Array, rows: jax.Array, pos: j
 
 
 def _commit(state: EngineState, slots: jax.Array, active: jax.Array, new_tokens: jax.Array,
-            new_logprobs: jax.Array) -> EngineState:
+            new_logprobs: jax.Array, new_entropies: jax.Array) -> EngineState:
     """Record a sampled token for each active row and apply the stop rules (EOS > budget > stop > length)."""
     rows = jnp.minimum(slots, state.num_slots - 1)
     targets = jnp.where(active, slots, state.num_slots)  # inactive rows write nothing
@@ -193,35 +255,42 @@ def _commit(state: EngineState, slots: jax.Array, active: jax.Array, new_tokens:
     return state.replace(
         tokens=tokens,
         logprobs=state.logprobs.at[targets, pos].set(new_logprobs, mode="drop"),
-        loss_mask=state.loss_mask.at[targets, pos].set(1, mode="drop"),
+        entropies=state.entropies.at[targets, pos].set(new_entropies, mode="drop"),
         seq_len=set_rows(state.seq_len, values=seq_len),
         status=set_rows(state.status, values=status),
         finish_reason=set_rows(state.finish_reason, values=reason),
     )
 
 
-def _gather_cache(state: EngineState, rows: jax.Array):
-    return jax.tree.map(lambda a: a[:, rows], state.cache)
+def _forward(state: EngineState, params, page_table: jax.Array, tokens: jax.Array, positions: jax.Array):
+    """Logits of ``tokens`` at ``positions`` (-1: padding) of rows with ``page_table``; their keys/values are
+    written into the pool in place. Returns (logits, new pool)."""
+    view = PagedCacheView(pages=state.pages, page_table=page_table, positions=positions,
+                          attention=state.attention, block_pages=state.block_pages)
+    logits, view = forward(params, state.config, tokens, positions=positions, cache=view)
+    return logits, view.pages
 
 
-def _scatter_cache(state: EngineState, slots: jax.Array, cache):
-    return jax.tree.map(lambda a, rows: a.at[:, slots].set(rows, mode="drop"), state.cache, cache)
+def _writable(state: EngineState, rows: jax.Array) -> jax.Array:
+    """Whether each row's next key/value (position ``seq_len - 1``) has a page to go to."""
+    pos = jnp.maximum(state.seq_len[rows] - 1, 0)
+    page = state.page_table[rows, jnp.minimum(pos // state.page_size, state.page_table.shape[1] - 1)]
+    return page != NULL_PAGE
 
 
 def _sample_step(state: EngineState, params, slots: jax.Array | None, active: jax.Array) -> EngineState:
     """Feed each active row's pending token to the model, sample the next token and commit it.
 
-    ``slots=None`` runs every slot in place (the decode step); otherwise the rows of ``slots`` are gathered
-    out of the cache and scattered back.
+    ``slots=None`` runs every slot; otherwise the rows of ``slots`` (their keys/values go to the shared pool
+    in place either way).
     """
     all_slots = jnp.arange(state.num_slots, dtype=jnp.int32)
     rows = all_slots if slots is None else jnp.minimum(slots, state.num_slots - 1)
     pos = state.seq_len[rows] - 1
     last = state.tokens[rows, jnp.maximum(pos, 0)][:, None]
-    cache = state.cache if slots is None else _gather_cache(state, rows)
     positions = jnp.where(active, pos, -1)[:, None]
-    logits, cache = forward(params, state.config, last, positions=positions, cache=cache)
-    state = state.replace(cache=cache if slots is None else _scatter_cache(state, slots, cache))
+    logits, pages = _forward(state, params, state.page_table[rows], last, positions)
+    state = state.replace(pages=pages)
     logits = logits[:, 0]
     keys = jax.vmap(jax.random.fold_in)(state.rng_key[rows], pos + 1)
     # Idle rows count as greedy so that they never switch on the sampling passes.
@@ -231,8 +300,11 @@ def _sample_step(state: EngineState, params, slots: jax.Array | None, active: ja
     )
     # A gather, not token_logprobs' select over the whole vocabulary (built for gradients, never taken here).
     picked = jnp.take_along_axis(logits, new_tokens[:, None], axis=-1)[:, 0]
-    new_logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
-    return _commit(state, all_slots if slots is None else slots, active, new_tokens, new_logprobs)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    # H = log Z - sum_v p_v logit_v: one more reduction over the logits, fused with the normaliser's.
+    entropy = log_norm - jnp.sum(jnp.exp(logits - log_norm[:, None]) * logits, axis=-1)
+    return _commit(state, all_slots if slots is None else slots, active, new_tokens, picked - log_norm,
+                   entropy)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("sample",))
@@ -241,12 +313,14 @@ def append(state: EngineState, params, slots: jax.Array, tokens: jax.Array, leng
     """Append a chunk of inserted tokens (a prompt or a tool response) to each slot and prefill it.
 
     Row ``b`` of ``tokens`` holds ``lengths[b]`` tokens (the rest is padding); they are written at the
-    slot's current length with loss mask 0. The KV cache is filled for the slot's pending token and all new
-    tokens but the last, which becomes the pending token. With ``sample=True`` that token is fed at once and
-    the next token sampled and committed (RUNNING / PAUSED / DONE by the stop rules of the slot's current
-    segment, set by :func:`resume`); with ``sample=False`` the slot's status is left as it was and the next
-    decode step of a RUNNING slot samples it, at no extra cost (the scheduler's way, and the way to prefill
-    a prompt for :func:`fork`).
+    slot's current length (log-prob and entropy 0). Keys/values are written into the slot's pages (which the
+    host must have allocated) for the slot's pending token and all new tokens but the last, which becomes the
+    pending token; attention reads the pages block by block, so memory grows with ``T`` times a block, not
+    ``T^2`` (a long prompt is prefilled in chunks of the largest bucket). With ``sample=True`` that token is
+    fed at once and the next token sampled and committed (RUNNING / PAUSED / DONE by the stop rules of the
+    slot's current segment, set by :func:`resume`); with ``sample=False`` the slot's status is left as it was
+    and the next decode step of a RUNNING slot samples it, at no extra cost (the scheduler's way, and the
+    way to prefill a prompt for :func:`fork`).
 
     Args:
       slots: int32 ``[B]`` (padding: ``num_slots``); slots must hold a sequence (not FREE).
@@ -275,12 +349,12 @@ def append(state: EngineState, params, slots: jax.Array, tokens: jax.Array, leng
     window_pos = start[:, None] + offset
     window = jnp.take_along_axis(record[rows], jnp.clip(window_pos, 0, state.max_len - 1), axis=1)
     positions = jnp.where(real[:, None] & (window_pos < new_len[:, None] - 1), window_pos, -1)
-    _, cache = forward(params, state.config, window, positions=positions, cache=_gather_cache(state, rows))
+    _, pages = _forward(state, params, state.page_table[rows], window, positions)
     state = state.replace(
-        cache=_scatter_cache(state, slots, cache),
+        pages=pages,
         tokens=record,
         logprobs=state.logprobs.at[write_rows, write_pos].set(0.0, mode="drop"),
-        loss_mask=state.loss_mask.at[write_rows, write_pos].set(0, mode="drop"),
+        entropies=state.entropies.at[write_rows, write_pos].set(0.0, mode="drop"),
         seq_len=_scatter_rows(state.seq_len, slots, new_len),
     )
     if sample:
@@ -288,60 +362,70 @@ def append(state: EngineState, params, slots: jax.Array, tokens: jax.Array, leng
     return state
 
 
-_SLOT_FIELDS = ("tokens", "logprobs", "loss_mask", "seq_len", "status", "finish_reason", "temperature",
-                "top_p", "top_k", "rng_key", "budget_end", "segment_start", "segment_end", "stop_seqs")
+_SLOT_FIELDS = ("page_table", "tokens", "logprobs", "entropies", "seq_len", "status", "finish_reason",
+                "temperature", "top_p", "top_k", "rng_key", "budget_end", "segment_start", "segment_end",
+                "stop_seqs")
 
 
-@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("num_steps",))
-def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None = None) -> EngineState:
-    """Run up to ``num_steps`` decode steps for every RUNNING slot, each at its own position.
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("num_steps", "return_on_stop"))
+def decode(state: EngineState, params, num_steps: int, slots: jax.Array | None = None, *,
+           return_on_stop: bool = False) -> EngineState:
+    """Run up to ``num_steps`` decode steps for every RUNNING slot, each at its own position, in one on-device
+    loop.
 
     A step feeds each running slot its pending token, samples the next token and commits it: a matched stop
     sequence or the segment limit pauses the slot (PAUSED), EOS or the token budget finishes it (DONE). The
-    loop ends early once no slot is running. ``num_steps`` is static: keep it fixed (the decode chunk).
+    loop ends once no running slot can go on, after ``num_steps`` steps, or, with ``return_on_stop``, after
+    the first step in which some slot stopped (so the host can hand its segment back at once). A running slot
+    whose next key/value has no page (its page-table entry is the null page) waits, RUNNING, until the host
+    gives it one. ``num_steps`` and ``return_on_stop`` are static: keep them fixed.
 
-    With ``slots`` (int32 ``[B]``, padding ``num_slots``) only those slots are decoded, as a batch of B rows
-    gathered out of the state and scattered back: a step then costs B rows instead of ``num_slots``, for one
-    copy of their KV rows each way per call. Worth it when most slots are idle (paused on tools, free).
+    With ``slots`` (int32 ``[B]``, padding ``num_slots``) only those slots are decoded, as a batch of B rows:
+    a step then costs B rows instead of ``num_slots``; their per-slot fields are gathered and scattered back
+    (the KV pool is shared and written in place). Worth it when most slots are idle (paused on tools, free).
 
     ``params`` may be stacked or unstacked (:func:`~rstar2jax.models.unstack_layers`); on XLA:CPU every step
     copies each slice of stacked weights, so decode many chunks from weights unstacked once
-    (:class:`EngineCore` does, with ``EngineConfig.unstacked_decode``).
+    (:class:`EngineCore` does, see ``EngineConfig.unstacked_decode``).
     """
     if slots is None:
-        return _decode_loop(state, params, num_steps)
+        return _decode_loop(state, params, num_steps, return_on_stop)
     _check_slots(slots)
     rows = jnp.minimum(slots, state.num_slots - 1)
-    part = state.replace(
-        cache=_gather_cache(state, rows),
-        **{name: getattr(state, name)[rows] for name in _SLOT_FIELDS},
-    )
+    part = state.replace(**{name: getattr(state, name)[rows] for name in _SLOT_FIELDS})
     part = part.replace(status=jnp.where(slots < state.num_slots, part.status, FREE))  # padding rows idle
-    part = _decode_loop(part, params, num_steps)
+    part = _decode_loop(part, params, num_steps, return_on_stop)
     return state.replace(
-        cache=_scatter_cache(state, slots, part.cache),
+        pages=part.pages,
         **{name: _scatter_rows(getattr(state, name), slots, getattr(part, name)) for name in _SLOT_FIELDS},
     )
 
 
-def _decode_loop(state: EngineState, params, num_steps: int) -> EngineState:
+def _decode_loop(state: EngineState, params, num_steps: int, return_on_stop: bool) -> EngineState:
+    all_rows = jnp.arange(state.num_slots, dtype=jnp.int32)
+    ready = lambda st: (st.status == RUNNING) & _writable(st, all_rows)
+    started = state.status == RUNNING
+
     def body(carry):
         step, st = carry
-        return step + 1, _sample_step(st, params, None, st.status == RUNNING)
+        return step + 1, _sample_step(st, params, None, ready(st))
 
     def cond(carry):
         step, st = carry
-        return (step < num_steps) & jnp.any(st.status == RUNNING)
+        go_on = (step < num_steps) & jnp.any(ready(st))
+        if return_on_stop:
+            go_on &= ~jnp.any(started & (st.status != RUNNING))
+        return go_on
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
 
 
 @jax.jit
-def read_slots(state: EngineState, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token and log-prob rows (int32 / float32 ``[B, max_len]``) of ``slots`` (padding rows repeat the last
-    slot), for the host to copy out."""
+def read_slots(state: EngineState, slots: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Token, log-prob and entropy rows (int32 / float32 / float32 ``[B, max_len]``) of ``slots`` (padding
+    rows repeat the last slot), for the host to copy out."""
     rows = jnp.minimum(slots, state.num_slots - 1)
-    return state.tokens[rows], state.logprobs[rows]
+    return state.tokens[rows], state.logprobs[rows], state.entropies[rows]
 
 

@@ -14,9 +14,15 @@ just ended.
         ...
         sessions[0].close()
 
-A group of ``n`` sessions is admitted only when ``n`` slots are free (a slot is ``max_len`` tokens of KV
-cache), first come first served; its prompt is prefilled once and forked to the siblings. A paused session
-holds its slot while its coroutine runs the tool call; a finished one (EOS or budget) frees it at once.
+KV lives in a pool of pages (:mod:`rstar2jax.engine.paged_attention`), allocated as sequences grow
+(:class:`~rstar2jax.engine.pages.PageAllocator`). A group of ``n`` sessions is admitted, first come first
+served, once ``n`` slots are free and the pool has the pages the group can ever need that are not promised to
+sessions already running (its prompt's pages, held once for the group, plus each session's response budget):
+so nothing admitted ever waits for a page, and work that does not fit waits in the queue, losing nothing. The
+prompt is prefilled once and forked to the siblings, which share its full pages; whole pages of a prompt
+prefix already in the pool (another group with the same system prompt) are shared instead of prefilled. A
+paused session holds its slot and pages while its coroutine runs the tool call; a finished one (EOS or
+budget) frees them at once.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import jax
 import numpy as np
 
 from rstar2jax.engine import ops
+from rstar2jax.engine.paged_attention import ATTENTION_IMPLS
+from rstar2jax.engine.pages import PageAllocator, pages_for
 from rstar2jax.engine.state import (
     DONE,
     FINISH_REASON_NAMES,
@@ -64,8 +72,20 @@ class EngineConfig:
 
     Attributes:
       num_slots: sequences decoded side by side.
-      max_len: KV-cache tokens per slot; a session's prompt + ``max_tokens`` must fit.
-      decode_chunk: decode steps per device call; the host looks at slot statuses between chunks.
+      max_len: the longest sequence a slot may hold; a session's prompt + ``max_tokens`` must fit. Sets the
+        width of the page table and token record only: KV memory is ``num_pages``.
+      decode_chunk: decode steps per device call (one on-device loop); the host looks at slot statuses
+        between chunks.
+      return_on_stop: end a decode chunk as soon as some session's segment ends (EOS, a stop sequence such
+        as a tool-call end tag, its budget or segment limit), so its coroutine resumes at once.
+      page_size: tokens per KV page; must divide ``max_len``.
+      num_pages: pages in the pool (page 0, the null page, included); None: enough for every slot at
+        ``max_len`` (``num_slots * max_len // page_size + 1``). Admission counts these.
+      attention: ``"auto"`` (the Pallas GPU kernel on CUDA GPUs, ``jnp`` elsewhere), ``"jnp"``,
+        ``"pallas_gpu"`` or ``"pallas_interpret"`` (the kernel in the Pallas interpreter: tests).
+      attention_block: tokens per block of the ``jnp`` attention (a multiple of ``page_size``).
+      prefix_sharing: share whole pages of a prompt prefix already in the pool instead of prefilling them.
+      poison_freed_pages: fill pages with NaN when they are freed, so that a stale read shows (tests).
       prefill_buckets: chunk lengths an append is padded to; longer chunks are split into pieces of the
         largest bucket.
       max_stops, max_stop_len: how many stop sequences a segment may have, and their longest length.
@@ -75,8 +95,9 @@ class EngineConfig:
       unstacked_decode: run from per-layer copies of the weights in the compute dtype, made once when the
         engine is built (:func:`~rstar2jax.models.unstack_layers`): faster where slicing the layer-stacked
         weights copies them (XLA:CPU copies every layer of every decode step), at the cost of a second copy
-        of the layer weights for the engine's lifetime (params passed in already unstacked are used as
-        they are). Off: every step reads the stacked weights.
+        of the layer weights for the engine's lifetime. False: the caller's tree is used as it is (cast once
+        to the compute dtype if it differs). None (default): unstack when a cast to the compute dtype is
+        needed anyway (that copy is then the only one) or on CPU; otherwise use the caller's tree.
     """
 
     num_slots: int = 32
@@ -88,26 +109,54 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     cache_dtype: str | None = None
     seed: int = 0
-    unstacked_decode: bool = True
+    unstacked_decode: bool | None = None
+    return_on_stop: bool = True
+    page_size: int = 16
+    num_pages: int | None = None
+    attention: str = "auto"
+    attention_block: int = 256
+    prefix_sharing: bool = True
+    poison_freed_pages: bool = False
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len"):
+        for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len", "page_size",
+                     "attention_block"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.max_len % self.page_size:
+            raise ValueError(f"page_size={self.page_size} must divide max_len={self.max_len}")
+        if self.attention_block % self.page_size:
+            raise ValueError(f"attention_block={self.attention_block} must be a multiple of "
+                             f"page_size={self.page_size}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), "
+                             f"got {self.num_pages!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
         if not self.prefill_buckets or any(b <= 0 for b in self.prefill_buckets):
             raise ValueError(f"prefill_buckets must be positive lengths, got {self.prefill_buckets}")
         object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in the pool, the null page included."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return self.num_slots * (self.max_len // self.page_size) + 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Tokens sampled by one ``generate`` call, their raw log-probs, and why it ended: ``"stop"`` (a stop
     sequence, included in ``tokens``) or ``"length"`` (``max_new_tokens``): the session is paused and may go
-    on; ``"eos"`` or ``"budget"`` (``max_tokens`` used up): the session is done."""
+    on; ``"eos"`` or ``"budget"`` (``max_tokens`` used up): the session is done. ``entropies``: for each
+    token, the entropy of the raw policy distribution it was sampled from (see
+    :class:`~rstar2jax.engine.EngineState`)."""
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
+    entropies: list[float] = dataclasses.field(default_factory=list)
 
 
 class _Record:
@@ -119,8 +168,10 @@ class _Record:
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
+        self.entropies: list[float] = []
         self.pending: list[int] = []  # appended, not yet on the device
         self.budget_end = len(prompt_ids) + max_tokens
+        self.reserve = 0  # pages the sequence may still take from the pool (promised at admission)
         self.slot: int | None = None
         self.finish_reason: str | None = None  # "eos" / "budget" once done
 
@@ -134,14 +185,31 @@ class _Record:
         """Tokens the sequence may still grow by, appended ones included."""
         return self.budget_end - self.length - len(self.pending)
 
-    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        """Record tokens: sampled (with their log-probs) or inserted (``logprobs=None``)."""
+    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
+            entropies: Sequence[float] | None = None) -> None:
+        """Record tokens: sampled (with their log-probs and entropies) or inserted (``logprobs=None``)."""
         self.response_ids += tokens
         self.loss_mask += [0 if logprobs is None else 1] * len(tokens)
         self.logprobs += [0.0] * len(tokens) if logprobs is None else logprobs
+        self.entropies += [0.0] * len(tokens) if entropies is None else entropies
 
 
 _unstack_layers = jax.jit(unstack_layers, static_argnames=("dtype",))
+_cast = jax.jit(lambda params, dtype: jax.tree.map(lambda p: p.astype(dtype), params),
+                static_argnames=("dtype",))
+
+
+def engine_params(params, config: ModelConfig, unstacked: bool | None = None):
+    """The weights an engine decodes from: the caller's tree, cast once to ``config.compute_dtype`` where a
+    leaf differs, and with ``unstacked`` (see ``EngineConfig.unstacked_decode``) split into per-layer
+    buffers."""
+    compute = jax.numpy.dtype(config.compute_dtype)
+    needs_cast = any(leaf.dtype != compute for leaf in jax.tree.leaves(params))
+    if unstacked is None:
+        unstacked = needs_cast or jax.default_backend() == "cpu"
+    if unstacked and not layers_are_unstacked(params):
+        return _unstack_layers(params, config.compute_dtype)
+    return _cast(params, config.compute_dtype) if needs_cast else params
 
 
 def _slot_seed(entropy: Sequence[int]) -> int:
@@ -150,28 +218,38 @@ def _slot_seed(entropy: Sequence[int]) -> int:
 
 
 class EngineCore:
-    """Synchronous engine: owns the device state, maps sequences to slots and batches device calls.
+    """Synchronous engine: owns the device state, maps sequences to slots and pages, and batches device calls.
 
     Not thread-safe: one caller at a time. :class:`Engine` drives it from a worker thread; :func:`generate`
     drives it directly.
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig):
-        if engine_config.unstacked_decode and not layers_are_unstacked(params):
-            params = _unstack_layers(params, config.compute_dtype)
-        self.params = params
+        self.params = engine_params(params, config, engine_config.unstacked_decode)
         self.config = config
         self.engine_config = engine_config
+        cfg = engine_config
         self.state: EngineState = init_state(
             config,
-            engine_config.num_slots,
-            engine_config.max_len,
-            eos_token_ids=engine_config.eos_token_ids,
-            max_stops=engine_config.max_stops,
-            max_stop_len=engine_config.max_stop_len,
-            cache_dtype=engine_config.cache_dtype,
+            cfg.num_slots,
+            cfg.max_len,
+            eos_token_ids=cfg.eos_token_ids,
+            max_stops=cfg.max_stops,
+            max_stop_len=cfg.max_stop_len,
+            cache_dtype=cfg.cache_dtype,
+            page_size=cfg.page_size,
+            num_pages=cfg.pool_pages,
+            attention=cfg.attention,
+            block_tokens=cfg.attention_block,
+            poison_freed=cfg.poison_freed_pages,
         )
-        self._free = collections.deque(range(engine_config.num_slots))
+        self.pages = PageAllocator(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.max_len // cfg.page_size)
+        self._reserved = 0  # pages promised to admitted sequences, not yet taken from the pool
+        self._lengths = np.zeros((cfg.num_slots,), np.int64)  # tokens on the device per slot (last read)
+        self._records: dict[int, _Record] = {}  # slot -> record
+        self._copies: list[tuple[int, int]] = []  # (page, copy) for the next set_pages
+        self._freed = np.zeros((cfg.pool_pages,), bool)  # pages freed since the last device release
+        self._free = collections.deque(range(cfg.num_slots))
         self._to_release: list[int] = []
         self._to_start: list[tuple[_Record, np.ndarray, int]] = []
         self._active: dict[int, tuple[_Record, int]] = {}  # slot -> (record, segment start)
@@ -181,9 +259,19 @@ class EngineCore:
         return len(self._free)
 
     @property
+    def num_free_pages(self) -> int:
+        """Pages neither held by a sequence nor promised to one."""
+        return self.pages.num_free - self._reserved
+
+    @property
     def num_active(self) -> int:
         """Sessions with a generation segment in flight (or about to start)."""
         return len(self._active) + len(self._to_start)
+
+    @property
+    def kv_bytes_held(self) -> int:
+        """Bytes of the pages sequences hold now."""
+        return self.pages.num_used * self.state.pages.nbytes_per_page
 
     # ---- shapes
 
@@ -232,17 +320,21 @@ class EngineCore:
             np.full((num_slots, *self.state.stop_seqs.shape[1:]), NO_TOKEN, np.int32),
             zeros(np.int32),
         )
-        self.state = ops.release(self.state, nothing)
+        self.state = ops.set_pages(self.state, *self._page_args([]))  # nothing to set: compiles it
+        self.state = ops.attach(self.state, nothing,
+                                np.zeros((num_slots, self.engine_config.max_len), np.int32), zeros(np.int32))
+        self.state = ops.release(self.state, nothing, np.zeros_like(self._freed))
         self.state = self._decode(None)
         jax.block_until_ready(ops.read_slots(self.state, nothing))
 
     def _decode(self, slots: np.ndarray | None) -> EngineState:
         """One decode chunk of every running slot (``slots=None``) or of the compacted ``slots``."""
-        return ops.decode(self.state, self.params, self.engine_config.decode_chunk, slots)
+        cfg = self.engine_config
+        return ops.decode(self.state, self.params, cfg.decode_chunk, slots, return_on_stop=cfg.return_on_stop)
 
     def _compact_decode(self, num_running: int) -> bool:
-        """Decode only the running slots (gathered) when they are at most half of all slots: a dense step
-        costs every slot, running or not; a compacted one its bucket of rows plus a KV copy per chunk."""
+        """Decode only the running slots (gathered) when they are at most half of all slots: a step costs
+        every row it is given, running or not."""
         return 2 * num_running <= self.engine_config.num_slots
 
     def _bucket(self, length: int) -> int:
@@ -263,6 +355,14 @@ class EngineCore:
 
     # ---- requests
 
+    def pages_needed(self, prompt_ids: Sequence[int], n: int, max_tokens: int, *, shared: int = 0) -> int:
+        """Pages a group can ever take from the pool: its prompt's (but ``shared`` whole pages already in the
+        pool), a private copy of the prompt's last page per sibling, and each session's response budget."""
+        ps = self.engine_config.page_size
+        prompt_pages = pages_for(len(prompt_ids), ps)
+        growth = pages_for(len(prompt_ids) + max_tokens, ps) - prompt_pages
+        return prompt_pages - shared + (n - 1) + n * growth
+
     def check_request(self, prompt_ids: Sequence[int], n: int, max_tokens: int) -> None:
         """Raise ValueError for a request that could never be admitted."""
         if not prompt_ids:
@@ -274,31 +374,61 @@ class EngineCore:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                 f"slot capacity max_len={self.engine_config.max_len}"
             )
-        if not 1 <= n <= self.engine_config.num_slots:
+        if not isinstance(n, int) or not 1 <= n <= self.engine_config.num_slots:
             raise ValueError(f"n={n} must be in [1, num_slots={self.engine_config.num_slots}]")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, vocab_size={self.config.vocab_size})")
+        needed, pool = self.pages_needed(prompt_ids, n, max_tokens), self.engine_config.pool_pages - 1
+        if needed > pool:
+            raise ValueError(
+                f"a group of {n} with a {len(prompt_ids)}-token prompt and max_tokens={max_tokens} needs "
+                f"{needed} KV pages of {self.engine_config.page_size} tokens; the pool holds only {pool} "
+                "(raise EngineConfig.num_pages)"
+            )
+
+    def _shared_prefix(self, prompt_ids: Sequence[int]) -> list[int]:
+        return self.pages.match(prompt_ids) if self.engine_config.prefix_sharing else []
+
+    def admissible(self, requests: Sequence[tuple[Sequence[int], int, SamplingParams, int, Sequence[int]]]
+                   ) -> int:
+        """How many of ``requests`` (in order) fit in the free slots and unpromised pages now (host
+        arithmetic only)."""
+        slots, pages = self.num_free_slots, self.num_free_pages
+        for count, (prompt_ids, n, _, max_tokens, _) in enumerate(requests):
+            needed = self.pages_needed(prompt_ids, n, max_tokens, shared=len(self._shared_prefix(prompt_ids)))
+            if n > slots or needed > pages:
+                return count
+            slots, pages = slots - n, pages - needed
+        return len(requests)
 
     def admit(
         self, requests: Sequence[tuple[Sequence[int], int, SamplingParams, int, Sequence[int]]]
     ) -> list[list[_Record]]:
-        """Take slots for groups ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``: prefill each prompt
-        once and fork it to its siblings (sibling ``j`` seeded by ``(*seed_entropy, j)``).
+        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``: prefill
+        each prompt once (but whole pages of a prefix already in the pool) and fork it to its siblings
+        (sibling ``j`` seeded by ``(*seed_entropy, j)``).
 
-        Returns each group's records. Raises ValueError if there are not enough free slots.
+        Returns each group's records. Raises ValueError if they do not fit (see :meth:`admissible`).
         """
         if not requests:
             return []
-        self._release_closed()
-        if sum(n for _, n, *_ in requests) > len(self._free):
-            raise ValueError(f"{sum(n for _, n, *_ in requests)} slots requested, {len(self._free)} free")
-        groups, columns = [], collections.defaultdict(list)
-        for prompt_ids, n, sampling, max_tokens, entropy in requests:
+        for prompt_ids, n, _, max_tokens, _ in requests:
             self.check_request(prompt_ids, n, max_tokens)
+        if self.admissible(requests) < len(requests):
+            raise ValueError(f"{len(requests)} groups requested; {self.num_free_slots} slots and "
+                             f"{self.num_free_pages} pages are free")
+        ps = self.engine_config.page_size
+        groups, columns, attached, prefills = [], collections.defaultdict(list), [], []
+        for prompt_ids, n, sampling, max_tokens, entropy in requests:
+            prompt_ids = [int(t) for t in prompt_ids]
+            shared = self._shared_prefix(prompt_ids)
+            self._reserved += self.pages_needed(prompt_ids, n, max_tokens, shared=len(shared))
             group = []
             for j in range(n):
-                record = _Record([int(t) for t in prompt_ids], max_tokens)
+                record = _Record(prompt_ids, max_tokens)
                 record.slot = self._free.popleft()
+                record.reserve = pages_for(record.budget_end, ps)  # all its pages, shared ones deducted below
+                self._records[record.slot] = record
                 group.append(record)
                 for name, value in (
                     ("slots", record.slot),
@@ -310,6 +440,14 @@ class EngineCore:
                 ):
                     columns[name].append(value)
             groups.append(group)
+            src = group[0]
+            if shared:
+                self.pages.attach(src.slot, shared)
+                src.reserve -= len(shared)
+                attached.append((src.slot, prompt_ids, len(shared) * ps + 1))
+                prefills.append((src.slot, prompt_ids[len(shared) * ps + 1 :]))
+            else:
+                prefills.append((src.slot, prompt_ids))
         slots = self._slot_array(columns.pop("slots"))
         pad = len(slots) - len(columns["seeds"])
         dtypes = dict(
@@ -318,7 +456,28 @@ class EngineCore:
         per_slot = {name: np.pad(np.asarray(columns[name], dtypes[name]), (0, pad)) for name in dtypes}
         # Positional, exactly as in warmup(): jit caches keyword and positional calls apart.
         self.state = ops.admit(self.state, slots, *per_slot.values())
-        self._prefill([(group[0].slot, group[0].prompt_ids) for group in groups])
+        if attached:
+            tokens = np.zeros((self.engine_config.num_slots, self.engine_config.max_len), np.int32)
+            lengths = np.zeros((self.engine_config.num_slots,), np.int32)
+            for row, (slot, prompt_ids, length) in enumerate(attached):
+                tokens[row, :length] = prompt_ids[:length]
+                lengths[row] = length
+                self._lengths[slot] = length
+            self._push_pages()
+            self.state = ops.attach(self.state, self._slot_array([a[0] for a in attached]), tokens, lengths)
+        self._prefill(prefills)  # also gives each source the pages of its whole prompt
+        for group in groups:
+            src = group[0]
+            if self.engine_config.prefix_sharing:
+                self.pages.register(src.slot, src.prompt_ids, len(src.prompt_ids) - 1)
+            if len(group) > 1:
+                dsts = [r.slot for r in group[1:]]
+                self._copies += self.pages.fork(src.slot, dsts, len(src.prompt_ids))
+                self._reserved -= len(dsts)  # each took its copy of the prompt's last page
+                for record in group[1:]:
+                    record.reserve -= int(self.pages.held[record.slot])
+                    self._lengths[record.slot] = len(src.prompt_ids)
+        self._push_pages()
         for group in groups:
             if len(group) > 1:
                 self.state = ops.fork(
@@ -339,16 +498,51 @@ class EngineCore:
         self._to_start.append((record, self.stop_table(stop), limit))
 
     def close(self, record: _Record) -> None:
-        """Free the record's slot (queued; applied by the next device call)."""
+        """Free the record's slot and pages (on the device with the next device call)."""
         if record.slot is not None:
-            self._to_release.append(record.slot)
-            self._free.append(record.slot)
+            slot = record.slot
+            self._freed[self.pages.release(slot)] = True
+            self._reserved -= record.reserve
+            record.reserve = 0
+            del self._records[slot]
+            self._lengths[slot] = 0
+            self._to_release.append(slot)
+            self._free.append(slot)
             record.slot = None
 
     # ---- device work
 
+    def _grow(self, slot: int, num_tokens: int) -> None:
+        """Take pages from the pool (promised at admission) for ``num_tokens`` tokens of ``slot``."""
+        record = self._records[slot]
+        taken = len(self.pages.grow(slot, min(num_tokens, record.budget_end)))
+        record.reserve -= taken
+        self._reserved -= taken
+        if record.reserve < 0:
+            raise AssertionError(f"slot {slot} took more pages than promised")
+
+    def _page_args(self, dirty: Sequence[int]):
+        num_slots = self.engine_config.num_slots
+        rows = np.zeros((num_slots, self.pages.table.shape[1]), np.int32)
+        rows[: len(dirty)] = self.pages.table[list(dirty)]
+        copy_src = np.zeros((num_slots,), np.int32)
+        copy_dst = np.full((num_slots,), self.engine_config.pool_pages, np.int32)
+        copies, self._copies = self._copies[:num_slots], self._copies[num_slots:]
+        for i, (src, dst) in enumerate(copies):
+            copy_src[i], copy_dst[i] = src, dst
+        return self._slot_array(dirty), rows, copy_src, copy_dst
+
+    def _push_pages(self) -> None:
+        """Send changed page-table rows and page copies to the device."""
+        self._release_closed()
+        while self.pages.dirty or self._copies:
+            self.state = ops.set_pages(self.state, *self._page_args(self.pages.take_dirty()))
+
     def _prefill(self, chunks: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Append inserted tokens to slots (no sampling), in rounds of at most the largest bucket per slot."""
+        for slot, tokens in chunks:
+            self._grow(slot, int(self._lengths[slot]) + len(tokens))
+        self._push_pages()
         largest = self.engine_config.prefill_buckets[-1]
         pieces = [
             (slot, tokens[i : i + largest]) for slot, tokens in chunks for i in range(0, len(tokens), largest)
@@ -366,12 +560,15 @@ class EngineCore:
                 tokens[row, : len(piece)] = piece
                 lengths[row] = len(piece)
             self.state = ops.append(self.state, self.params, slots, tokens, lengths, sample=False)
+        for slot, tokens in chunks:
+            self._lengths[slot] += len(tokens)
 
     def _release_closed(self) -> None:
-        """Free closed slots on the device (before anything reuses them)."""
+        """Free closed slots on the device (before anything reuses them or their pages)."""
         if self._to_release:
-            self.state = ops.release(self.state, self._slot_array(self._to_release))
+            self.state = ops.release(self.state, self._slot_array(self._to_release), self._freed)
             self._to_release = []
+            self._freed = np.zeros_like(self._freed)
 
     def _flush(self) -> None:
         """Apply queued releases, appended chunks and segment starts."""
@@ -393,29 +590,34 @@ class EngineCore:
 
     def step(self) -> list[tuple[_Record, Segment]]:
         """Apply queued work, decode one chunk if a segment is in flight, and return the segments that ended
-        (paused or finished sessions; finished ones have their slot freed)."""
+        (paused or finished sessions; finished ones have their slot and pages freed)."""
         self._flush()
         if not self._active:
             return []
         running = list(self._active)
+        for slot in running:  # pages for the whole chunk, so the device loop never lacks one
+            self._grow(slot, int(self._lengths[slot]) + self.engine_config.decode_chunk)
+        self._push_pages()
         compact = self._slot_array(running, bucketed=True) if self._compact_decode(len(running)) else None
         self.state = self._decode(compact)
         state = self.state
         status, reason, seq_len = jax.device_get((state.status, state.finish_reason, state.seq_len))
+        self._lengths[running] = seq_len[running]
         ended = [slot for slot in self._active if status[slot] != RUNNING]
         if not ended:
             return []
-        tokens, logprobs = jax.device_get(ops.read_slots(self.state, self._slot_array(ended)))
+        tokens, logprobs, entropies = jax.device_get(ops.read_slots(self.state, self._slot_array(ended)))
         results = []
         for row, slot in enumerate(ended):
             record, start = self._active.pop(slot)
-            new_tokens = tokens[row, start : seq_len[slot]].tolist()
+            end = seq_len[slot]
             segment = Segment(
-                new_tokens,
-                logprobs[row, start : seq_len[slot]].tolist(),
+                tokens[row, start:end].tolist(),
+                logprobs[row, start:end].tolist(),
                 FINISH_REASON_NAMES[int(reason[slot])],
+                entropies[row, start:end].tolist(),
             )
-            record.add(segment.tokens, segment.logprobs)
+            record.add(segment.tokens, segment.logprobs, segment.entropies)
             if status[slot] == DONE:
                 record.finish_reason = segment.finish_reason
                 self.close(record)
@@ -428,7 +630,8 @@ class Session:
 
     The host record (``prompt_ids``, ``response_ids``, ``loss_mask``, ``logprobs``) is exactly what
     :class:`rstar2jax.agent.Trajectory` needs: ``response_ids`` holds sampled and appended tokens in order,
-    ``loss_mask`` is 1 on sampled ones, ``logprobs`` their raw policy log-probs (0.0 on appended ones).
+    ``loss_mask`` is 1 on sampled ones, ``logprobs`` their raw policy log-probs (0.0 on appended ones);
+    ``entropies`` the entropy of the distribution each was sampled from (0.0 on appended ones).
     """
 
     def __init__(self, engine: Engine, record: _Record):
@@ -440,6 +643,8 @@ class Session:
     response_ids = property(lambda self: list(self._record.response_ids + self._record.pending))
     loss_mask = property(lambda self: self._record.loss_mask + [0] * len(self._record.pending))
     logprobs = property(lambda self: self._record.logprobs + [0.0] * len(self._record.pending))
+    entropies = property(lambda self: self._record.entropies + [0.0] * len(self._record.pending),
+                         doc="per response token: its sampling distribution's entropy (0.0 on appended ones)")
     finish_reason = property(lambda self: self._record.finish_reason, doc='"eos" or "budget" once done')
     done = property(lambda self: self._record.finish_reason is not None)
     remaining = property(lambda self: self._record.remaining, doc="tokens left in the budget")
@@ -499,6 +704,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._inflight: asyncio.Future | None = None  # the iteration running in the worker thread
 
     async def __aenter__(self) -> Engine:
         self._wakeup = asyncio.Event()
@@ -511,6 +717,11 @@ class Engine:
             await self._task
         except asyncio.CancelledError:
             pass
+        if self._inflight is not None:
+            await asyncio.wait([self._inflight])
+        for record in self._closes:  # host bookkeeping only: their slots and pages count as free again
+            self._core.close(record)
+        self._closes = []
         self._fail_all(RuntimeError("the engine was stopped"))
 
     async def open(
@@ -522,7 +733,8 @@ class Engine:
         max_tokens: int,
         seed: int | None = None,
     ) -> list[Session]:
-        """Open ``n`` sessions on one prompt (a GRPO group), waiting until ``n`` slots are free.
+        """Open ``n`` sessions on one prompt (a GRPO group), waiting until ``n`` slots and the pages the group
+        may need are free.
 
         Args:
           prompt_ids: prompt tokens (prefilled once for the group).
@@ -570,12 +782,9 @@ class Engine:
         core = self._core
         for record in closes:
             core.close(record)
-        admitted, fits, free = [], [], core.num_free_slots
-        for request, _ in waiting:  # first come, first served: a group that does not fit blocks later ones
-            if request[1] > free:
-                break
-            fits.append(request)
-            free -= request[1]
+        # First come, first served: a group that does not fit (slots or pages) blocks later ones.
+        requests = [request for request, _ in waiting]
+        admitted, fits = [], requests[: core.admissible(requests)]
         if fits:
             admitted = core.admit(fits)
         for record, stop, max_new_tokens in starts:
@@ -585,7 +794,7 @@ class Engine:
     async def _run(self) -> None:
         try:
             while True:
-                head_fits = self._waiting and self._waiting[0][0][1] <= self._core.num_free_slots
+                head_fits = self._waiting and self._core.admissible([self._waiting[0][0]]) == 1
                 if not (head_fits or self._starts or self._closes or self._core.num_active):
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -593,7 +802,11 @@ class Engine:
                 await asyncio.sleep(0)  # let ready coroutines queue their requests: bigger batches per round
                 waiting, starts, closes = list(self._waiting), self._starts, self._closes
                 self._starts, self._closes = [], []
-                admitted, ended = await asyncio.to_thread(self._iteration, waiting, starts, closes)
+                # Shielded: stopping the engine must not cancel an iteration before it ran (its closes would
+                # be lost); __aexit__ waits for it instead.
+                self._inflight = asyncio.ensure_future(
+                    asyncio.to_thread(self._iteration, waiting, starts, closes))
+                admitted, ended = await asyncio.shield(self._inflight)
                 for group in admitted:
                     _, future = self._waiting.popleft()
                     if not future.cancelled():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import pathlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -18,8 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import numpy as np
 import tqdm.auto as tqdm
 
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem, load_problems
+from rstar2jax.data.trajectory import Trajectory, tool_error_ratios
 from rstar2jax.eval.pass_at_k import pass_at_1, pass_at_k
 
 #: ``await sample_fn(problem, k)`` -> k trajectories of ``problem`` with their binary rewards filled in.
@@ -59,21 +58,6 @@ class EvalResult:
             for name, ds in self.datasets.items()
             for key, value in ds.metrics.items()
         }
-
-
-def tool_error_ratios(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``tool_error_ratio`` (failed / all tool calls) and ``tool_error_ratio_correct`` (the same inside the
-    correct trajectories, reward > 0: the paper's Fig. 4). Each is NaN when those trajectories made no call:
-    no calls is not "no failed calls"."""
-
-    def ratio(group):
-        calls = sum(t.num_tool_calls for t in group)
-        return sum(t.num_failed_calls for t in group) / calls if calls else math.nan
-
-    return {
-        "tool_error_ratio": ratio(trajectories),
-        "tool_error_ratio_correct": ratio([t for t in trajectories if t.reward > 0]),
-    }
 
 
 def aggregate(
@@ -132,14 +116,15 @@ async def evaluate_async(
       k: samples per problem (the paper: 16).
       pass_ks: extra pass@j to report (see ``aggregate``).
       max_concurrency: problems in flight at once (the engine batches their rollouts).
-      progress: show a progress bar over problems.
+      progress: show a progress bar over problems (on a terminal only).
     """
     if k < 1 or max_concurrency < 1:
         raise ValueError(f"k and max_concurrency must be >= 1, got {k} and {max_concurrency}")
     datasets = dict(problems) if isinstance(problems, Mapping) else {"eval": list(problems)}
     semaphore = asyncio.Semaphore(max_concurrency)
     total = sum(len(ds) for ds in datasets.values())
-    with tqdm.tqdm(total=total, desc="eval", unit="problem", disable=not progress) as bar:
+    # disable=None: no bar when stderr is not a terminal (a bar in a log file is one endless line)
+    with tqdm.tqdm(total=total, desc="eval", unit="problem", disable=None if progress else True) as bar:
 
         async def sample(problem: Problem) -> list[Trajectory]:
             async with semaphore:

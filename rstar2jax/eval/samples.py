@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem
-from rstar2jax.eval.evaluate import tool_error_ratios
+from rstar2jax.data.trajectory import Trajectory, tool_error_ratios
 from rstar2jax.eval.pass_at_k import pass_at_1, pass_at_k
 
 #: The keys every sample record has.

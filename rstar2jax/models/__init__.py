@@ -1,7 +1,7 @@
 """Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding."""
 
-from rstar2jax.models.checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.config import ModelConfig, config_from_hf, config_to_hf
+from rstar2jax.models.hf_checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
 from rstar2jax.models.sharding import (
     CACHE_LOGICAL_AXES,

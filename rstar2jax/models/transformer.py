@@ -139,9 +139,10 @@ _LOGITS_AXES = ("batch", "length", "vocab")
 
 
 def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
-    """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``kv_write``: None (no cache)
-    or (cache_k, cache_v, layer_index, write_index) with the whole cache (:class:`KVCache` layout). Returns
-    (x, (new_cache_k, new_cache_v) or None).
+    """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``kv_write``: None (no
+    cache), (cache_k, cache_v, layer_index, write_index) with the whole cache (:class:`KVCache` layout), or
+    (paged_cache, layer_index) for a cache object that writes and attends itself (see :func:`forward`).
+    Returns (x, the updated cache: (new_cache_k, new_cache_v), the paged cache object, or None).
 
     The layer's new keys/values are scattered into the whole cache at ``write_index`` of ``layer_index``:
     threaded through the layer loop as a carry, the cache is then updated in place instead of being sliced
@@ -163,7 +164,10 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     q, k = _apply_rope(q, cos * scale, sin * scale), _apply_rope(k, cos, sin)
 
     new_kv = None
-    if kv_write is None:
+    paged = kv_write is not None and len(kv_write) == 2
+    if paged:  # the cache object writes and attends, masking by position itself
+        attn, new_kv = kv_write[0].write_and_attend(kv_write[1], q, k, v)
+    elif kv_write is None:
         k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))  # the cache's layout
     else:
         cache_k, cache_v, layer_index, write_index = kv_write
@@ -174,7 +178,8 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
         cache_v = cache_v.at[layer_index, rows, :, :, write_index].set(v.astype(cache_v.dtype), mode="drop")
         k, v = cache_k[layer_index], cache_v[layer_index]
         new_kv = (cache_k, cache_v)
-    attn = _attention(q, k.astype(dtype), v.astype(dtype), mask)
+    if not paged:
+        attn = _attention(q, k.astype(dtype), v.astype(dtype), mask)
     x = constrain(x + jnp.einsum("bthk,hkd->btd", attn, layer["o_proj"]), _RESIDUAL_AXES)
 
     h = _rms_norm(x, layer["mlp_norm"], eps)
@@ -197,7 +202,7 @@ def _check_inputs(config: ModelConfig, tokens, positions, segment_ids, cache) ->
     for name, value in (("positions", positions), ("segment_ids", segment_ids)):
         if value is not None and value.shape != tokens.shape:
             raise ValueError(f"{name} shape {value.shape} must equal tokens shape {tokens.shape}")
-    if cache is not None:
+    if isinstance(cache, KVCache):
         expected = cache_shapes(config, tokens.shape[0], cache.max_len)
         if (cache.k.shape, cache.v.shape) != expected:
             raise ValueError(
@@ -228,7 +233,11 @@ def forward(
       segment_ids: int32 ``[B, T]``; without a cache a token attends to earlier tokens (by index) of the same
         segment id, so packed sequences stay apart; 0 marks padding. With a cache, tokens of segment 0 are not
         written into it.
-      cache: :class:`KVCache` or None. The key/value of token ``(b, t)`` is written at cache index
+      cache: :class:`KVCache`, a paged cache, or None. A paged cache is any pytree with a method
+        ``write_and_attend(layer_index, q, k, v) -> (attention output, updated cache)`` (q ``[B, T, H, Dh]``
+        scaled, k/v ``[B, T, K, Dh]``) that stores keys/values and masks by position itself, such as
+        ``rstar2jax.engine.paged_attention.PagedCacheView``; the layers then run unrolled. With a
+        :class:`KVCache` the key/value of token ``(b, t)`` is written at cache index
         ``positions[b, t]`` (indices outside ``[0, max_len)`` are dropped) and the query at position ``p``
         attends to entries ``j <= p`` of its own row: a T>1 chunk is a prefill, T=1 a decode step, and every
         row may sit at its own length.
@@ -245,17 +254,20 @@ def forward(
     angles = positions[..., None, None].astype(jnp.float32) * rope_inverse_frequencies(config)
     rope = (jnp.cos(angles), jnp.sin(angles))
 
+    paged = cache is not None and not isinstance(cache, KVCache)
     if cache is None:
         segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
         index = jnp.arange(T)
         mask = (segments[:, :, None] == segments[:, None, :]) & (index[:, None] >= index[None, :])
+    elif paged:
+        mask = None
     else:
         mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
         writable = positions >= 0 if segment_ids is None else (positions >= 0) & (segment_ids != 0)
         write_index = jnp.where(writable, positions, cache.max_len)  # max_len: out of range, dropped
 
     def block(x, layer, layer_index, kv):
-        kv_write = None if kv is None else (*kv, layer_index, write_index)
+        kv_write = None if kv is None else (kv, layer_index) if paged else (*kv, layer_index, write_index)
         return _decoder_layer(config, x, layer, rope, mask, kv_write)
 
     if config.remat_policy != "none":
@@ -264,12 +276,12 @@ def forward(
         )
 
     x = constrain(jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(dtype), _RESIDUAL_AXES)
-    kv = None if cache is None else (cache.k, cache.v)
+    kv = None if cache is None else cache if paged else (cache.k, cache.v)
     unstacked = layers_are_unstacked(params)  # one buffer per layer
     if unstacked and len(params["layers"]) != config.num_layers:
         raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
                          f"{config.num_layers}")
-    if config.scan_layers and not unstacked:
+    if config.scan_layers and not unstacked and not paged:
 
         def scan_step(carry, layer_inputs):
             x, kv = carry
@@ -292,7 +304,7 @@ def forward(
         logits = jnp.einsum(
             "btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
         )
-    new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1])
+    new_cache = None if cache is None else kv if paged else KVCache(k=kv[0], v=kv[1])
     return constrain(logits, _LOGITS_AXES), new_cache
 
 

@@ -6,7 +6,7 @@ math-verify in worker processes with a deadline). ``grade_answer`` also returns 
 reason for logging; ``AnswerVerifier`` is the async, event-loop-safe form (``await verifier.score(...)``).
 """
 
-from rstar2jax.reward.extraction import as_integer, extract_answer, final_answer_block
+from rstar2jax.reward.extraction import as_integer, extract_answer, final_answer_block, last_boxed
 from rstar2jax.reward.verifier import (
     AnswerGrade,
     AnswerVerifier,
@@ -23,5 +23,6 @@ __all__ = [
     "extract_answer",
     "final_answer_block",
     "grade_answer",
+    "last_boxed",
     "score_answer",
 ]

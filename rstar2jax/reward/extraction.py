@@ -54,7 +54,7 @@ def _box_argument(text: str, box: re.Match) -> tuple[str, int] | None:
     return (bare.group(), bare.end()) if bare else ("", argument_at)
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Content of the last top-level ``\\boxed{…}`` (or ``\\boxed x``) in ``text``; nested boxes unwrapped."""
     content = None
     position = 0
@@ -88,7 +88,7 @@ def extract_answer_with_reason(response_text: str) -> tuple[str | None, str]:
     block = final_answer_block(response_text)
     if block is None:
         return None, "no complete <answer>...</answer> block"
-    answer = _last_boxed(block)
+    answer = last_boxed(block)
     if answer is None:
         return None, "no \\boxed{} in the final <answer> block"
     return answer, "extracted"

@@ -1,7 +1,7 @@
 """A multi-turn chat with a policy whose Python calls really run, shown as they happen.
 
 Each user turn continues the same token stream the policy was trained on: the first turn is the training
-prompt (:func:`~rstar2jax.agent.prompts.render_prompt_ids`), later turns append the chat template's user
+prompt (:func:`~rstar2jax.data.conversation.render_prompt_ids`), later turns append the chat template's user
 turn (:func:`user_turn_text`) after the model's closed turn, and every assistant turn is a training rollout
 turn (:func:`~rstar2jax.agent.rollout.converse_async`: same tool-call parser, sandbox and tool-response
 format), observed live.
@@ -14,11 +14,10 @@ import dataclasses
 import sys
 from typing import TextIO
 
-from rstar2jax.agent.prompts import PromptConfig, render_prompt_ids
 from rstar2jax.agent.rollout import Conversation, RolloutConfig, ToolSandbox, converse_async
-from rstar2jax.agent.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallError
+from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat, render_prompt_ids
+from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallError
 from rstar2jax.engine import Engine
-from rstar2jax.models.tokenizer import encode_text, render_chat
 
 _PROBE_ASSISTANT = "\x00assistant-probe\x00"
 _PROBE_USER = "\x00user-probe\x00"

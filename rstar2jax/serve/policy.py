@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar2jax import models
-from rstar2jax.models.tokenizer import load_tokenizer
+from rstar2jax.data.tokenizer import load_tokenizer
 
 #: The run-config file a training run writes into its work folder (``rstar2jax.train.runner``).
 RUN_CONFIG_FILE = "run_config.json"

@@ -13,7 +13,7 @@ Conversation format: the messages (and ``tools``) are rendered by the model's ch
 assistant opener of the training prompt (``<reason>`` for rStar2-Agent policies) is appended, as in the
 rollouts the policy was trained on; the opener is the start of the returned content. With tools, generation
 stops after ``</tool_call>`` as in training, and the Hermes ``<tool_call>`` blocks are parsed with the
-training parser (:func:`~rstar2jax.agent.tool_parser.parse_function_calls`) into OpenAI ``tool_calls``; the
+training parser (:func:`~rstar2jax.data.tool_parser.parse_function_calls`) into OpenAI ``tool_calls``; the
 stream never shows part of a tag: text that could start ``<tool_call>`` or a stop string is held back until
 it is known not to.
 """
@@ -36,11 +36,10 @@ import numpy as np
 from aiohttp import web
 
 from rstar2jax import models
-from rstar2jax.agent.prompts import DEFAULT_ASSISTANT_OPENER
 from rstar2jax.agent.rollout import _gather_or_cancel as gather_or_cancel
-from rstar2jax.agent.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
+from rstar2jax.data.conversation import DEFAULT_ASSISTANT_OPENER, encode_text, render_chat
+from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session
-from rstar2jax.models.tokenizer import encode_text, render_chat
 from rstar2jax.serve.policy import Policy
 from rstar2jax.serve.protocol import ChatRequest, RequestError, error_body, parse_chat_request
 
@@ -257,7 +256,7 @@ class ChatService:
         stop_len = max(8, len(self.tool_call_end))
         self.engine_config = EngineConfig(
             num_slots=config.num_slots,
-            max_len=config.max_len,
+            max_len=-(-config.max_len // EngineConfig.page_size) * EngineConfig.page_size,
             max_stops=1,
             max_stop_len=stop_len,
             eos_token_ids=tuple(self.eos_ids),

@@ -1,16 +1,18 @@
-"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics, the staged recipe.
+"""SFT and RL steps, optimizer, mesh, orbax checkpoints, metrics, policy export and evaluation.
 
 Importing this package does not start JAX's backends, so launchers can still request emulated devices
 (``request_host_devices``) or join a multi-host run (``initialize_distributed``) afterwards.
 """
 
-from rstar2jax.train.batch import Batch, TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.data.sft_data import load_sft_sequences
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import (
     ConfigError,
     rl_config,
     sft_config,
     stage,
+    validate,
     validate_rl_config,
     validate_sft_config,
 )
@@ -23,16 +25,18 @@ from rstar2jax.train.rl import (
     select_and_build_batch,
 )
 from rstar2jax.train.runner import (
+    Interrupted,
+    RunPaths,
+    check_memory_plan,
     dry_run,
     format_dry_run,
-    launch_prologue,
     model_config_from,
     prepare_process,
+    request_stop,
     train_rl,
     train_sft,
 )
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, request_host_devices
-from rstar2jax.train.sft_data import load_sft_sequences
 from rstar2jax.train.state import (
     TrainState,
     init_train_state,
@@ -56,19 +60,21 @@ __all__ = [
     "Batch",
     "Checkpointer",
     "ConfigError",
+    "Interrupted",
     "MetricsLogger",
     "RLIterationConfig",
     "RLLossConfig",
+    "RunPaths",
     "TokenSequence",
     "TrainState",
     "accumulate_gradients",
     "build_batch",
+    "check_memory_plan",
     "dry_run",
     "filter_hard_problems",
     "format_dry_run",
     "init_train_state",
     "initialize_distributed",
-    "launch_prologue",
     "learning_rate_schedule",
     "load_sft_sequences",
     "make_optimizer",
@@ -78,6 +84,7 @@ __all__ = [
     "model_config_from",
     "prepare_process",
     "request_host_devices",
+    "request_stop",
     "reset_optimizer",
     "rl_config",
     "rl_iteration",
@@ -93,6 +100,7 @@ __all__ = [
     "train_rl",
     "train_sft",
     "trajectory_sequence",
+    "validate",
     "validate_rl_config",
     "validate_sft_config",
 ]

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
 from rstar2jax import algo
+from rstar2jax.data.problems import looks_local
 from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES, RLLossConfig
@@ -27,6 +30,7 @@ def _common() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.workdir = "runs/default"
+    c.notice = ""  # printed by the launchers at start (e.g. that the config is a smoke test)
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # HF checkpoint folder (config.json + safetensors): load_pretrained
     c.model.config_json = ""  # or an HF config.json: random init of that shape
@@ -52,7 +56,7 @@ def _common() -> ml_collections.ConfigDict:
     c.optimizer.max_grad_norm = 1.0
     c.num_microbatches = 1
     c.checkpoint = ml_collections.ConfigDict(dict(save_every=10, keep=3, async_save=True))
-    c.logging = ml_collections.ConfigDict(dict(tensorboard=True, progress=True))
+    c.logging = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, progress_every=10))
     # Multi-host: every process gets the same config plus its own process_id (see the README).
     c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=1, process_id=0))
     return c
@@ -68,11 +72,15 @@ def rl_config() -> ml_collections.ConfigDict:
             split="train",
             problem_field="",
             answer_field="",
+            solution_field="",
             id_field="",
-            integer_answers=True,
+            integer_only=False,
             limit=placeholder(int),
         )
     )
+    # What the policy sees around a problem (PromptConfig): the paper's prompt, or the fields below. SFT data
+    # written for this policy must use the same prompt (the demo copies its own prompt here).
+    c.prompt = ml_collections.ConfigDict(dict(paper=True, system_prompt="", user_prefix="", list_tools=True))
     c.loss = ml_collections.ConfigDict(
         dict(
             eps_low=0.2,
@@ -111,8 +119,15 @@ def rl_config() -> ml_collections.ConfigDict:
             sandbox_url="",
             sandbox_workers=2,
             engine_slots=64,
+            kv_cache_tokens=0,  # tokens the engine's KV pool holds; 0: engine_slots x the longest sequence
         )
     )
+    # Colocated rollout and training (rstar2jax.train.colocate): where the optimizer moments wait while the
+    # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend), and
+    # whether the engine's KV pool is freed while the trainer runs.
+    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto", release_kv_cache=True))
+    # Per-device memory for the start-up memory plan check; None: what the device reports (none on CPU).
+    c.device_memory_gib = placeholder(float)
     c.filter_batch_size = 64
     c.stages = []
     return c
@@ -156,6 +171,123 @@ def sft_config() -> ml_collections.ConfigDict:
     return c
 
 
+#: What each config field means (``--print_config`` lists them; a test keeps this complete). Stage fields are
+#: under ``stages.*``, inline model fields under ``model.spec.*``.
+FIELD_HELP = {
+    "seed": "seed of the initial weights, data order and sampling",
+    "notice": "a line the launchers print at start (e.g. that the config is only a smoke test)",
+    "workdir": "the run's folder: checkpoints/, metrics.jsonl, tensorboard/; a rerun resumes from it",
+    "tokenizer": "tokenizer folder (HF format, with its chat template); empty: pre-tokenised SFT data only",
+    "model.path": "HF checkpoint folder (config.json + safetensors) to start from",
+    "model.config_json": "or an HF config.json, or a preset name: random weights of that shape",
+    "model.spec": "or inline ModelConfig fields (model_type, hidden_size, ...): random weights",
+    "model.spec.*": "a ModelConfig field of the inline model",
+    "model.param_dtype": "dtype of the master weights and optimizer moments",
+    "model.compute_dtype": "dtype of activations and matmuls",
+    "model.remat_policy": "activation rematerialisation: none / full / ... (memory for compute)",
+    "model.scan_layers": "scan over stacked layers (faster compiles) instead of unrolling them",
+    "mesh.data": "data-parallel mesh axis size",
+    "mesh.fsdp": "fully-sharded data-parallel axis size (weights and optimizer sharded)",
+    "mesh.tensor": "tensor-parallel axis size (heads and MLP split); data x fsdp x tensor = devices",
+    "optimizer.learning_rate": "AdamW peak learning rate",
+    "optimizer.warmup_steps": "linear warm-up steps (-1 in SFT: sft.warmup_fraction of the run)",
+    "optimizer.schedule": "after warm-up: constant or cosine decay",
+    "optimizer.total_steps": "steps the schedule spans (None: the run's length)",
+    "optimizer.weight_decay": "AdamW decoupled weight decay",
+    "optimizer.b1": "AdamW beta1",
+    "optimizer.b2": "AdamW beta2",
+    "optimizer.eps": "AdamW epsilon",
+    "optimizer.max_grad_norm": "global gradient-norm clip (None: no clipping)",
+    "num_microbatches": "gradient accumulation: each step's batch in this many sequential micro-batches",
+    "checkpoint.save_every": "save a checkpoint every this many steps (and at the end, and on Ctrl-C)",
+    "checkpoint.keep": "how many of the latest checkpoints to keep",
+    "checkpoint.async_save": "write checkpoints in a background thread",
+    "logging.tensorboard": "also write TensorBoard events to <workdir>/tensorboard",
+    "logging.progress": "show progress (a bar on a terminal, else one line every progress_every steps)",
+    "logging.progress_every": "steps between progress lines when the output is not a terminal",
+    "distributed.coordinator_address": "multi-host: HOST:PORT of process 0 (empty: one process)",
+    "distributed.num_processes": "multi-host: number of processes (hosts)",
+    "distributed.process_id": "multi-host: this process's index, 0 .. num_processes - 1",
+    "data.source": "RL problems: a .jsonl/.json/.parquet file, a datasets folder or a hub name",
+    "data.split": "split to read from dataset dicts and hub datasets",
+    "data.problem_field": "column of the problem text (empty: problem / question / prompt)",
+    "data.answer_field": "column of the gold answer, dotted for nested (empty: answer / ... / "
+    "reward_model.ground_truth)",
+    "data.solution_field": "column of a worked solution whose last \\boxed{} is the answer (empty: solution)",
+    "data.id_field": "column of the problem id (empty: id / unique_id / ...; else the row index)",
+    "data.integer_only": "keep only problems with integer answers (rejected rows are counted and shown)",
+    "data.limit": "use at most this many problems (None: all)",
+    "prompt.paper": "the paper's prompt (system text, the tool schema listed); False: the fields below",
+    "prompt.system_prompt": "system text when prompt.paper is False",
+    "prompt.user_prefix": "text put before each problem when prompt.paper is False",
+    "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
+    "loss.eps_low": "PPO clip range below 1 (ratio >= 1 - eps_low)",
+    "loss.eps_high": "PPO clip range above 1 (clip-higher: ratio <= 1 + eps_high)",
+    "loss.dual_clip": "dual-clip bound c > 1 for negative advantages (None: off)",
+    "loss.agg": "loss aggregation: token_mean (paper) or per-sequence means",
+    "loss.entropy_coef": "entropy bonus coefficient (paper: 0)",
+    "loss.temperature": "sampling temperature the trainer divides logits by (match rollout.temperature)",
+    "loss.old_logprobs": "pi_old from the sampler's log-probs or recomputed by the trainer",
+    "rl.prompts_per_step": "problems per RL step",
+    "rl.samples_per_problem": "rollouts sampled per problem (2G)",
+    "rl.keep": "rollouts kept per problem by Resample-on-Correct (G)",
+    "rl.roc_mode": "RoC down-sampling: paper (fewest tool errors among correct) or uniform (plain GRPO)",
+    "rl.min_negatives": "RoC keeps at least this many incorrect rollouts when available",
+    "rl.min_positives": "RoC keeps at least this many correct rollouts when available",
+    "rl.reject_equal_reward": "drop groups whose kept rollouts all have the same reward",
+    "rl.roc_eps": "tie-breaking epsilon of the RoC penalty ordering",
+    "rl.estimator": "advantage estimator (grpo: group-normalised reward)",
+    "rl.std": "group std: unbiased (Bessel) or biased",
+    "rl.advantage_eps": "added to the group std before dividing",
+    "batch.max_prompt_length": "longest prompt in tokens (longer problems are rejected)",
+    "batch.pack": "pack several trajectories per row; False: one per row (worst case must fit)",
+    "rollout.temperature": "sampling temperature of rollouts",
+    "rollout.top_p": "nucleus sampling (1: off)",
+    "rollout.top_k": "top-k sampling (0: off)",
+    "rollout.max_tool_calls_per_turn": "tool calls run per assistant turn",
+    "rollout.tool_timeout": "seconds a tool call may run",
+    "rollout.tool_output_chars": "tool output kept per call (characters)",
+    "rollout.sandbox_url": "code sandbox URL (empty: start a local one for the run)",
+    "rollout.sandbox_workers": "workers of the local sandbox",
+    "rollout.engine_slots": "concurrent sequences in the generation engine",
+    "rollout.kv_cache_tokens": "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
+    "colocate.optimizer_memory": "where optimizer moments wait during rollout: auto / host (pinned) / device",
+    "colocate.release_kv_cache": "free the engine's KV page pool while the trainer runs",
+    "device_memory_gib": "per-device memory the plan is checked against (None: what the device reports)",
+    "filter_batch_size": "problems per batch of the hard-problem filter's rollouts",
+    "stages": "the RL stages, run in order",
+    "stages.name": "stage name (in logs and checkpoints)",
+    "stages.steps": "RL steps of the stage",
+    "stages.max_response_length": "response budget in tokens (all turns and tool outputs)",
+    "stages.max_turns": "assistant turns per rollout",
+    "stages.dataset": "the stage's problems (empty: the previous stage's, the first: data.source)",
+    "stages.hard_filter_rollouts": "k > 0: at the stage start drop problems the policy solves k/k",
+    "stages.reset_optimizer": "fresh optimizer moments and schedule at the stage start",
+    "sft.data": "SFT data: JSONL of chats (messages, tools) or pre-tokenised input_ids + loss_mask",
+    "sft.epochs": "passes over the SFT data",
+    "sft.batch_size": "SFT examples per step (packed into rows of sft.seq_len)",
+    "sft.seq_len": "packed row length in tokens",
+    "sft.warmup_fraction": "warm-up share of the run when optimizer.warmup_steps is -1",
+    "sft.steps": "SFT steps (None: epochs x examples / batch_size)",
+}
+
+
+def field_help(path: str, extra: dict[str, str] | None = None) -> str | None:
+    """The meaning of config field ``path`` (``stages[2].steps`` reads ``stages.steps``), looked up in
+    ``extra`` first, then in ``FIELD_HELP`` with leading components dropped until one matches (a demo
+    config's ``rl.rl.keep`` is ``rl.keep``); ``a.*`` entries cover every field under ``a``. None when no
+    table knows it."""
+    parts = re.sub(r"\[\d+\]", "", path).split(".")
+    for table, starts in ((extra or {}, 1), (FIELD_HELP, len(parts))):
+        for start in range(starts):
+            if (name := ".".join(parts[start:])) in table:
+                return table[name]
+            for end in range(len(parts) - 1, start, -1):  # "model.spec.*" covers model.spec.hidden_size
+                if (group := ".".join(parts[start:end]) + ".*") in table:
+                    return table[group]
+    return None
+
+
 class ConfigError(ValueError):
     """An invalid config field; the message starts with the field's full name."""
 
@@ -192,7 +324,7 @@ def _one_of(config, path, options):
     return _check(config, path, lambda v: v in options, f"must be one of {tuple(options)}")
 
 
-def _validate_common(config, *, warmup_may_be_auto: bool = False) -> None:
+def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: bool = True) -> None:
     _check(config, "seed", _is_int, "must be an integer")
     _check(config, "workdir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
     sources = [name for name in ("path", "config_json") if _field(config, f"model.{name}")]
@@ -201,8 +333,10 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False) -> None:
         raise ConfigError(
             f"config.model: set exactly one of path / config_json / spec, got {sources or 'none'}"
         )
-    for name in ("path", "config_json"):
+    for name in ("path", "config_json") if check_paths else ():
         _check(config, f"model.{name}", lambda v: not v or os.path.exists(v), "does not exist")
+    if check_paths:
+        _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
@@ -219,6 +353,7 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False) -> None:
     _positive_int(config, "num_microbatches")
     _positive_int(config, "checkpoint.save_every")
     _positive_int(config, "checkpoint.keep")
+    _positive_int(config, "logging.progress_every")
     _positive_int(config, "distributed.num_processes")
     _check(
         config,
@@ -233,10 +368,10 @@ def row_multiple(config) -> int:
     return config.num_microbatches * config.mesh.data * config.mesh.fsdp
 
 
-def validate_rl_config(config) -> None:
-    """Raises ``ConfigError`` naming the first invalid field; runs before any model is built."""
-    _validate_common(config)
-    _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
+def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = True) -> None:
+    """Raises ``ConfigError`` naming the first invalid field; runs before any model is built
+    (``check_data=False``: dry runs need no problem set; ``check_paths=False``: no file need exist yet)."""
+    _validate_common(config, check_paths=check_paths)
     _one_of(config, "loss.agg", algo.AGG_MODES)
     _check(config, "loss.eps_low", lambda v: 0 < v < 1, "must be in (0, 1)")
     _check(config, "loss.eps_high", lambda v: v > 0, "must be positive")
@@ -281,7 +416,17 @@ def validate_rl_config(config) -> None:
             )
     if not config.data.source and not config.stages[0].dataset:
         raise ConfigError("config.data.source is empty and config.stages[0].dataset names no dataset")
+    if check_data and check_paths:  # a local problem file that is not there fails now, not at its stage
+        missing = "does not exist (a local path; hub dataset names are 'name' or 'org/name')"
+        _check(config, "data.source", lambda v: not v or os.path.exists(v) or not looks_local(v), missing)
+        for i, s in enumerate(config.stages):
+            if s.dataset and not os.path.exists(s.dataset) and looks_local(s.dataset):
+                raise ConfigError(f"config.stages[{i}].dataset={s.dataset!r}: {missing}")
     _positive_int(config, "filter_batch_size")
+    _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
+    _check(config, "colocate.release_kv_cache", lambda v: isinstance(v, bool), "must be True or False")
+    _check(config, "device_memory_gib", lambda v: v is None or v > 0, "must be positive or None")
 
 
 def _check_stage_int(config, index: int, name: str) -> None:
@@ -290,17 +435,46 @@ def _check_stage_int(config, index: int, name: str) -> None:
         raise ConfigError(f"config.stages[{index}].{name}={value!r}: must be a positive integer")
 
 
-def validate_sft_config(config, *, check_data: bool = True) -> None:
-    """Raises ``ConfigError`` naming the first invalid field (``check_data=False``: dry runs need no data)."""
-    _validate_common(config, warmup_may_be_auto=True)
-    if check_data:
+def validate_sft_config(config, *, check_data: bool = True, check_paths: bool = True) -> None:
+    """Raises ``ConfigError`` naming the first invalid field (``check_data=False``: dry runs need no data;
+    ``check_paths=False``: neither data nor the model and tokenizer folders need to exist yet)."""
+    _validate_common(config, warmup_may_be_auto=True, check_paths=check_paths)
+    if check_data and check_paths:
         _check(config, "sft.data", lambda v: isinstance(v, str) and os.path.exists(v), "does not exist")
-    _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
     _positive_int(config, "sft.epochs")
     _positive_int(config, "sft.batch_size")
     _positive_int(config, "sft.seq_len")
     _check(config, "sft.warmup_fraction", lambda v: 0 <= v < 1, "must be in [0, 1)")
     _check(config, "sft.steps", lambda v: v is None or (_is_int(v) and v > 0), "must be None or positive")
+
+
+#: Configs ``validate`` accepted, by content, with how much of them was checked: a run's config is checked
+#: once, however many entry points (launcher, ``train_rl`` / ``train_sft``, ``dry_run``) it passes through.
+_ACCEPTED: dict[tuple[str, str], tuple[bool, bool]] = {}
+KINDS = ("rl", "sft")
+
+
+def validate(config, kind: str, *, check_data: bool = True, check_paths: bool = True) -> None:
+    """The one config check of a run: raises ``ConfigError`` naming the first invalid field, its value and
+    what is allowed, before any compute. ``kind`` is "rl" or "sft"; ``check_data=False`` (dry runs) skips
+    the existence of SFT data, ``check_paths=False`` also that of the model and tokenizer folders (a recipe
+    checking a later phase's config before an earlier phase writes them). A config whose content passed an
+    equal or stricter check before is not checked again, so launchers and the library entry points they
+    call share one check."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
+    key = (kind, config.to_json_best_effort(sort_keys=True))
+    wanted = (check_paths, check_data and check_paths)
+    done = _ACCEPTED.get(key)
+    if done is not None and all(d >= w for d, w in zip(done, wanted, strict=True)):
+        return
+    if kind == "rl":
+        validate_rl_config(config, check_data=check_data, check_paths=check_paths)
+    else:
+        validate_sft_config(config, check_data=check_data, check_paths=check_paths)
+    if len(_ACCEPTED) > 64:
+        _ACCEPTED.clear()
+    _ACCEPTED[key] = tuple(max(d, w) for d, w in zip(done or (False, False), wanted, strict=True))
 
 
 def _schedule_options(config, total_steps: int | None) -> dict[str, Any]:

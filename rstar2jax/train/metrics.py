@@ -12,6 +12,10 @@ from typing import Any
 
 import numpy as np
 
+#: A run's metrics file and TensorBoard folder, inside its work folder.
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
 
 def to_python(metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """Scalars (NumPy / JAX / Python) as plain ints and floats, ready for JSON."""
@@ -50,14 +54,14 @@ class MetricsLogger:
             return
         workdir = pathlib.Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        self.path = workdir / "metrics.jsonl"
+        self.path = workdir / METRICS_FILE
         with self.path.open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(h) + "\n" for h in self.history)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             next_step = self.history[-1]["step"] + 1 if self.history else 0
-            self._writer = SummaryWriter(str(workdir / "tensorboard"), purge_step=next_step)
+            self._writer = SummaryWriter(str(workdir / TENSORBOARD_DIR), purge_step=next_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Records ``metrics`` (scalars) of ``step``; returns the record (with ``step``) as stored."""

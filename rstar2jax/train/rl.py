@@ -24,9 +24,10 @@ import jax
 import numpy as np
 
 from rstar2jax import algo
+from rstar2jax.data.batch import Batch, build_batch, trajectory_sequence
 from rstar2jax.data.problems import Problem
-from rstar2jax.eval.evaluate import tool_error_ratios
-from rstar2jax.train.batch import Batch, build_batch, trajectory_sequence
+from rstar2jax.data.trajectory import tool_error_ratios
+from rstar2jax.train import colocate
 from rstar2jax.train.state import TrainState
 
 RolloutFn = Callable[..., list["Trajectory"]]
@@ -34,7 +35,7 @@ RolloutFn = Callable[..., list["Trajectory"]]
 RewardFn = Callable[[Problem, "Trajectory"], float]
 
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
-    from rstar2jax.agent.trajectory import Trajectory
+    from rstar2jax.data.trajectory import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +335,9 @@ def rl_iteration(
     batch, select_metrics = select_and_build_batch(roc_key, groups, config, num_rows)
     metrics.update(select_metrics)
     update_start = time.perf_counter()
-    state, step_metrics = rl_step(state.replace(rng=rng), put_batch(batch, batch_sharding))
+    # Optimizer state a colocated run parked in host memory during rollout comes back for the update.
+    state = colocate.to_device(state.replace(rng=rng))
+    state, step_metrics = rl_step(state, put_batch(batch, batch_sharding))
     step_metrics = jax.device_get(step_metrics)
     end = time.perf_counter()
 

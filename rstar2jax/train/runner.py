@@ -7,13 +7,12 @@ killed at any moment and restarted continues with exactly the metrics an uninter
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 import pathlib
-import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -23,14 +22,16 @@ import optax
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.data.batch import Batch, build_batch
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
+from rstar2jax.data.sft_data import load_sft_sequences
+from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
-from rstar2jax.train.batch import Batch, build_batch
+from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.checkpoint import Checkpointer
-from rstar2jax.train.metrics import MetricsLogger
+from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.rl import RewardFn, RolloutFn, filter_hard_problems, put_batch, rl_iteration
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, mesh_size, request_host_devices
-from rstar2jax.train.sft_data import load_sft_sequences
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
 
@@ -63,6 +64,49 @@ def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
         )
         return params
     return models.init_params(model_config, jax.random.PRNGKey(config.seed), mesh=mesh)
+
+
+#: Checkpoint step folders go to ``<workdir>/CHECKPOINT_DIR``.
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """Where a run under ``workdir`` writes: checkpoints, the metrics JSONL and TensorBoard events."""
+
+    workdir: pathlib.Path
+    checkpoints: pathlib.Path
+    metrics: pathlib.Path
+    tensorboard: pathlib.Path
+
+    @classmethod
+    def of(cls, workdir: str | pathlib.Path) -> RunPaths:
+        w = pathlib.Path(workdir).resolve()
+        return cls(w, w / CHECKPOINT_DIR, w / METRICS_FILE, w / TENSORBOARD_DIR)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop asked for with ``request_stop`` (a launcher's Ctrl-C): the loop finished its step, saved a
+    checkpoint at ``step`` in ``checkpoints`` and stopped; re-running the same config resumes there."""
+
+    def __init__(self, step: int, checkpoints: pathlib.Path):
+        super().__init__(f"stopped at step {step}; checkpoint saved in {checkpoints}")
+        self.step = step
+        self.checkpoints = checkpoints
+
+
+_STOP = threading.Event()
+_RUNNING = threading.Event()
+
+
+def request_stop() -> bool:
+    """Asks the running ``train_rl`` / ``train_sft`` loop to stop after its current step: it saves a
+    checkpoint and raises ``Interrupted``. Returns False (and asks nothing) when no loop is running. Safe to
+    call from a signal handler."""
+    if not _RUNNING.is_set():
+        return False
+    _STOP.set()
+    return True
 
 
 def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) -> TrainState:
@@ -104,10 +148,28 @@ class Run:
     checkpointer: Checkpointer
     logger: MetricsLogger
     is_main: bool
+    _closed: bool = False
 
     @property
     def step(self) -> int:
         return len(self.meta["history"])
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the run continues from a checkpoint (announced by the loops)."""
+        return self.step > 0
+
+    def accept_stop_requests(self) -> None:
+        """From now until ``close``, ``request_stop`` stops this run after its current step."""
+        _STOP.clear()  # a stop asked for before the loop started is not this run's
+        _RUNNING.set()
+
+    def stop_if_requested(self) -> None:
+        """After a step: when ``request_stop`` was called, save a checkpoint now and raise ``Interrupted``."""
+        if _STOP.is_set():
+            _STOP.clear()
+            self.close()
+            raise Interrupted(self.step, self.workdir / CHECKPOINT_DIR)
 
     def record(self, metrics: dict, **meta_updates) -> dict:
         """Logs one step's metrics (plus the learning rate it used), updates the resume record and saves a
@@ -127,7 +189,11 @@ class Run:
         self.meta["optimizer_steps"] = 0
 
     def close(self) -> None:
-        """Final save (unless the state was lost mid-step) and flush."""
+        """Final save (unless the state was lost mid-step) and flush; closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        _RUNNING.clear()
         if not any(x.is_deleted() for x in jax.tree.leaves(self.state)):
             self.checkpointer.save(self.step, self.state, self.meta, force=True)
         self.checkpointer.close()
@@ -141,7 +207,7 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     model_config = model_config_from(config)
     shardings = state_shardings(model_config, optimizer, mesh)
     checkpointer = Checkpointer(
-        workdir / "checkpoints",
+        workdir / CHECKPOINT_DIR,
         save_every=config.checkpoint.save_every,
         keep=config.checkpoint.keep,
         async_save=config.checkpoint.async_save,
@@ -176,18 +242,47 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     )
 
 
-def _progress(run: Run, total: int, description: str):
-    if not (run.config.logging.progress and run.is_main):
-        return contextlib.nullcontext(None)
-    from tqdm.auto import tqdm
+class Progress:
+    """Step progress of the main process: a tqdm bar on a terminal; elsewhere (a log file, a pipe) one short
+    line every ``config.logging.progress_every`` steps and at the last step, never a bar's carriage returns.
 
-    return tqdm(total=total, initial=run.step, desc=description, dynamic_ncols=True)
+    Lines read ``rl step 12/20 (stage 'stage1' 2/10): reward 0.5, accuracy 0.5, 3.2 s/step``.
+    """
 
+    def __init__(self, run: Run, total: int, description: str, keys: tuple[str, ...]):
+        self.total, self.description, self.keys = total, description, keys
+        self.every = run.config.logging.progress_every
+        self.enabled = bool(run.config.logging.progress and run.is_main)
+        self.bar = None
+        self.last_time, self.last_step = time.perf_counter(), run.step
+        if self.enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm
 
-def _show(bar, record: dict, keys: tuple[str, ...]) -> None:
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix({k: f"{record[k]:.4g}" for k in keys if k in record})
+            self.bar = tqdm(total=total, initial=run.step, desc=description, dynamic_ncols=True)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, record: dict, where: str = "") -> None:
+        shown = {k: record[k] for k in self.keys if k in record}
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
+            return
+        step = record["step"]
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        now = time.perf_counter()
+        seconds = (now - self.last_time) / max(step - self.last_step, 1)
+        self.last_time, self.last_step = now, step
+        values = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+        where = f" ({where})" if where else ""
+        line = f"{self.description} step {step}/{self.total}{where}: {values}, {seconds:.3g} s/step"
+        print(line, flush=True)
 
 
 def _stage_problems(config, index: int, previous: list[Problem] | None) -> tuple[list[Problem], dict]:
@@ -201,8 +296,9 @@ def _stage_problems(config, index: int, previous: list[Problem] | None) -> tuple
         split=d.split,
         problem_field=d.problem_field or None,
         answer_field=d.answer_field or None,
+        solution_field=d.solution_field or None,
         id_field=d.id_field or None,
-        integer_answers=d.integer_answers,
+        integer_only=d.integer_only,
         limit=d.limit,
     )
     if not loaded.problems:
@@ -220,7 +316,7 @@ def train_rl(
     ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.rl``); ``max_steps`` stops early after
     that many steps in total (for demos and tests).
     """
-    config_lib.validate_rl_config(config)
+    config_lib.validate(config, "rl")
     optimizer = config_lib.build_optimizer(config)
     run = start_run(
         config,
@@ -242,9 +338,20 @@ def train_rl(
         if max_steps is None
         else min(max_steps, sum(s.steps for s in config.stages))
     )
+    if run.resumed and run.is_main:
+        stage_index = min(run.meta["stage"], len(config.stages) - 1)
+        print(
+            f"resuming RL from the checkpoint at step {run.step} in {run.workdir / CHECKPOINT_DIR}: stage "
+            f"{run.meta['stage'] + 1}/{len(config.stages)} {config.stages[stage_index].name!r}, "
+            f"step {run.meta['stage_step']} of {config.stages[stage_index].steps}",
+            flush=True,
+        )
     dataset = None
-    with _progress(run, total, "rl") as bar:
+    offload = colocate.resolve_offload(config.colocate.optimizer_memory)
+    keys = ("reward", "accuracy", "response_length", "grad_norm")
+    with Progress(run, total, "rl", keys) as progress:
         try:
+            run.accept_stop_requests()
             for index in range(len(config.stages)):
                 dataset, data_metrics = _stage_problems(config, index, dataset)
                 if index < run.meta["stage"]:
@@ -262,6 +369,8 @@ def train_rl(
                 iteration = config_lib.build_iteration_config(config, s.max_response_length)
                 num_rows = None if config.batch.pack else config.rl.prompts_per_step * config.rl.keep
                 while run.meta["stage_step"] < s.steps and run.step < total:
+                    if offload:  # the moments wait in host memory while the engine runs
+                        run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
                     run.state, metrics = rl_iteration(
                         run.state,
                         next(iterator),
@@ -279,7 +388,8 @@ def train_rl(
                         stage_step=run.meta["stage_step"] + 1,
                         position=iterator.position,
                     )
-                    _show(bar, record, ("reward", "accuracy", "response_length", "grad_norm"))
+                    progress.update(record, f"stage {s.name!r} {run.meta['stage_step']}/{s.steps}")
+                    run.stop_if_requested()
                 if run.step >= total:
                     break
                 run.meta.update(stage=index + 1, stage_step=0, position=0, problem_ids=None)
@@ -314,8 +424,8 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
 
 def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
     """Runs (or resumes) SFT on ``config.sft.data``; returns the metrics history."""
-    config_lib.validate_sft_config(config)
-    from rstar2jax.models.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
+    config_lib.validate(config, "sft")
+    from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
     sequences, skipped = load_sft_sequences(config.sft.data, tokenizer)
@@ -337,9 +447,16 @@ def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
     iterator = ProblemIterator(
         sequences, config.sft.batch_size, seed=config.seed, position=run.meta["position"]
     )
+    if run.resumed and run.is_main:
+        print(
+            f"resuming SFT from the checkpoint at step {run.step} of {total} in "
+            f"{run.workdir / CHECKPOINT_DIR} (epoch {iterator.position / len(sequences):.2f})",
+            flush=True,
+        )
     sharding = batch_sharding(run.mesh)
-    with _progress(run, total, "sft") as bar:
+    with Progress(run, total, "sft", ("loss", "grad_norm")) as progress:
         try:
+            run.accept_stop_requests()
             while run.step < total:
                 start = time.perf_counter()
                 batch = build_batch(
@@ -358,7 +475,8 @@ def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
                     },
                     position=iterator.position,
                 )
-                _show(bar, record, ("loss", "grad_norm"))
+                progress.update(record, f"epoch {record['epoch']:.2f}")
+                run.stop_if_requested()
         finally:
             run.close()
     return run.logger.history
@@ -388,17 +506,14 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
 
     RL plans for the worst case: every kept trajectory at full length on its own row.
     """
+    config_lib.validate(config, kind, check_data=False)
     if kind == "rl":
-        config_lib.validate_rl_config(config)
         optimizer = config_lib.build_optimizer(config)
         rows = config.rl.prompts_per_step * config.rl.keep
         seq_len = config.batch.max_prompt_length + max(s.max_response_length for s in config.stages) - 1
-    elif kind == "sft":
-        config_lib.validate_sft_config(config, check_data=False)
+    else:
         optimizer = config_lib.build_optimizer(config, total_steps=config.sft.steps or 1000)
         rows, seq_len = config.sft.batch_size, config.sft.seq_len
-    else:
-        raise ValueError(f"kind={kind!r}; expected 'rl' or 'sft'")
     multiple = config_lib.row_multiple(config)
     rows = -(-rows // multiple) * multiple
     mesh = mesh_from_config(config, allow_emulated=True)
@@ -446,6 +561,8 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         num_params=num_params,
         compile_seconds=time.perf_counter() - start,
     )
+    if kind == "rl":
+        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report)
     return report
 
 
@@ -469,32 +586,26 @@ def format_dry_run(report: dict[str, Any]) -> str:
         lines.append(
             f"  {key.removesuffix('_in_bytes').removesuffix('_bytes'):<24} {report[key] / gib:10.3f} GiB"
         )
+    if "memory_plan" in report:
+        lines.append(memory_plan_lib.format_plan(report["memory_plan"]))
     return "\n".join(lines)
 
 
-def launch_prologue(config, *, kind: str, dry_run_only: bool, print_config: bool) -> bool:
-    """What both launchers do before training: print the config (``print_config``), or validate it before
-    any compute, set up this process's devices, and compile-and-report (``dry_run_only``). Returns True when
-    the caller should go on to train. Also lowers absl logging to WARNING unless ``--verbosity`` was given
-    (orbax logs every checkpoint file at INFO) and turns SIGTERM into a normal exit, so the final checkpoint
-    is written when a scheduler preempts the job."""
-    from absl import flags, logging
-
-    if print_config:
-        print(config)
-        return False
-    if "verbosity" not in flags.FLAGS or not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    if kind == "rl":
-        config_lib.validate_rl_config(config)
-    else:
-        config_lib.validate_sft_config(config, check_data=not dry_run_only)
-    prepare_process(config)
-    if dry_run_only:
-        print(format_dry_run(dry_run(config, kind=kind)), flush=True)
-        return False
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return True
+def check_memory_plan(config, *, kind: str, report: dict[str, Any] | None = None) -> None:
+    """RL runs: write the per-device memory plan (``memory_plan.json`` in the work folder) and raise
+    ``MemoryPlanError`` with its table when it exceeds a known device memory. Without a dry-run ``report`` (a
+    real run) the plan is compiled only when the device memory is known (an accelerator, or
+    ``config.device_memory_gib``): fail at start-up rather than out of memory mid-run. The extra compile of
+    the step is served by XLA's compilation cache when the run compiles the same step."""
+    if kind != "rl":
+        return
+    if report is None:
+        if memory_plan_lib.device_memory_gib(config) is None:
+            return
+        report = dry_run(config, kind=kind)
+    path = memory_plan_lib.write_plan(report["memory_plan"], config.workdir)
+    print(f"memory plan: {path}", flush=True)
+    memory_plan_lib.check_plan(report["memory_plan"])
 
 
 def prepare_process(config) -> None:

@@ -21,9 +21,14 @@ _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 def request_host_devices(count: int) -> None:
     """Makes XLA's CPU backend expose at least ``count`` devices (emulated on one host).
 
-    Only the CPU backend is affected: on a GPU/TPU host the accelerator stays the default backend. Must run
-    before JAX's first device query (``mesh_from_config`` reports a shortfall if it ran too late).
+    Only the CPU backend is affected: on a GPU/TPU host the accelerator stays the default backend. When
+    ``count > 1`` and ``JAX_PLATFORMS`` names only accelerators (``cuda``, ``rocm``), ``cpu`` is appended to
+    it so that the emulated devices exist; the first platform named stays the default. Must run before
+    JAX's first device query (``mesh_from_config`` reports a shortfall if it ran too late).
     """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if count > 1 and platforms and "cpu" not in platforms.split(","):
+        os.environ["JAX_PLATFORMS"] = f"{platforms},cpu"
     flags = os.environ.get("XLA_FLAGS", "")
     match = _DEVICE_COUNT_FLAG.search(flags)
     if match and int(match.group(1)) >= count:

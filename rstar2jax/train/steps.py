@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2jax import algo, models
-from rstar2jax.train.batch import Batch
+from rstar2jax.data.batch import Batch
 from rstar2jax.train.state import TrainState
 
 OLD_LOGPROB_SOURCES = ("sampler", "recompute")

@@ -23,9 +23,10 @@ from rstar2jax.agent import (
     tool_outcome,
     tool_response_ids,
 )
+from rstar2jax.data.conversation import encode_text
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 from rstar2jax.engine import SamplingParams, Segment
-from rstar2jax.models.tokenizer import encode_text, train_tiny_tokenizer
 from rstar2jax.reward import AnswerVerifier
 
 PROBLEM = Problem(id="p0", problem="What is 2 to the power 10?", answer="1024")

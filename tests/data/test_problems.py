@@ -1,4 +1,5 @@
-"""Problem loading (skips counted by reason) and the resumable problem iterator."""
+"""Problem loading (every source and row format; rejections counted by reason and shown) and the resumable
+problem iterator."""
 
 import json
 
@@ -36,9 +37,11 @@ def test_jsonl_skips_and_counts(tmp_path):
 
 def test_integer_only_and_limit(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", ROWS)
-    loaded = load_problems(path, integer_answers=True)
+    loaded = load_problems(path, integer_only=True)
     assert [p.answer for p in loaded.problems] == ["2", "7", "1,000"]
     assert loaded.skipped["non-integer answer"] == 1
+    assert "p.jsonl: kept 3 rows, rejected 6 (3 missing answer, " in loaded.report()
+    assert "1 non-integer answer" in loaded.report()
     assert [p.id for p in load_problems(path, limit=2).problems] == ["a", "b"]
 
 
@@ -59,7 +62,7 @@ def test_named_fields_json_and_datasets_folder(tmp_path):
 
 
 def test_real_shared_sets(shared_dir):
-    aime = load_problems(shared_dir / "data" / "aime24.jsonl", integer_answers=True)
+    aime = load_problems(shared_dir / "data" / "aime24.jsonl", integer_only=True)
     assert len(aime) == 30 and aime.num_skipped == 0
     math500 = load_problems(shared_dir / "data" / "math500.jsonl")
     assert len(math500) == 500 and math500.problems[0].metadata["level"] == 2
@@ -74,6 +77,103 @@ def test_bad_input_errors(tmp_path):
         load_problems(_write_jsonl(tmp_path / "p.txt", ROWS))
     with pytest.raises(ValueError, match="mapping"):
         load_problems([["not", "a", "dict"]])
+
+
+def test_math_style_answer_from_last_boxed_solution(tmp_path, capsys):
+    rows = [
+        {
+            "problem": "p1",
+            "solution": "So $x=\\boxed{3}$, not \\boxed{4}? No: \\boxed{\\frac{1}{2}}.",
+            "level": 5,
+        },
+        {"problem": "p2", "solution": "no box here"},
+        {"problem": "p3", "solution": "\\boxed{7}", "answer": "8"},  # an answer field wins over the solution
+    ]
+    loaded = load_problems(_write_jsonl(tmp_path / "math.jsonl", rows))
+    assert [(p.problem, p.answer) for p in loaded.problems] == [("p1", "\\frac{1}{2}"), ("p3", "8")]
+    assert loaded.problems[0].metadata == {"solution": rows[0]["solution"], "level": 5}
+    assert dict(loaded.skipped) == {"no \\boxed{} in solution": 1}
+    assert loaded.examples == [(1, "no \\boxed{} in solution", json.dumps(rows[1]))]
+    err = capsys.readouterr().err
+    assert "math.jsonl: kept 2 rows, rejected 1 (1 no \\boxed{} in solution)" in err
+    assert 'row 1 (no \\boxed{} in solution): {"problem": "p2"' in err
+    named = load_problems(
+        [{"q": "x", "worked": "\\boxed{9}"}], problem_field="q", solution_field="worked", report=False
+    )
+    assert named.problems[0].answer == "9"
+
+
+def test_verl_dapo_rows_and_datasets_objects(capsys):
+    rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "What is 6*7?"},
+            ],
+            "reward_model": {"ground_truth": "42", "style": "rule"},
+            "extra_info": {"index": "dapo-0"},
+        },
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "system", "content": "no user turn"}],
+            "reward_model": {"ground_truth": "1", "style": "rule"},
+            "extra_info": {"index": "dapo-1"},
+        },
+    ]
+    expected = [
+        Problem(id="dapo-0", problem="What is 6*7?", answer="42", metadata={"data_source": "math_dapo"})
+    ]
+    loaded = load_problems(rows, report=False)
+    assert loaded.problems == expected and dict(loaded.skipped) == {"missing problem": 1}
+    assert capsys.readouterr().err == ""
+    dataset = datasets.Dataset.from_list(rows)
+    assert load_problems(dataset, report=False).problems == expected
+    splits = datasets.DatasetDict(train=dataset, test=dataset.select([0]))
+    assert load_problems(splits, split="test").problems == expected
+    with pytest.raises(ValueError, match=r"no split 'validation' \(splits: \['test', 'train'\]\)"):
+        load_problems(splits, split="validation")
+    renamed = load_problems(
+        [{"body": "b", "meta": {"gold": 5}}], problem_field="body", answer_field="meta.gold"
+    )
+    assert [(p.id, p.problem, p.answer) for p in renamed.problems] == [("0", "b", "5")]
+
+
+def test_missing_local_path_fails_without_the_hub(tmp_path, monkeypatch):
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the hub was asked for {args}")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for missing in (
+        "nope.jsonl",
+        "data/rl.parquet",
+        "data/rl_set",
+        "./rl_set",
+        str(tmp_path / "x" / "y"),
+        "a/b/c",
+    ):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            load_problems(missing)
+
+
+def test_hub_names_go_to_the_hub(monkeypatch):
+    calls = []
+
+    def fake_hub(name, split):
+        calls.append((name, split))
+        if name == "org/broken":
+            raise ConnectionError("offline\nmore detail")
+        return [{"problem": "hub?", "answer": "1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    assert load_problems("org/math_set", split="test").problems[0].problem == "hub?"
+    assert calls == [("org/math_set", "test")]
+    with pytest.raises(
+        FileNotFoundError, match=r"'org/broken' is not a local file or folder.*ConnectionError: offline\)$"
+    ):
+        load_problems("org/broken")
 
 
 def test_iterator_covers_epochs_and_resumes():

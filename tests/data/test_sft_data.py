@@ -10,21 +10,18 @@ import sys
 
 import pytest
 
-from rstar2jax.agent.prompts import PromptConfig, format_tool_result, render_prompt_text, tool_response_text
-from rstar2jax.data.sft_data import (
-    BUG_KINDS,
-    SFTExample,
-    build_sft_examples,
-    inject_bug,
-    tokenize_conversation,
-)
-from rstar2jax.data.synthetic import make_task
-from rstar2jax.models.tokenizer import (
+from rstar2jax.data.conversation import (
     CHATML_TOOLS_TEMPLATE,
-    load_tokenizer,
+    PromptConfig,
+    format_tool_result,
     render_chat,
-    train_tiny_tokenizer,
+    render_prompt_text,
+    tokenize_conversation,
+    tool_response_text,
 )
+from rstar2jax.data.sft_data import BUG_KINDS, SFTExample, build_sft_examples, inject_bug
+from rstar2jax.data.synthetic import make_task
+from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
 
 CFG = PromptConfig()
 FORMAT = functools.partial(format_tool_result, max_chars=1000)

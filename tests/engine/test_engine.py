@@ -21,6 +21,7 @@ from rstar2jax.engine import (
     generate,
     init_state,
     resume,
+    set_pages,
 )
 from rstar2jax.models import ModelConfig, forward, init_params, layers_are_unstacked, unstack_layers
 from tests.engine.conftest import ENGINE_CONFIG
@@ -107,6 +108,10 @@ def test_append_with_sampling_equals_decode_sampling(tiny_qwen3):
 
     def run(sample_in_append: bool):
         state = init_state(tiny_qwen3.config, 4, 64, eos_token_ids=())  # the shapes of ENGINE_CONFIG
+        rows = np.zeros((4, 4), np.int32)
+        rows[0] = [1, 2, 3, 4]  # pages for all 64 tokens of slot 0
+        no_copy = np.full((4,), state.num_pages, np.int32)
+        state = set_pages(state, slots, rows, no_copy, no_copy)
         state = admit(
             state,
             slots,
@@ -313,17 +318,33 @@ def test_no_recompilation_after_warmup(tiny_qwen3):
 
 
 @pytest.mark.parametrize("unstacked", [True, False])
-def test_decode_updates_the_cache_in_place(unstacked):
-    """The decode loop writes the donated KV cache in place: its compiled program needs no scratch memory as
-    large as the cache's keys (a per-step copy of the cache would; one layer's slice, read for attention,
-    is 2/num_layers of it)."""
+def test_decode_updates_the_pages_in_place(unstacked):
+    """The decode loop writes the donated page pool in place and reads only gathered blocks of it: its
+    compiled program needs scratch memory under half the pool (a per-step copy of the pool would need all
+    of it)."""
     config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
                          num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     if unstacked:
         params = jax.eval_shape(unstack_layers, params)
-    state = jax.eval_shape(lambda: init_state(config, num_slots=8, max_len=512))
+    state = jax.eval_shape(lambda: init_state(config, num_slots=8, max_len=512, attention="jnp"))
     memory = decode.lower(state, params, 4).compile().memory_analysis()
-    cache_bytes = state.cache.k.size * state.cache.k.dtype.itemsize
-    assert memory.alias_size_in_bytes >= 2 * cache_bytes  # the state is donated and its cache aliased
-    assert memory.temp_size_in_bytes < cache_bytes
+    pool_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.pages))
+    assert memory.alias_size_in_bytes >= pool_bytes  # the state is donated and its pool aliased
+    assert memory.temp_size_in_bytes < pool_bytes / 2
+
+
+def test_prefill_attention_memory_is_blocked_not_quadratic():
+    """A 1024-token prefill chunk attends block by block over the pages: its scratch memory stays well under
+    the [chunk, chunk] score matrix a dense prefill would build."""
+    config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
+    state = jax.eval_shape(lambda: init_state(config, num_slots=1, max_len=2048, attention="jnp",
+                                              block_tokens=128))
+    chunk = 1024
+    tokens, lengths = jax.ShapeDtypeStruct((1, chunk), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    slots = jax.ShapeDtypeStruct((1,), jnp.int32)
+    memory = append.lower(state, params, slots, tokens, lengths, sample=False).compile().memory_analysis()
+    dense_scores = chunk * chunk * config.num_heads * 4
+    assert memory.temp_size_in_bytes < dense_scores / 2

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.eval import EVAL_DATA_ENV, EVAL_SETS, aggregate, evaluate, evaluate_async, load_eval_set
 
 # Per problem, its k = 4 samples: (reward, response length, tool outcomes).

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.eval.samples import SampleLog, finish_reason, majority_correct, sample_record, summarize
 
 

@@ -20,6 +20,7 @@ def _full_batch_all_reduces(compiled_text: str, batch: int) -> list[str]:
     return re.findall(rf"= f32\[{batch},[^\]]*\]\S* all-reduce", compiled_text)
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize(
     ("mesh_shape", "with_mesh_context"),
     [(dict(fsdp=8), True), (dict(fsdp=8), False), (dict(data=2, tensor=4), True)],
@@ -39,6 +40,7 @@ def test_sharded_forward_equals_unsharded(reference, mesh_shape, with_mesh_conte
         assert bool(_full_batch_all_reduces(compiled.as_text(), len(tokens))) == (not with_mesh_context)
 
 
+@pytest.mark.needs_devices(8)
 def test_fsdp_and_tensor_parallel_forward_and_gradients_equal_unsharded(reference):
     """2 x 4 fsdp x tensor mesh, with the ``dots`` remat policy on the sharded side."""
     tokens = reference.tokens
@@ -55,6 +57,7 @@ def test_fsdp_and_tensor_parallel_forward_and_gradients_equal_unsharded(referenc
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4), grads, reference.grads)
 
 
+@pytest.mark.needs_devices(8)
 def test_init_params_on_a_mesh_is_born_sharded(reference):
     mesh = models.make_mesh(fsdp=2, tensor=4)
     params = models.init_params(CONFIG, jax.random.key(0), mesh=mesh)
@@ -64,6 +67,7 @@ def test_init_params_on_a_mesh_is_born_sharded(reference):
     jax.tree.map(np.testing.assert_array_equal, params, reference.params)
 
 
+@pytest.mark.needs_devices(8)
 def test_cached_forward_on_a_sharded_cache_equals_unsharded(reference):
     """A cache placed by ``cache_sharding`` (batch over data, kv heads over tensor) stays so through a
     prefill and gives the unsharded logits and cache."""
@@ -85,6 +89,7 @@ def test_cached_forward_on_a_sharded_cache_equals_unsharded(reference):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.needs_devices(8)
 def test_logical_rules():
     mesh = models.make_mesh(data=2, fsdp=2, tensor=2)
     assert models.logical_to_spec(("batch", "length"), mesh) == PartitionSpec(("data", "fsdp"), None)

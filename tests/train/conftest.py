@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rstar2jax import models
-from rstar2jax.train.batch import TokenSequence, build_batch
+from rstar2jax.data.batch import TokenSequence, build_batch
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 

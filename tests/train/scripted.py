@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from rstar2jax import models
-from rstar2jax.agent.trajectory import Trajectory
+from rstar2jax.data.trajectory import Trajectory
 
 TINY_VOCAB = 256
 

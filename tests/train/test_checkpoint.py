@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from rstar2jax import models
 from rstar2jax.train import Checkpointer, init_train_state, make_optimizer, state_shardings
@@ -20,6 +21,7 @@ from tests.train.conftest import copy_tree
 TIMING = ("time/", "throughput/")
 
 
+@pytest.mark.needs_devices(8)
 def test_round_trip_keeps_last_k(tmp_path, tiny_model):
     config, params = tiny_model
     optimizer = make_optimizer()
@@ -51,6 +53,7 @@ def _run_driver(workdir, env):
         _driver(workdir), env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 def _metrics(workdir):
@@ -88,5 +91,12 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path, compile_cache
     saved = Checkpointer(interrupted / "checkpoints").latest_step
     assert saved is not None and 2 <= saved < 6, saved  # resumes from a checkpoint, not from scratch
 
-    _run_driver(interrupted, env)
+    resumed = _run_driver(interrupted, env)
     assert _metrics(interrupted) == expected
+    where = (
+        f"stage 1/2 'stage1', step {saved} of 3"
+        if saved < 3
+        else f"stage 2/2 'stage2', step {saved - 3} of 3"
+    )
+    assert f"resuming RL from the checkpoint at step {saved} in " in resumed.stdout, resumed.stdout
+    assert f"checkpoints: {where}\n" in resumed.stdout, resumed.stdout

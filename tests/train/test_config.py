@@ -2,8 +2,17 @@
 
 import pytest
 
-from experiments.configs import paper_qwen3_14b, tiny_cpu
-from rstar2jax.train import ConfigError, stage, train_rl, train_sft, validate_rl_config, validate_sft_config
+from experiments import _launch
+from experiments.configs import demo, paper_qwen3_14b, tiny_cpu
+from rstar2jax.train import (
+    ConfigError,
+    stage,
+    train_rl,
+    train_sft,
+    validate,
+    validate_rl_config,
+    validate_sft_config,
+)
 from rstar2jax.train.config import build_iteration_config, row_multiple
 
 
@@ -100,9 +109,59 @@ def test_fails_before_any_compute(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_missing_local_problem_files_fail_unless_dry_run(tmp_path):
+    config = tiny_cpu.get_config()
+    config.data.source = str(tmp_path / "rl.jsonl")
+    with pytest.raises(ConfigError, match=r"^config.data.source='.*rl.jsonl': does not exist \(a local path"):
+        validate_rl_config(config)
+    validate_rl_config(config, check_data=False)  # a dry run needs no problems
+    config.data.source = "org/hub_set"  # a hub name is not checked here
+    validate_rl_config(config)
+    config.stages[1].dataset = "data/hard.parquet"
+    with pytest.raises(ConfigError, match=r"^config.stages\[1\].dataset='data/hard.parquet': does not exist"):
+        validate_rl_config(config)
+    paper = paper_qwen3_14b.get_config()  # its problem set is a placeholder path: fine for --dry_run
+    validate(paper, "rl", check_data=False)
+    with pytest.raises(ConfigError, match="config.data.source='data/rstar2_agent_rl_42k.jsonl': does not"):
+        validate(paper, "rl")
+
+
+def test_validate_checks_each_content_once(monkeypatch, tmp_path):
+    from rstar2jax.train import config as config_lib
+
+    calls = []
+    original = config_lib.validate_sft_config
+    monkeypatch.setattr(
+        config_lib, "validate_sft_config", lambda c, **kw: (calls.append(kw), original(c, **kw))
+    )
+    sft = tiny_cpu.get_config("sft")
+    sft.sft.data = str(tmp_path / "missing.jsonl")
+    validate(sft, "sft", check_data=False)
+    validate(sft, "sft", check_data=False)  # the same content: not checked again
+    assert calls == [{"check_data": False, "check_paths": True}]
+    with pytest.raises(ConfigError, match="config.sft.data="):  # a stricter check still runs
+        validate(sft, "sft")
+    (tmp_path / "missing.jsonl").write_text("")
+    validate(sft, "sft")
+    validate(sft, "sft", check_data=False)
+    assert len(calls) == 3
+    validate(sft, "sft", check_paths=False)  # a weaker check than one passed: not run
+    assert len(calls) == 3
+    sft.tokenizer = str(tmp_path / "no_tokenizer")
+    validate(sft, "sft", check_paths=False)  # a later phase's config, before its files exist
+    with pytest.raises(ConfigError, match="config.tokenizer=.*no_tokenizer': is not a tokenizer folder"):
+        validate(sft, "sft")
+    sft.tokenizer = ""
+    sft.sft.epochs = 0  # changed content: checked again
+    with pytest.raises(ConfigError, match=r"^config.sft.epochs=0: must be a positive integer$"):
+        validate(sft, "sft")
+    with pytest.raises(ValueError, match="kind='eval'"):
+        validate(sft, "eval")
+
+
 def test_shipped_configs():
     paper = paper_qwen3_14b.get_config()
-    validate_rl_config(paper)
+    validate_rl_config(paper, check_data=False)  # its problem set is a placeholder path (see below)
     assert (paper.rl.prompts_per_step, paper.rl.samples_per_problem, paper.rl.keep) == (512, 32, 16)
     assert [(s.max_response_length, s.steps, s.max_turns) for s in paper.stages] == [
         (8192, 300, 10),
@@ -133,3 +192,38 @@ def test_shipped_configs():
     )
     with pytest.raises(ValueError, match="kind='eval'"):
         tiny_cpu.get_config("eval")
+
+
+#: Every shipped config with every launcher that makes sense for it: (config module, get_config argument,
+#: kind the launcher trains). The demo's phases point into a demo work folder (checked without its files).
+LAUNCHABLE = [
+    (tiny_cpu, "rl", "rl"),  # experiments.train_rl
+    (tiny_cpu, "sft", "sft"),  # experiments.sft
+    (paper_qwen3_14b, "rl", "rl"),  # experiments.train_rl (--dry_run here; a cluster for real)
+    (paper_qwen3_14b, "sft", "sft"),  # experiments.sft
+    (demo, "sft", "sft"),  # experiments.sft on a demo run's files
+    (demo, "rl,runs/other_demo", "rl"),  # experiments.train_rl on a demo run's files
+]
+
+
+@pytest.mark.parametrize("module, argument, kind", LAUNCHABLE)
+def test_shipped_configs_for_every_launcher(module, argument, kind):
+    config = module.get_config(argument)
+    validate(config, kind, check_data=False, check_paths=module is not demo)
+    lines = _launch.describe_config(config)  # --print_config: every field has a meaning
+    assert lines and not [line for line in lines if line.endswith("# (no description)")]
+    if module is demo:
+        assert config.workdir.startswith("runs/other_demo/" if "," in argument else "runs/demo/")
+        assert "python -m experiments.demo" in config.notice
+    if kind == "rl":  # the policy is prompted as its SFT data were written
+        expected = demo.get_config().prompt if module is demo else {"paper": True}
+        assert config.prompt.paper == expected["paper"]
+    if module is tiny_cpu:
+        assert "smoke test" in config.notice
+    with pytest.raises(ValueError, match="kind='eval'"):
+        module.get_config("eval")
+
+
+def test_demo_config_fields_all_have_a_meaning():
+    lines = _launch.describe_config(demo.get_config(), demo.FIELD_HELP)
+    assert len(lines) > 100 and not [line for line in lines if line.endswith("# (no description)")]

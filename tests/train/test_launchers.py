@@ -2,6 +2,7 @@
 CPU devices, and an SFT run that resumes."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -37,14 +38,35 @@ def test_help_and_config_errors():
         "--print_config",
         "--config.stages[2].steps=7",
     )
-    assert done.returncode == 0 and "steps: 7" in done.stdout and "eps_high: 0.28" in done.stdout
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "stages[2].steps = 7 " in done.stdout and "loss.eps_high = 0.28 " in done.stdout
+    assert all(" # " in line and "(no description)" not in line for line in lines), lines
+    assert any(line.startswith("data.integer_only = True ") for line in lines)
 
-    done = _launch(
-        "experiments.train_rl", "--config=experiments/configs/tiny_cpu.py", "--config.rl.keep=40", "--dry_run"
-    )
-    assert done.returncode != 0 and "config.rl.keep=40" in done.stderr
-    done = _launch("experiments.sft", "--config=experiments/configs/tiny_cpu.py:sft")
-    assert done.returncode != 0 and "config.sft.data=''" in done.stderr
+    # A bad config value or override: exit 2, one line naming the field, the value and what is allowed.
+    for module, args, line in [
+        (
+            "experiments.train_rl",
+            ["--config.rl.keep=40", "--dry_run"],
+            "error: config.rl.keep=40: must be an integer in [1, rl.samples_per_problem=4]",
+        ),
+        ("experiments.sft", [":sft"], "error: config.sft.data='': does not exist"),
+        (
+            "experiments.train_rl",
+            ["--config.rl.kep=1"],
+            'error: --config.rl.kep=1: no config field \'kep\'; Did you mean "keep" instead of "kep"?',
+        ),
+        (
+            "experiments.train_rl",
+            ["--config.rl.keep=two"],
+            "error: flag --config.rl.keep=two: invalid literal",
+        ),
+    ]:
+        config = "--config=experiments/configs/tiny_cpu.py" + (args.pop(0) if args[0] == ":sft" else "")
+        done = _launch(module, config, *args)
+        assert done.returncode == 2 and done.stderr.startswith(line), (args, done.stderr[-2000:])
+        assert done.stderr.count("\n") == 1, done.stderr
 
 
 def test_paper_config_dry_runs_on_64_emulated_devices(compile_cache_env):
@@ -80,12 +102,28 @@ def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
         "--config.sft.warmup_fraction=0.25",
         "--config.optimizer.learning_rate=0.01",
         "--config.checkpoint.save_every=2",
-        "--config.logging.progress=False",
+        "--config.logging.progress_every=3",
     ]
     first = _launch("experiments.sft", *args, "--max_steps=4", env=compile_cache_env)
     assert first.returncode == 0, first.stderr[-3000:]
+    run = (tmp_path / "run").resolve()
+    banner = (
+        f"sft: work folder {run}\n  checkpoints: {run / 'checkpoints'}\n"
+        f"  metrics:     {run / 'metrics.jsonl'}\n  tensorboard --logdir {run / 'tensorboard'}"
+    )
+    assert first.stdout.startswith(banner), first.stdout
+    # Not a terminal: one short line every 3 steps and at the last, no progress bar.
+    progress = [line for line in first.stdout.splitlines() if line.startswith("sft step")]
+    assert [line.split(":")[0] for line in progress] == [
+        "sft step 3/4 (epoch 1.00)",
+        "sft step 4/4 (epoch 1.33)",
+    ]
+    assert all(len(line) < 100 and "loss" in line for line in progress) and "\r" not in first.stdout
+    assert "resuming" not in first.stdout
     second = _launch("experiments.sft", *args, env=compile_cache_env)
     assert second.returncode == 0, second.stderr[-3000:]
+    resumed = f"resuming SFT from the checkpoint at step 4 of 9 in {run / 'checkpoints'} (epoch 1.33)\n"
+    assert resumed in second.stdout, second.stdout
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 10))  # 3 epochs x ceil(24 / 8) steps
     assert records[0]["examples_skipped"] == 1 and records[-1]["epoch"] == 3.0
@@ -94,3 +132,47 @@ def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
     lr = [r["learning_rate"] for r in records]  # 3 warm-up steps (25% of 9), then cosine decay to 0
     np.testing.assert_allclose(lr[:3], [0.01 / 3, 0.02 / 3, 0.01], rtol=1e-5)
     assert lr[3] == lr[2] and all(a > b for a, b in zip(lr[3:], lr[4:], strict=False)) and lr[-1] < 0.001
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path, compile_cache_env):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(json.dumps({"input_ids": list(range(2, 20)), "loss_mask": [1] * 18}) + "\n" for _ in range(8))
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "experiments.sft",
+            "--config=experiments/configs/tiny_cpu.py:sft",
+            f"--config.sft.data={data}",
+            f"--config.workdir={tmp_path / 'run'}",
+            "--config.tokenizer=",
+            "--config.model.spec.vocab_size=32",
+            "--config.model.scan_layers=False",
+            "--config.sft.steps=100000",
+            "--config.sft.seq_len=32",
+            "--config.checkpoint.save_every=1000",
+            "--config.logging.progress_every=2",
+        ],
+        cwd=REPO_ROOT,
+        env=compile_cache_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in process.stdout:
+            if line.startswith("sft step 2/"):
+                process.send_signal(signal.SIGINT)
+                break
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    checkpoints = (tmp_path / "run" / "checkpoints").resolve()
+    saved = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert process.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"interrupted: checkpoint of step {saved} saved in {checkpoints}; run the same command to resume"
+    ), stderr
+    assert "Traceback" not in stderr and 2 <= saved < 100000

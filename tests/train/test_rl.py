@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from rstar2jax.agent.trajectory import Trajectory
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.train import (
     RLIterationConfig,
     RLLossConfig,

@@ -82,6 +82,7 @@ def test_sft_loss_over_microbatches_and_learning(tiny_model):
     assert int(state.step) == 6 and float(metrics["tokens"]) == float(batch.loss_mask.sum())
 
 
+@pytest.mark.needs_devices(8)
 def test_sharded_step_equals_single_device(tiny_model, rl_batch):
     config, params = tiny_model
     optimizer = make_optimizer(1e-3, warmup_steps=1)

@@ -28,9 +28,9 @@ def test_saved_checkpoint_loads_in_transformers_with_same_logits(tiny_models, fa
     config, loaded = models.load_pretrained(tiny_models(family).path)
     params = _perturbed(loaded)
     # A tiny shard limit forces the sharded layout (several files + index) for one family.
-    max_shard_bytes = 40_000 if family == "qwen3" else models.checkpoint.DEFAULT_MAX_SHARD_BYTES
+    max_shard_bytes = 40_000 if family == "qwen3" else models.hf_checkpoint.DEFAULT_MAX_SHARD_BYTES
     models.save_pretrained(params, config, tmp_path, max_shard_bytes=max_shard_bytes)
-    assert (tmp_path / models.checkpoint.INDEX_FILE).exists() == (family == "qwen3")
+    assert (tmp_path / models.hf_checkpoint.INDEX_FILE).exists() == (family == "qwen3")
 
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager"
@@ -52,7 +52,7 @@ def test_saved_checkpoint_loads_in_transformers_with_same_logits(tiny_models, fa
 def test_transformers_sharded_checkpoint_loads(tiny_models, tmp_path):
     tiny = tiny_models("llama")
     tiny.torch_model.save_pretrained(tmp_path, max_shard_size="30KB")
-    assert (tmp_path / models.checkpoint.INDEX_FILE).exists()
+    assert (tmp_path / models.hf_checkpoint.INDEX_FILE).exists()
     _, from_index = models.load_pretrained(tmp_path)
     _, from_single = models.load_pretrained(tiny.path)
     jax.tree.map(np.testing.assert_array_equal, from_index, from_single)
@@ -68,6 +68,7 @@ def test_bfloat16_load_and_save(tiny_models, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, reloaded, params)
 
 
+@pytest.mark.needs_devices(8)
 def test_load_with_mesh_places_each_tensor_in_its_sharding(tiny_models):
     tiny = tiny_models("qwen3")
     mesh = models.make_mesh(fsdp=2, tensor=4)

@@ -4,10 +4,7 @@ policy export -> held-out evaluation -> GRPO-RoC stages -> evaluation -> report.
 Each phase writes its output under one work folder and is skipped when that output is already there; SFT
 and RL resume from their own checkpoints. The launchers (``experiments/demo.py``,
 ``experiments/ablate_roc.py``) only wire these together, so a notebook can run, inspect or replace any
-single phase.
-
-The rollout function is injected (see ``rstar2jax.train.rl``): :func:`policy_rollout` builds the real one
-(engine + sandbox + verifier) from an RL config.
+single phase. The library parts (restore, export, rollout, evaluate a policy) are ``rstar2jax.train.policy``.
 """
 
 from __future__ import annotations
@@ -24,24 +21,22 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
-from rstar2jax import models
-from rstar2jax.agent.prompts import PromptConfig, format_tool_result, render_prompt_ids
+from rstar2jax.data.conversation import format_tool_result, render_chat
 from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.sft_data import build_sft_examples
 from rstar2jax.data.synthetic import SyntheticTask, make_task
-from rstar2jax.eval.evaluate import DatasetEval, aggregate
-from rstar2jax.models.tokenizer import (
-    load_tokenizer,
-    render_chat,
-    train_tiny_tokenizer,
-)
-from rstar2jax.train import config as config_lib
+from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
 from rstar2jax.train import runner
-from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.policy import (
+    evaluate_policy,
+    export_policy,
+    load_policy,
+    max_prompt_tokens,
+    prompt_from_config,
+    save_evaluation,
+)
 from rstar2jax.train.rl import RolloutFn
-from rstar2jax.train.steps import state_shardings
 
 #: Metrics an evaluation reports, in the order the report lists them.
 EVAL_KEYS = (
@@ -101,16 +96,6 @@ class DemoPaths:
 
     def evaluation(self, name: str) -> pathlib.Path:
         return self.workdir / "eval" / f"{name}.json"
-
-
-def prompt_from_config(config: ml_collections.ConfigDict) -> PromptConfig:
-    """``config.prompt.paper``: the paper's prompt (system text and the listed tool schema); else
-    ``config.prompt``'s system prompt, user prefix and ``list_tools`` with the paper's Python tool. SFT data
-    and rollouts must use the same prompt."""
-    p = config.prompt
-    if p.paper:
-        return PromptConfig()
-    return PromptConfig(system_prompt=p.system_prompt, user_prefix=p.user_prefix, list_tools=p.list_tools)
 
 
 def _write_jsonl(path: pathlib.Path, rows: Sequence[dict]) -> None:
@@ -215,15 +200,20 @@ def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
 
 
 def sft_run_config(
-    config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer
+    config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer=None
 ) -> ml_collections.ConfigDict:
-    """The ``train_sft`` config of the demo's SFT phase."""
+    """The ``train_sft`` config of the demo's SFT phase (``tokenizer`` None, before the demo trains it: the
+    vocabulary is ``config.tokenizer_vocab_size``, enough to check the config)."""
     c = ml_collections.ConfigDict(config.sft.to_dict())
     c.seed = config.seed
     c.workdir = str(paths.sft_run)
     c.tokenizer = str(paths.tokenizer)
     c.sft.data = str(paths.sft_data)
-    c.model.spec = ml_collections.ConfigDict(model_spec(config, tokenizer))
+    if tokenizer is None:
+        spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
+    else:
+        spec = model_spec(config, tokenizer)
+    c.model.spec = ml_collections.ConfigDict(spec)
     return c
 
 
@@ -243,114 +233,10 @@ def rl_run_config(
     c.tokenizer = str(paths.tokenizer)
     c.model.path = str(paths.sft_policy)
     c.data.source = str(paths.train_problems)
+    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data were written in
     if roc_mode is not None:
         c.rl.roc_mode = roc_mode
     return c
-
-
-def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
-    """The parameters of the latest checkpoint in ``run_config.workdir`` (None when it has none)."""
-    model_config = runner.model_config_from(run_config)
-    optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
-    mesh = runner.mesh_from_config(run_config)
-    shardings = state_shardings(model_config, optimizer, mesh)
-    checkpointer = Checkpointer(pathlib.Path(run_config.workdir) / "checkpoints", async_save=False)
-    try:
-        restored = checkpointer.restore(
-            runner.abstract_state(model_config, optimizer, shardings, run_config.seed)
-        )
-    finally:
-        checkpointer.close()
-    return None if restored is None else (model_config, restored[0].params)
-
-
-def export_policy(
-    run_config: ml_collections.ConfigDict, out: pathlib.Path, *, total_steps: int | None = None
-) -> pathlib.Path:
-    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json + safetensors), the
-    form ``config.model.path`` and ``load_pretrained`` read."""
-    restored = restore_params(run_config, total_steps=total_steps)
-    if restored is None:
-        raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
-    model_config, params = restored
-    temporary = out.with_name(out.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
-    models.save_pretrained(params, model_config, temporary)
-    shutil.rmtree(out, ignore_errors=True)
-    temporary.replace(out)
-    return out
-
-
-def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prompt: PromptConfig):
-    """The trainer's rollout function from an RL config: the engine on the given parameters, the sandbox at
-    ``sandbox_url``, the default answer verifier; call its ``close()`` when done."""
-    from rstar2jax import agent
-    from rstar2jax.engine import EngineConfig, SamplingParams
-
-    r = run_config.rollout
-    return agent.PolicyRollout(
-        runner.model_config_from(run_config),
-        load_tokenizer(run_config.tokenizer),
-        agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
-        engine_config=EngineConfig(num_slots=r.engine_slots, seed=run_config.seed),
-        max_prompt_length=run_config.batch.max_prompt_length,
-        config=agent.RolloutConfig(
-            max_tool_calls_per_turn=r.max_tool_calls_per_turn,
-            tool_timeout=r.tool_timeout,
-            tool_output_chars=r.tool_output_chars,
-            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
-            prompt=prompt,
-        ),
-    )
-
-
-def load_policy(path: str | pathlib.Path):
-    """``(model_config, params)`` of an exported policy folder."""
-    return models.load_pretrained(path)
-
-
-def evaluate_policy(
-    params,
-    problems: Sequence[Problem],
-    rollout_fn: RolloutFn,
-    *,
-    samples: int,
-    max_response_length: int,
-    max_turns: int,
-    seed: int,
-) -> DatasetEval:
-    """Average pass@1 over ``samples`` rollouts per held-out problem, plus tool-use statistics (one batched
-    rollout call: the engine decodes every problem's group side by side)."""
-    trajectories = rollout_fn(
-        params,
-        list(problems),
-        samples_per_problem=samples,
-        max_response_length=max_response_length,
-        max_turns=max_turns,
-        seed=seed,
-    )
-    groups: dict[str, list] = {p.id: [] for p in problems}
-    for t in trajectories:
-        groups[t.problem_id].append(t)
-    return aggregate(problems, [groups[p.id] for p in problems])
-
-
-def save_evaluation(result: DatasetEval, path: pathlib.Path, **extra: Any) -> dict[str, Any]:
-    """Writes an evaluation's metrics and per-problem correctness as JSON; returns what it wrote."""
-    record = {
-        **extra,
-        "metrics": result.metrics,
-        "problem_ids": result.problem_ids,
-        "correct": np.asarray(result.correct).astype(int).tolist(),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
-    return record
-
-
-def max_prompt_tokens(tokenizer, problems: Sequence[Problem], prompt: PromptConfig) -> int:
-    """The longest rendered prompt among ``problems`` (the engine's prompt budget must cover it)."""
-    return max(len(render_prompt_ids(tokenizer, p.problem, prompt)) for p in problems)
 
 
 def check_prompt_budget(config: ml_collections.ConfigDict, paths: DemoPaths) -> int:

@@ -5,19 +5,21 @@ import types
 
 import pytest
 
-from rstar2jax.agent.prompts import (
+from rstar2jax.data.conversation import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_PREFIX,
     PYTHON_TOOL_NAME,
     PromptConfig,
+    encode_text,
     format_tool_result,
     python_tool_schema,
+    render_chat,
     render_prompt_ids,
     render_prompt_text,
     tool_response_ids,
     tool_response_text,
 )
-from rstar2jax.models.tokenizer import encode_text, load_tokenizer, render_chat, train_tiny_tokenizer
+from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
 
 PROBLEM = "Find the remainder when $2^{100}$ is divided by $7$."
 

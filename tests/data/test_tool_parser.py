@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from rstar2jax.agent.prompts import PYTHON_TOOL_NAME, python_tool_schema
-from rstar2jax.agent.tool_parser import (
+from rstar2jax.data.conversation import PYTHON_TOOL_NAME, python_tool_schema, render_chat
+from rstar2jax.data.tokenizer import load_tokenizer
+from rstar2jax.data.tool_parser import (
     ToolCall,
     ToolCallError,
     ToolCallErrorKind,
     parse_tool_call,
     parse_tool_calls,
 )
-from rstar2jax.models.tokenizer import load_tokenizer, render_chat
 
 Kind = ToolCallErrorKind
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from rstar2jax.agent.trajectory import Trajectory
-from rstar2jax.train.batch import TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.data.batch import TokenSequence, build_batch, trajectory_sequence
+from rstar2jax.data.trajectory import Trajectory
 
 
 def test_packing_is_target_aligned_with_segments():

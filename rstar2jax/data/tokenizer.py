@@ -1,66 +1,26 @@
-"""Tokenizer helpers: load a Hugging Face tokenizer, render chat templates with tools, train a tiny one.
+"""Tokenizer helpers: load a Hugging Face tokenizer, look up single-token ids, train a tiny one.
 
 Everything here works offline. A local directory is loaded with ``local_files_only=True``; a hub name is
-passed through to ``transformers.AutoTokenizer`` (and then needs the hub cache or network).
-
-Rendering and encoding are two steps on purpose: the chat template already writes every special token
-(``<|im_start|>`` …, or a BOS for templates that want one), so the rendered text is encoded with
-``add_special_tokens=False`` — otherwise tokenizers that add a BOS would add it twice.
+passed through to ``transformers.AutoTokenizer`` (and then needs the hub cache or network). How a chat is
+rendered and encoded is the conversation format's business (``rstar2jax.data.conversation``).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rstar2jax.data.conversation import CHATML_TOOLS_TEMPLATE, HERMES_TOOL_TOKENS, encode_text
+
 #: ChatML control tokens (special: ``skip_special_tokens=True`` strips them), in Qwen's id order.
 CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-#: Hermes tool-call delimiters. Added but not special, as in Qwen: decoding keeps them.
-HERMES_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 # Times each digit group is fed to the BPE trainer (see ``train_tiny_tokenizer``).
 _DIGIT_GROUP_REPEATS = 1000
 
-#: A Qwen-style ChatML template with Hermes tools: the system turn carries the ``# Tools`` block, assistant
-#: ``tool_calls`` render as ``<tool_call>`` JSON, consecutive ``tool`` messages share one user turn of
-#: ``<tool_response>`` blocks. For these messages it renders the same text as the Qwen3 template (which
-#: additionally handles ``<think>`` reasoning content; tiny models have no use for that).
-CHATML_TOOLS_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif not (message.role == 'system' and loop.first) %}"
-    "{%- set content = message.content if message.content is string else '' %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + content }}"
-    "{%- for call in (message.tool_calls or []) %}"
-    "{%- set call = call.function if call.function is defined else call %}"
-    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
-    '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
-    "{{- call.arguments if call.arguments is string else (call.arguments | tojson) }}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> PreTrainedTokenizerBase:
@@ -74,51 +34,6 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> PreTrained
     elif os.path.exists(path):
         raise ValueError(f"tokenizer path {path!r} is a file; pass the directory that holds tokenizer.json")
     return AutoTokenizer.from_pretrained(path, **kwargs)
-
-
-def render_chat(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    add_generation_prompt: bool = False,
-    **template_kwargs: Any,
-) -> str:
-    """Renders ``messages`` (and Hermes ``tools`` schemas) with the tokenizer's chat template, as text."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has no chat_template; set tokenizer.chat_template "
-            "(e.g. rstar2jax.models.tokenizer.CHATML_TOOLS_TEMPLATE)"
-        )
-    if not messages:
-        raise ValueError("messages is empty; a chat needs at least one message")
-    return tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tools=[dict(t) for t in tools] if tools else None,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **template_kwargs,
-    )
-
-
-def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of ``text`` as written: special-token strings map to their ids, nothing is added."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def encode_chat(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    add_generation_prompt: bool = False,
-    **template_kwargs: Any,
-) -> list[int]:
-    """Token ids of the chat-template rendering of ``messages`` (see :func:`render_chat`)."""
-    text = render_chat(
-        tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
-    return encode_text(tokenizer, text)
 
 
 def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:

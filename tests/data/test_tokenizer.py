@@ -4,13 +4,10 @@ import json
 
 import pytest
 
-from rstar2jax.models.tokenizer import (
+from rstar2jax.data.conversation import HERMES_TOOL_TOKENS, encode_chat, encode_text, render_chat
+from rstar2jax.data.tokenizer import (
     CHATML_SPECIAL_TOKENS,
-    HERMES_TOOL_TOKENS,
-    encode_chat,
-    encode_text,
     load_tokenizer,
-    render_chat,
     single_token_id,
     train_tiny_tokenizer,
 )

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rstar2jax.agent.prompts import PYTHON_TOOL_NAME
+from rstar2jax.data.conversation import PYTHON_TOOL_NAME
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -7,6 +7,8 @@ tool/turn tokens interleaved; ``loss_mask`` is 1 on model-sampled tokens and 0 o
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Literal
 
 ToolOutcome = Literal[
@@ -69,3 +71,18 @@ class Trajectory:
     @property
     def num_failed_calls(self) -> int:
         return sum(o in FAILED_OUTCOMES for o in self.tool_outcomes)
+
+
+def tool_error_ratios(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``tool_error_ratio`` (failed / all tool calls) and ``tool_error_ratio_correct`` (the same inside the
+    correct trajectories, reward > 0: the paper's Fig. 4). Each is NaN when those trajectories made no call:
+    no calls is not "no failed calls"."""
+
+    def ratio(group):
+        calls = sum(t.num_tool_calls for t in group)
+        return sum(t.num_failed_calls for t in group) / calls if calls else math.nan
+
+    return {
+        "tool_error_ratio": ratio(trajectories),
+        "tool_error_ratio_correct": ratio([t for t in trajectories if t.reward > 0]),
+    }

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from rstar2jax.models.tokenizer import load_tokenizer
-from rstar2jax.train.sft_data import load_sft_sequences
+from rstar2jax.data.sft_data import load_sft_sequences
+from rstar2jax.data.tokenizer import load_tokenizer
 
 
 def test_chat_and_pretokenised_rows(tmp_path, shared_dir):

@@ -16,8 +16,8 @@ import flax.struct
 import jax
 import numpy as np
 
-if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
-    from rstar2jax.agent.trajectory import Trajectory
+if TYPE_CHECKING:
+    from rstar2jax.data.trajectory import Trajectory
 
 
 @flax.struct.dataclass

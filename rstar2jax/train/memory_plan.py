@@ -1,0 +1,176 @@
+"""The per-device memory plan of an RL run: what the rollout phase and the training phase each hold.
+
+Colocated RL alternates two phases on the same devices (``rstar2jax.train.colocate``):
+
+  rollout peak = params + engine weight cast + KV page pool + decode temporaries
+                 [+ optimizer state + reference params, unless they wait in host memory]
+  train peak   = compiled step peak (arguments + outputs - aliased + temporaries: params, optimizer state,
+                 batch, gradients, activations) [+ KV page pool, unless the engine frees it after rollout]
+
+Sizes are per device, from the abstract train state's shardings and XLA's memory analysis of the compiled
+``rl_step`` (``runner.dry_run``); the KV pool and the decode temporaries follow from the engine's shapes. A
+plan whose larger peak exceeds ``config.device_memory_gib`` fails at start-up with the table, instead of
+running out of memory in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from rstar2jax.train.colocate import resolve_offload
+from rstar2jax.train.config import ConfigError
+
+GIB = float(2**30)
+
+
+class MemoryPlanError(ConfigError):
+    """The configured run does not fit its devices; the message holds the whole plan (launchers exit 2)."""
+
+
+def tree_bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of an (abstract or concrete) array tree placed with ``NamedSharding``s."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def kv_bytes_per_token(model_config, dtype: str | None = None) -> int:
+    """Keys and values of one token over all layers: ``2 * layers * kv_heads * head_dim * itemsize``."""
+    itemsize = np.dtype(dtype or model_config.compute_dtype).itemsize
+    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+
+
+def kv_pool_tokens(config) -> int:
+    """Tokens the engine's KV page pool holds: ``config.rollout.kv_cache_tokens``, or when that is 0, every
+    engine slot at the longest prompt + response of any stage."""
+    if config.rollout.kv_cache_tokens:
+        return int(config.rollout.kv_cache_tokens)
+    longest = max((s.max_response_length for s in config.stages), default=0)
+    return config.rollout.engine_slots * (config.batch.max_prompt_length + longest)
+
+
+def device_memory_gib(config) -> float | None:
+    """``config.device_memory_gib``, else what the first device reports (accelerators), else None."""
+    if config.get("device_memory_gib"):
+        return float(config.device_memory_gib)
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return limit / GIB if limit else None
+
+
+def memory_plan(config, model_config, abstract_state, step_report: dict[str, Any]) -> dict[str, Any]:
+    """The per-device plan of both phases (GiB), with ``rollout_peak_gib``, ``train_peak_gib``,
+    ``device_memory_gib`` and ``fits``. ``step_report`` is ``runner.dry_run``'s compiled-step report."""
+    mesh = config.mesh
+    data_parallel = mesh.data * mesh.fsdp
+    kv_split = mesh.tensor if model_config.num_kv_heads % mesh.tensor == 0 else 1
+    params = tree_bytes_per_device(abstract_state.params)
+    optimizer = tree_bytes_per_device(abstract_state.opt_state)
+    reference = params if config.loss.get("kl_coef", 0.0) else 0
+    cast = (
+        params * np.dtype(model_config.compute_dtype).itemsize // np.dtype(model_config.param_dtype).itemsize
+        if model_config.compute_dtype != model_config.param_dtype
+        else 0
+    )
+    pool_tokens = kv_pool_tokens(config)
+    kv_pool = pool_tokens * kv_bytes_per_token(model_config) // (data_parallel * kv_split)
+    # float32 logits, probabilities and their sort for top-p, one row per engine slot.
+    slots = -(-config.rollout.engine_slots // data_parallel)
+    decode_temporaries = 3 * slots * model_config.vocab_size * 4
+    offload = resolve_offload(config.colocate.optimizer_memory, step_report["platform"])
+    waiting = 0 if offload else optimizer + reference
+    rollout_peak = params + cast + kv_pool + decode_temporaries + waiting
+    gradients = params
+    train_peak = step_report["peak_estimate_bytes"] + (0 if config.colocate.release_kv_cache else kv_pool)
+    memory = device_memory_gib(config)
+    plan = {
+        "devices": step_report["devices"],
+        "platform": step_report["platform"],
+        "params_gib": params / GIB,
+        "gradients_gib": gradients / GIB,
+        "optimizer_state_gib": optimizer / GIB,
+        "reference_params_gib": reference / GIB,
+        "activations_peak_gib": max(step_report["temp_size_in_bytes"] - gradients, 0) / GIB,
+        "step_temporaries_gib": step_report["temp_size_in_bytes"] / GIB,
+        "engine_weight_cast_gib": cast / GIB,
+        "kv_pool_gib": kv_pool / GIB,
+        "kv_pool_tokens": pool_tokens,
+        "decode_temporaries_gib": decode_temporaries / GIB,
+        "optimizer_offloaded_during_rollout": offload,
+        "kv_released_during_training": bool(config.colocate.release_kv_cache),
+        "rollout_peak_gib": rollout_peak / GIB,
+        "train_peak_gib": train_peak / GIB,
+        "device_memory_gib": memory,
+    }
+    plan["fits"] = None if memory is None else max(plan["rollout_peak_gib"], plan["train_peak_gib"]) <= memory
+    return plan
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as a table (GiB per device)."""
+    rows = [
+        ("parameters", plan["params_gib"], plan["params_gib"]),
+        ("engine weight cast", plan["engine_weight_cast_gib"], 0.0),
+        (
+            "KV page pool",
+            plan["kv_pool_gib"],
+            0.0 if plan["kv_released_during_training"] else plan["kv_pool_gib"],
+        ),
+        ("decode temporaries", plan["decode_temporaries_gib"], 0.0),
+        (
+            "optimizer state",
+            0.0 if plan["optimizer_offloaded_during_rollout"] else plan["optimizer_state_gib"],
+            plan["optimizer_state_gib"],
+        ),
+        (
+            "reference params",
+            0.0 if plan["optimizer_offloaded_during_rollout"] else plan["reference_params_gib"],
+            plan["reference_params_gib"],
+        ),
+        ("gradients", 0.0, plan["gradients_gib"]),
+        ("activations (peak)", 0.0, plan["activations_peak_gib"]),
+    ]
+    lines = [
+        f"memory plan per device ({plan['devices']} {plan['platform']} devices), GiB:",
+        f"  {'':<22} {'rollout':>9} {'train':>9}",
+    ]
+    lines += [f"  {name:<22} {rollout:9.2f} {train:9.2f}" for name, rollout, train in rows]
+    lines.append(f"  {'peak':<22} {plan['rollout_peak_gib']:9.2f} {plan['train_peak_gib']:9.2f}")
+    memory = plan["device_memory_gib"]
+    if memory is None:
+        lines.append("  device memory unknown (set config.device_memory_gib to check the plan)")
+    else:
+        verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+        lines.append(f"  device memory {memory:.1f} GiB: {verdict}")
+    lines.append(
+        f"  (KV pool: {plan['kv_pool_tokens']:,} tokens; train peak also counts params, optimizer state and "
+        "the batch, as XLA compiled the step)"
+    )
+    return "\n".join(lines)
+
+
+def write_plan(plan: dict[str, Any], workdir: str | pathlib.Path) -> pathlib.Path:
+    """Writes ``memory_plan.json`` in ``workdir`` and returns its path."""
+    path = pathlib.Path(workdir) / "memory_plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    return path
+
+
+def check_plan(plan: dict[str, Any]) -> None:
+    """Raises ``MemoryPlanError`` with the table when a known device memory is exceeded."""
+    if plan["fits"] is False:
+        raise MemoryPlanError(
+            f"the run does not fit {plan['device_memory_gib']:.1f} GiB per device:\n{format_plan(plan)}\n"
+            "lower config.rollout.kv_cache_tokens or engine_slots, use remat / more micro-batches, offload "
+            "the optimizer state (config.colocate.optimizer_memory) or shard over more devices"
+        )

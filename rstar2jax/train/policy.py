@@ -1,0 +1,143 @@
+"""A trained policy as a library user handles it: restore a run's parameters from its checkpoints, export them
+as a Hugging Face folder (what ``config.model.path`` and ``models.load_pretrained`` read), build the real
+rollout function (engine + sandbox + verifier) from an RL config, and evaluate a policy on held-out problems.
+
+The staged demo recipe that wires these together lives in ``experiments/demo_recipe.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from rstar2jax import models
+from rstar2jax.data.conversation import PromptConfig, render_prompt_ids
+from rstar2jax.data.problems import Problem
+from rstar2jax.data.tokenizer import load_tokenizer
+from rstar2jax.eval.evaluate import DatasetEval, aggregate
+from rstar2jax.train import config as config_lib
+from rstar2jax.train import runner
+from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.rl import RolloutFn
+from rstar2jax.train.steps import state_shardings
+
+
+def prompt_from_config(config: ml_collections.ConfigDict) -> PromptConfig:
+    """``config.prompt.paper``: the paper's prompt (system text and the listed tool schema); else
+    ``config.prompt``'s system prompt, user prefix and ``list_tools`` with the paper's Python tool. SFT data
+    and rollouts must use the same prompt."""
+    p = config.prompt
+    if p.paper:
+        return PromptConfig()
+    return PromptConfig(system_prompt=p.system_prompt, user_prefix=p.user_prefix, list_tools=p.list_tools)
+
+
+def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
+    """The parameters of the latest checkpoint in ``run_config.workdir`` (None when it has none)."""
+    model_config = runner.model_config_from(run_config)
+    optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
+    mesh = runner.mesh_from_config(run_config)
+    shardings = state_shardings(model_config, optimizer, mesh)
+    checkpointer = Checkpointer(pathlib.Path(run_config.workdir) / "checkpoints", async_save=False)
+    try:
+        restored = checkpointer.restore(
+            runner.abstract_state(model_config, optimizer, shardings, run_config.seed)
+        )
+    finally:
+        checkpointer.close()
+    return None if restored is None else (model_config, restored[0].params)
+
+
+def export_policy(
+    run_config: ml_collections.ConfigDict, out: pathlib.Path, *, total_steps: int | None = None
+) -> pathlib.Path:
+    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json + safetensors), the
+    form ``config.model.path`` and ``load_pretrained`` read."""
+    restored = restore_params(run_config, total_steps=total_steps)
+    if restored is None:
+        raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
+    model_config, params = restored
+    temporary = out.with_name(out.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    models.save_pretrained(params, model_config, temporary)
+    shutil.rmtree(out, ignore_errors=True)
+    temporary.replace(out)
+    return out
+
+
+def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prompt: PromptConfig):
+    """The trainer's rollout function from an RL config: the engine on the given parameters, the sandbox at
+    ``sandbox_url``, the default answer verifier; call its ``close()`` when done."""
+    from rstar2jax import agent
+    from rstar2jax.engine import EngineConfig, SamplingParams
+
+    r = run_config.rollout
+    return agent.PolicyRollout(
+        runner.model_config_from(run_config),
+        load_tokenizer(run_config.tokenizer),
+        agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
+        engine_config=EngineConfig(num_slots=r.engine_slots, seed=run_config.seed),
+        max_prompt_length=run_config.batch.max_prompt_length,
+        config=agent.RolloutConfig(
+            max_tool_calls_per_turn=r.max_tool_calls_per_turn,
+            tool_timeout=r.tool_timeout,
+            tool_output_chars=r.tool_output_chars,
+            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+            prompt=prompt,
+        ),
+    )
+
+
+def load_policy(path: str | pathlib.Path):
+    """``(model_config, params)`` of an exported policy folder."""
+    return models.load_pretrained(path)
+
+
+def evaluate_policy(
+    params,
+    problems: Sequence[Problem],
+    rollout_fn: RolloutFn,
+    *,
+    samples: int,
+    max_response_length: int,
+    max_turns: int,
+    seed: int,
+) -> DatasetEval:
+    """Average pass@1 over ``samples`` rollouts per held-out problem, plus tool-use statistics (one batched
+    rollout call: the engine decodes every problem's group side by side)."""
+    trajectories = rollout_fn(
+        params,
+        list(problems),
+        samples_per_problem=samples,
+        max_response_length=max_response_length,
+        max_turns=max_turns,
+        seed=seed,
+    )
+    groups: dict[str, list] = {p.id: [] for p in problems}
+    for t in trajectories:
+        groups[t.problem_id].append(t)
+    return aggregate(problems, [groups[p.id] for p in problems])
+
+
+def save_evaluation(result: DatasetEval, path: pathlib.Path, **extra: Any) -> dict[str, Any]:
+    """Writes an evaluation's metrics and per-problem correctness as JSON; returns what it wrote."""
+    record = {
+        **extra,
+        "metrics": result.metrics,
+        "problem_ids": result.problem_ids,
+        "correct": np.asarray(result.correct).astype(int).tolist(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return record
+
+
+def max_prompt_tokens(tokenizer, problems: Sequence[Problem], prompt: PromptConfig) -> int:
+    """The longest rendered prompt among ``problems`` (the engine's prompt budget must cover it)."""
+    return max(len(render_prompt_ids(tokenizer, p.problem, prompt)) for p in problems)

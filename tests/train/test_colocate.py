@@ -1,0 +1,105 @@
+"""Colocation: host offload round trips, the RL loop with the optimizer in host memory, memory plans."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rstar2jax import models
+from rstar2jax.train import colocate, memory_plan, train_rl
+from rstar2jax.train.runner import dry_run
+from tests.train.scripted import make_scripted_rollout, tiny_rl_config
+
+TIMING = ("time/", "throughput/")
+
+
+def _device_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind == "device")
+
+
+@pytest.mark.needs_devices(8)
+def test_offload_round_trip_is_bit_identical_and_frees_device_memory():
+    mesh = models.make_mesh(data=2, tensor=4)
+    sharding = NamedSharding(mesh, PartitionSpec("data", "tensor"))
+    tree = {
+        "mu": jax.device_put(jax.random.normal(jax.random.key(0), (256, 512)), sharding),
+        "count": jnp.int32(7),
+        "nu": jax.device_put(jnp.arange(256 * 512, dtype=jnp.bfloat16).reshape(256, 512), sharding),
+    }
+    expected = jax.tree.map(np.asarray, tree)
+    before = _device_bytes()
+    parked = colocate.to_host(tree)
+    assert colocate.memory_kinds(parked) == {"pinned_host"}
+    assert all(x.is_deleted() for x in jax.tree.leaves(tree))
+    assert before - _device_bytes() >= sum(x.nbytes for x in jax.tree.leaves(parked))
+    back = colocate.to_device(parked)
+    assert colocate.memory_kinds(back) == {"device"}
+    assert back["mu"].sharding == sharding and back["nu"].dtype == jnp.bfloat16
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, back), expected)
+    # Already where it belongs: nothing is copied or deleted.
+    assert colocate.to_device(back)["mu"] is back["mu"]
+
+
+def test_resolve_offload():
+    assert colocate.resolve_offload("auto", "cpu") is False
+    assert colocate.resolve_offload("host") is True  # the CPU backend offers pinned host memory too
+    assert colocate.resolve_offload("device") is False
+    with pytest.raises(ValueError, match="expected one of"):
+        colocate.resolve_offload("yes")
+
+
+def _metrics(history):
+    return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in history]
+
+
+def test_rl_with_optimizer_offloaded_matches_on_device_run(tmp_path):
+    """Parking the AdamW moments in host memory during rollout changes no number of the run."""
+    histories = []
+    for offload in ("device", "host"):
+        config = tiny_rl_config(str(tmp_path / f"offload_{offload}"))
+        config.colocate.optimizer_memory = offload
+        histories.append(_metrics(train_rl(config, rollout_fn=make_scripted_rollout(), max_steps=2)))
+    assert len(histories[0]) == 2
+    assert histories[0] == histories[1]
+
+
+def test_memory_plan_adds_up_and_fails_when_too_small(tmp_path):
+    config = tiny_rl_config(str(tmp_path / "run"))
+    config.model.param_dtype, config.model.compute_dtype = "float32", "bfloat16"
+    config.rollout.kv_cache_tokens = 4096
+    config.colocate.optimizer_memory = "device"
+    report = dry_run(config, kind="rl")
+    plan = report["memory_plan"]
+    model_config = models.ModelConfig(**{**config.model.spec.to_dict(), "compute_dtype": "bfloat16"})
+    gib = 2.0**30
+    num_params = report["num_params"]
+    assert plan["params_gib"] == pytest.approx(num_params * 4 / gib)
+    assert plan["engine_weight_cast_gib"] == pytest.approx(num_params * 2 / gib)
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2
+    assert memory_plan.kv_bytes_per_token(model_config) == per_token
+    assert plan["kv_pool_gib"] == pytest.approx(4096 * per_token / gib)
+    parts = ("params_gib", "engine_weight_cast_gib", "kv_pool_gib", "decode_temporaries_gib")
+    waiting = plan["optimizer_state_gib"] + plan["reference_params_gib"]
+    assert plan["rollout_peak_gib"] == pytest.approx(sum(plan[k] for k in parts) + waiting)
+    assert plan["train_peak_gib"] == pytest.approx(report["peak_estimate_bytes"] / gib)
+    # None on the CPU backend; on an accelerator, the memory the device reports.
+    assert plan["device_memory_gib"] == memory_plan.device_memory_gib(config)
+    if plan["device_memory_gib"] is None:
+        assert plan["fits"] is None
+
+    config.colocate.optimizer_memory = "host"
+    config.colocate.release_kv_cache = False
+    config.device_memory_gib = 1e-4
+    plan = dry_run(config, kind="rl")["memory_plan"]
+    assert plan["rollout_peak_gib"] == pytest.approx(sum(plan[k] for k in parts))
+    assert plan["train_peak_gib"] == pytest.approx(report["peak_estimate_bytes"] / gib + plan["kv_pool_gib"])
+    assert plan["fits"] is False
+    with pytest.raises(memory_plan.MemoryPlanError, match="does not fit") as error:
+        memory_plan.check_plan(plan)
+    assert "KV page pool" in str(error.value) and "optimizer state" in str(error.value)
+    path = memory_plan.write_plan(plan, tmp_path / "plan")
+    written = json.loads(path.read_text())
+    assert {"rollout_peak_gib", "train_peak_gib", "device_memory_gib"} <= set(written)
