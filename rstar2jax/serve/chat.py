@@ -2,9 +2,9 @@
 
 Each user turn continues the same token stream the policy was trained on: the first turn is the training
 prompt (:func:`~rstar2jax.data.conversation.render_prompt_ids`), later turns append the chat template's user
-turn (:func:`user_turn_text`) after the model's closed turn, and every assistant turn is a training rollout
-turn (:func:`~rstar2jax.agent.rollout.converse_async`: same tool-call parser, sandbox and tool-response
-format), observed live.
+turn (:func:`~rstar2jax.data.conversation.user_turn_text`) after the model's closed turn, and every assistant
+turn is a training rollout turn (:func:`~rstar2jax.agent.rollout.converse_async`: same tool-call parser,
+sandbox and tool-response format), observed live.
 """
 
 from __future__ import annotations
@@ -15,35 +15,9 @@ import sys
 from typing import TextIO
 
 from rstar2jax.agent.rollout import Conversation, RolloutConfig, ToolSandbox, converse_async
-from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat, render_prompt_ids
+from rstar2jax.data.conversation import encode_text, render_prompt_ids, user_turn_text
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallError
 from rstar2jax.engine import Engine
-
-_PROBE_ASSISTANT = "\x00assistant-probe\x00"
-_PROBE_USER = "\x00user-probe\x00"
-
-
-def user_turn_text(tokenizer, text: str, cfg: PromptConfig, *, turn_closed: bool) -> str:
-    """The text that follows a finished assistant turn for a new user message: the chat template's own
-    turn end (unless the model already wrote it: ``turn_closed``), the user turn, the generation prompt and
-    the assistant opener (read off the template by rendering a probe conversation)."""
-    messages = [
-        {"role": "user", "content": "u"},
-        {"role": "assistant", "content": _PROBE_ASSISTANT},
-        {"role": "user", "content": _PROBE_USER},
-    ]
-    rendered = render_chat(tokenizer, messages, add_generation_prompt=True, **cfg.chat_template_kwargs)
-    after = rendered.split(_PROBE_ASSISTANT, 1)[1]
-    if after.count(_PROBE_USER) != 1:
-        raise ValueError("the chat template does not render user messages verbatim")
-    if turn_closed:
-        eos = tokenizer.eos_token
-        if not eos or not after.startswith(eos):
-            raise ValueError(
-                f"the template's turn end {after[:20]!r} does not start with the eos token {eos!r}"
-            )
-        after = after[len(eos) :]
-    return after.replace(_PROBE_USER, text) + cfg.assistant_opener
 
 
 class TerminalObserver:
