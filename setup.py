@@ -66,6 +66,7 @@ setup(
             "jupyter-client>=8.10",
             "traitlets>=5.16",
             "ruff>=0.17",
+            "openai>=1.0",  # the serving tests drive the server with the official client
             "torch==2.13.0",
             "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
         ],

@@ -129,6 +129,21 @@ def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) ->
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
+#: The run's config as JSON, in its work folder: what loads the run's checkpoints without the launcher
+#: (``rstar2jax.serve.load_policy`` reads the model and tokenizer from it).
+RUN_CONFIG_FILE = "run_config.json"
+
+
+def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
+    """Writes ``config`` (an ``ml_collections.ConfigDict``) as ``workdir/run_config.json``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / RUN_CONFIG_FILE
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
+    temporary.replace(path)
+    return path
+
+
 @dataclasses.dataclass
 class Run:
     """What a training loop needs: mesh, model, optimizer, the (restored or fresh) state and its records."""
@@ -230,6 +245,8 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
         state, meta = restored
         _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
+    if is_main:
+        write_run_config(workdir, config)
     logger = MetricsLogger(
         workdir, history=meta["history"], tensorboard=config.logging.tensorboard, enabled=is_main
     )
