@@ -14,10 +14,11 @@ point it at the base checkpoint, its tokenizer and a problem set:
 How it fits: float32 master weights (6.4 GiB) and AdamW moments (12.8 GiB) are needed only by the update,
 so the moments wait in pinned host memory while the engine runs (``colocate.optimizer_memory="host"``); the
 engine decodes from a bfloat16 cast of the weights with a KV page pool of 256K tokens (28 GiB at 112 KiB per
-token), freed again while the trainer runs (``colocate.release_kv_cache``). Training runs micro-batches of
+token), which exists only while the engine runs. Training runs micro-batches of
 10K-token rows with full rematerialisation and chunked vocabulary log-probs.
 """
 
+from rstar2jax import models
 from rstar2jax.train.config import rl_config, stage
 
 
@@ -25,6 +26,7 @@ def get_config():
     c = rl_config()
     c.workdir = "runs/qwen3_1p7b_1gpu"
     c.model.preset = "qwen3-1.7b"  # random weights until model.path is set
+    c.tokenizer = str(models.QWEN3_TOKENIZER_DIR)  # Qwen3's tokenizer (the same for every size)
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "bfloat16"
     c.model.remat_policy = "full"
@@ -34,7 +36,6 @@ def get_config():
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
     c.device_memory_gib = 80.0
     c.colocate.optimizer_memory = "host"
-    c.colocate.release_kv_cache = True
 
     c.rl.prompts_per_step = 32
     c.rl.samples_per_problem = 16  # 2G

@@ -148,9 +148,9 @@ def rl_config() -> ml_collections.ConfigDict:
         )
     )
     # Colocated rollout and training (rstar2jax.train.colocate): where the optimizer moments wait while the
-    # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend), and
-    # whether the engine's KV pool is freed while the trainer runs.
-    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto", release_kv_cache=True))
+    # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend). The
+    # engine's KV page pool exists only during rollout (each rollout builds it; it is freed when it ends).
+    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto"))
     # Per-device memory for the start-up memory plan check; None: what the device reports (none on CPU).
     c.device_memory_gib = placeholder(float)
     c.filter_batch_size = 64
@@ -293,7 +293,6 @@ FIELD_HELP = {
     "rollout.engine_slots": "concurrent sequences in the generation engine",
     "rollout.kv_cache_tokens": "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
     "colocate.optimizer_memory": "where optimizer moments wait during rollout: auto / host (pinned) / device",
-    "colocate.release_kv_cache": "free the engine's KV page pool while the trainer runs",
     "device_memory_gib": "per-device memory the plan is checked against (None: what the device reports)",
     "filter_batch_size": "problems per batch of the hard-problem filter's rollouts",
     "stages": "the RL stages, run in order",
@@ -494,7 +493,6 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _positive_int(config, "filter_batch_size")
     _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
-    _check(config, "colocate.release_kv_cache", lambda v: isinstance(v, bool), "must be True or False")
     _check(config, "device_memory_gib", lambda v: v is None or v > 0, "must be positive or None")
 
 
