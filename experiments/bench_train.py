@@ -184,6 +184,7 @@ def _packed_batch(lengths, seq_len: int, vocab: int, *, pack: bool, seed: int = 
     import numpy as np
 
     from rstar2jax import train
+    from rstar2jax.data import packing
 
     rng = np.random.default_rng(seed)
     sequences = [
@@ -195,7 +196,9 @@ def _packed_batch(lengths, seq_len: int, vocab: int, *, pack: bool, seed: int = 
         )
         for n in lengths
     ]
-    return train.build_batch(sequences, seq_len=seq_len, pack=pack, with_rl_fields=True)
+    # Exactly the rows needed (build_batch would round them up to a power of two).
+    rows = len(packing.first_fit_decreasing([n - 1 for n in lengths], seq_len)) if pack else len(lengths)
+    return train.build_batch(sequences, seq_len=seq_len, num_rows=rows, pack=pack, with_rl_fields=True)
 
 
 def compiled_temp_bytes(model_config, batch) -> int:
