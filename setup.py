@@ -18,6 +18,12 @@ setup(
     python_requires=">=3.11",
     # The launchers and benchmarks (experiments/) run from the checkout: python -m experiments.X.
     packages=find_packages(include=["rstar2jax", "rstar2jax.*", "sandbox_server", "sandbox_server.*"]),
+    # Data the library reads at run time: eval sets, Qwen3 architecture configs, the Qwen3 tokenizer (each
+    # folder's README gives source and licence).
+    package_data={
+        "rstar2jax.eval": ["sets/*.jsonl", "sets/README.md"],
+        "rstar2jax.models": ["hf_configs/*.json", "hf_configs/README.md", "tokenizers/*/*"],
+    },
     ext_modules=native if sys.platform.startswith("linux") else [],
     install_requires=[
         "jax>=0.10.2",
@@ -42,8 +48,10 @@ setup(
     extras_require={
         # GPU backends: JAX's plugins at the JAX version this project is tested with. Pick the one that
         # matches the machine's driver (`nvidia-smi` shows the CUDA version; ROCm 7 for AMD Instinct GPUs).
-        "cuda": ["jax[cuda12]==0.10.2"],
-        "cuda13": ["jax[cuda13]==0.10.2"],
+        # On NVIDIA, tokamax's fused attention kernels come too (models.attention "auto"); its private Mask
+        # API is used, hence the pin. Without it "auto" uses the blockwise XLA attention.
+        "cuda": ["jax[cuda12]==0.10.2", "tokamax==0.0.12"],
+        "cuda13": ["jax[cuda13]==0.10.2", "tokamax==0.0.12"],
         "rocm": ["jax[rocm7-local]==0.10.2"],
         # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
         "tensorboard": ["tensorboard>=2.21"],
@@ -58,7 +66,9 @@ setup(
             "jupyter-client>=8.10",
             "traitlets>=5.16",
             "ruff>=0.17",
+            "openai>=1.0",  # the serving tests drive the server with the official client
             "torch==2.13.0",
+            "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
         ],
     },
 )

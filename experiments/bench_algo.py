@@ -115,7 +115,10 @@ def jax_penalties_and_roc(key, rewards, calls, failed, answers, turns, *, keep, 
 
 
 def jax_loss_and_grad(logp, old_logp, advantages, mask):
-    loss_fn = lambda lp: algo.policy_loss(lp, old_logp, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    # dual_clip=None: the NumPy baseline above is the plain clipped surrogate.
+    loss_fn = lambda lp: algo.policy_loss(
+        lp, old_logp, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=None
+    )
     return jax.value_and_grad(loss_fn, has_aux=True)(logp)
 
 
@@ -128,7 +131,8 @@ def jax_full_step(key, rewards, calls, failed, answers, turns, logp, old_logp, l
     def loss_fn(logp):
         flat = lambda x: x.reshape(-1, x.shape[-1])
         return algo.policy_loss(flat(selection.gather(logp)), flat(selection.gather(old_logp)),
-                                advantages.reshape(-1), flat(kept_mask), eps_low=EPS_LOW, eps_high=EPS_HIGH)
+                                advantages.reshape(-1), flat(kept_mask), eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                                dual_clip=None)
 
     return jax.value_and_grad(loss_fn, has_aux=True)(logp)
 

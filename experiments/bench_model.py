@@ -21,7 +21,7 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-QWEN3_06B = REPO.parent / "shared" / "model_configs" / "qwen3-0.6b.json"
+QWEN3_06B = REPO / "rstar2jax" / "models" / "hf_configs" / "qwen3-0.6b.json"  # models.preset("qwen3-0.6b")
 
 SMALL_QWEN3 = dict(
     model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=8192, hidden_size=256,

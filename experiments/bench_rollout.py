@@ -255,7 +255,8 @@ def main(argv):
     taught = teach_tool_use(policy, problems, steps=FLAGS.teach_steps, learning_rate=1e-2)
     teach_seconds = time.perf_counter() - teach_start
     longest_prompt = max(len(render_prompt_ids(policy.tokenizer, p.problem)) for p in problems)
-    engine_config = EngineConfig(num_slots=FLAGS.slots, max_len=longest_prompt + FLAGS.max_response_length)
+    max_len = -(-(longest_prompt + FLAGS.max_response_length) // 16) * 16  # whole KV pages of 16 tokens
+    engine_config = EngineConfig(num_slots=FLAGS.slots, max_len=max_len)
     config = RolloutConfig(max_response_length=FLAGS.max_response_length, seed=FLAGS.seed,
                            sampling=SamplingParams(temperature=1.0))
     rows = []

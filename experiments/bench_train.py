@@ -2,6 +2,8 @@
 PyTorch on transformers' Qwen3, same shapes, batch and sequence length, on this CPU.
 
   python -m experiments.bench_train [--steps=5] [--full_depth]
+  python -m experiments.bench_train --memory     # long-context memory and packing (CPU)
+  python -m experiments.bench_train --gpu        # Qwen3-1.7B, bf16, 8 x 8192 on one GPU: tokens/s, MFU
 
 Each (framework, shape) runs in its own subprocess, so peak memory (max RSS) is its own. Both sides compute
 the same thing per step: forward, token log-probs, clipped surrogate with ε 0.2/0.28 and the token-mean
@@ -9,6 +11,19 @@ normaliser, the policy entropy (for logging, no gradient), backward, global-norm
 wd 0.01), float32 throughout. Shapes: a small Qwen3, and the Qwen3-0.6B layer and vocabulary shape with 4 of
 its 28 layers and one row (fp32 weights + AdamW of all 28 need ~10 GiB per process, too much for a shared
 24 GiB machine; --full_depth runs them). Prints a table; the last line is one JSON object.
+
+``--memory`` (issue 22): compiled (XLA memory analysis, CPU, nothing allocated) temporary bytes of one full
+``rl_step`` (forward, backward, clip, AdamW) for the Qwen3-0.6B shape with 2 layers and its real vocabulary
+(151,936), one packed row, float32, remat "full" and the MLP in 512-token chunks: at 2048 tokens and at
+8192 (4 trajectories of 2048); against the same step with dense attention (the quadratic baseline) at 8192
+and the float32 [8192, V] logits the trainer used to hold. Then ``rl_step`` tokens/s (real tokens) of the
+small shape on 8 trajectories (--trajectories) with lengths drawn from 64-2048, packed first-fit decreasing
+into 2048-token rows, against the same trajectories padded one per row; and one 2048-token row with
+blockwise vs dense attention. JSON keys: temp_gib_8192, temp_ratio_8192_over_2048, packed_tokens_per_s_ratio.
+
+``--gpu``: Qwen3-1.7B (28 layers), float32 master weights and AdamW, bfloat16 compute, remat "full",
+attention "auto" (tokamax), 8 rows x 8192 tokens: tokens/s and MFU (model FLOPs: 6 x parameters x tokens
+plus causal attention 6 x layers x T^2 x heads x head_dim per row, over the GPU's dense bf16 peak).
 """
 
 from __future__ import annotations
@@ -25,8 +40,15 @@ from absl import app, flags
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per run (after one warm-up step)")
 _FULL_DEPTH = flags.DEFINE_bool("full_depth", False, "run all 28 layers of the Qwen3-0.6B shape")
 _WORKER = flags.DEFINE_string("worker", None, "internal: run one 'framework:shape' measurement")
+_MEMORY = flags.DEFINE_bool("memory", False, "long-context memory and packing figures (issue 22)")
+_TRAJECTORIES = flags.DEFINE_integer("trajectories", 8, "--memory: trajectories in the packing batch")
+_GPU = flags.DEFINE_bool("gpu", False, "Qwen3-1.7B rl_step at 8 x 8192, bf16, on the default GPU")
+_GPU_ROWS = flags.DEFINE_integer("gpu_rows", 8, "--gpu: rows per step")
+_GPU_SEQ_LEN = flags.DEFINE_integer("gpu_seq_len", 8192, "--gpu: tokens per row")
 
-SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The bundled HF config of preset "qwen3-0.6b", read as a file: the PyTorch worker imports no JAX.
+QWEN3_06B = os.path.join(REPO, "rstar2jax", "models", "hf_configs", "qwen3-0.6b.json")
 SMALL = dict(
     vocab_size=8192,
     hidden_size=256,
@@ -43,7 +65,7 @@ SHAPES = {"small": (SMALL, 8, 256), "qwen3-0.6b": (None, 1, 256)}  # (HF config 
 def hf_config(shape: str, full_depth: bool) -> dict:
     fields, _, _ = SHAPES[shape]
     if fields is None:
-        with open(os.path.join(SHARED, "model_configs", "qwen3-0.6b.json")) as f:
+        with open(QWEN3_06B) as f:
             config = json.load(f)
         if not full_depth:
             config["num_hidden_layers"] = 4
@@ -154,6 +176,186 @@ def run_torch(config: dict, batch: int, seq_len: int, steps: int) -> dict:
     return {"step_s": float(np.median(times)), "compile_s": 0.0, "loss": loss, "xla_temp_mib": 0.0}
 
 
+GIB = 2.0**30
+
+
+def _packed_batch(lengths, seq_len: int, vocab: int, *, pack: bool, seed: int = 0):
+    """An RL batch of trajectories of the given token counts (a 32-token prompt, the rest trained on)."""
+    import numpy as np
+
+    from rstar2jax import train
+
+    rng = np.random.default_rng(seed)
+    sequences = [
+        train.TokenSequence(
+            tokens=rng.integers(0, vocab, n).tolist(),
+            loss_mask=[0] * 32 + [1] * (n - 32),
+            logprobs=(-rng.random(n) * 10).tolist(),
+            advantage=float(rng.normal()),
+        )
+        for n in lengths
+    ]
+    return train.build_batch(sequences, seq_len=seq_len, pack=pack, with_rl_fields=True)
+
+
+def compiled_temp_bytes(model_config, batch) -> int:
+    """Temporary bytes of the compiled rl_step (XLA memory analysis on abstract shapes: nothing allocated)."""
+    import jax
+
+    from rstar2jax import models, train
+
+    optimizer = train.make_optimizer()
+    state = jax.eval_shape(
+        lambda: train.init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, 0)
+    )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    compiled = train.make_rl_step(model_config, optimizer).lower(state, abstract).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def time_rl_step(model_config, batch, steps: int) -> float:
+    """Median seconds of the jitted rl_step on ``batch`` (after one warm-up step)."""
+    import jax
+    import numpy as np
+
+    from rstar2jax import models, train
+
+    optimizer = train.make_optimizer()
+    state = train.init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, 0)
+    step = train.make_rl_step(model_config, optimizer)
+    batch = jax.device_put(batch)
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def memory_main() -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from rstar2jax import models
+
+    long_context = models.preset(
+        "qwen3-0.6b",
+        num_layers=2,
+        remat_policy="full",
+        mlp_chunk_size=512,
+        attention="blockwise",
+        attention_block_size=256,
+    )
+    print(
+        "rl_step compiled temporaries, Qwen3-0.6B shape with 2 layers, vocabulary 151,936, one packed row, "
+        "fp32, remat full, MLP in 512-token chunks (XLA memory analysis, CPU)",
+        flush=True,
+    )
+    print(f"{'tokens':>8}{'attention':>12}{'temp GiB':>10}", flush=True)
+    temp = {}
+    for tokens in (2048, 8192):
+        batch = _packed_batch([2049] * (tokens // 2048), tokens, long_context.vocab_size, pack=True)
+        assert batch.shape == (1, tokens), batch.shape  # one packed row
+        temp[tokens] = compiled_temp_bytes(long_context, batch)
+        print(f"{tokens:>8}{'blockwise':>12}{temp[tokens] / GIB:>10.3f}", flush=True)
+    dense = compiled_temp_bytes(dataclasses.replace(long_context, attention="xla"), batch)
+    print(f"{8192:>8}{'dense':>12}{dense / GIB:>10.3f}", flush=True)
+    logits_gib = 8192 * long_context.vocab_size * 4 / GIB
+    print(f"(the float32 [8192, V] logits the trainer used to materialise: {logits_gib:.2f} GiB)", flush=True)
+
+    # Packing: the small shape, trajectories of 64-2048 tokens (+1: a trajectory of n tokens fills n - 1
+    # positions), packed first-fit decreasing vs padded one per row.
+    small = models.config_from_hf(hf_config("small", False))
+    lengths = np.random.default_rng(0).integers(64, 2049, _TRAJECTORIES.value) + 1
+    real_tokens = int(np.sum(lengths - 1))
+    packed = _packed_batch(lengths, 2048, small.vocab_size, pack=True)
+    padded = _packed_batch(lengths, 2048, small.vocab_size, pack=False)
+    packed_s = time_rl_step(small, packed, _STEPS.value)
+    padded_s = time_rl_step(small, padded, _STEPS.value)
+    ratio = padded_s / packed_s
+    print(
+        f"packing, small shape, {len(lengths)} trajectories of 64-2048 tokens ({real_tokens} real tokens): "
+        f"packed {packed.shape[0]} rows x 2048: {real_tokens / packed_s:.0f} tokens/s; "
+        f"padded {padded.shape[0]} rows x 2048: {real_tokens / padded_s:.0f} tokens/s; ratio {ratio:.2f}",
+        flush=True,
+    )
+    # No regression at 2048 tokens: the small shape, one full row of 2048, blockwise vs dense attention.
+    row_2048 = _packed_batch([2049], 2048, small.vocab_size, pack=False)
+    blockwise_s = time_rl_step(small, row_2048, _STEPS.value)
+    dense_s = time_rl_step(dataclasses.replace(small, attention="xla"), row_2048, _STEPS.value)
+    print(
+        f"small shape, 1 x 2048 tokens: blockwise attention {2048 / blockwise_s:.0f} tokens/s, dense "
+        f"{2048 / dense_s:.0f} tokens/s (ratio {dense_s / blockwise_s:.2f})",
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "temp_gib_8192": round(temp[8192] / GIB, 3),
+                "temp_gib_2048": round(temp[2048] / GIB, 3),
+                "temp_ratio_8192_over_2048": round(temp[8192] / temp[2048], 3),
+                "dense_attention_temp_gib_8192": round(dense / GIB, 3),
+                "float32_logits_gib_8192": round(logits_gib, 3),
+                "packed_tokens_per_s_ratio": round(ratio, 3),
+                "packed_tokens_per_s": round(real_tokens / packed_s, 1),
+                "padded_tokens_per_s": round(real_tokens / padded_s, 1),
+                "blockwise_over_dense_tokens_per_s_2048": round(dense_s / blockwise_s, 3),
+                "packed_rows": packed.shape[0],
+                "padded_rows": padded.shape[0],
+                "trajectories": len(lengths),
+                "device": "cpu",
+                "cores": os.cpu_count(),
+                "steps": _STEPS.value,
+            }
+        )
+    )
+
+
+# Dense bf16 peak FLOP/s by device kind (NVIDIA datasheets, without sparsity).
+_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def gpu_main() -> None:
+    import jax
+
+    from rstar2jax import models
+
+    device = jax.devices()[0]
+    rows, seq_len = _GPU_ROWS.value, _GPU_SEQ_LEN.value
+    config = models.preset("qwen3-1.7b", compute_dtype="bfloat16", remat_policy="full", attention="auto")
+    lengths = [seq_len + 1] * rows  # one trajectory per row, every position trained on after the prompt
+    batch = _packed_batch(lengths, seq_len, config.vocab_size, pack=False)
+    step_s = time_rl_step(config, batch, _STEPS.value)
+    tokens = rows * seq_len
+    attention_flops = 6 * config.num_layers * rows * seq_len**2 * config.num_heads * config.head_dim
+    flops = 6 * config.num_params * tokens + attention_flops
+    peak = next((v for k, v in _PEAK_BF16.items() if k in device.device_kind), None)
+    mfu = None if peak is None else flops / step_s / peak
+    print(
+        f"Qwen3-1.7B rl_step on {device.device_kind}: {rows} x {seq_len} tokens, bf16 compute, fp32 master "
+        f"weights + AdamW, remat full, attention {models.attention.resolve_implementation('auto')}: "
+        f"{step_s:.3f} s/step, {tokens / step_s:.0f} tokens/s, MFU {mfu if mfu is None else f'{mfu:.1%}'}"
+    )
+    print(
+        json.dumps(
+            {
+                "device": device.device_kind,
+                "rows": rows,
+                "seq_len": seq_len,
+                "step_s": round(step_s, 4),
+                "tokens_per_s": round(tokens / step_s, 1),
+                "mfu": None if mfu is None else round(mfu, 4),
+                "model_tflop_per_step": round(flops / 1e12, 2),
+                "steps": _STEPS.value,
+            }
+        )
+    )
+
+
 def worker(spec: str) -> None:
     framework, shape = spec.split(":")
     _, batch, seq_len = SHAPES[shape]
@@ -194,6 +396,12 @@ def main(argv):
     del argv
     if _WORKER.value:
         worker(_WORKER.value)
+        return
+    if _MEMORY.value:
+        memory_main()
+        return
+    if _GPU.value:
+        gpu_main()
         return
     figures = {}
     rows = []

@@ -23,8 +23,8 @@
  * descriptor numbers; ``sources`` (sent with SCM_RIGHTS, one per target) become those targets in the call;
  * ``payload`` reaches the call through a memfd. The reply is the pid, or -errno if the clone failed.
  *
- * Call set-up, in order (isolation.CallSandbox._set_up does the same in Python): new session; unshare the
- * namespaces; join the slot's network namespace; mount the private tmpfs on /tmp; chdir; move the targets
+ * Call set-up, in order (isolation.CallSandbox._set_up does the same in Python): join the call's memory
+ * cgroup; new session; unshare the namespaces; join the slot's network namespace; mount the private tmpfs on /tmp; chdir; move the targets
  * into place and close every other descriptor; rlimits with soft = hard (RLIMIT_CPU = cpu_seconds); drop to
  * uid/gid with no supplementary groups; no-new-privs, parent-death SIGKILL, not dumpable; seccomp filter;
  * exit quietly if the worker is already gone (its pidfd readable), then close that pidfd. A failing step
@@ -70,6 +70,7 @@ struct __attribute__((packed)) wire_plan {
     int32_t unshare_flags;
     int32_t new_pid_namespace; /* clone the call as init of a fresh PID namespace */
     int32_t netns_fd;          /* -1: none; a descriptor the fork server inherited from the worker */
+    int32_t cgroup_fd;         /* -1: none; cgroup.procs of the call's memory cgroup (inherited) */
     int32_t uid;               /* -1: keep the uid */
     uint64_t seccomp_address;  /* 0: none; a sock_fprog in the (inherited) memory of the worker */
     int32_t worker_pidfd;      /* the target number the worker's pidfd arrives at */
@@ -139,6 +140,8 @@ static void set_up_call(const struct fork_request *request, const int *sources) 
     const struct wire_plan *plan = &request->plan;
     int err = stderr_source(request, sources);
 
+    /* First, so that everything the call makes resident is charged to its own memory cgroup. */
+    if (plan->cgroup_fd >= 0 && write(plan->cgroup_fd, "0", 1) != 1) fail(err, "join the memory cgroup");
     if (setsid() < 0) fail(err, "setsid");
     if (plan->unshare_flags && unshare(plan->unshare_flags) != 0) fail(err, "unshare");
     if (plan->netns_fd >= 0 && setns(plan->netns_fd, CLONE_NEWNET) != 0) fail(err, "setns(network)");

@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -55,7 +56,8 @@ class SandboxServer:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics()
-        self.temp_root = tempfile.mkdtemp(prefix="sandbox_server-")
+        _sweep_dead_servers()  # what a server killed with SIGKILL left behind
+        self.temp_root = tempfile.mkdtemp(prefix=f"sandbox_server-{os.getpid()}-")
         os.chmod(self.temp_root, 0o755)
         self.cgroup_dir, self.cgroup_problem = _create_memory_cgroup(config.total_memory_mb)
         self.pool = Pool(config, self.temp_root, self.cgroup_dir, self.metrics)
@@ -260,14 +262,53 @@ def _create_memory_cgroup(limit_mb: int) -> tuple[str | None, str | None]:
 
 
 def _remove_cgroup(path: str) -> None:
-    for _ in range(50):  # the last call processes may still be exiting
+    """Remove a cgroup and the per-call cgroups under it (their last processes may still be exiting)."""
+    for _ in range(50):
         try:
+            for child in os.scandir(path):
+                if child.is_dir():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(child.path)
             os.rmdir(path)
             return
         except FileNotFoundError:
             return
         except OSError:
             time.sleep(0.05)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _sweep_dead_servers() -> None:
+    """Remove the temporary roots and memory cgroups of servers that are gone (a SIGKILL skips ``stop``).
+
+    Both carry the server's pid in their names; only those of pids that no longer exist are removed.
+    """
+    pattern = re.compile(r"sandbox_server-(\d+)(-|$)")
+    places = [tempfile.gettempdir()]
+    with contextlib.suppress(OSError):
+        places.append(_memory_cgroup_parent()[0])
+    for place in places:
+        try:
+            entries = list(os.scandir(place))
+        except OSError:
+            continue
+        for entry in entries:
+            match = pattern.fullmatch(entry.name) or pattern.match(entry.name)
+            if not match or not entry.is_dir(follow_symlinks=False) or _pid_alive(int(match.group(1))):
+                continue
+            if place == tempfile.gettempdir():
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif os.geteuid() == 0:
+                _remove_cgroup(entry.path)
 
 
 async def serve(config: ServerConfig, *, stop_at_stdin_eof: bool = False) -> None:

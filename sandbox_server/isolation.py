@@ -30,6 +30,7 @@ process group is killed at the end. ``Mechanisms`` records what is active and wh
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -58,7 +59,7 @@ CHILD_FD_END = 6  # a child keeps fds 0..5 through setup (0-2 stdio, 3 record, 4
 # The packed forms of a call's plan and of a fork request; _spawn.c's struct wire_plan / fork_request.
 MAX_TARGETS = MAX_LIMITS = 8
 TMPFS_OPTIONS_SIZE, WORKDIR_SIZE = 256, 4096  # with the terminating NUL
-WIRE_PLAN = struct.Struct(f"=iiiiQiii8i8q{TMPFS_OPTIONS_SIZE}s{WORKDIR_SIZE}s")
+WIRE_PLAN = struct.Struct(f"=iiiiiQiii8i8q{TMPFS_OPTIONS_SIZE}s{WORKDIR_SIZE}s")
 REQUEST_TAIL = struct.Struct("=qi8iq")  # cpu_seconds, n_targets, targets, payload size
 SANDBOX_TMP = "/tmp"
 SANDBOX_TMP_BYTES = SANDBOX_TMP.encode()
@@ -181,6 +182,8 @@ class WorkerSandbox:
     seccomp_program: object  # the BPF filter installed in every call, or None
     oom_adj_fd: int | None = None  # this worker's /proc/self/oom_score_adj, written around each fork
     seccomp_fprog: object = None
+    # per slot: (cgroup.procs fd, OOM-kill counter fd) of its own memory cgroup (_make_call_cgroups)
+    slot_cgroups: list = dataclasses.field(default_factory=list)
 
     @property
     def seccomp_address(self) -> int | None:
@@ -188,7 +191,14 @@ class WorkerSandbox:
 
     @classmethod
     def prepare(
-        cls, *, name: str, temp_root: str, slots: int, uid_base: int, cgroup_dir: str | None
+        cls,
+        *,
+        name: str,
+        temp_root: str,
+        slots: int,
+        uid_base: int,
+        cgroup_dir: str | None,
+        call_memory_bytes: int = 0,
     ) -> WorkerSandbox:
         mechanisms = Mechanisms()
 
@@ -212,6 +222,16 @@ class WorkerSandbox:
                 mechanisms.mark("memory_cgroup")
             except OSError as error:
                 mechanisms.mark("memory_cgroup", error)
+        slot_cgroups = []
+        if cgroup_oom_fd is not None and call_memory_bytes:
+            try:
+                worker_key = name.rsplit(".", 1)[0]  # without the generation: reused across restarts
+                slot_cgroups = _make_call_cgroups(cgroup_dir, worker_key, slots, call_memory_bytes)
+                mechanisms.mark("call_memory_cgroup")
+            except OSError as error:
+                mechanisms.mark("call_memory_cgroup", error)
+        elif "memory_cgroup" not in mechanisms:
+            mechanisms.mark("call_memory_cgroup", "needs the memory cgroup")
         oom_adj_fd = None
         try:  # the OOM killer should pick a call, never the worker: -1000 here, 1000 in each fork
             oom_adj_fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -311,15 +331,17 @@ class WorkerSandbox:
             seccomp_program,
             oom_adj_fd,
         )
+        sandbox.slot_cgroups = slot_cgroups
         if seccomp_program is not None:
             sandbox.seccomp_fprog = linux.seccomp_fprog(seccomp_program)
         return sandbox
 
-    def oom_kills(self) -> int:
-        """The cgroup's OOM-kill counter (0 without a cgroup)."""
-        if self.cgroup_oom_fd is None:
+    def oom_kills(self, slot: int | None = None) -> int:
+        """The OOM-kill counter of the server's cgroup, or of ``slot``'s own (0 without a cgroup)."""
+        fd = self.slot_cgroups[slot][1] if slot is not None and self.slot_cgroups else self.cgroup_oom_fd
+        if fd is None:
             return 0
-        for line in os.pread(self.cgroup_oom_fd, 4096, 0).decode().splitlines():
+        for line in os.pread(fd, 4096, 0).decode().splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)
@@ -367,6 +389,7 @@ class CallSandbox:
     uid: int | None
     unshare_flags: int
     netns_fd: int | None  # join this (per-slot) network namespace
+    cgroup_fd: int | None  # cgroup.procs of the call's own memory cgroup, joined first ("0" written to it)
     tmpfs_options: bytes | None  # mount a private tmpfs on /tmp with these options
     workdir: str  # the call's working directory (/tmp, or a host directory in degraded mode)
     limits: tuple  # ((resource, value), ...) applied with soft = hard; CPU time comes per call
@@ -375,7 +398,17 @@ class CallSandbox:
 
     @classmethod
     def plan(
-        cls, sandbox: WorkerSandbox, config: dict, *, uid, netns_fd, fresh_netns, workdir, memory_mb, native
+        cls,
+        sandbox: WorkerSandbox,
+        config: dict,
+        *,
+        uid,
+        netns_fd,
+        fresh_netns,
+        workdir,
+        memory_mb,
+        native,
+        cgroup_fd=None,
     ):
         mechanisms = sandbox.mechanisms
         flags = linux.CLONE_NEWNET if fresh_netns else 0
@@ -404,6 +437,7 @@ class CallSandbox:
                 flags,
                 sandbox.own_pidns_fd is not None,
                 _or(netns_fd, -1),
+                _or(cgroup_fd, -1),
                 _or(uid, -1),
                 _or(sandbox.seccomp_address, 0),
                 WORKER_PIDFD,
@@ -414,7 +448,8 @@ class CallSandbox:
                 tmpfs_options or b"",
                 os.fsencode(workdir),
             )
-        return cls(uid, flags, netns_fd, tmpfs_options, workdir, limits, sandbox.seccomp_address, native_plan)
+        seccomp = sandbox.seccomp_address
+        return cls(uid, flags, netns_fd, cgroup_fd, tmpfs_options, workdir, limits, seccomp, native_plan)
 
     def fork(self, sandbox: WorkerSandbox, targets: tuple, cpu_seconds: int) -> int:
         """Fork the call from this process and set it up in Python: its pid here; 0 in the isolated child.
@@ -451,6 +486,8 @@ class CallSandbox:
 
     def _enter_namespaces(self) -> None:
         """Namespace and mount steps; run before the inherited file descriptors are closed."""
+        if self.cgroup_fd is not None:  # first: everything the call makes resident is charged to it
+            os.write(self.cgroup_fd, b"0")
         os.setsid()
         if self.unshare_flags:
             linux.unshare(self.unshare_flags)
@@ -560,6 +597,27 @@ class ForkServer:
             cpu_seconds, len(numbers), *_padded(list(numbers), MAX_TARGETS), len(payload)
         )
         return native_spawn.request_fork(self.sock, request, targets[1::2], payload)
+
+
+def _make_call_cgroups(parent: str, worker: str, slots: int, limit_bytes: int) -> list:
+    """One memory cgroup per slot under the server's, limited to ``limit_bytes``: a call joins its slot's
+    first thing after the clone, so anonymous memory, memfd and tmpfs pages, pipe and socket buffers and
+    page cache it makes resident are charged to it and an OOM kill stays inside it. Reused slot by slot
+    (and across a worker's restarts); the server removes them at stop and its next start sweeps what a
+    killed one left. Returns ``[(cgroup.procs fd, OOM-kill counter fd), ...]``."""
+    events = "memory.oom_control" if os.path.exists(f"{parent}/memory.oom_control") else "memory.events"
+    limit_file = "memory.limit_in_bytes" if events == "memory.oom_control" else "memory.max"
+    fds = []
+    for slot in range(slots):
+        path = os.path.join(parent, f"{worker}-s{slot}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, limit_file), "w") as f:
+            f.write(str(limit_bytes))
+        if limit_file == "memory.limit_in_bytes":  # cgroup v1: no swap beyond the limit either
+            with contextlib.suppress(OSError), open(f"{path}/memory.memsw.limit_in_bytes", "w") as f:
+                f.write(str(limit_bytes))
+        fds.append((os.open(f"{path}/cgroup.procs", os.O_WRONLY), os.open(f"{path}/{events}", os.O_RDONLY)))
+    return fds
 
 
 def _close_quietly(fd: int) -> None:

@@ -61,6 +61,7 @@ from sandbox_server.output import StreamCapture  # noqa: E402
 
 READ_CHUNK = 1 << 16
 MAX_RECORD_BYTES = 1 << 16
+MAX_ERROR_TYPE = 200  # characters of an exception type name kept in a record
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,6 +95,7 @@ class Child:
     control_fd: int | None = None
     call: Call | None = None
     record_buffer: bytearray = dataclasses.field(default_factory=bytearray)
+    skipping_record: bool = False  # dropping the rest of an over-long line on the record pipe
     exited: bool = False
 
 
@@ -112,7 +114,8 @@ class Worker:
         self.lost_sessions: dict[str, str] = {}  # session id -> why its process ended between calls
         self.deadlines: list = []  # heap of (deadline, call id, child)
         self.worker_pidfd = os.pidfd_open(os.getpid())
-        self.oom_kills_seen = sandbox.oom_kills()
+        self.oom_kills_seen = {None: sandbox.oom_kills()}  # per slot with call cgroups (key None: server's)
+        self.oom_kills_seen.update((n, sandbox.oom_kills(n)) for n in range(len(sandbox.slot_cgroups)))
         self.slot_plans: dict[int, CallSandbox] = {}
         self.native_unavailable = fork_server_unavailable(sandbox, config["call_setup"])  # None: fork server
         self.huge_page_bytes = 0  # of the warm heap, as the fork server started (ForkServer.collapse_heap)
@@ -215,7 +218,7 @@ class Worker:
             os.chown(workdir, uid, uid)
         return workdir
 
-    def _plan(self, *, uid, netns_fd, fresh_netns, workdir, memory_mb) -> CallSandbox:
+    def _plan(self, *, uid, netns_fd, fresh_netns, workdir, memory_mb, cgroup_fd=None) -> CallSandbox:
         return CallSandbox.plan(
             self.sandbox,
             self.config,
@@ -225,6 +228,7 @@ class Worker:
             workdir=workdir,
             memory_mb=memory_mb,
             native=self.native_unavailable is None,
+            cgroup_fd=cgroup_fd,
         )
 
     def _slot_plan(self, slot: int, workdir: str | None) -> CallSandbox:
@@ -233,8 +237,14 @@ class Worker:
             return self.slot_plans[slot]
         uid = None if self.sandbox.uid_base is None else self.sandbox.uid_base + slot
         netns = self.sandbox.slot_netns_fds[slot] if self.sandbox.slot_netns_fds else None
+        cgroups = self.sandbox.slot_cgroups
         plan = self._plan(
-            uid=uid, netns_fd=netns, fresh_netns=False, workdir=workdir, memory_mb=self.config["memory_mb"]
+            uid=uid,
+            netns_fd=netns,
+            fresh_netns=False,
+            workdir=workdir,
+            memory_mb=self.config["memory_mb"],
+            cgroup_fd=cgroups[slot][0] if cgroups else None,
         )
         if workdir is None:
             self.slot_plans[slot] = plan
@@ -400,8 +410,7 @@ class Worker:
         kind = child.fds[fd]
         call = child.call
         if kind == "record":
-            if len(child.record_buffer) < MAX_RECORD_BYTES:
-                child.record_buffer += data
+            _feed_records(child, data)
         elif call is not None:  # a session's background output between calls is dropped
             (call.stdout if kind == "stdout" else call.stderr).feed(data)
             if call.stdout.total + call.stderr.total > self.config["output_limit_bytes"]:
@@ -487,9 +496,9 @@ class Worker:
                 call.kill_reason, "SessionClosed"
             )
         elif record is not None:
-            status, error_type = record["status"], record["error_type"]
+            status, error_type = record["status"], wire_text(record["error_type"])
         elif exit_code is not None and exit_code < 0:
-            status, error_type = self._classify_signal(-exit_code)
+            status, error_type = self._classify_signal(-exit_code, child.slot)
         elif exit_code == SETUP_FAILED_EXIT and stderr.startswith(SETUP_FAILED_MESSAGE):
             status, error_type = "internal", "SandboxSetupFailed"
         else:
@@ -530,14 +539,16 @@ class Worker:
             session_ended=session_ended,
         )
 
-    def _classify_signal(self, signum: int) -> tuple[str, str]:
+    def _classify_signal(self, signum: int, slot: int | None) -> tuple[str, str]:
         name = _signal_name(signum)
         if signum == signal.SIGXCPU:
             return "timeout", name
         if signum == signal.SIGKILL:
-            oom_kills = self.sandbox.oom_kills()
-            if oom_kills > self.oom_kills_seen:
-                self.oom_kills_seen = oom_kills
+            # The call's own cgroup (exact: nothing else runs in it), else the server's (any call's kill).
+            key = slot if slot is not None and self.sandbox.slot_cgroups else None
+            oom_kills = self.sandbox.oom_kills(key)
+            if oom_kills > self.oom_kills_seen.get(key, 0):
+                self.oom_kills_seen[key] = oom_kills
                 return "memory_limit", "OutOfMemory"
         return "killed", name
 
@@ -554,20 +565,31 @@ class Worker:
         timings=None,
         session_ended=None,
     ) -> None:
-        self._send(
-            {
-                "op": "result",
-                "id": call.id,
-                "status": status,
-                "stdout": stdout,
-                "stderr": stderr,
-                "exit_code": exit_code,
-                "error_type": error_type,
-                "duration": duration,
-                "timings": timings or {},
-                "session_ended": session_ended,
-            }
-        )
+        message = {
+            "op": "result",
+            "id": call.id,
+            "status": status,
+            "stdout": stdout,
+            "stderr": stderr,
+            "exit_code": exit_code,
+            "error_type": error_type,
+            "duration": duration,
+            "timings": timings or {},
+            "session_ended": session_ended,
+        }
+        try:
+            self._send(message)
+        except (ValueError, TypeError, OverflowError) as error:  # never one call's result kills the worker
+            note = f"sandbox: the call's result could not be sent: {error}\n"
+            self._send_result(call, "internal", stderr=note, error_type="BadResult")
+
+
+def wire_text(text: str | None) -> str | None:
+    """``text`` as valid UTF-8 for the wire: lone surrogates (an exception type may be named
+    ``"\\ud800"``) become ``\\ud800`` escapes."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _remove_workdir(workdir: str | None) -> None:
@@ -595,6 +617,36 @@ def _describe_exit(status: int) -> str:
     return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
 
 
+def _feed_records(child: Child, data: bytes) -> None:
+    """Append ``data`` to the child's record buffer, bounded: past ``MAX_RECORD_BYTES`` only valid records
+    (the last few) are kept, and an over-long line is dropped, so code writing junk to the record pipe can
+    neither grow the worker nor push out the runner's own record."""
+    if child.skipping_record:
+        end = data.find(b"\n")
+        if end < 0:
+            return
+        data, child.skipping_record = data[end + 1 :], False
+    buffer = child.record_buffer
+    buffer += data
+    if len(buffer) <= MAX_RECORD_BYTES:
+        return
+    *lines, rest = bytes(buffer).split(b"\n")
+    kept = [line for line in lines if _parse_record(line) is not None][-4:]
+    if len(rest) > MAX_RECORD_BYTES:
+        rest, child.skipping_record = b"", True
+    buffer[:] = b"".join(line + b"\n" for line in kept) + rest
+
+
+def _parse_record(line: bytes) -> dict | None:
+    if len(line) > MAX_RECORD_BYTES:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if _valid_record(record) else None
+
+
 def _take_record(buffer: bytearray, session_call_id: int | None) -> dict | None:
     """Consume the complete lines of ``buffer``; return the last valid outcome record among them.
 
@@ -605,22 +657,28 @@ def _take_record(buffer: bytearray, session_call_id: int | None) -> dict | None:
     buffer[:] = rest
     found = None
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if _valid_record(record) and (session_call_id is None or record.get("id") == session_call_id):
+        record = _parse_record(line)
+        if record is not None and (session_call_id is None or record.get("id") == session_call_id):
             found = record
     return found
 
 
 def _valid_record(record) -> bool:
-    return (
-        isinstance(record, dict)
-        and record.get("status") in ("ok", "error", "memory_limit")
-        and (record.get("error_type") is None or isinstance(record.get("error_type"), str))
-        and isinstance(record.get("exit_code"), int)
-        and all(isinstance(record.get(k), (int, float)) for k in ("exec_start", "exec_end"))
+    """Whether ``record`` is a well-formed outcome record. The code runs in the process that writes the
+    record, so it can write one too: only its own call's result can change, and only to a value that is
+    valid here (a status it could reach anyway, bounded integers, finite times, a short error type name)."""
+    if not isinstance(record, dict) or record.get("status") not in ("ok", "error", "memory_limit"):
+        return False
+    error_type, exit_code = record.get("error_type"), record.get("exit_code")
+    if error_type is not None and not (isinstance(error_type, str) and 0 < len(error_type) <= MAX_ERROR_TYPE):
+        return False
+    if type(exit_code) is not int or not 0 <= exit_code <= 255:
+        return False
+    if "id" in record and (type(record["id"]) is not int or not 0 <= record["id"] < 2**63):
+        return False
+    return all(
+        type(record.get(k)) in (int, float) and math.isfinite(record[k]) and abs(record[k]) < 1e12
+        for k in ("exec_start", "exec_end")
     )
 
 
@@ -645,6 +703,7 @@ def main(argv=None) -> None:
         slots=config["slots"],
         uid_base=spec["uid_base"],
         cgroup_dir=spec["cgroup"],
+        call_memory_bytes=(config["memory_mb"] + config["tmp_mb"]) << 20,
     )
     stdio = runner.make_stdio()
     runner.rehearse()

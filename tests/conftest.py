@@ -17,15 +17,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> pathlib.Path:
-    """The ``../shared`` folder beside the checkout (real data, tokenizer, configs)."""
-    if not SHARED.is_dir():
-        pytest.skip(f"{SHARED} not found")
-    return SHARED
+def qwen3_tokenizer():
+    """The real Qwen3 tokenizer, bundled with ``rstar2jax.models`` (loaded once per session)."""
+    from rstar2jax.data.tokenizer import load_tokenizer
+    from rstar2jax.models import QWEN3_TOKENIZER_DIR
+
+    return load_tokenizer(QWEN3_TOKENIZER_DIR)
 
 
 def pytest_runtest_setup(item):

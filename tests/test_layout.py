@@ -10,7 +10,10 @@ import rstar2jax
 
 ROOT = pathlib.Path(rstar2jax.__file__).parent
 #: A subpackage may import its own rank or lower (same-rank siblings: none of them import each other).
-RANK = {"algo": 0, "models": 0, "engine": 1, "reward": 2, "data": 3, "agent": 4, "eval": 4, "train": 5}
+RANK = {
+    "algo": 0, "models": 0, "engine": 1, "reward": 2, "data": 3, "agent": 4, "eval": 4, "train": 5,
+    "serve": 6,
+}  # fmt: skip
 
 
 def imported_subpackages(path: pathlib.Path) -> set[str]:

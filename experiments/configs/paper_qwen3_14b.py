@@ -6,7 +6,7 @@ As shipped the model is the real Qwen3-14B shape with random weights (enough for
 it at the base checkpoint and the 42K integer-answer problem set:
 
   python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py \
-      --config.model.path=/ckpt/Qwen3-14B-Base --config.model.config_json= \
+      --config.model.path=/ckpt/Qwen3-14B-Base --config.model.preset= \
       --config.data.source=/data/rl_42k.jsonl
 
 Choices the paper leaves open (README §1.11) follow the released code: Bessel std + 1e-6, all-equal groups
@@ -14,21 +14,20 @@ rejected before the token normaliser, old log-probs recomputed by the trainer (o
 release's ppo_mini_batch_size = train_batch_size), tool tokens masked out of the loss.
 """
 
-import pathlib
-
+from rstar2jax import models
 from rstar2jax.train.config import rl_config, sft_config, stage
-
-SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared"
 
 
 def _model_and_mesh(c):
-    c.model.config_json = str(SHARED / "model_configs" / "qwen3-14b.json")
+    c.model.preset = "qwen3-14b"  # the official Qwen3-14B config.json, bundled (models.PRESETS)
     c.model.param_dtype = "float32"  # master weights and AdamW moments
     c.model.compute_dtype = "bfloat16"
     c.model.remat_policy = "full"
-    c.tokenizer = str(SHARED / "tokenizers" / "qwen3")
-    # 64 devices: FSDP over 8 x tensor parallel over 8 (40 heads and the 152K vocabulary split 8 ways keep
-    # the dense 14K x 14K attention of one row per device in memory: the dry run needs ~34 GiB per device).
+    # Attention linear in memory (tokamax's kernels on NVIDIA GPUs, the blockwise XLA one elsewhere, e.g. the
+    # CPU dry run); log-probs and entropy come from vocabulary chunks (no [rows, 12K, 152K] logits).
+    c.model.attention = "auto"
+    c.tokenizer = str(models.QWEN3_TOKENIZER_DIR)
+    # 64 devices: FSDP over 8 x tensor parallel over 8 (40 heads and the 152K vocabulary split 8 ways).
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 8
     return c
 
@@ -67,6 +66,12 @@ def get_config(kind: str = "rl"):
     c.loss.eps_low, c.loss.eps_high = 0.2, 0.28  # clip-higher; no KL, no entropy term
     c.loss.agg = "token_mean"  # 1 / sum |o_i| over the whole batch (Eq. 6)
     c.loss.old_logprobs = "recompute"
+    c.loss.dual_clip = 3.0  # not in the paper; the released code on verl (clip_ratio_c = 3)
+    c.loss.importance_sampling_level = "token"  # PPO/GRPO ratio; "sequence" is GSPO (gspo_eps 3e-4 / 4e-4)
+    c.loss.kl_coef = 0.0  # KL removed (§2.2.1): no reference policy is kept
+    # Rollout correction off, as in the paper; the usual setting is rollout_is_cap = 2 (token-level
+    # truncated IS) and/or rollout_mask = "geometric" with rollout_mask_threshold = 2.
+    c.loss.rollout_is_cap, c.loss.rollout_mask = None, None
 
     c.rl.prompts_per_step = 512
     c.rl.samples_per_problem = 32
@@ -75,6 +80,10 @@ def get_config(kind: str = "rl"):
     c.rl.reject_equal_reward = True
     c.rl.std = "unbiased"
     c.rl.advantage_eps = 1e-6
+    c.rl.format_penalty = "paper"  # Eq. 5; "release" is the released code's rule (README §1.3)
+    # Truncated rollouts keep reward 0 and stay in the loss: overlong filtering raised truncation (§4.3).
+    c.rl.mask_truncated = False
+    c.rl.overlong_buffer = 0  # no DAPO soft overlong penalty
 
     c.batch.max_prompt_length = 2048
     c.batch.pack = False  # one trajectory per row; the worst case (every response at the limit) must fit

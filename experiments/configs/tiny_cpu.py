@@ -8,10 +8,9 @@ with the hard-problem filter and an optimizer reset; small batches). For a run t
 
 import pathlib
 
+from rstar2jax import models
+from rstar2jax.eval import EVAL_SETS_DIR
 from rstar2jax.train.config import rl_config, sft_config, stage
-
-SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared"
-
 
 SMOKE_TEST = (
     "tiny_cpu is a smoke test: a random 2-layer model, so rewards are 0 and nothing is learned "
@@ -24,19 +23,12 @@ SMOKE_TEST_SFT = (
 
 
 def _model(c):
-    """Random weights of a 2-layer Qwen3 with the real Qwen3 vocabulary, so the real tokenizer works."""
-    c.model.spec.model_type = "qwen3"
+    """Random weights of the tiny 2-layer Qwen3 preset with the real Qwen3 vocabulary (151,936 embedding rows)
+    and tokenizer (bundled with the package), so real prompts and eval sets work."""
+    c.model.preset = "tiny"
     c.model.spec.vocab_size = 151936
-    c.model.spec.hidden_size = 64
-    c.model.spec.intermediate_size = 128
-    c.model.spec.num_layers = 2
-    c.model.spec.num_heads = 4
-    c.model.spec.num_kv_heads = 2
-    c.model.spec.head_dim = 16
-    c.model.spec.tie_word_embeddings = True
-    c.model.spec.max_position_embeddings = 4096
     c.model.spec.eos_token_ids = (151645, 151643)
-    c.tokenizer = str(SHARED / "tokenizers" / "qwen3")
+    c.tokenizer = str(models.QWEN3_TOKENIZER_DIR)
     return c
 
 
@@ -58,7 +50,7 @@ def get_config(kind: str = "rl"):
     c = _model(rl_config())
     c.notice = SMOKE_TEST
     c.workdir = "runs/tiny_cpu"
-    c.data.source = str(SHARED / "data" / "aime24.jsonl")
+    c.data.source = str(EVAL_SETS_DIR / "aime24.jsonl")
 
     c.optimizer.learning_rate = 1e-4
     c.optimizer.warmup_steps = 1

@@ -52,13 +52,14 @@ from rstar2jax.data.conversation import (
 )
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
-from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
 from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
 
 # ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
-_CLIENT_FAILURE_TYPES = frozenset({"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse"})
+_CLIENT_FAILURE_TYPES = frozenset(
+    {"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse", "Unreachable"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,8 @@ class RolloutConfig:
       prompt: system prompt, user prefix, assistant opener and tool schemas.
       seed: makes every group's sampling reproducible (group ``i`` is seeded by ``(seed, i)``); None: the
         engine derives seeds from its own seed and the opening order.
+      segment_tokens: sample at most this many tokens between looks at the text (for showing it live,
+        :func:`converse_async`'s observer); None: a whole turn at once. Either way the tokens are the same.
     """
 
     max_response_length: int = 8192
@@ -86,6 +89,7 @@ class RolloutConfig:
     sampling: SamplingParams = SamplingParams()
     prompt: PromptConfig = dataclasses.field(default_factory=PromptConfig)
     seed: int | None = None
+    segment_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_response_length", "max_turns", "max_tool_calls_per_turn", "tool_output_chars"):
@@ -98,6 +102,12 @@ class RolloutConfig:
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"RolloutConfig.{name} must be a {kind.__name__}, "
                                 f"got {type(getattr(self, name)).__name__}")
+        if self.segment_tokens is not None and (
+            not isinstance(self.segment_tokens, int) or isinstance(self.segment_tokens, bool)
+            or self.segment_tokens < 1
+        ):
+            raise ValueError(f"RolloutConfig.segment_tokens must be a positive int or None, got "
+                             f"{self.segment_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"RolloutConfig.seed must be an int or None, got {self.seed!r}")
 
@@ -129,6 +139,17 @@ class ToolSandbox(Protocol):
     failures."""
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> Any: ...
+
+
+class Observer(Protocol):
+    """Sees a conversation as it happens (:func:`converse_async`): each piece of model text, each parsed
+    tool call before it runs, and its outcome and the text the model is shown."""
+
+    def on_text(self, text: str) -> None: ...
+
+    def on_call(self, call: ToolCall | ToolCallError) -> None: ...
+
+    def on_result(self, call: ToolCall | ToolCallError, outcome: str, response: str) -> None: ...
 
 
 def tool_outcome(result: Any) -> str:
@@ -195,8 +216,8 @@ async def _gather_or_cancel(awaitables: Iterable[Awaitable]) -> list:
 class _Rollout:
     """One ``rollout_async`` call: the shared pieces and the per-group / per-session coroutines."""
 
-    def __init__(self, engine: RolloutEngine, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
-                 verifier: AnswerVerifier, config: RolloutConfig):
+    def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
+                 verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None):
         self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
             engine, sandbox, tokenizer, verifier, config)
         if not tokenizer.eos_token:
@@ -204,6 +225,7 @@ class _Rollout:
         self.tool_call_end = encode_text(tokenizer, TOOL_CALL_CLOSE)
         self.stops = [self.tool_call_end, encode_text(tokenizer, tokenizer.eos_token)]
         self.tool_names = config.prompt.tool_names
+        self.observer = observer
 
     def group_seed(self, index: int) -> int | None:
         if self.config.seed is None:
@@ -234,6 +256,7 @@ class _Rollout:
         finally:
             session.close()
         text = "".join(conversation.model_text)
+        opens, closes, pairs = answer_tag_counts(text)
         if conversation.truncated:
             answer, reward = extract_answer(text), 0.0
         else:
@@ -248,7 +271,9 @@ class _Rollout:
             logprobs=conversation.logprobs,
             tool_outcomes=conversation.tool_outcomes,
             num_turns=conversation.num_turns,
-            num_answer_blocks=text.count("<answer>"),
+            num_answer_blocks=opens,
+            num_answer_closes=closes,
+            num_answer_pairs=pairs,
             truncated=conversation.truncated,
             answer=answer,
             reward=reward,
@@ -258,10 +283,16 @@ class _Rollout:
     async def execute(self, call: ToolCall | ToolCallError) -> tuple[str, str]:
         """(outcome, text the model sees) of one parsed call."""
         limit = self.config.tool_output_chars
+        if self.observer is not None:
+            self.observer.on_call(call)
         if isinstance(call, ToolCallError):
-            return "parse_error", truncate_middle(call.message, limit)
-        result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout)
-        return tool_outcome(result), format_tool_result(result, limit)
+            outcome, response = "parse_error", truncate_middle(call.message, limit)
+        else:
+            result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout)
+            outcome, response = tool_outcome(result), format_tool_result(result, limit)
+        if self.observer is not None:
+            self.observer.on_result(call, outcome, response)
+        return outcome, response
 
     async def collect(self, running: list[asyncio.Task], conversation: _Conversation) -> list[str]:
         """Wait for a turn's dispatched calls, record their outcomes and return the texts the model sees."""
@@ -278,9 +309,11 @@ class _Rollout:
         try:
             while True:
                 with conversation.clock.phase("generate"):
-                    segment = await session.generate(stop=self.stops)
+                    segment = await session.generate(stop=self.stops, max_new_tokens=config.segment_tokens)
                 text = self.decode(segment.tokens)
                 conversation.add_sampled(segment, text)
+                if self.observer is not None:
+                    self.observer.on_text(text)
                 unparsed += text
                 if segment.finish_reason == "budget":
                     conversation.truncated = True
@@ -360,6 +393,38 @@ async def rollout_async(
     run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config)
     groups = await _gather_or_cancel(run.problem(i, p, samples_per_problem) for i, p in enumerate(problems))
     return [trajectory for group in groups for trajectory in group]
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """What :func:`converse_async` returns: the response stream (sampled and inserted tokens), the model's
+    own text, every tool call's outcome, the turns used and whether a limit cut the conversation."""
+
+    response_ids: list[int]
+    loss_mask: list[int]
+    text: str
+    tool_outcomes: list[str]
+    num_turns: int
+    truncated: bool
+
+
+async def converse_async(
+    session: RolloutSession,
+    *,
+    sandbox: ToolSandbox,
+    tokenizer: PreTrainedTokenizerBase,
+    config: RolloutConfig = RolloutConfig(),
+    observer: Observer | None = None,
+) -> Conversation:
+    """Runs one opened session as a rollout does (generate, parse calls, run them in the sandbox, append the
+    tool responses, until the model ends its turn without a call or a limit is hit), without grading: the
+    chat's turn. ``observer`` sees the text and the tool calls as they happen. The session is left open
+    (the caller closes it)."""
+    run = _Rollout(None, sandbox, tokenizer, None, config, observer)
+    conversation = _Conversation()
+    await run.converse(session, conversation)
+    return Conversation(conversation.response_ids, conversation.loss_mask, "".join(conversation.model_text),
+                        conversation.tool_outcomes, conversation.num_turns, conversation.truncated)
 
 
 _background_loop: asyncio.AbstractEventLoop | None = None

@@ -18,8 +18,12 @@ How it behaves:
     * connection errors and 503 (queue full) are retried with exponential back-off and jitter; a session
       call is retried only if it was certainly not delivered (connection refused, 503);
     * every call has a deadline, ``timeout + deadline_slack``; a call that cannot get a result by then
-      returns ``status="internal", error_type="DeadlineExceeded"``. ``run`` never hangs and never raises
-      for service failures: they come back as ``internal`` results whose ``stderr`` says what happened.
+      returns ``status="internal", error_type="DeadlineExceeded"``; one whose servers all refuse
+      connections ``connect_attempts`` times in a row returns at once with ``error_type="Unreachable"``;
+    * each result of a batch is decoded on its own: a malformed one is ``BadResponse`` for that call only,
+      and text that is not valid UTF-8 has its bad bytes replaced by U+FFFD.
+    ``run`` never hangs and never raises for service failures: they come back as ``internal`` results
+    whose ``stderr`` says what happened.
 
 The only thing imported from the server package is its dependency-free wire schema.
 """
@@ -81,10 +85,11 @@ class _Call:
 class _Retry(Exception):
     """A batch attempt failed in a way worth retrying (``delivered``: the server may have run it)."""
 
-    def __init__(self, message: str, *, delivered: bool, wait: float | None = None):
+    def __init__(self, message: str, *, delivered: bool, wait: float | None = None, refused: bool = False):
         super().__init__(message)
         self.delivered = delivered
         self.wait = wait
+        self.refused = refused  # no server accepted the connection
 
 
 class SandboxClient:
@@ -100,6 +105,9 @@ class SandboxClient:
         backoff: (first, largest) retry delays in seconds; delays double with random jitter.
         wire: ``"msgpack"`` (default, faster) or ``"json"``.
         connect_timeout: seconds to establish a connection.
+        connect_attempts: a call whose server refused this many connections in a row (each server, when
+          several can serve it) returns at once ``internal`` / ``Unreachable`` instead of waiting for its
+          deadline.
     """
 
     def __init__(
@@ -114,15 +122,19 @@ class SandboxClient:
         backoff: tuple[float, float] = (0.05, 2.0),
         wire: str = "msgpack",
         connect_timeout: float = 5.0,
+        connect_attempts: int = 3,
     ):
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ValueError("need at least one server URL")
         if any(not u.startswith(("http://", "https://")) for u in self.urls):
             raise ValueError(f"server URLs must start with http:// or https://, got {self.urls}")
-        if max_batch < 1 or batch_window < 0 or default_timeout <= 0 or deadline_slack < 0:
+        if min(max_batch, connect_attempts) < 1 or (
+            min(batch_window, deadline_slack) < 0 or default_timeout <= 0
+        ):
             raise ValueError(
-                "need max_batch >= 1, batch_window >= 0, default_timeout > 0, deadline_slack >= 0"
+                "need max_batch >= 1, batch_window >= 0, default_timeout > 0, deadline_slack >= 0, "
+                "connect_attempts >= 1"
             )
         if wire not in ("msgpack", "json"):
             raise ValueError(f"wire must be 'msgpack' or 'json', got {wire!r}")
@@ -137,6 +149,7 @@ class SandboxClient:
         self.backoff = backoff
         self.wire = wire
         self.connect_timeout = connect_timeout
+        self.connect_attempts = connect_attempts
         self.outstanding = dict.fromkeys(self.urls, 0)  # calls in flight per server
         self._avoid_until = dict.fromkeys(self.urls, 0.0)  # back-off after connection failures
         self._round_robin = itertools.count()
@@ -269,6 +282,7 @@ class SandboxClient:
 
     async def _deliver_until_done(self, calls: list[_Call], fixed_url: str | None) -> None:
         delay = self.backoff[0]
+        refusals = 0  # consecutive attempts that found no server listening
         while True:
             now = time.monotonic()
             for call in calls:
@@ -312,6 +326,12 @@ class SandboxClient:
                         _resolve(call, failure)
             else:
                 self._avoid_until[url] = time.monotonic() + delay
+            refusals = refusals + 1 if outcome.refused else 0
+            if refusals >= self.connect_attempts * (1 if fixed_url else len(self.urls)):
+                down = SandboxResult.failure(f"{outcome} (is the server down?)", error_type="Unreachable")
+                for call in calls:  # nothing listens: say so now, not at the deadline
+                    _resolve(call, down)
+                return
             wait = delay if outcome.wait is None else min(outcome.wait, self.backoff[1])
             await asyncio.sleep(wait * random.uniform(0.5, 1.5))
             delay = min(2 * delay, self.backoff[1])
@@ -337,7 +357,7 @@ class SandboxClient:
                 status = response.status
                 retry_after = response.headers.get("Retry-After")
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as error:
-            raise _Retry(f"cannot connect to {url}: {error}", delivered=False) from error
+            raise _Retry(f"cannot connect to {url}: {error}", delivered=False, refused=True) from error
         except (TimeoutError, aiohttp.ClientError, OSError) as error:
             raise _Retry(f"request to {url} failed: {error!r}", delivered=True) from error
         if status == 503:
@@ -351,16 +371,15 @@ class SandboxClient:
                 f"HTTP {status} from {url}: {message or raw[:200]!r}", error_type=f"HTTP{status}"
             )
             return [failure] * len(calls)
-        try:
-            results = [SandboxResult.from_wire(r) for r in decoded[schema.BATCH_RESULTS_KEY]]
-            if len(results) != len(calls):
-                raise schema.SchemaError(f"{len(results)} results for {len(calls)} requests")
-        except (schema.SchemaError, KeyError, TypeError) as error:
+        wire_results = decoded.get(schema.BATCH_RESULTS_KEY) if isinstance(decoded, dict) else None
+        if not isinstance(wire_results, list) or len(wire_results) != len(calls):
+            count = len(wire_results) if isinstance(wire_results, list) else "no"
             failure = SandboxResult.failure(
-                f"malformed response from {url}: {error}", error_type="BadResponse"
+                f"malformed response from {url}: {count} results for {len(calls)} requests",
+                error_type="BadResponse",
             )
             return [failure] * len(calls)
-        return results
+        return [_result_from_wire(item, url) for item in wire_results]
 
     # ------------------------------------------------------------------------------------------- plumbing
     async def _session(self) -> aiohttp.ClientSession:
@@ -409,15 +428,40 @@ def _seconds(value: str | None) -> float | None:
 
 
 def _decode(raw: bytes, content_type: str):
+    """The response body; strings that are not valid UTF-8 keep their bytes as surrogates here and are
+    repaired result by result (``_result_from_wire``), so one bad string never costs a whole batch."""
     if content_type == schema.CONTENT_TYPE_MSGPACK:
         try:
-            return msgpack.unpackb(raw, raw=False)
+            return msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
         except (ValueError, msgpack.UnpackException):
             pass  # error responses may be JSON
     try:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def _valid_text(text):
+    """``text`` with lone surrogates (undecodable bytes or escapes) replaced by U+FFFD; other values as is."""
+    if isinstance(text, str) and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            try:  # msgpack's undecodable bytes, as they were sent
+                return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            except UnicodeEncodeError:  # lone surrogates (from JSON escapes)
+                return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def _result_from_wire(item, url: str) -> SandboxResult:
+    """One result of a batch: a malformed one is a ``BadResponse`` failure for its own call only."""
+    try:
+        if isinstance(item, dict):
+            item = {key: _valid_text(value) for key, value in item.items()}
+        return SandboxResult.from_wire(item)
+    except (schema.SchemaError, TypeError, UnicodeError) as error:
+        return SandboxResult.failure(f"malformed result from {url}: {error}", error_type="BadResponse")
 
 
 class SyncSandboxClient:

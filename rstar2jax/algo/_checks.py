@@ -73,3 +73,9 @@ def concrete_value(x):
         return np.asarray(x)
     except (TypeError, jax.errors.ConcretizationTypeError):
         return None
+
+
+def masked(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """``x`` with masked-out positions (``mask == 0``) replaced by 0 before any arithmetic: a NaN or Inf there
+    cannot reach a value computed from the result, and ``where``'s gradient there is exactly 0."""
+    return jnp.where(mask != 0, x, jnp.zeros((), x.dtype))

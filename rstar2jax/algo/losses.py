@@ -1,8 +1,12 @@
 """Clipped-surrogate policy loss with clip-higher, dual-clip, KL and entropy terms, and loss aggregation.
 
 Token-level inputs are ``[batch, seq_len]`` with a ``loss_mask`` (1 on policy-sampled tokens, 0 on prompt,
-padding and inserted tool tokens). Parity targets are verl's ``compute_policy_loss`` (vanilla),
+padding and inserted tool tokens). Parity targets are verl's ``compute_policy_loss`` (vanilla, and GSPO),
 ``kl_penalty`` and ``agg_loss``; see ``policy_loss`` for the formulas and where this differs.
+
+Masked-out positions never reach the arithmetic: every token input is replaced by 0 where ``loss_mask`` is 0
+before anything is computed from it, so a NaN or Inf there (e.g. a padding position's log-prob) changes
+neither the loss nor its gradient.
 
 Aggregation and micro-batching. Every mode is written as
 
@@ -12,11 +16,13 @@ where s_b depends on sequence b alone, so S is additive over any split of the ba
 Passing the full batch's N (``loss_normalizer(full_loss_mask, agg=...)``) to every micro-batch therefore
 makes the sum of micro-batch losses, and of their gradients, equal the full-batch loss and gradient:
 
-  mode                       s_b                          N (default: from this loss_mask)
-  token_mean                 sum_t m_bt x_bt               number of loss tokens, sum m (DAPO, GRPO-RoC Eq. 6)
-  seq_mean_token_mean        sum_t m_bt x_bt / sum_t m_bt  number of sequences with >= 1 loss token
-  seq_mean_token_sum         sum_t m_bt x_bt               number of sequences with >= 1 loss token
-  seq_mean_token_sum_norm    sum_t m_bt x_bt / T           number of sequences with >= 1 loss token
+  mode                             s_b                          N (default: from this loss_mask)
+  token_mean                       sum_t m_bt x_bt               number of loss tokens, sum m (DAPO, Eq. 6)
+  seq_mean_token_mean              sum_t m_bt x_bt / sum_t m_bt  number of sequences with >= 1 loss token
+  seq_mean_token_sum               sum_t m_bt x_bt               number of sequences with >= 1 loss token
+  seq_mean_token_sum_norm          sum_t m_bt x_bt               T (verl's mode of this name: S / T)
+  seq_mean_token_sum_norm_drgrpo   sum_t m_bt x_bt / T           number of sequences with >= 1 loss token
+                                                                 (TRL's Dr. GRPO: S / (n_seq T))
 
 T = ``loss_mask.shape[-1]`` is the padded length (Dr. GRPO's constant), shared by micro-batches cut from one
 ``[B, T]`` batch. Sequences with no loss token (padding rows, e.g. slots RoC left empty) contribute nothing
@@ -31,11 +37,19 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.algo import _checks
+from rstar2jax.algo._checks import masked as _masked
+from rstar2jax.algo.corrections import LOG_RATIO_BOUND, gspo_log_ratio
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+AGG_MODES = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "seq_mean_token_sum_norm_drgrpo",
+)
+# "token": PPO's per-token ratio; "sequence": GSPO's per-sequence geometric mean of the token ratios.
+IS_LEVELS = ("token", "sequence")
 
-# verl clamps log-ratios to +-20 before exponentiating, so exp never overflows.
-LOG_RATIO_BOUND = 20.0
 # verl's bound on the k3 ("low_var_kl") estimate.
 K3_BOUND = 10.0
 
@@ -86,13 +100,16 @@ def _checked_mask(loss_mask, agg: str) -> jax.Array:
 def _normalizer(mask: jax.Array, agg: str) -> jax.Array:
     if agg == "token_mean":
         return jnp.sum(mask)
+    if agg == "seq_mean_token_sum_norm":
+        return jnp.asarray(mask.shape[-1], mask.dtype)
     return jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(mask.dtype)
 
 
 def loss_normalizer(loss_mask: jax.Array, *, agg: str = "token_mean") -> jax.Array:
     """The denominator N of aggregation mode ``agg`` over ``loss_mask`` ``[B, T]`` (see the module doc).
 
-    token_mean: N = sum_bt m_bt; the seq_mean_* modes: N = #{b : sum_t m_bt > 0}. Compute it once over the
+    token_mean: N = sum_bt m_bt; seq_mean_token_sum_norm: N = T; the other seq_mean_* modes:
+    N = #{b : sum_t m_bt > 0}. Compute it once over the
     whole batch and pass it as ``normalizer=`` to every micro-batch's ``policy_loss``/``aggregate_loss``.
     """
     loss_mask = _checked_mask(loss_mask, agg)
@@ -101,10 +118,10 @@ def loss_normalizer(loss_mask: jax.Array, *, agg: str = "token_mean") -> jax.Arr
 
 def _aggregate(values: jax.Array, mask: jax.Array, agg: str, normalizer: jax.Array | None) -> jax.Array:
     """``aggregate_loss`` on checked arrays: ``values`` and ``mask`` ``[B, T]`` of the compute dtype."""
-    token_sums = jnp.sum(values * mask, axis=-1)
+    token_sums = jnp.sum(_masked(values, mask) * mask, axis=-1)
     if agg == "seq_mean_token_mean":
         token_sums = token_sums / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    elif agg == "seq_mean_token_sum_norm":
+    elif agg == "seq_mean_token_sum_norm_drgrpo":
         token_sums = token_sums / mask.shape[-1]
     total = jnp.sum(token_sums)
     denominator = _normalizer(mask, agg) if normalizer is None else jnp.asarray(normalizer, values.dtype)
@@ -149,7 +166,7 @@ def policy_loss(
     *,
     eps_low: float | jax.Array = 0.2,
     eps_high: float | jax.Array = 0.28,
-    dual_clip: float | None = None,
+    dual_clip: float | None = 3.0,
     ref_logp: jax.Array | None = None,
     kl: str = "k3",
     kl_coef: float | jax.Array = 0.0,
@@ -157,28 +174,37 @@ def policy_loss(
     entropy_coef: float | jax.Array = 0.0,
     agg: str = "token_mean",
     normalizer: jax.Array | None = None,
+    importance_sampling_level: str = "token",
+    segment_ids: jax.Array | None = None,
+    is_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO/GRPO clipped-surrogate loss (to minimise) with clip-higher (rStar2-Agent Eq. 6, DAPO).
 
-    Per token, with rho = exp(clip(logp - old_logp, -20, 20)) and A the advantage (per sequence ``[B]``,
-    broadcast over tokens, or per token ``[B, T]``):
+    Per token, with rho = exp(clip(x, -20, 20)) and A the advantage (per sequence ``[B]``, broadcast over
+    tokens, or per token ``[B, T]``), where x = logp - old_logp (``importance_sampling_level="token"``) or
+    GSPO's x = ``gspo_log_ratio`` (``"sequence"``: the sequence's mean log-ratio as value, the token's
+    gradient; sequences are rows, or the segments of ``segment_ids`` in a packed batch):
 
       l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
-      l = min(l, -A c)   where A < 0, if ``dual_clip`` = c > 1 (Ye et al. 2020; verl's clip_ratio_c = 3)
+      l = min(l, -A c)   where A < 0, if ``dual_clip`` = c > 1 (Ye et al. 2020; verl's clip_ratio_c = 3, the
+                         default; ``None`` turns it off)
+      l = w l            with ``is_weights`` w (constants, e.g. ``rollout_correction``'s), if given
 
       loss = agg(l) + kl_coef * agg(KL_kl(logp, ref_logp)) - entropy_coef * agg(entropy)
 
     agg is ``aggregate_loss`` with mode ``agg`` and ``normalizer`` (see the module doc for micro-batching).
     The KL term needs ``ref_logp`` and the entropy term ``entropy`` (per-token policy entropy, carrying the
     gradient); both are skipped when not given. GRPO-RoC uses the defaults: no KL, no entropy, eps 0.2/0.28,
-    token_mean. ``old_logp``, ``ref_logp`` and ``advantages`` are treated as constants (stop_gradient).
+    token_mean (and, as the released code on verl, dual-clip c = 3). ``old_logp``, ``ref_logp``,
+    ``advantages`` and ``is_weights`` are treated as constants (stop_gradient). Masked-out positions are
+    zeroed before use (module doc), so NaN/Inf there do not reach the loss or its gradient.
 
     Metrics (masked token means over this call's ``loss_mask``, no gradient):
       clip_frac_high: A > 0 and rho > 1 + eps_high (the upper clip is active);
       clip_frac_low: A < 0 and rho < 1 - eps_low (the lower clip is active);
       clip_frac: their sum (verl's pg_clipfrac); dual_clip_frac: A < 0 and rho > c (verl's
-      pg_clipfrac_lower; 0 without dual clip); approx_kl: mean(old_logp - logp) (verl's ppo_kl);
-      ratio_mean: mean(rho); pg_loss; and kl_loss / entropy when those terms are present.
+      pg_clipfrac_lower; 0 without dual clip); approx_kl: mean(old_logp - logp) (verl's ppo_kl, per token at
+      either level); ratio_mean: mean(rho); pg_loss; and kl_loss / entropy when those terms are present.
 
     Returns:
       (loss, metrics): a scalar in float32 (float64 for float64 inputs) and a dict of scalars.
@@ -195,29 +221,40 @@ def policy_loss(
             f"got {advantages.shape}"
         )
     _checks.check_option("kl", kl, KL_ESTIMATORS)
+    _checks.check_option("importance_sampling_level", importance_sampling_level, IS_LEVELS)
     _require_term("kl_coef", kl_coef, "ref_logp", ref_logp)
     _require_term("entropy_coef", entropy_coef, "entropy", entropy)
     if dual_clip is not None:
         concrete = _checks.concrete_value(dual_clip)
         if concrete is not None and not concrete > 1.0:
             raise ValueError(f"dual_clip must be > 1 (it bounds -A*rho at -A*c for A < 0), got {dual_clip!r}")
+    if is_weights is not None:
+        is_weights = _token_array("is_weights", is_weights, shape)
 
     dtype = _checks.compute_dtype(logp.dtype)
     mask = loss_mask.astype(dtype)
-    logp = logp.astype(dtype)
-    old_logp = jax.lax.stop_gradient(old_logp.astype(dtype))
+    logp = _masked(logp.astype(dtype), mask)
+    old_logp = jax.lax.stop_gradient(_masked(old_logp.astype(dtype), mask))
     advantages = jax.lax.stop_gradient(advantages.astype(dtype))
     if advantages.ndim == 1:
         advantages = advantages[:, None]
-    advantages = jnp.broadcast_to(advantages, shape)
+    advantages = _masked(jnp.broadcast_to(advantages, shape), mask)
 
-    log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    token_log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    if importance_sampling_level == "sequence":
+        log_ratio = jnp.clip(
+            gspo_log_ratio(logp, old_logp, mask, segment_ids=segment_ids), -LOG_RATIO_BOUND, LOG_RATIO_BOUND
+        )
+    else:
+        log_ratio = token_log_ratio
     ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     token_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio)
     negative = advantages < 0
     if dual_clip is not None:
         token_loss = jnp.where(negative, jnp.minimum(token_loss, -advantages * dual_clip), token_loss)
+    if is_weights is not None:
+        token_loss = token_loss * jax.lax.stop_gradient(_masked(is_weights.astype(dtype), mask))
 
     pg_loss = _aggregate(token_loss, mask, agg, normalizer)
     loss = pg_loss
@@ -234,16 +271,17 @@ def policy_loss(
         "clip_frac_low": clip_frac_low,
         "clip_frac": clip_frac_high + clip_frac_low,
         "dual_clip_frac": jnp.asarray(dual_clip_frac, dtype),
-        "approx_kl": masked_mean(-log_ratio),
+        "approx_kl": masked_mean(-token_log_ratio),
         "ratio_mean": masked_mean(ratio),
     }
     if ref_logp is not None:
-        ref_logp = jax.lax.stop_gradient(_token_array("ref_logp", ref_logp, shape).astype(dtype))
+        ref_logp = _token_array("ref_logp", ref_logp, shape).astype(dtype)
+        ref_logp = jax.lax.stop_gradient(_masked(ref_logp, mask))
         kl_loss = _aggregate(KL_ESTIMATORS[kl](logp - ref_logp), mask, agg, normalizer)
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     if entropy is not None:
-        entropy = _token_array("entropy", entropy, shape).astype(dtype)
+        entropy = _masked(_token_array("entropy", entropy, shape).astype(dtype), mask)
         entropy_loss = _aggregate(entropy, mask, agg, normalizer)
         loss = loss - entropy_coef * entropy_loss
         metrics["entropy"] = entropy_loss

@@ -17,6 +17,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from rstar2jax.data import packing
+
 if TYPE_CHECKING:
     from rstar2jax.data.trajectory import Trajectory
 
@@ -103,21 +105,21 @@ def group_array(
 def _assign_rows(
     lengths: Sequence[int], seq_len: int, *, pack: bool
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """First-fit in order: returns per-row fill and, per sequence, (row, start column)."""
-    fill: list[int] = []
-    placement = []
-    for i, n in enumerate(lengths):
-        width = n - 1
+    """Rows by first-fit decreasing (``pack``) or one per sequence: per-row fill and, per sequence, (row,
+    start column)."""
+    widths = [n - 1 for n in lengths]
+    for i, width in enumerate(widths):
         if width > seq_len:
             raise ValueError(
-                f"sequence {i} has {n} tokens; it needs {width} positions but seq_len is {seq_len}"
+                f"sequence {i} has {lengths[i]} tokens; it needs {width} positions but seq_len is {seq_len}"
             )
-        row = next((r for r, used in enumerate(fill) if used + width <= seq_len), None) if pack else None
-        if row is None:
-            fill.append(0)
-            row = len(fill) - 1
-        placement.append((row, fill[row]))
-        fill[row] += width
+    rows = packing.first_fit_decreasing(widths, seq_len) if pack else [[i] for i in range(len(widths))]
+    fill = [0] * len(rows)
+    placement = [(0, 0)] * len(widths)
+    for r, row in enumerate(rows):
+        for i in row:
+            placement[i] = (r, fill[r])
+            fill[r] += widths[i]
     return fill, placement
 
 
@@ -133,7 +135,8 @@ def build_batch(
     """Packs sequences into a NumPy ``Batch`` of ``[num_rows, seq_len]``.
 
     Args:
-      sequences: the sequences, placed first-fit in order (``pack=False``: one per row, padded).
+      sequences: the sequences, packed first-fit decreasing (``data.packing``; ``pack=False``: one per
+        row, padded).
       seq_len: row length in positions (a sequence of n tokens takes n - 1).
       num_rows: fixed row count (padding rows have segment id 0 and no loss); ``None`` rounds the rows needed
         up to ``row_multiple`` times a power of two, so a run compiles for a handful of shapes at most.

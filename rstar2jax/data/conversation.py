@@ -318,14 +318,43 @@ def tool_response_text(
     wrapping = _tool_response_wrapping(tokenizer, cfg.chat_template_kwargs)
     before = wrapping.before_first
     if turn_closed:
-        eos = tokenizer.eos_token
-        if not eos or not before.startswith(eos):
-            raise ValueError(
-                f"turn_closed=True but the template's turn end {before[:20]!r} does not start with the eos "
-                f"token {eos!r}"
-            )
-        before = before[len(eos) :]
+        before = _strip_turn_end(tokenizer, before)
     return before + wrapping.between.join(texts) + wrapping.after_last + cfg.assistant_opener
+
+
+def _strip_turn_end(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    """``text`` without the eos token it starts with (the model wrote it); ValueError if it does not."""
+    eos = tokenizer.eos_token
+    if not eos or not text.startswith(eos):
+        raise ValueError(
+            f"turn_closed=True but the template's turn end {text[:20]!r} does not start with the eos "
+            f"token {eos!r}"
+        )
+    return text[len(eos) :]
+
+
+_PROBE_USER = "\x00user-probe\x00"
+
+
+def user_turn_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, cfg: PromptConfig | None = None, *, turn_closed: bool
+) -> str:
+    """The text that follows a finished assistant turn for a new user message (a chat's next turn): the
+    template's turn end (left out with ``turn_closed``: the model wrote it), the user turn, the generation
+    prompt and the opener, read off the chat template by rendering a probe conversation."""
+    cfg = cfg or PromptConfig()
+    messages = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": _PROBE_ASSISTANT},
+        {"role": "user", "content": _PROBE_USER},
+    ]
+    rendered = render_chat(tokenizer, messages, add_generation_prompt=True, **cfg.chat_template_kwargs)
+    after = rendered.split(_PROBE_ASSISTANT, 1)[1]
+    if after.count(_PROBE_USER) != 1:
+        raise ValueError("the chat template does not render user messages verbatim")
+    if turn_closed:
+        after = _strip_turn_end(tokenizer, after)
+    return after.replace(_PROBE_USER, text) + cfg.assistant_opener
 
 
 def tool_response_ids(

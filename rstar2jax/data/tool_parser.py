@@ -63,13 +63,20 @@ def _loads(text: str, what: str, kind: ToolCallErrorKind) -> Any | ToolCallError
         return _error(kind, f"{what} is not valid JSON: {e}{hint}. Expected {_CALL_SHAPE}")
 
 
-def parse_tool_call(
-    body: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
-) -> ToolCall | ToolCallError:
-    """Parses the text between ``<tool_call>`` and ``</tool_call>``.
+@dataclasses.dataclass(frozen=True)
+class FunctionCall:
+    """A well-formed call of any listed function tool: its name and its JSON-object arguments."""
 
-    ``arguments`` may be a JSON object or a JSON string that holds one (both occur in the wild). It must
-    contain a string ``code`` and may contain a string ``input`` (standard input, default '').
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_function_call(body: str, *, tool_names: Sequence[str]) -> FunctionCall | ToolCallError:
+    """Parses the text between ``<tool_call>`` and ``</tool_call>`` as ``{"name": ..., "arguments": {...}}``
+    naming one of ``tool_names``; the arguments themselves are not checked (the OpenAI-compatible server
+    hands them to the client as they are).
+
+    ``arguments`` may be a JSON object or a JSON string that holds one (both occur in the wild).
     """
     call = _loads(body.strip(), "the tool call", ToolCallErrorKind.MALFORMED_JSON)
     if isinstance(call, ToolCallError):
@@ -101,6 +108,21 @@ def parse_tool_call(
         return _error(
             ToolCallErrorKind.BAD_ARGUMENTS, f"'arguments' must be a JSON object, got {arguments!r}"
         )
+    return FunctionCall(name=name, arguments=arguments)
+
+
+def parse_tool_call(
+    body: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
+) -> ToolCall | ToolCallError:
+    """Parses the text between ``<tool_call>`` and ``</tool_call>`` as a call of the Python tool.
+
+    The call must pass :func:`parse_function_call`; its arguments must contain a string ``code`` and may
+    contain a string ``input`` (standard input, default '').
+    """
+    call = parse_function_call(body, tool_names=tool_names)
+    if isinstance(call, ToolCallError):
+        return call
+    name, arguments = call.name, call.arguments
     unexpected = sorted(set(arguments) - set(_ARGUMENT_NAMES))
     if unexpected:
         return _error(
@@ -115,15 +137,13 @@ def parse_tool_call(
     return ToolCall(name=name, code=code, input=stdin)
 
 
-def parse_tool_calls(
-    text: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
-) -> list[ToolCall | ToolCallError]:
-    """Parses every ``<tool_call>…</tool_call>`` block of an assistant turn, in order.
+def tool_call_bodies(text: str) -> list[str | ToolCallError]:
+    """The body of every ``<tool_call>…</tool_call>`` block of an assistant turn, in order.
 
     A ``<tool_call>`` that is opened again or never closed yields an ``UNTERMINATED`` error, a
     ``</tool_call>`` with no open block an ``UNOPENED`` error; text outside blocks is ignored.
     """
-    results: list[ToolCall | ToolCallError] = []
+    results: list[str | ToolCallError] = []
     position = 0
     while True:
         open_at = text.find(TOOL_CALL_OPEN, position)
@@ -148,5 +168,24 @@ def parse_tool_calls(
                 return results
             position = reopen_at
             continue
-        results.append(parse_tool_call(text[body_at:close_at], tool_names=tool_names))
+        results.append(text[body_at:close_at])
         position = close_at + len(TOOL_CALL_CLOSE)
+
+
+def parse_tool_calls(
+    text: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
+) -> list[ToolCall | ToolCallError]:
+    """Parses every ``<tool_call>…</tool_call>`` block of an assistant turn as a Python-tool call, in order
+    (block errors as in :func:`tool_call_bodies`)."""
+    return [
+        parse_tool_call(body, tool_names=tool_names) if isinstance(body, str) else body
+        for body in tool_call_bodies(text)
+    ]
+
+
+def parse_function_calls(text: str, *, tool_names: Sequence[str]) -> list[FunctionCall | ToolCallError]:
+    """Parses every ``<tool_call>…</tool_call>`` block of an assistant turn as a function-tool call."""
+    return [
+        parse_function_call(body, tool_names=tool_names) if isinstance(body, str) else body
+        for body in tool_call_bodies(text)
+    ]

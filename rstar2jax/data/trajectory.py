@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -23,6 +24,15 @@ ToolOutcome = Literal[
 FAILED_OUTCOMES = frozenset(o for o in ToolOutcome.__args__ if o != "ok")
 
 
+_ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+
+
+def answer_tag_counts(text: str) -> tuple[int, int, int]:
+    """(``<answer>`` tags, ``</answer>`` tags, closed ``<answer>...</answer>`` blocks) in ``text``; blocks
+    are matched left to right, each from an opening tag to the nearest closing tag after it."""
+    return text.count("<answer>"), text.count("</answer>"), len(_ANSWER_BLOCK.findall(text))
+
+
 @dataclasses.dataclass
 class Trajectory:
     """One multi-turn rollout of one problem.
@@ -36,7 +46,10 @@ class Trajectory:
       logprobs: per response token, the sampler's log-probability (0.0 where ``loss_mask`` is 0).
       tool_outcomes: the outcome of every tool call, in order (``ToolOutcome``).
       num_turns: assistant turns, the first included.
-      num_answer_blocks: ``<answer>`` blocks the model wrote.
+      num_answer_blocks: ``<answer>`` blocks (opening tags) the model wrote.
+      num_answer_closes / num_answer_pairs: ``</answer>`` tags and closed ``<answer>...</answer>`` blocks in
+        the model's text (``answer_tag_counts``; the released code's format rule needs them); None when not
+        recorded.
       truncated: the response hit its token budget (or the turn limit) before the model finished.
       answer: the extracted final answer, or None.
       reward: binary reward (0.0 or 1.0).
@@ -55,6 +68,8 @@ class Trajectory:
     answer: str | None = None
     reward: float = 0.0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    num_answer_closes: int | None = None
+    num_answer_pairs: int | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)

@@ -97,7 +97,9 @@ class EngineConfig:
         weights copies them (XLA:CPU copies every layer of every decode step), at the cost of a second copy
         of the layer weights for the engine's lifetime. False: the caller's tree is used as it is (cast once
         to the compute dtype if it differs). None (default): unstack when a cast to the compute dtype is
-        needed anyway (that copy is then the only one) or on CPU; otherwise use the caller's tree.
+        needed anyway (that copy is then the only one) or on CPU; otherwise use the caller's tree. The paged
+        forward runs its layers unrolled, so stacked weights are sliced per layer in every step: for the
+        fastest decode pass weights unstacked once (:func:`~rstar2jax.models.unstack_layers`).
     """
 
     num_slots: int = 32

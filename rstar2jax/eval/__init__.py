@@ -6,6 +6,7 @@ Plots and the markdown run report live in ``rstar2jax.eval.report`` (imported on
 from rstar2jax.eval.evaluate import (
     EVAL_DATA_ENV,
     EVAL_SETS,
+    EVAL_SETS_DIR,
     DatasetEval,
     EvalResult,
     SampleFn,
@@ -21,6 +22,7 @@ from rstar2jax.eval.pass_at_k import pass_at_1, pass_at_k
 __all__ = [
     "EVAL_DATA_ENV",
     "EVAL_SETS",
+    "EVAL_SETS_DIR",
     "DatasetEval",
     "EvalResult",
     "SampleFn",

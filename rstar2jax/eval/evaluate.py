@@ -2,8 +2,8 @@
 
 ``evaluate`` runs an async per-problem sampler concurrently; callers that already hold the trajectories
 (e.g. a batched rollout inside the trainer) call ``aggregate`` directly. Eval sets load from local JSONL
-files with ``load_eval_set`` (AIME24/25, MATH-500, HMMT25 from the ``shared/data`` folder beside the
-checkout, or any file with ``problem`` / ``answer`` fields).
+files with ``load_eval_set``: AIME24/25, MATH-500 and HMMT25 by name (package data in ``rstar2jax/eval/sets``,
+its README gives source and licence of each), or any file with ``problem`` / ``answer`` fields.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ SampleFn = Callable[[Problem, int], Awaitable[Sequence[Trajectory]]]
 
 #: Eval sets known by name (``<name>.jsonl`` in the eval data folder).
 EVAL_SETS = ("aime24", "aime25", "math500", "hmmt25")
-#: Environment variable naming the eval data folder (default: ``../shared/data`` beside the checkout).
+#: Environment variable naming another eval data folder (default: the bundled ``rstar2jax/eval/sets``).
 EVAL_DATA_ENV = "RSTAR2JAX_EVAL_DATA"
+#: The bundled eval sets (``<name>.jsonl``; the README there gives each one's source and licence).
+EVAL_SETS_DIR = pathlib.Path(__file__).resolve().parent / "sets"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +153,10 @@ def evaluate(
 
 
 def default_eval_data_dir() -> pathlib.Path:
-    """``$RSTAR2JAX_EVAL_DATA``, else the ``shared/data`` folder beside the repository checkout."""
+    """``$RSTAR2JAX_EVAL_DATA``, else the eval sets bundled with the package (``rstar2jax/eval/sets``)."""
     if os.environ.get(EVAL_DATA_ENV):
         return pathlib.Path(os.environ[EVAL_DATA_ENV])
-    return pathlib.Path(__file__).resolve().parents[3] / "shared" / "data"
+    return EVAL_SETS_DIR
 
 
 def load_eval_set(

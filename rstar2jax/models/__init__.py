@@ -1,8 +1,17 @@
 """Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding."""
 
-from rstar2jax.models.config import ModelConfig, config_from_hf, config_to_hf
+from rstar2jax.models import attention  # the module: attention.attention, .IMPLEMENTATIONS
+from rstar2jax.models.config import (
+    ATTENTION_IMPLEMENTATIONS,
+    REMAT_POLICIES,
+    ModelConfig,
+    config_from_hf,
+    config_to_hf,
+)
 from rstar2jax.models.hf_checkpoint import load_pretrained, save_pretrained
+from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
+from rstar2jax.models.presets import HF_CONFIGS_DIR, PRESETS, QWEN3_TOKENIZER_DIR, TINY, preset
 from rstar2jax.models.sharding import (
     CACHE_LOGICAL_AXES,
     CACHE_VALUE_LOGICAL_AXES,
@@ -21,16 +30,31 @@ from rstar2jax.models.sharding import (
 from rstar2jax.models.transformer import (
     KVCache,
     forward,
+    hidden_states,
     init_cache,
     init_params,
     layers_are_unstacked,
+    output_head,
     rope_inverse_frequencies,
+    sequence_logprobs,
     token_logprobs,
     unstack_layers,
 )
 
 __all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "REMAT_POLICIES",
+    "attention",
+    "hidden_states",
+    "output_head",
+    "sequence_logprobs",
+    "token_logprobs_and_entropy",
     "CACHE_LOGICAL_AXES",
+    "HF_CONFIGS_DIR",
+    "PRESETS",
+    "QWEN3_TOKENIZER_DIR",
+    "TINY",
+    "preset",
     "CACHE_VALUE_LOGICAL_AXES",
     "LOGICAL_RULES",
     "MESH_AXES",

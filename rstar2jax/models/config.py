@@ -9,7 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
+# norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
+# layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
+REMAT_POLICIES = ("none", "save_projections", "save_attention", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "tokamax")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -22,7 +26,12 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` items of a ``llama3``
     scaling dict. ``param_dtype`` is the dtype weights are stored in (float32 master weights by default),
     ``compute_dtype`` the dtype matmuls run in (``"bfloat16"`` for mixed precision); softmax, norms and logits
-    are always float32. Change options with ``dataclasses.replace``.
+    are always float32. ``attention`` picks the training attention's implementation (``models.attention``:
+    ``"auto"`` = tokamax's kernels on NVIDIA GPUs, the blockwise XLA one elsewhere), ``attention_block_size``
+    the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks of that many tokens, each
+    rematerialised, when it divides the sequence: long-sequence training then holds the MLP's
+    ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
+    ``dataclasses.replace``.
     """
 
     model_type: str
@@ -44,6 +53,9 @@ class ModelConfig:
     compute_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "none"
+    attention: str = "auto"
+    attention_block_size: int = 512
+    mlp_chunk_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -85,6 +97,15 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {SUPPORTED_DTYPES}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
+        if not isinstance(self.attention_block_size, int) or self.attention_block_size <= 0 \
+                or self.attention_block_size % 8:
+            raise ValueError(
+                f"attention_block_size must be a positive multiple of 8, got {self.attention_block_size!r}"
+            )
+        if not isinstance(self.mlp_chunk_size, int) or self.mlp_chunk_size < 0:
+            raise ValueError(f"mlp_chunk_size must be an int >= 0, got {self.mlp_chunk_size!r}")
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             missing = [key for key in _LLAMA3_ROPE_KEYS if key not in scaling]

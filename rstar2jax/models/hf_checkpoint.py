@@ -24,6 +24,11 @@ SAFETENSORS_DTYPES = {
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
+# Bytes per element of every safetensors dtype (for checking a file's header against its size).
+_SAFETENSORS_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+}  # fmt: skip
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -101,6 +106,42 @@ def hf_tensors(config: ModelConfig) -> dict[str, HFTensor]:
     return tensors
 
 
+def _read_safetensors_header(file_path: str) -> tuple[dict, int]:
+    """(tensor name -> {dtype, shape, data_offsets}, header length) of one file, checked against its size:
+    raises ValueError saying what is wrong (a truncated or damaged file, an unknown dtype, ...)."""
+    size = os.path.getsize(file_path)
+    with open(file_path, "rb") as f:
+        if size < 8:
+            raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8:
+            raise ValueError(f"header of {header_len} bytes does not fit in its {size} bytes (truncated?)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"header is a {type(header).__name__}, not a JSON object")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - header_len
+    for tensor, info in header.items():
+        try:
+            itemsize = _SAFETENSORS_ITEMSIZE[info["dtype"]]
+            begin, end = (int(v) for v in info["data_offsets"])
+            count = math.prod(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"tensor {tensor!r}: bad header entry {info!r} ({error!r})") from None
+        if not 0 <= begin <= end <= data_size:
+            raise ValueError(
+                f"tensor {tensor!r}: bytes {begin}..{end} lie outside the {data_size} data bytes (truncated?)"
+            )
+        if end - begin != count * itemsize:
+            raise ValueError(
+                f"tensor {tensor!r}: {end - begin} bytes for shape {info['shape']} of {info['dtype']}"
+            )
+    return header, header_len
+
+
 class _SafetensorsDir:
     """Memory-mapped, zero-copy views of every tensor in a checkpoint directory (single file or sharded)."""
 
@@ -118,10 +159,10 @@ class _SafetensorsDir:
         self._maps: dict[str, np.memmap] = {}
         for name in files:
             file_path = os.path.join(path, name)
-            with open(file_path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
+            try:
+                header, header_len = _read_safetensors_header(file_path)
+            except ValueError as error:
+                raise ValueError(f"{file_path}: not a valid safetensors file: {error}") from None
             for tensor, info in header.items():
                 self.headers[tensor] = (file_path, info, 8 + header_len)
 

@@ -13,8 +13,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
+from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
 from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
 
@@ -113,23 +116,6 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention without repeating kv heads.
-
-    q ``[B, T, H, Dh]`` (already scaled), k ``[B, K, S, Dh]``, v ``[B, K, Dh, S]`` (laid out like the cache),
-    mask ``[B, T, S]`` bool; softmax in float32. Query head ``h`` reads kv head ``h // (H // K)``, as
-    transformers' ``repeat_kv`` does.
-    """
-    B, T, H, Dh = q.shape
-    K = k.shape[1]
-    q = q.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bkds->btkgd", probs, v)
-    return out.reshape(B, T, H, Dh)
-
-
 # Logical axes of activations (effective only under ``jax.set_mesh``, see ``sharding.constrain``).
 _RESIDUAL_AXES = ("batch", "length", "activation_embed")
 _HEADS_AXES = ("batch", "length", "heads", "head_dim")
@@ -139,10 +125,16 @@ _LOGITS_AXES = ("batch", "length", "vocab")
 
 
 def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
-    """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``kv_write``: None (no
-    cache), (cache_k, cache_v, layer_index, write_index) with the whole cache (:class:`KVCache` layout), or
-    (paged_cache, layer_index) for a cache object that writes and attends itself (see :func:`forward`).
-    Returns (x, the updated cache: (new_cache_k, new_cache_v), the paged cache object, or None).
+    """One pre-norm block. ``layer``: this layer's params; ``rope``: (cos, sin); ``mask``: the segment ids
+    ``[B, T]`` without a cache (:func:`attention.attention`), the ``[B, T, S]`` bool mask with a
+    :class:`KVCache`, None with a paged cache; ``kv_write``: None (no cache), (cache_k, cache_v, layer_index,
+    write_index) with the whole cache (:class:`KVCache` layout), or (paged_cache, layer_index) for a cache
+    object that writes and attends itself (see :func:`forward`). Returns (x, the updated cache:
+    (new_cache_k, new_cache_v), the paged cache object, or None).
+
+    Activations are named for remat policies (``jax.ad_checkpoint.checkpoint_name``): the projections'
+    outputs ``query``, ``key``, ``value``, ``attention_out``, ``mlp_gate``, ``mlp_up``, ``mlp_out``, and the
+    attention context (softmax-weighted values, before the output projection) ``attention_context``.
 
     The layer's new keys/values are scattered into the whole cache at ``write_index`` of ``layer_index``:
     threaded through the layer loop as a carry, the cache is then updated in place instead of being sliced
@@ -153,9 +145,9 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     cos, sin = rope
 
     h = _rms_norm(x, layer["attn_norm"], eps)
-    q = constrain(jnp.einsum("btd,dhk->bthk", h, layer["q_proj"]), _HEADS_AXES)
-    k = constrain(jnp.einsum("btd,dhk->bthk", h, layer["k_proj"]), _KV_HEADS_AXES)
-    v = constrain(jnp.einsum("btd,dhk->bthk", h, layer["v_proj"]), _KV_HEADS_AXES)
+    q = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", h, layer["q_proj"]), _HEADS_AXES), "query")
+    k = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", h, layer["k_proj"]), _KV_HEADS_AXES), "key")
+    v = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", h, layer["v_proj"]), _KV_HEADS_AXES), "value")
     if config.qkv_bias:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if config.qk_norm:
@@ -164,11 +156,12 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     q, k = _apply_rope(q, cos * scale, sin * scale), _apply_rope(k, cos, sin)
 
     new_kv = None
-    paged = kv_write is not None and len(kv_write) == 2
-    if paged:  # the cache object writes and attends, masking by position itself
+    if kv_write is not None and len(kv_write) == 2:  # a paged cache writes and attends, masking by position
         attn, new_kv = kv_write[0].write_and_attend(kv_write[1], q, k, v)
     elif kv_write is None:
-        k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))  # the cache's layout
+        attn = attention(
+            q, k, v, mask, implementation=config.attention, block_size=config.attention_block_size
+        )
     else:
         cache_k, cache_v, layer_index, write_index = kv_write
         rows = jnp.arange(x.shape[0])[:, None]
@@ -176,21 +169,43 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
         # block is [B, T, K, Dh] in both: k and v as computed.
         cache_k = cache_k.at[layer_index, rows, :, write_index].set(k.astype(cache_k.dtype), mode="drop")
         cache_v = cache_v.at[layer_index, rows, :, :, write_index].set(v.astype(cache_v.dtype), mode="drop")
-        k, v = cache_k[layer_index], cache_v[layer_index]
         new_kv = (cache_k, cache_v)
-    if not paged:
-        attn = _attention(q, k.astype(dtype), v.astype(dtype), mask)
-    x = constrain(x + jnp.einsum("bthk,hkd->btd", attn, layer["o_proj"]), _RESIDUAL_AXES)
+        k, v = cache_k[layer_index].astype(dtype), cache_v[layer_index].astype(dtype)
+        attn = dense_attention(q, k, v, mask)
+    attn = checkpoint_name(attn, "attention_context")
+    out = checkpoint_name(jnp.einsum("bthk,hkd->btd", attn, layer["o_proj"]), "attention_out")
+    x = constrain(x + out, _RESIDUAL_AXES)
 
     h = _rms_norm(x, layer["mlp_norm"], eps)
-    gate = constrain(jnp.einsum("btd,df->btf", h, layer["gate_proj"]), _MLP_AXES)
-    up = constrain(jnp.einsum("btd,df->btf", h, layer["up_proj"]), _MLP_AXES)
-    x = constrain(x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["down_proj"]), _RESIDUAL_AXES)
+    x = constrain(x + _mlp(config, h, layer), _RESIDUAL_AXES)
     return x, new_kv
 
 
+def _mlp(config: ModelConfig, h, layer):
+    """SwiGLU MLP; with ``config.mlp_chunk_size`` dividing T (< T), over token chunks by ``lax.map``, each
+    chunk rematerialised, so its ``[B, T, intermediate]`` activations exist one chunk at a time."""
+
+    def mlp(h):
+        gate = constrain(jnp.einsum("btd,df->btf", h, layer["gate_proj"]), _MLP_AXES)
+        up = constrain(jnp.einsum("btd,df->btf", h, layer["up_proj"]), _MLP_AXES)
+        gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+        out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["down_proj"])
+        return checkpoint_name(out, "mlp_out")
+
+    B, T, D = h.shape
+    chunk = config.mlp_chunk_size
+    if not chunk or T <= chunk or T % chunk:
+        return mlp(h)
+    chunks = jnp.swapaxes(h.reshape(B, T // chunk, chunk, D), 0, 1)
+    out = jax.lax.map(jax.checkpoint(mlp), chunks)
+    return jnp.swapaxes(out, 0, 1).reshape(B, T, D)
+
+
+_PROJECTIONS = ("query", "key", "value", "attention_out", "mlp_gate", "mlp_up", "mlp_out")
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
+    "save_projections": jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attention_context"),
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -230,8 +245,9 @@ def forward(
       tokens: int32 ``[B, T]``; ids outside ``[0, vocab)`` (e.g. a -1 pad) are clipped, so padding can never
         put NaNs into the keys and values that masked attention multiplies by zero.
       positions: int32 ``[B, T]`` RoPE positions; default ``arange(T)`` in every row.
-      segment_ids: int32 ``[B, T]``; without a cache a token attends to earlier tokens (by index) of the same
-        segment id, so packed sequences stay apart; 0 marks padding. With a cache, tokens of segment 0 are not
+      segment_ids: int32 ``[B, T]``; without a cache a token attends to earlier tokens (by index) of its own
+        segment, a contiguous run of one id, so packed sequences stay apart; 0 marks padding (attention:
+        ``models.attention``, implementation ``config.attention``). With a cache, tokens of segment 0 are not
         written into it.
       cache: :class:`KVCache`, a paged cache, or None. A paged cache is any pytree with a method
         ``write_and_attend(layer_index, q, k, v) -> (attention output, updated cache)`` (q ``[B, T, H, Dh]``
@@ -245,6 +261,57 @@ def forward(
     Returns:
       (logits float32 ``[B, T, vocab]``, updated cache or None).
     """
+    x, new_cache = _trunk(params, config, tokens, positions, segment_ids, cache)
+    head, layout = output_head(params, config)
+    spec = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
+    logits = jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)
+    return constrain(logits, _LOGITS_AXES), new_cache
+
+
+def output_head(params: dict, config: ModelConfig) -> tuple[jax.Array, str]:
+    """(the output head in ``config.compute_dtype``, its layout): ``lm_head`` ``[D, V]`` ("dv"), or the tied
+    embedding ``[V, D]`` ("vd")."""
+    dtype = jnp.dtype(config.compute_dtype)
+    if config.tie_word_embeddings:
+        return params["embed"].astype(dtype), "vd"
+    return params["lm_head"].astype(dtype), "dv"
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def hidden_states(
+    params: dict,
+    config: ModelConfig,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """The final normed hidden states ``[B, T, D]`` (compute dtype) that :func:`forward` multiplies by the
+    output head; arguments as :func:`forward`'s, without a cache."""
+    return _trunk(params, config, tokens, positions, segment_ids, None)[0]
+
+
+def sequence_logprobs(
+    params: dict,
+    config: ModelConfig,
+    tokens: jax.Array,
+    targets: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Per position, ``log softmax(logits / temperature)[targets]`` and the entropy of that softmax (float32
+    ``[B, T]`` each), computed from :func:`hidden_states` by ``logprobs.token_logprobs_and_entropy``: no
+    ``[B, T, V]`` array in the forward or the backward pass."""
+    x = hidden_states(params, config, tokens, positions=positions, segment_ids=segment_ids)
+    # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
+    head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
+    return token_logprobs_and_entropy(x, head, targets, temperature=temperature, head_layout=layout)
+
+
+def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
+    """Embedding, decoder layers and the final norm: (x ``[B, T, D]``, updated cache or None)."""
     _check_inputs(config, tokens, positions, segment_ids, cache)
     B, T = tokens.shape
     dtype = jnp.dtype(config.compute_dtype)
@@ -256,9 +323,7 @@ def forward(
 
     paged = cache is not None and not isinstance(cache, KVCache)
     if cache is None:
-        segments = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-        index = jnp.arange(T)
-        mask = (segments[:, :, None] == segments[:, None, :]) & (index[:, None] >= index[None, :])
+        mask = segment_ids  # attention.attention builds the causal, per-segment structure
     elif paged:
         mask = None
     else:
@@ -296,16 +361,8 @@ def forward(
             x, kv = block(x, layer, i, kv)
 
     x = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    if config.tie_word_embeddings:
-        logits = jnp.einsum(
-            "btd,vd->btv", x, params["embed"].astype(dtype), preferred_element_type=jnp.float32
-        )
-    else:
-        logits = jnp.einsum(
-            "btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
-        )
     new_cache = None if cache is None else kv if paged else KVCache(k=kv[0], v=kv[1])
-    return constrain(logits, _LOGITS_AXES), new_cache
+    return x, new_cache
 
 
 def _split_layers(stacked, num_layers: int) -> list:

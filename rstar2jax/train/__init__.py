@@ -6,7 +6,7 @@ Importing this package does not start JAX's backends, so launchers can still req
 
 from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_sequence
 from rstar2jax.data.sft_data import load_sft_sequences
-from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.checkpoint import Checkpointer, CheckpointError
 from rstar2jax.train.config import (
     ConfigError,
     rl_config,
@@ -58,6 +58,7 @@ from rstar2jax.train.steps import (
 
 __all__ = [
     "Batch",
+    "CheckpointError",
     "Checkpointer",
     "ConfigError",
     "Interrupted",

@@ -3,17 +3,32 @@ needs to continue exactly (stage, step inside the stage, data-iterator position,
 
 Saves are asynchronous (the device-to-host copy happens before ``save`` returns, so the state can be donated
 to the next step right away); a save interrupted by a crash leaves a temporary folder that restore ignores.
+A latest checkpoint that cannot be read (a partial or damaged step folder: missing or truncated files, a
+broken JSON record) is reported in one line and moved aside to ``<step>.unreadable``, and the next older one
+is restored instead.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from rstar2jax.train.state import TrainState
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be restored; the one-line message names its folder and the cause."""
+
+
+def _one_line(error: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Checkpointer:
@@ -58,18 +73,52 @@ class Checkpointer:
         )
 
     def restore(self, abstract_state: TrainState, step: int | None = None) -> tuple[TrainState, dict] | None:
-        """The state (placed as ``abstract_state``'s shardings) and meta of ``step`` (default: the latest), or
-        None when there is no checkpoint yet."""
-        step = self._manager.latest_step() if step is None else step
-        if step is None:
+        """The state (placed as ``abstract_state``'s shardings) and meta of ``step`` (default: the newest
+        readable checkpoint), or None when there is no checkpoint yet.
+
+        Without ``step``, a checkpoint that fails to restore is reported in one line on stderr, renamed to
+        ``<step>.unreadable`` (by process 0; kept for inspection, out of the way of later saves) and the next
+        older one is tried. Raises ``CheckpointError`` (one line, naming the folder) when ``step`` is given
+        and unreadable, or when no checkpoint is readable.
+        """
+        steps = sorted(self._manager.all_steps(), reverse=True) if step is None else [step]
+        if not steps:
             return None
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
+        unreadable = []
+        for candidate in steps:
+            try:
+                restored = self._manager.restore(
+                    candidate,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    ),
+                )
+            except Exception as error:  # orbax / tensorstore / json raise many kinds for damaged files
+                folder = os.path.join(self.directory, str(candidate))
+                if step is not None:
+                    raise CheckpointError(f"checkpoint {folder} is unreadable: {_one_line(error)}") from error
+                unreadable.append(candidate)
+                print(
+                    f"checkpoint {folder} is unreadable ({_one_line(error)}); "
+                    f"moved to {folder}.unreadable, trying an older one",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if jax.process_index() == 0:
+                    os.replace(folder, f"{folder}.unreadable")
+                continue
+            if unreadable:
+                self._manager.reload()
+            return restored.state, restored.meta
+        self._manager.reload()
+        raise CheckpointError(
+            f"no readable checkpoint in {self.directory}: steps {unreadable} failed to restore (moved to "
+            f"<step>.unreadable); remove the folder or set another workdir to start afresh"
         )
-        return restored.state, restored.meta
+
+    @property
+    def directory(self) -> str:
+        return os.fspath(self._manager.directory)
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""

@@ -17,7 +17,8 @@ import ml_collections
 
 from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
-from rstar2jax.models.config import REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
@@ -34,11 +35,15 @@ def _common() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # HF checkpoint folder (config.json + safetensors): load_pretrained
     c.model.config_json = ""  # or an HF config.json: random init of that shape
-    c.model.spec = ml_collections.ConfigDict()  # or inline ModelConfig fields: random init (tiny models)
+    c.model.preset = ""  # or a named shape (models.PRESETS: "tiny", "qwen3-0.6b" ... "qwen3-14b")
+    c.model.spec = ml_collections.ConfigDict()  # or ModelConfig fields (with a preset: overrides)
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
-    c.model.remat_policy = "none"
+    c.model.remat_policy = "none"  # none | save_projections | save_attention | full (| dots | dots_no_batch)
     c.model.scan_layers = True
+    c.model.attention = "auto"  # auto (tokamax on NVIDIA GPUs, else blockwise) | blockwise | tokamax | xla
+    c.model.attention_block_size = 512  # the blockwise attention's query/key block
+    c.model.mlp_chunk_size = 0  # > 0: the MLP over rematerialised token chunks of this size
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
     c.optimizer = ml_collections.ConfigDict(
         dict(
@@ -90,8 +95,21 @@ def rl_config() -> ml_collections.ConfigDict:
             entropy_coef=0.0,
             temperature=1.0,
             old_logprobs="sampler",
+            # GSPO: "sequence" (its own clip range below); "token" is PPO/GRPO.
+            importance_sampling_level="token",
+            gspo_eps_low=3e-4,
+            gspo_eps_high=4e-4,
+            # KL to a frozen reference policy (the initial params); off in the paper.
+            kl_coef=0.0,
+            kl="k3",
+            # Rollout correction (needs old_logprobs="recompute"): token TIS cap C, sequence mask
+            # ("sequence" / "geometric" ratio) outside [1/C', C'].
+            rollout_is_cap=placeholder(float),
+            rollout_mask=placeholder(str),
+            rollout_mask_threshold=2.0,
         )
     )
+    c.loss.dual_clip = 3.0  # verl's clip_ratio_c and the released code; None turns it off
     c.rl = ml_collections.ConfigDict(
         dict(
             prompts_per_step=512,
@@ -105,6 +123,13 @@ def rl_config() -> ml_collections.ConfigDict:
             estimator="grpo",
             std="unbiased",
             advantage_eps=1e-6,
+            # "paper" (Eq. 5) or "release" (the released code's answer-format rule) for RoC's p_format.
+            format_penalty="paper",
+            # Truncated responses: drop them from the loss (TRL's mask_truncated_completions) and/or DAPO's
+            # soft overlong penalty over the last overlong_buffer tokens of the budget (0 = off).
+            mask_truncated=False,
+            overlong_buffer=0,
+            overlong_penalty_factor=1.0,
         )
     )
     c.batch = ml_collections.ConfigDict(dict(max_prompt_length=1024, pack=True))
@@ -123,9 +148,9 @@ def rl_config() -> ml_collections.ConfigDict:
         )
     )
     # Colocated rollout and training (rstar2jax.train.colocate): where the optimizer moments wait while the
-    # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend), and
-    # whether the engine's KV pool is freed while the trainer runs.
-    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto", release_kv_cache=True))
+    # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend). The
+    # engine's KV page pool exists only during rollout (each rollout builds it; it is freed when it ends).
+    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto"))
     # Per-device memory for the start-up memory plan check; None: what the device reports (none on CPU).
     c.device_memory_gib = placeholder(float)
     c.filter_batch_size = 64
@@ -179,14 +204,19 @@ FIELD_HELP = {
     "workdir": "the run's folder: checkpoints/, metrics.jsonl, tensorboard/; a rerun resumes from it",
     "tokenizer": "tokenizer folder (HF format, with its chat template); empty: model.path's own tokenizer, "
     "else pre-tokenised SFT data only",
-    "model.path": "HF checkpoint folder (config.json + safetensors) to start from; wins over the two below",
+    "model.path": "HF checkpoint folder (config.json + safetensors) to start from; wins over the ones below",
     "model.config_json": "or an HF config.json, or a preset name: random weights of that shape",
+    "model.preset": "or a named model shape (models.PRESETS), refined by model.spec fields: random weights",
     "model.spec": "or inline ModelConfig fields (model_type, hidden_size, ...): random weights",
     "model.spec.*": "a ModelConfig field of the inline model",
     "model.param_dtype": "dtype of the master weights and optimizer moments",
     "model.compute_dtype": "dtype of activations and matmuls",
     "model.remat_policy": "activation rematerialisation: none / full / ... (memory for compute)",
     "model.scan_layers": "scan over stacked layers (faster compiles) instead of unrolling them",
+    "model.attention": "training attention: auto (tokamax on NVIDIA GPUs, else blockwise) / blockwise / "
+    "tokamax / xla",
+    "model.attention_block_size": "query/key block of the blockwise attention (a multiple of 8)",
+    "model.mlp_chunk_size": "> 0: the MLP over rematerialised token chunks of this size (0: whole sequence)",
     "mesh.data": "data-parallel mesh axis size",
     "mesh.fsdp": "fully-sharded data-parallel axis size (weights and optimizer sharded)",
     "mesh.tensor": "tensor-parallel axis size (heads and MLP split); data x fsdp x tensor = devices",
@@ -224,11 +254,19 @@ FIELD_HELP = {
     "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
     "loss.eps_low": "PPO clip range below 1 (ratio >= 1 - eps_low)",
     "loss.eps_high": "PPO clip range above 1 (clip-higher: ratio <= 1 + eps_high)",
-    "loss.dual_clip": "dual-clip bound c > 1 for negative advantages (None: off)",
-    "loss.agg": "loss aggregation: token_mean (paper) or per-sequence means",
+    "loss.dual_clip": "dual-clip bound c > 1 for negative advantages (default 3 as verl; None: off)",
+    "loss.agg": "loss aggregation: token_mean (paper), per-sequence means, verl / Dr. GRPO sum-norm",
     "loss.entropy_coef": "entropy bonus coefficient (paper: 0)",
     "loss.temperature": "sampling temperature the trainer divides logits by (match rollout.temperature)",
     "loss.old_logprobs": "pi_old from the sampler's log-probs or recomputed by the trainer",
+    "loss.importance_sampling_level": "ratio per token (PPO/GRPO) or per sequence (GSPO, geometric mean)",
+    "loss.gspo_eps_low": "GSPO clip range below 1 (used when importance_sampling_level = sequence)",
+    "loss.gspo_eps_high": "GSPO clip range above 1 (used when importance_sampling_level = sequence)",
+    "loss.kl_coef": "KL penalty to a frozen copy of the initial policy (paper: 0, no reference kept)",
+    "loss.kl": "KL estimator: k1 / k2 / k3, + for the straight-through gradient of k2",
+    "loss.rollout_is_cap": "rollout correction: cap C of token weights pi_train / pi_rollout (None: off)",
+    "loss.rollout_mask": "rollout correction: drop sequences whose (geometric) ratio leaves [1/C', C']",
+    "loss.rollout_mask_threshold": "rollout correction: C' of rollout_mask",
     "rl.prompts_per_step": "problems per RL step",
     "rl.samples_per_problem": "rollouts sampled per problem (2G)",
     "rl.keep": "rollouts kept per problem by Resample-on-Correct (G)",
@@ -240,6 +278,10 @@ FIELD_HELP = {
     "rl.estimator": "advantage estimator (grpo: group-normalised reward)",
     "rl.std": "group std: unbiased (Bessel) or biased",
     "rl.advantage_eps": "added to the group std before dividing",
+    "rl.format_penalty": "RoC answer-format penalty: paper (Eq. 5) or release (the released code's rule)",
+    "rl.mask_truncated": "truncated responses carry no loss (they still count in their group's advantages)",
+    "rl.overlong_buffer": "DAPO soft overlong penalty over the last N tokens of the budget (0: off)",
+    "rl.overlong_penalty_factor": "DAPO soft overlong penalty at the budget (reward - factor)",
     "batch.max_prompt_length": "longest prompt in tokens (longer problems are rejected)",
     "batch.pack": "pack several trajectories per row; False: one per row (worst case must fit)",
     "rollout.temperature": "sampling temperature of rollouts",
@@ -253,7 +295,6 @@ FIELD_HELP = {
     "rollout.engine_slots": "concurrent sequences in the generation engine",
     "rollout.kv_cache_tokens": "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
     "colocate.optimizer_memory": "where optimizer moments wait during rollout: auto / host (pinned) / device",
-    "colocate.release_kv_cache": "free the engine's KV page pool while the trainer runs",
     "device_memory_gib": "per-device memory the plan is checked against (None: what the device reports)",
     "filter_batch_size": "problems per batch of the hard-problem filter's rollouts",
     "stages": "the RL stages, run in order",
@@ -331,13 +372,15 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
     # model.path wins over the others: a command line cannot clear a config's inline spec, and
     # --config.model.path=<an exported policy> must start the run from that policy.
     if not _field(config, "model.path"):
-        sources = ["config_json"] if _field(config, "model.config_json") else []
-        sources += ["spec"] if len(_field(config, "model.spec")) else []
+        sources = [name for name in ("config_json", "preset") if _field(config, f"model.{name}")]
+        if len(_field(config, "model.spec")) and sources != ["preset"]:  # spec fields override a preset's
+            sources += ["spec"]
         if len(sources) != 1:
             raise ConfigError(
-                "config.model: set exactly one of config_json / spec (or model.path, which wins over both), "
-                f"got {sources or 'none'}"
+                f"config.model: set exactly one of config_json / preset / spec (spec may refine a preset; "
+                f"model.path wins over all of them), got {sources or 'none'}"
             )
+    _check(config, "model.preset", lambda v: not v or v in PRESETS, f"must be one of {PRESETS}")
     for name in ("path", "config_json") if check_paths else ():
         _check(config, f"model.{name}", lambda v: not v or os.path.exists(v), "does not exist")
     if check_paths:
@@ -345,6 +388,11 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
+    _one_of(config, "model.attention", ATTENTION_IMPLEMENTATIONS)
+    _check(
+        config, "model.attention_block_size", lambda v: v > 0 and v % 8 == 0, "must be a multiple of 8 (> 0)"
+    )
+    _check(config, "model.mlp_chunk_size", lambda v: v >= 0, "must be >= 0")
     for axis in ("data", "fsdp", "tensor"):
         _positive_int(config, f"mesh.{axis}")
     _check(config, "optimizer.learning_rate", lambda v: v > 0, "must be positive")
@@ -384,6 +432,22 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _check(config, "loss.entropy_coef", lambda v: v >= 0, "must be >= 0")
     _check(config, "loss.temperature", lambda v: v > 0, "must be positive")
     _one_of(config, "loss.old_logprobs", OLD_LOGPROB_SOURCES)
+    _one_of(config, "loss.importance_sampling_level", algo.IS_LEVELS)
+    _check(config, "loss.gspo_eps_low", lambda v: 0 < v < 1, "must be in (0, 1)")
+    _check(config, "loss.gspo_eps_high", lambda v: v > 0, "must be positive")
+    _check(config, "loss.kl_coef", lambda v: v >= 0, "must be >= 0")
+    _one_of(config, "loss.kl", algo.KL_ESTIMATORS)
+    _check(config, "loss.rollout_is_cap", lambda v: v is None or v > 1, "must be None or > 1")
+    _check(config, "loss.rollout_mask", lambda v: v is None or v in algo.SEQUENCE_RATIOS,
+           f"must be None or one of {algo.SEQUENCE_RATIOS}")
+    _check(config, "loss.rollout_mask_threshold", lambda v: v > 1, "must be > 1")
+    if (config.loss.rollout_is_cap is not None or config.loss.rollout_mask is not None) and (
+        config.loss.old_logprobs != "recompute"
+    ):
+        raise ConfigError(
+            "config.loss.rollout_is_cap / loss.rollout_mask: rollout correction compares the trainer's "
+            "log-probs with the sampler's; set loss.old_logprobs='recompute'"
+        )
     _positive_int(config, "rl.prompts_per_step")
     samples = _check(
         config, "rl.samples_per_problem", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2"
@@ -398,12 +462,11 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _one_of(config, "rl.estimator", algo.ADVANTAGE_ESTIMATORS)
     _one_of(config, "rl.std", algo.STD_MODES)
     _check(config, "rl.roc_eps", lambda v: v > 0, "must be positive")
+    _one_of(config, "rl.format_penalty", algo.FORMAT_PENALTIES)
+    _check(config, "rl.mask_truncated", lambda v: isinstance(v, bool), "must be True or False")
+    _check(config, "rl.overlong_buffer", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _check(config, "rl.overlong_penalty_factor", lambda v: v >= 0, "must be >= 0")
     _positive_int(config, "batch.max_prompt_length")
-    if config.loss.agg != "token_mean" and config.batch.pack:
-        raise ConfigError(
-            f"config.batch.pack=True: loss.agg={config.loss.agg!r} averages per sequence and needs "
-            "one trajectory per row; set batch.pack=False"
-        )
     if not config.batch.pack:
         rows, multiple = config.rl.prompts_per_step * config.rl.keep, row_multiple(config)
         if rows % multiple:
@@ -415,6 +478,11 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     for i, s in enumerate(config.stages):
         for name in ("steps", "max_response_length", "max_turns"):
             _check_stage_int(config, i, name)
+        if config.rl.overlong_buffer > s.max_response_length:
+            raise ConfigError(
+                f"config.rl.overlong_buffer={config.rl.overlong_buffer} is longer than "
+                f"stages[{i}].max_response_length={s.max_response_length}"
+            )
         if s.hard_filter_rollouts < 0:
             raise ConfigError(
                 f"config.stages[{i}].hard_filter_rollouts={s.hard_filter_rollouts}: must be >= 0"
@@ -430,7 +498,6 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _positive_int(config, "filter_batch_size")
     _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
-    _check(config, "colocate.release_kv_cache", lambda v: isinstance(v, bool), "must be True or False")
     _check(config, "device_memory_gib", lambda v: v is None or v > 0, "must be positive or None")
 
 
@@ -522,6 +589,11 @@ def build_optimizer(config, total_steps: int | None = None):
 
 def build_loss_config(config) -> RLLossConfig:
     return RLLossConfig(**config.loss.to_dict())
+
+
+def uses_reference(config) -> bool:
+    """Whether the run keeps a frozen reference policy in its state (RL with ``loss.kl_coef`` > 0)."""
+    return "loss" in config and config.loss.kl_coef > 0
 
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:

@@ -5,7 +5,7 @@ Colocated RL alternates two phases on the same devices (``rstar2jax.train.coloca
   rollout peak = params + engine weight cast + KV page pool + decode temporaries
                  [+ optimizer state + reference params, unless they wait in host memory]
   train peak   = compiled step peak (arguments + outputs - aliased + temporaries: params, optimizer state,
-                 batch, gradients, activations) [+ KV page pool, unless the engine frees it after rollout]
+                 batch, gradients, activations); the KV page pool lives only while the engine runs
 
 Sizes are per device, from the abstract train state's shardings and XLA's memory analysis of the compiled
 ``rl_step`` (``runner.dry_run``); the KV pool and the decode temporaries follow from the engine's shapes. A
@@ -90,7 +90,7 @@ def memory_plan(config, model_config, abstract_state, step_report: dict[str, Any
     waiting = 0 if offload else optimizer + reference
     rollout_peak = params + cast + kv_pool + decode_temporaries + waiting
     gradients = params
-    train_peak = step_report["peak_estimate_bytes"] + (0 if config.colocate.release_kv_cache else kv_pool)
+    train_peak = step_report["peak_estimate_bytes"]  # the KV pool is freed when the rollout ends
     memory = device_memory_gib(config)
     plan = {
         "devices": step_report["devices"],
@@ -106,7 +106,6 @@ def memory_plan(config, model_config, abstract_state, step_report: dict[str, Any
         "kv_pool_tokens": pool_tokens,
         "decode_temporaries_gib": decode_temporaries / GIB,
         "optimizer_offloaded_during_rollout": offload,
-        "kv_released_during_training": bool(config.colocate.release_kv_cache),
         "rollout_peak_gib": rollout_peak / GIB,
         "train_peak_gib": train_peak / GIB,
         "device_memory_gib": memory,
@@ -120,11 +119,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     rows = [
         ("parameters", plan["params_gib"], plan["params_gib"]),
         ("engine weight cast", plan["engine_weight_cast_gib"], 0.0),
-        (
-            "KV page pool",
-            plan["kv_pool_gib"],
-            0.0 if plan["kv_released_during_training"] else plan["kv_pool_gib"],
-        ),
+        ("KV page pool", plan["kv_pool_gib"], 0.0),
         ("decode temporaries", plan["decode_temporaries_gib"], 0.0),
         (
             "optimizer state",

@@ -42,7 +42,8 @@ def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | 
     model_config = runner.model_config_from(run_config)
     optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
     mesh = runner.mesh_from_config(run_config)
-    shardings = state_shardings(model_config, optimizer, mesh)
+    reference = config_lib.uses_reference(run_config)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=reference)
     checkpointer = Checkpointer(pathlib.Path(run_config.workdir) / "checkpoints", async_save=False)
     try:
         restored = checkpointer.restore(
@@ -88,7 +89,12 @@ def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prom
         runner.model_config_from(run_config),
         tokenizer,
         agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
-        engine_config=EngineConfig(num_slots=r.engine_slots, seed=run_config.seed),
+        engine_config=EngineConfig(
+            num_slots=r.engine_slots,
+            seed=run_config.seed,
+            # The page pool the memory plan counts (+1: the engine's null page); 0: enough for every slot.
+            num_pages=r.kv_cache_tokens // EngineConfig.page_size + 1 if r.kv_cache_tokens else None,
+        ),
         max_prompt_length=run_config.batch.max_prompt_length,
         config=agent.RolloutConfig(
             max_tool_calls_per_turn=r.max_tool_calls_per_turn,

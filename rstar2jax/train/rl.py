@@ -50,6 +50,13 @@ class RLIterationConfig:
       seq_len: batch row length in positions (a prompt + response of n tokens takes n - 1).
       pack: pack several trajectories per row (segment ids keep them apart); False = one per row.
       row_multiple: rows divide into micro-batches and data shards (num_microbatches x data x fsdp).
+      format_penalty: RoC's p_format rule, "paper" (Eq. 5) or "release"
+        (``algo.answer_format_penalty_release``).
+      mask_truncated: truncated responses stay in their group's advantage statistics but carry no loss and
+        do not count in the loss normaliser (TRL's ``mask_truncated_completions``).
+      overlong_buffer / overlong_penalty_factor: DAPO's soft overlong penalty (``algo.soft_overlong_penalty``
+        over the last ``overlong_buffer`` tokens of the response budget, 0 = off) added to the reward the
+        advantages are computed from (RoC still splits positives and negatives by the task reward).
     """
 
     samples_per_problem: int = 32
@@ -65,11 +72,24 @@ class RLIterationConfig:
     seq_len: int = 4096
     pack: bool = True
     row_multiple: int = 1
+    format_penalty: str = "paper"
+    mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
 
     def __post_init__(self):
         if not 1 <= self.keep <= self.samples_per_problem:
             raise ValueError(
                 f"keep={self.keep} must be in [1, samples_per_problem={self.samples_per_problem}]"
+            )
+        if self.format_penalty not in algo.FORMAT_PENALTIES:
+            raise ValueError(
+                f"format_penalty={self.format_penalty!r}; expected one of {algo.FORMAT_PENALTIES}"
+            )
+        if self.overlong_buffer < 0 or self.overlong_penalty_factor < 0:
+            raise ValueError(
+                f"overlong_buffer ({self.overlong_buffer}) and overlong_penalty_factor "
+                f"({self.overlong_penalty_factor}) must be >= 0"
             )
 
 
@@ -131,10 +151,37 @@ def run_rollouts(
     return _group(problems, trajectories, samples_per_problem)
 
 
-@jax.jit
-def _penalties(calls, failed, answers, turns):
-    """(p_err, p_format) of ``[groups, rollouts]`` counts, paper Eq. 4-5 (one compiled call per shape)."""
-    return algo.tool_error_penalty(calls, failed), algo.answer_format_penalty(answers, turns)
+def check_rewards(groups: list[list[Trajectory]]) -> None:
+    """Raises ``ValueError`` naming the first trajectory whose reward is not a finite number (a NaN reward
+    would otherwise zero or poison its whole group's advantages)."""
+    for group in groups:
+        for i, t in enumerate(group):
+            if not isinstance(t.reward, (int, float, np.number)) or not np.isfinite(t.reward):
+                raise ValueError(
+                    f"trajectory {i} of problem {t.problem_id!r} has reward {t.reward!r}; "
+                    "rewards must be finite numbers"
+                )
+
+
+@functools.partial(jax.jit, static_argnames="rule")
+def _penalties(calls, failed, opens, closes, pairs, turns, *, rule):
+    """(p_err, p_format) of ``[groups, rollouts]`` counts, Eq. 4 and the ``rule``'s format penalty (one
+    compiled call per shape)."""
+    if rule == "release":
+        p_format = algo.answer_format_penalty_release(opens, closes, pairs, turns)
+    else:
+        p_format = algo.answer_format_penalty(opens, turns)
+    return algo.tool_error_penalty(calls, failed), p_format
+
+
+def _answer_count(t: Trajectory, name: str) -> int:
+    value = getattr(t, name)
+    if value is None:
+        raise ValueError(
+            f"format_penalty='release' needs {name} of every trajectory; a trajectory of problem "
+            f"{t.problem_id!r} has none (set it with data.trajectory.answer_tag_counts)"
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,13 +201,20 @@ class ScoredGroups:
         return self.p_err + self.p_format
 
 
-def score_groups(groups: list[list[Trajectory]], width: int) -> ScoredGroups:
-    """The :class:`ScoredGroups` of ``groups`` (each at most ``width`` rollouts)."""
+def score_groups(groups: list[list[Trajectory]], width: int, format_penalty: str = "paper") -> ScoredGroups:
+    """The :class:`ScoredGroups` of ``groups`` (each at most ``width`` rollouts); ``format_penalty`` picks
+    p_format's rule ("paper": Eq. 5; "release": the released code's). A reward that is not a finite number
+    is an error naming its trajectory."""
+    check_rewards(groups)
+    release = format_penalty == "release"
     p_err, p_format = _penalties(
         group_array(groups, width, lambda t: t.num_tool_calls),
         group_array(groups, width, lambda t: t.num_failed_calls),
         group_array(groups, width, lambda t: t.num_answer_blocks),
+        group_array(groups, width, lambda t: _answer_count(t, "num_answer_closes") if release else 0),
+        group_array(groups, width, lambda t: _answer_count(t, "num_answer_pairs") if release else 0),
         group_array(groups, width, lambda t: t.num_turns),
+        rule=format_penalty,
     )
     return ScoredGroups(
         rewards=group_array(groups, width, lambda t: t.reward),
@@ -225,6 +279,7 @@ def rollout_metrics(
 def _select(
     key,
     rewards,
+    shaping,
     valid,
     p_total,
     min_negatives,
@@ -238,7 +293,8 @@ def _select(
     estimator,
     std,
 ):
-    """RoC selection and the advantages of the kept rollouts, in one compiled call."""
+    """RoC selection (on the task rewards) and the advantages of the kept rollouts (on rewards + shaping), in
+    one compiled call."""
     selection = algo.roc_select(
         key,
         rewards,
@@ -252,7 +308,7 @@ def _select(
         eps=roc_eps,
     )
     advantages = algo.group_advantages(
-        selection.gather(rewards), selection.mask, estimator=estimator, std=std, eps=advantage_eps
+        selection.gather(rewards + shaping), selection.mask, estimator=estimator, std=std, eps=advantage_eps
     )
     return selection, advantages, selection.gather(p_total)
 
@@ -263,21 +319,38 @@ def select_and_build_batch(
     config: RLIterationConfig,
     num_rows: int | None = None,
     scored: ScoredGroups | None = None,
+    *,
+    max_response_length: int | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch.
 
     ``scored``: the groups' :func:`score_groups` at width ``samples_per_problem`` (default: computed here).
+    ``max_response_length`` (the response budget) is needed with ``config.overlong_buffer`` > 0.
     """
     width = config.samples_per_problem
     if scored is None:
-        scored = score_groups(groups, width)
+        scored = score_groups(groups, width, config.format_penalty)
     if scored.rewards.shape != (len(groups), width):
         raise ValueError(f"scored arrays are {scored.rewards.shape}, expected {(len(groups), width)}")
     rewards, valid, p_total = scored.rewards, scored.valid, scored.p_total
+    shaping = np.zeros_like(rewards)
+    if config.overlong_buffer:
+        if max_response_length is None:
+            raise ValueError("overlong_buffer > 0 needs max_response_length (the response token budget)")
+        lengths = group_array(groups, width, lambda t: len(t.response_ids))
+        shaping = np.asarray(
+            algo.soft_overlong_penalty(
+                lengths,
+                max_length=max_response_length,
+                cache_length=config.overlong_buffer,
+                factor=config.overlong_penalty_factor,
+            )
+        )
     selection, advantages, selected_p_total = jax.device_get(
         _select(
             key,
             rewards,
+            shaping,
             valid,
             p_total,
             config.min_negatives,
@@ -297,6 +370,11 @@ def select_and_build_batch(
         for g, j in zip(*np.nonzero(mask), strict=True)
     ]
     sequences = [trajectory_sequence(t, a) for t, a in kept]
+    if config.mask_truncated:
+        sequences = [
+            dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) if t.truncated else s
+            for s, (t, _) in zip(sequences, kept, strict=True)
+        ]
     batch = build_batch(
         sequences,
         seq_len=config.seq_len,
@@ -314,6 +392,7 @@ def select_and_build_batch(
         "selected_p_total": float(selected_p_total[mask].mean()) if kept else 0.0,
         "p_total": float(p_total[valid].mean()) if valid.any() else 0.0,
         "advantage_abs": float(np.abs(advantages[mask]).mean()) if kept else 0.0,
+        "selected_truncated": float(sum(t.truncated for t, _ in kept)),
         "batch_rows": float(batch.tokens.shape[0]),
         "batch_fill": float((batch.segment_ids > 0).mean()),
     }
@@ -366,9 +445,11 @@ def rl_iteration(
         groups = rescore(unique, groups, reward_fn)
     verify_done = time.perf_counter()
 
-    scored = score_groups(groups, config.samples_per_problem)  # rewards and penalties, once
+    scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
     metrics = rollout_metrics(groups, scored)
-    batch, select_metrics = select_and_build_batch(roc_key, groups, config, num_rows, scored)
+    batch, select_metrics = select_and_build_batch(
+        roc_key, groups, config, num_rows, scored, max_response_length=max_response_length
+    )
     metrics.update(select_metrics)
     update_start = time.perf_counter()
     # Optimizer state a colocated run parked in host memory during rollout comes back for the update.

@@ -39,17 +39,22 @@ from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, s
 
 
 def model_config_from(config) -> models.ModelConfig:
-    """The ``ModelConfig`` of ``config.model`` (an HF folder, an HF config.json or inline fields) with its
-    dtype / remat / scan options applied."""
+    """The ``ModelConfig`` of ``config.model`` (an HF folder, an HF config.json, a named preset refined by
+    ``spec`` fields, or inline fields) with its dtype / remat / scan options applied."""
     m = config.model
     options = dict(
         param_dtype=m.param_dtype,
         compute_dtype=m.compute_dtype,
         remat_policy=m.remat_policy,
         scan_layers=m.scan_layers,
+        attention=m.attention,
+        attention_block_size=m.attention_block_size,
+        mlp_chunk_size=m.mlp_chunk_size,
     )
     if m.path or m.config_json:
         return models.config_from_hf(m.path or m.config_json, **options)
+    if m.get("preset"):
+        return models.preset(m.preset, **{**m.spec.to_dict(), **options})
     return models.ModelConfig(**{**m.spec.to_dict(), **options})
 
 
@@ -63,6 +68,9 @@ def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
             mesh=mesh,
             remat_policy=model_config.remat_policy,
             scan_layers=model_config.scan_layers,
+            attention=model_config.attention,
+            attention_block_size=model_config.attention_block_size,
+            mlp_chunk_size=model_config.mlp_chunk_size,
         )
         return params
     return models.init_params(model_config, jax.random.PRNGKey(config.seed), mesh=mesh)
@@ -140,10 +148,28 @@ def save_policy(params, model_config: models.ModelConfig, out: str | pathlib.Pat
 
 def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) -> TrainState:
     """Shapes, dtypes and shardings of the train state, without allocating it."""
+    reference = shardings.ref_params is not None
     shapes = jax.eval_shape(
-        lambda: init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, seed)
+        lambda: init_train_state(
+            models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, seed, reference=reference
+        )
     )
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+#: The run's config as JSON, in its work folder: what loads the run's checkpoints without the launcher
+#: (``rstar2jax.serve.load_policy`` reads the model and tokenizer from it).
+RUN_CONFIG_FILE = "run_config.json"
+
+
+def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
+    """Writes ``config`` (an ``ml_collections.ConfigDict``) as ``workdir/run_config.json``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / RUN_CONFIG_FILE
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
+    temporary.replace(path)
+    return path
 
 
 @dataclasses.dataclass
@@ -229,7 +255,7 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     workdir = pathlib.Path(config.workdir)
     mesh = mesh_from_config(config)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
     checkpointer = Checkpointer(
         workdir / CHECKPOINT_DIR,
         save_every=config.checkpoint.save_every,
@@ -239,13 +265,16 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed))
     if restored is None:
         params = initial_params(config, model_config, mesh)
-        init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed)
+        reference = shardings.ref_params is not None
+        init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed, reference=reference)
         state = jax.jit(init, out_shardings=shardings)(params)
         meta = {**initial_meta, "history": [], "optimizer_start": 0}
     else:
         state, meta = restored
         _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
+    if is_main:
+        write_run_config(workdir, config)
     logger = MetricsLogger(
         workdir, history=meta["history"], tensorboard=config.logging.tensorboard, enabled=is_main
     )
@@ -551,7 +580,7 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
     rows = -(-rows // multiple) * multiple
     mesh = mesh_from_config(config, allow_emulated=True)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
     state = abstract_state(model_config, optimizer, shardings, config.seed)
     batch = _abstract_batch(rows, seq_len, batch_sharding(mesh), rl=kind == "rl")
     if kind == "rl":
@@ -593,6 +622,9 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         microbatch_rows=rows // config.num_microbatches,
         num_params=num_params,
         compile_seconds=time.perf_counter() - start,
+        attention=models.attention.resolve_implementation(model_config.attention),
+        remat_policy=model_config.remat_policy,
+        logprobs="vocabulary chunks (models.sequence_logprobs)",
     )
     if kind == "rl":
         report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report)
@@ -606,6 +638,7 @@ def format_dry_run(report: dict[str, Any]) -> str:
         f"compiled for {report['devices']} {report['platform']} devices, mesh {report['mesh']}, "
         f"{report['num_params'] / 1e6:,.1f}M parameters, batch {report['batch_shape']} "
         f"({report['microbatch_rows']} rows per micro-batch), compile {report['compile_seconds']:.1f}s",
+        f"attention {report['attention']}, remat {report['remat_policy']}, log-probs by {report['logprobs']}",
         "per-device memory of the compiled step:",
     ]
     for key in (

@@ -22,12 +22,14 @@ class TrainState:
       step: int32 scalar, optimizer updates applied so far.
       rng: a raw ``uint32[2]`` PRNG key; the RL iteration splits it for RoC selection and rollouts, so a
         resumed run draws exactly the same numbers.
+      ref_params: the frozen reference policy of a KL term (``loss.kl_coef`` > 0), or None (no leaves).
     """
 
     params: Any
     opt_state: Any
     step: jax.Array
     rng: jax.Array
+    ref_params: Any = None
 
 
 def learning_rate_schedule(
@@ -91,11 +93,19 @@ def make_optimizer(
 
 
 def init_train_state(
-    params: Any, optimizer: optax.GradientTransformation, seed: int | jax.Array
+    params: Any, optimizer: optax.GradientTransformation, seed: int | jax.Array, *, reference: bool = False
 ) -> TrainState:
-    """A fresh state: ``optimizer.init(params)``, step 0 and the PRNG key of ``seed``."""
+    """A fresh state: ``optimizer.init(params)``, step 0 and the PRNG key of ``seed``; ``reference``: a frozen
+    copy of ``params`` as ``ref_params`` (the KL term's reference policy)."""
     rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
-    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
+    ref_params = jax.tree.map(jnp.copy, params) if reference else None
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=rng,
+        ref_params=ref_params,
+    )
 
 
 def reset_optimizer(state: TrainState, optimizer: optax.GradientTransformation) -> TrainState:

@@ -32,43 +32,89 @@ LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class RLLossConfig:
-    """Options of the GRPO-RoC policy loss (paper defaults: ε 0.2/0.28, no KL, no entropy, token mean).
+    """Options of the GRPO-RoC policy loss (paper defaults: ε 0.2/0.28, no KL, no entropy, token mean;
+    dual-clip c = 3 as the released code on verl).
 
     ``old_logprobs`` picks where π_old comes from: ``"sampler"`` uses the log-probs the engine recorded while
     sampling; ``"recompute"`` evaluates them with the trainer's forward before the update (the two differ by
     the sampler/trainer numerical mismatch, e.g. under bfloat16). ``temperature`` divides the logits so the
     trainer scores the same distribution the sampler drew from.
+
+    ``importance_sampling_level="sequence"`` is GSPO (``algo.gspo_log_ratio``) with its own clip range
+    ``gspo_eps_low`` / ``gspo_eps_high`` (the GSPO paper's 3e-4 / 4e-4) and no dual clip (as verl's GSPO).
+    ``kl_coef`` > 0 adds ``kl`` (k1/k2/k3, "+" for straight-through) to a frozen reference policy, the
+    state's ``ref_params``. Rollout correction (``algo.rollout_correction``, needs
+    ``old_logprobs="recompute"``: π_train is the recomputed π_old, π_rollout the sampler's log-probs):
+    ``rollout_is_cap`` C truncates the token weights at C; ``rollout_mask`` ("sequence" / "geometric")
+    drops sequences whose ratio leaves [1/C', C'], C' = ``rollout_mask_threshold``.
     """
 
     eps_low: float = 0.2
     eps_high: float = 0.28
-    dual_clip: float | None = None
+    dual_clip: float | None = 3.0
     agg: str = "token_mean"
     entropy_coef: float = 0.0
     temperature: float = 1.0
     old_logprobs: str = "sampler"
+    importance_sampling_level: str = "token"
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    kl_coef: float = 0.0
+    kl: str = "k3"
+    rollout_is_cap: float | None = None
+    rollout_mask: str | None = None
+    rollout_mask_threshold: float = 2.0
 
     def __post_init__(self):
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
             raise ValueError(f"old_logprobs={self.old_logprobs!r}; expected one of {OLD_LOGPROB_SOURCES}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.importance_sampling_level not in algo.IS_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level={self.importance_sampling_level!r}; "
+                f"expected one of {algo.IS_LEVELS}"
+            )
+        if self.kl not in algo.KL_ESTIMATORS:
+            raise ValueError(f"kl={self.kl!r}; expected one of {tuple(algo.KL_ESTIMATORS)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.rollout_mask is not None and self.rollout_mask not in algo.SEQUENCE_RATIOS:
+            raise ValueError(
+                f"rollout_mask={self.rollout_mask!r}; expected None or one of {algo.SEQUENCE_RATIOS}"
+            )
+        for name in ("rollout_is_cap", "rollout_mask_threshold"):
+            value = getattr(self, name)
+            if value is not None and not value > 1:
+                raise ValueError(f"{name} must be > 1, got {value}")
+        if self.rollout_correction and self.old_logprobs != "recompute":
+            raise ValueError(
+                "rollout correction (rollout_is_cap / rollout_mask) compares the trainer's π_old with the "
+                "sampler's log-probs: it needs old_logprobs='recompute'"
+            )
+
+    @property
+    def rollout_correction(self) -> bool:
+        return self.rollout_is_cap is not None or self.rollout_mask is not None
 
 
 def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(x * mask)
+    """Σ mask·x with masked-out positions dropped before the product (a NaN / Inf there stays out)."""
+    return jnp.sum(algo.masked_values(x, mask) * mask)
 
 
 def _logprobs_and_entropy(params, model_config, batch: Batch, temperature: float = 1.0):
-    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each)."""
-    logits, _ = models.forward(
-        params, model_config, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
+    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each), from the final
+    hidden states by vocabulary chunks (``models.sequence_logprobs``: no ``[rows, seq_len, vocab]`` array)."""
+    return models.sequence_logprobs(
+        params,
+        model_config,
+        batch.tokens,
+        batch.targets,
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        temperature=temperature,
     )
-    logits = logits / temperature
-    logp = models.token_logprobs(logits, batch.targets)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    entropy = log_z - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-    return logp, entropy
 
 
 def sft_loss(params, batch: Batch, normalizer: jax.Array, *, model_config) -> tuple[jax.Array, dict]:
@@ -77,30 +123,70 @@ def sft_loss(params, batch: Batch, normalizer: jax.Array, *, model_config) -> tu
     return -_masked_sum(logp, batch.loss_mask) / normalizer, {}
 
 
-def rl_loss(params, batch: Batch, normalizer: jax.Array, *, model_config, loss_config: RLLossConfig):
+def rl_loss(
+    params, batch: Batch, normalizer: jax.Array, *, model_config, loss_config: RLLossConfig, ref_params=None
+):
     """The GRPO-RoC clipped surrogate (``algo.policy_loss``) with the whole-batch normaliser.
 
-    Returns (loss, aux): ``aux["token_sums"]`` (entropy, clip fractions, approx KL, ratio; divided by the
-    batch's loss tokens after accumulation) and ``aux["totals"]`` (the normalised pg / KL losses).
+    ``ref_params`` (frozen, no gradient) give the reference log-probs of the KL term when
+    ``loss_config.kl_coef`` > 0. Returns (loss, aux): ``aux["token_sums"]`` (entropy, clip fractions, approx
+    KL, ratio, rollout-correction sums; divided by the batch's loss tokens after accumulation) and
+    ``aux["totals"]`` (the normalised pg / KL losses).
     """
     logp, entropy = _logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
     old_logp = batch.old_logp
     if loss_config.old_logprobs == "recompute":
         # One update per rollout batch: π_old is the current policy before this update.
         old_logp = jax.lax.stop_gradient(logp)
-    loss, metrics = algo.policy_loss(
+    ref_logp = None
+    if loss_config.kl_coef:
+        if ref_params is None:
+            raise ValueError(
+                f"kl_coef={loss_config.kl_coef} needs a reference policy: the state has no ref_params"
+            )
+        ref_logp, _ = _logprobs_and_entropy(
+            jax.lax.stop_gradient(ref_params), model_config, batch, loss_config.temperature
+        )
+    is_weights, correction_sums = None, {}
+    if loss_config.rollout_correction:
+        # batch.old_logp holds the sampler's (rollout engine's) log-probs.
+        is_weights, correction_sums = algo.rollout_correction(
+            old_logp,
+            batch.old_logp,
+            batch.loss_mask,
+            token_cap=loss_config.rollout_is_cap,
+            sequence_mask=loss_config.rollout_mask,
+            mask_threshold=loss_config.rollout_mask_threshold,
+            segment_ids=batch.segment_ids,
+        )
+    sequence_level = loss_config.importance_sampling_level == "sequence"
+    policy_loss = functools.partial(
+        algo.policy_loss,
         logp,
         old_logp,
         batch.advantages,
-        batch.loss_mask,
-        eps_low=loss_config.eps_low,
-        eps_high=loss_config.eps_high,
-        dual_clip=loss_config.dual_clip,
+        eps_low=loss_config.gspo_eps_low if sequence_level else loss_config.eps_low,
+        eps_high=loss_config.gspo_eps_high if sequence_level else loss_config.eps_high,
+        dual_clip=None if sequence_level else loss_config.dual_clip,
+        ref_logp=ref_logp,
+        kl=loss_config.kl,
+        kl_coef=loss_config.kl_coef,
         entropy=entropy if loss_config.entropy_coef else None,
         entropy_coef=loss_config.entropy_coef,
-        agg=loss_config.agg,
         normalizer=normalizer,
+        importance_sampling_level=loss_config.importance_sampling_level,
+        segment_ids=batch.segment_ids,
+        is_weights=is_weights,
     )
+    if loss_config.agg == "seq_mean_token_mean":
+        # Per sequence (segment), not per row: weight each loss token by 1 / its sequence's loss tokens and
+        # sum; the token-mean metrics come from the plain mask.
+        _, metrics = policy_loss(batch.loss_mask, agg="token_mean")
+        weights = batch.loss_mask / jnp.maximum(_segment_loss_tokens(batch.loss_mask, batch.segment_ids), 1.0)
+        loss, weighted = policy_loss(weights, agg="seq_mean_token_sum")
+        metrics.update({k: v for k, v in weighted.items() if k in (*_NORMALISED_METRICS, "entropy")})
+    else:
+        loss, metrics = policy_loss(batch.loss_mask, agg=loss_config.agg)
     # policy_loss's token means over this micro-batch, weighted by its token count, add up to token sums over
     # the batch; its terms already divided by the whole-batch normaliser add up as they are.
     tokens = jnp.sum(batch.loss_mask)
@@ -108,8 +194,30 @@ def rl_loss(params, batch: Batch, normalizer: jax.Array, *, model_config, loss_c
         k: v * tokens for k, v in metrics.items() if k not in _NORMALISED_METRICS and k != "entropy"
     }
     token_sums["entropy"] = jax.lax.stop_gradient(_masked_sum(entropy, batch.loss_mask))
+    token_sums.update(correction_sums)
     totals = {k: v for k, v in metrics.items() if k in _NORMALISED_METRICS}
     return loss, {"token_sums": token_sums, "totals": totals}
+
+
+def _segment_loss_tokens(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Per position, the number of loss tokens in its sequence (its run of equal segment ids in the row)."""
+    starts = models.attention.segment_starts(segment_ids)
+    ends = segment_ids.shape[1] - 1 - models.attention.segment_starts(segment_ids[:, ::-1])[:, ::-1]
+    cumulative = jnp.cumsum(loss_mask, axis=1)  # exact: integer counts below 2^24
+    before = jnp.take_along_axis(cumulative - loss_mask, starts, axis=1)
+    return jnp.take_along_axis(cumulative, ends, axis=1) - before
+
+
+def sequence_loss_normalizer(loss_mask: jax.Array, segment_ids: jax.Array, *, agg: str) -> jax.Array:
+    """``algo.loss_normalizer`` with sequences as the packed segments rather than rows: the loss tokens
+    (``token_mean``), the row length T (``seq_mean_token_sum_norm``, verl's constant) or the number of
+    sequences with at least one loss token (the other ``seq_mean_*`` modes), so a packed batch has the
+    normaliser of the same sequences padded one per row (rows of the same length)."""
+    if agg in ("token_mean", "seq_mean_token_sum_norm"):
+        return algo.loss_normalizer(loss_mask, agg=agg)
+    algo.loss_normalizer(loss_mask, agg=agg)  # checks the mask and the mode
+    first = jnp.arange(loss_mask.shape[1]) == models.attention.segment_starts(segment_ids)
+    return jnp.sum(first & (_segment_loss_tokens(loss_mask, segment_ids) > 0)).astype(jnp.float32)
 
 
 def _strided_microbatches(batch: Batch, num_microbatches: int) -> Batch:
@@ -183,20 +291,28 @@ def rl_step(
     """One GRPO-RoC update on a batch of selected trajectories.
 
     Metrics: loss, grad_norm, tokens (loss tokens), and token means of entropy and the policy-loss metrics
-    (clip fractions, approx KL, ratio).
+    (clip fractions, approx KL, ratio); kl_loss with a KL term; with rollout correction
+    rollout_is_ratio (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was
+    truncated) and rollout_is_masked (share of loss tokens in masked sequences). Sequences dropped by the
+    rollout mask stay in the loss normaliser (computed over the whole batch before the forward pass).
     """
     tokens = jnp.sum(batch.loss_mask)
-    normalizer = algo.loss_normalizer(batch.loss_mask, agg=loss_config.agg)
-    loss_fn = functools.partial(rl_loss, model_config=model_config, loss_config=loss_config)
+    normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)
+    loss_fn = functools.partial(
+        rl_loss, model_config=model_config, loss_config=loss_config, ref_params=state.ref_params
+    )
     loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
     metrics = {k: v / jnp.maximum(tokens, 1.0) for k, v in sums["token_sums"].items()}
     metrics.update(sums["totals"], loss=loss, grad_norm=optax.global_norm(grads), tokens=tokens)
     return _apply_update(state, grads, optimizer), metrics
 
 
-def state_shardings(model_config, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-    """``TrainState`` of ``NamedSharding``: params (and the optimizer's per-parameter moments) as the model's
-    logical rules place them; counters, step and RNG replicated."""
+def state_shardings(
+    model_config, optimizer: optax.GradientTransformation, mesh: Mesh, *, reference: bool = False
+) -> TrainState:
+    """``TrainState`` of ``NamedSharding``: params (and the optimizer's per-parameter moments, and the
+    reference params when ``reference``) as the model's logical rules place them; counters, step and RNG
+    replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     params = models.param_shardings(model_config, mesh)
     abstract_params = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0)))
@@ -208,7 +324,8 @@ def state_shardings(model_config, optimizer: optax.GradientTransformation, mesh:
         params,
         transform_non_params=lambda _: replicated,
     )
-    return TrainState(params=params, opt_state=opt, step=replicated, rng=replicated)
+    ref_params = params if reference else None
+    return TrainState(params=params, opt_state=opt, step=replicated, rng=replicated, ref_params=ref_params)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

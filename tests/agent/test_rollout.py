@@ -294,9 +294,11 @@ def test_answer_comes_from_model_text_only(tokenizer, verifier):
     (t,), _, _ = run(tokenizer, verifier, [[encode_turns(tokenizer, call_text(), no_answer)]],
                      sandbox=sandbox)
     assert (t.answer, t.reward, t.num_answer_blocks, t.truncated) == (None, 0.0, 0, False)
+    assert (t.num_answer_closes, t.num_answer_pairs) == (0, 0)
     two_answers = " <answer>\\boxed{1000}</answer> no wait <answer>\\boxed{1024}</answer><|im_end|>"
     (t,), _, _ = run(tokenizer, verifier, [[encode_turns(tokenizer, two_answers)]])
     assert (t.answer, t.reward, t.num_answer_blocks, t.num_turns) == ("1024", 1.0, 2, 1)
+    assert (t.num_answer_closes, t.num_answer_pairs) == (2, 2)
     wrong = " <answer>\\boxed{1000}</answer><|im_end|>"
     (t,), _, _ = run(tokenizer, verifier, [[encode_turns(tokenizer, wrong)]])
     assert (t.answer, t.reward) == ("1000", 0.0)

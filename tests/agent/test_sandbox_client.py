@@ -182,14 +182,44 @@ def test_connection_refused_fails_over_to_a_live_server():
     assert [r.stdout for r in _run(main())] == [f"x{i}" for i in range(30)]
 
 
-def test_no_server_at_all_returns_deadline_result():
+def test_no_server_at_all_is_reported_unreachable_at_once():
     async def main():
-        async with SandboxClient(_free_port_url(), deadline_slack=0.3, backoff=(0.01, 0.05)) as client:
-            return await client.run("print(1)", timeout=0.2)
+        async with SandboxClient(_free_port_url(), deadline_slack=60.0, backoff=(0.01, 0.05)) as client:
+            start = asyncio.get_running_loop().time()
+            result = await client.run("print(1)", timeout=30.0)
+            return result, asyncio.get_running_loop().time() - start
 
-    result = _run(main())
-    assert result.status == "internal" and result.error_type == "DeadlineExceeded"
-    assert "deadline" in result.stderr
+    result, waited = _run(main())
+    assert result.status == "internal" and result.error_type == "Unreachable", result
+    assert "cannot connect" in result.stderr
+    assert waited < 30.0  # not timeout + slack (90 s): a refused connection is final after a few attempts
+
+
+def test_one_undecodable_result_fails_only_its_own_call():
+    async def mixed(fake, requests, request):
+        results = [_ok_result(r["code"]) for r in requests]
+        results[1] = dict(results[1], stdout=b"\xff\xfe bad")  # raw bytes: a non-string field
+        packed = msgpack.packb({schema.BATCH_RESULTS_KEY: results}, use_bin_type=False)  # as str type
+        return web.Response(body=packed, content_type=schema.CONTENT_TYPE_MSGPACK)
+
+    async def invalid(fake, requests, request):
+        results = [_ok_result(r["code"]) for r in requests]
+        results[0] = dict(results[0], status="great")
+        return web.Response(
+            body=msgpack.packb({schema.BATCH_RESULTS_KEY: results}), content_type=schema.CONTENT_TYPE_MSGPACK
+        )
+
+    async def main(behaviour):
+        async with FakeServer(behaviour) as fake:
+            async with SandboxClient(fake.url, batch_window=0.05) as client:
+                return await client.run_many(["a", "b", "c"])
+
+    a, b, c = _run(main(mixed))
+    assert (a.stdout, c.stdout) == ("a", "c") and a.ok and c.ok
+    assert b.ok and b.stdout == "\ufffd\ufffd bad"  # invalid UTF-8 in a str field: replaced, not a failure
+    bad, b, c = _run(main(invalid))
+    assert (bad.status, bad.error_type) == ("internal", "BadResponse") and "great" in bad.stderr
+    assert (b.stdout, c.stdout) == ("b", "c") and b.ok and c.ok
 
 
 def test_a_server_that_never_answers_cannot_hang_a_call():

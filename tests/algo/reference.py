@@ -47,22 +47,32 @@ def _kl(x, kind):
     return value, grad
 
 
-def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=0.28, dual_clip=None,
+def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=0.28, dual_clip=3.0,
                 ref_logp=None, kl="k3", kl_coef=0.0, entropy=None, entropy_coef=0.0, agg="token_mean",
-                normalizer=None):
-    """Loss, metrics and the gradients d loss / d logp and d loss / d entropy."""
+                normalizer=None, importance_sampling_level="token", is_weights=None):
+    """Loss, metrics and the gradients d loss / d logp and d loss / d entropy.
+
+    ``importance_sampling_level="sequence"``: GSPO-token, one ratio s_b = exp(mean of row b's loss-token
+    log-ratios) for the whole row, and d s_bt / d logp_bt = s_b (the token's own log-prob only).
+    """
     logp, old_logp, mask = (np.asarray(a, np.float64) for a in (logp, old_logp, loss_mask))
+    weights_is = np.ones_like(logp) if is_weights is None else np.asarray(is_weights, np.float64)
     adv = np.asarray(advantages, np.float64)
     if adv.ndim == 1:
         adv = np.repeat(adv[:, None], logp.shape[1], axis=1)
     batch, horizon = logp.shape
     lengths = mask.sum(axis=1)
     if normalizer is None:
-        normalizer = mask.sum() if agg == "token_mean" else float(np.sum(lengths > 0))
+        if agg == "token_mean":
+            normalizer = mask.sum()
+        elif agg == "seq_mean_token_sum_norm":  # verl: sum over sequences of token sums, / T
+            normalizer = float(horizon)
+        else:
+            normalizer = float(np.sum(lengths > 0))
     # weight[b, t]: d loss / d (token value) for a loss token under this aggregation.
     weight = np.zeros_like(logp)
     for b in range(batch):
-        if agg in ("token_mean", "seq_mean_token_sum"):
+        if agg in ("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
             per_token = 1.0
         elif agg == "seq_mean_token_mean":
             per_token = 1.0 / max(lengths[b], 1.0)
@@ -74,19 +84,25 @@ def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=
     grad_logp = np.zeros_like(logp)
     counts = dict(high=0.0, low=0.0, dual=0.0, kl=0.0, ratio=0.0)
     kl_value = np.zeros_like(logp)
+    seq_log_ratio = [
+        sum(logp[b, t] - old_logp[b, t] for t in range(horizon) if mask[b, t]) / max(lengths[b], 1.0)
+        for b in range(batch)
+    ]
     for b, t in itertools.product(range(batch), range(horizon)):
+        if not mask[b, t]:
+            continue
         a = adv[b, t]
-        raw = logp[b, t] - old_logp[b, t]
-        lr = min(max(raw, -20.0), 20.0)
-        rho = math.exp(lr)
+        token_raw = logp[b, t] - old_logp[b, t]
+        raw = seq_log_ratio[b] if importance_sampling_level == "sequence" else token_raw
+        rho = math.exp(min(max(raw, -20.0), 20.0))
         unclipped = -a * rho
         clipped = -a * min(max(rho, 1 - eps_low), 1 + eps_high)
         loss = max(unclipped, clipped)
         d = -a * rho if (unclipped >= clipped and -20.0 < raw < 20.0) else 0.0
         if dual_clip is not None and a < 0 and -a * dual_clip < loss:
             loss, d = -a * dual_clip, 0.0
-        pg[b, t] = loss
-        grad_logp[b, t] += weight[b, t] * d
+        pg[b, t] = loss * weights_is[b, t]
+        grad_logp[b, t] += weight[b, t] * d * weights_is[b, t]
         if ref_logp is not None:
             kl_value[b, t], dk = _kl(logp[b, t] - ref_logp[b, t], kl)
             grad_logp[b, t] += kl_coef * weight[b, t] * dk
@@ -94,7 +110,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=
             counts["high"] += a > 0 and rho > 1 + eps_high
             counts["low"] += a < 0 and rho < 1 - eps_low
             counts["dual"] += dual_clip is not None and a < 0 and rho > dual_clip
-            counts["kl"] += -lr
+            counts["kl"] += -min(max(token_raw, -20.0), 20.0)
             counts["ratio"] += rho
     pg_loss = float(np.sum(weight * pg))
     total = pg_loss
@@ -149,3 +165,28 @@ def inclusion_probabilities(weights, k):
             remaining -= weights[i]
         probs[list(order)] += p
     return probs
+
+
+def rollout_correction(train_logp, rollout_logp, loss_mask, *, token_cap, sequence_mask, mask_threshold):
+    """Weights and metric sums of verl's truncated (token) / masked (sequence) importance sampling, row by
+    row: r_t = pi_train / pi_rollout; w_t = min(r_t, C); a row is dropped when its product ("sequence") or
+    geometric mean ("geometric") of r_t over loss tokens leaves [1/C', C']."""
+    train_logp, rollout_logp = np.asarray(train_logp, np.float64), np.asarray(rollout_logp, np.float64)
+    mask = np.asarray(loss_mask, np.float64)
+    weights = np.zeros_like(mask)
+    sums = dict(rollout_is_ratio=0.0, rollout_is_capped=0.0, rollout_is_masked=0.0)
+    for b in range(mask.shape[0]):
+        idx = np.flatnonzero(mask[b])
+        r = np.exp(train_logp[b, idx] - rollout_logp[b, idx])
+        sums["rollout_is_ratio"] += r.sum()
+        w = np.ones_like(r)
+        if token_cap is not None:
+            w = np.minimum(r, token_cap)
+            sums["rollout_is_capped"] += np.sum(r > token_cap)
+        if sequence_mask is not None and len(idx):
+            seq = np.prod(r) if sequence_mask == "sequence" else np.prod(r) ** (1.0 / len(idx))
+            if not 1.0 / mask_threshold <= seq <= mask_threshold:
+                w[:] = 0.0
+                sums["rollout_is_masked"] += len(idx)
+        weights[b, idx] = w
+    return weights, sums

@@ -7,13 +7,16 @@ from jax.test_util import check_grads
 from rstar2jax import algo
 from tests.algo import reference
 
-# Term configurations: GRPO-RoC's default; dual-clip with a k3 KL and entropy; straight-through KLs.
+# Term configurations: GRPO-RoC's default (dual-clip c = 3); no dual clip; dual-clip with a k3 KL and entropy;
+# straight-through KLs; GSPO (sequence-level ratio, its paper's clip range).
 CONFIGS = {
     "roc": {},
+    "no_dual_clip": dict(dual_clip=None),
     "dual_k3_entropy": dict(dual_clip=3.0, kl="k3", kl_coef=0.1, entropy_coef=0.01),
     "k1_straight_through": dict(kl="k1+", kl_coef=0.05, eps_low=0.1, eps_high=0.15),
     "k3_straight_through": dict(kl="k3+", kl_coef=0.05),
     "k2_per_token_adv": dict(kl="k2", kl_coef=0.2, entropy_coef=0.02),
+    "gspo": dict(importance_sampling_level="sequence", eps_low=3e-4, eps_high=4e-4, dual_clip=None),
 }
 
 
@@ -67,8 +70,11 @@ def test_matches_float64_reference_with_gradients(agg, config):
     np.testing.assert_allclose(grad_logp, want_grad_logp, rtol=2e-5, atol=1e-7)
     if entropy is not None:
         np.testing.assert_allclose(grad_entropy, want_grad_entropy, rtol=2e-5, atol=1e-7)
-    assert metrics["clip_frac_high"] > 0 and metrics["clip_frac_low"] > 0
-    assert (metrics["dual_clip_frac"] > 0) == ("dual_clip" in kwargs)
+    if config == "gspo":  # few sequences: some are clipped, not necessarily on both sides for every seed
+        assert metrics["clip_frac"] > 0
+    else:
+        assert metrics["clip_frac_high"] > 0 and metrics["clip_frac_low"] > 0
+    assert (metrics["dual_clip_frac"] > 0) == (kwargs.get("dual_clip", 3.0) is not None)
 
 
 def test_gradient_matches_finite_differences_in_float64():
@@ -108,21 +114,30 @@ def test_micro_batches_accumulate_to_the_full_batch(agg):
     np.testing.assert_allclose(loss, full_loss, rtol=1e-5, atol=1e-7)
     for got, want in zip(grads, full_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
-    # Each micro-batch normalising by itself does not give the full-batch loss.
+    # Each micro-batch normalising by itself does not give the full-batch loss, except under verl's
+    # seq_mean_token_sum_norm, whose N = T does not depend on the rows.
     local_loss, _ = accumulate(None)
-    assert abs(float(local_loss) - float(full_loss)) > 1e-3
+    if agg == "seq_mean_token_sum_norm":
+        np.testing.assert_allclose(local_loss, full_loss, rtol=1e-5, atol=1e-7)
+    else:
+        assert abs(float(local_loss) - float(full_loss)) > 1e-3
 
 
 def test_normalizer_per_mode():
     mask = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], np.float32)
     assert float(algo.loss_normalizer(mask, agg="token_mean")) == 6.0
-    for agg in algo.AGG_MODES[1:]:
+    for agg in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm_drgrpo"):
         assert float(algo.loss_normalizer(mask, agg=agg)) == 2.0  # the empty row is not a sequence
+    assert float(algo.loss_normalizer(mask, agg="seq_mean_token_sum_norm")) == 4.0  # verl: T
     values = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_allclose(algo.aggregate_loss(values, mask, agg="token_mean"), (1 + 38) / 6)
     np.testing.assert_allclose(algo.aggregate_loss(values, mask, agg="seq_mean_token_mean"), (0.5 + 9.5) / 2)
     np.testing.assert_allclose(algo.aggregate_loss(values, mask, agg="seq_mean_token_sum"), (1 + 38) / 2)
-    np.testing.assert_allclose(algo.aggregate_loss(values, mask, agg="seq_mean_token_sum_norm"), 39 / 4 / 2)
+    # verl's seq-mean-token-sum-norm: sum(seq sums) / T; TRL's Dr. GRPO: sum / (n_seq * T).
+    np.testing.assert_allclose(algo.aggregate_loss(values, mask, agg="seq_mean_token_sum_norm"), 39 / 4)
+    np.testing.assert_allclose(
+        algo.aggregate_loss(values, mask, agg="seq_mean_token_sum_norm_drgrpo"), 39 / 4 / 2
+    )
     np.testing.assert_allclose(algo.aggregate_loss(values, np.zeros_like(mask)), 0.0)
 
 

@@ -19,14 +19,14 @@ from rstar2jax.data.conversation import (
     tool_response_ids,
     tool_response_text,
 )
-from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 
 PROBLEM = "Find the remainder when $2^{100}$ is divided by $7$."
 
 
 @pytest.fixture(scope="module")
-def qwen3(shared_dir):
-    return load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def qwen3(qwen3_tokenizer):
+    return qwen3_tokenizer
 
 
 @pytest.fixture(scope="module", params=["qwen3", "tiny"])

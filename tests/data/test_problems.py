@@ -7,6 +7,7 @@ import datasets
 import pytest
 
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
+from rstar2jax.eval import EVAL_SETS_DIR
 
 ROWS = [
     {"id": "a", "problem": "1+1?", "answer": "2", "level": 1},
@@ -61,10 +62,10 @@ def test_named_fields_json_and_datasets_folder(tmp_path):
     assert load_problems(parquet, **kwargs).problems == from_json.problems
 
 
-def test_real_shared_sets(shared_dir):
-    aime = load_problems(shared_dir / "data" / "aime24.jsonl", integer_only=True)
+def test_real_bundled_sets():
+    aime = load_problems(EVAL_SETS_DIR / "aime24.jsonl", integer_only=True)
     assert len(aime) == 30 and aime.num_skipped == 0
-    math500 = load_problems(shared_dir / "data" / "math500.jsonl")
+    math500 = load_problems(EVAL_SETS_DIR / "math500.jsonl")
     assert len(math500) == 500 and math500.problems[0].metadata["level"] == 2
 
 

@@ -32,7 +32,7 @@ from rstar2jax.data.sft_data import (
     sft_rows,
 )
 from rstar2jax.data.synthetic import make_task
-from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 
 CFG = PromptConfig()
 FORMAT = functools.partial(format_tool_result, max_chars=1000)
@@ -81,8 +81,8 @@ def examples(problems):
 
 
 @pytest.fixture(scope="module")
-def qwen3(shared_dir):
-    return load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def qwen3(qwen3_tokenizer):
+    return qwen3_tokenizer
 
 
 def test_failing_then_fixed_share_with_real_outputs(problems, examples):

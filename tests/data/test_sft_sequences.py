@@ -7,11 +7,10 @@ import datasets
 import pytest
 
 from rstar2jax.data.sft_data import load_sft_sequences
-from rstar2jax.data.tokenizer import load_tokenizer
 
 
-def test_chat_and_pretokenised_rows(tmp_path, shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_chat_and_pretokenised_rows(tmp_path, qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     chat = {
         "messages": [
             {"role": "user", "content": "What is 2+2?"},
@@ -75,8 +74,8 @@ FUNCTION_CALLING_ROW = {
 }
 
 
-def test_function_calling_chat_sets_from_every_source(tmp_path, shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_function_calling_chat_sets_from_every_source(tmp_path, qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     jsonl, as_json, parquet = tmp_path / "a.jsonl", tmp_path / "a.json", tmp_path / "a.parquet"
     jsonl.write_text(json.dumps(FUNCTION_CALLING_ROW) + "\n")
     as_json.write_text(json.dumps([FUNCTION_CALLING_ROW]))
@@ -102,8 +101,8 @@ def test_function_calling_chat_sets_from_every_source(tmp_path, shared_dir):
     assert context.startswith("<|im_start|>system\nYou are a helpful assistant.")
 
 
-def test_bad_function_calling_rows_name_the_row(tmp_path, shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_bad_function_calling_rows_name_the_row(tmp_path, qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     broken = json.loads(json.dumps(FUNCTION_CALLING_ROW))
     broken["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"city": Paris}'
     with pytest.raises(ValueError, match=r"row 1: message 2: tool call arguments are not JSON"):

@@ -46,8 +46,8 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def qwen3(shared_dir):
-    return load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def qwen3(qwen3_tokenizer):
+    return qwen3_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import json
 import pytest
 
 from rstar2jax.data.conversation import PYTHON_TOOL_NAME, python_tool_schema, render_chat
-from rstar2jax.data.tokenizer import load_tokenizer
 from rstar2jax.data.tool_parser import (
     ToolCall,
     ToolCallError,
@@ -111,8 +110,8 @@ def test_unbalanced_tags_are_reported_not_guessed():
     assert results[1] == ToolCall(PYTHON_TOOL_NAME, "print(1)", "")
 
 
-def test_parses_what_the_qwen3_template_renders(shared_dir):
-    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "qwen3")
+def test_parses_what_the_qwen3_template_renders(qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
     arguments = {"code": 'import sys\nprint("{}".format(sys.stdin.read()[::-1]))', "input": "abc"}
     messages = [
         {"role": "user", "content": "q"},

@@ -9,7 +9,15 @@ import pytest
 
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
-from rstar2jax.eval import EVAL_DATA_ENV, EVAL_SETS, aggregate, evaluate, evaluate_async, load_eval_set
+from rstar2jax.eval import (
+    EVAL_DATA_ENV,
+    EVAL_SETS,
+    EVAL_SETS_DIR,
+    aggregate,
+    evaluate,
+    evaluate_async,
+    load_eval_set,
+)
 
 # Per problem, its k = 4 samples: (reward, response length, tool outcomes).
 SCRIPT = {
@@ -101,15 +109,19 @@ def test_evaluate_inside_a_running_loop_points_to_the_async_version():
     assert asyncio.run(main()).datasets["eval"].metrics["pass@1"] == pytest.approx(0.5)
 
 
-def test_load_shared_eval_sets(shared_dir):
+def test_load_bundled_eval_sets_by_name(tmp_path, monkeypatch):
     sizes = {"aime24": 30, "aime25": 30, "math500": 500, "hmmt25": 30}
     assert set(sizes) == set(EVAL_SETS)
+    monkeypatch.delenv(EVAL_DATA_ENV, raising=False)
     for name, size in sizes.items():
-        problems = load_eval_set(name, data_dir=shared_dir / "data")
+        problems = load_eval_set(name)  # the package data in rstar2jax/eval/sets
         assert len(problems) == size and all(p.problem and p.answer for p in problems)
-    aime24 = load_eval_set("aime24", limit=3)  # default folder: ../shared/data beside the checkout
+    aime24 = load_eval_set("aime24", limit=3)
     assert [p.id for p in aime24] == ["60", "61", "62"] and aime24[0].answer == "204"
-    assert load_eval_set(shared_dir / "data" / "hmmt25.jsonl")[0].answer == "103"
+    assert load_eval_set(EVAL_SETS_DIR / "hmmt25.jsonl")[0].answer == "103"
+    (tmp_path / "aime24.jsonl").write_text(json.dumps({"id": "m", "problem": "1+1?", "answer": "2"}) + "\n")
+    monkeypatch.setenv(EVAL_DATA_ENV, str(tmp_path))  # another folder by environment variable
+    assert [p.id for p in load_eval_set("aime24")] == ["m"]
 
 
 def test_load_a_user_file_and_errors(tmp_path, monkeypatch):

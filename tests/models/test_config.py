@@ -15,8 +15,8 @@ QWEN3_06B_PARAMS = 596_049_920  # transformers' Qwen3ForCausalLM.from_config cou
 
 
 @pytest.fixture(scope="module")
-def qwen3_06b(shared_dir):
-    return models.config_from_hf(shared_dir / "model_configs" / "qwen3-0.6b.json")
+def qwen3_06b():
+    return models.preset("qwen3-0.6b")
 
 
 def test_qwen3_06b_config(qwen3_06b):
@@ -96,3 +96,33 @@ def test_invalid_options_are_named():
         dataclasses.replace(config, compute_dtype="int8")
     with pytest.raises(ValueError, match="qk_norm=True does not match model_type='llama'"):
         dataclasses.replace(config, qk_norm=True)
+
+
+# sha256 of the official HF config.json of each size (rstar2jax/models/hf_configs/README.md) and the parameter
+# count transformers' Qwen3ForCausalLM.from_config gives for it (tied embedding counted once).
+PRESET_FILES = {
+    "qwen3-0.6b": ("660db3b73d788119c04535e48cf9be5f55bc3100841a718637ae695b442f27dd", QWEN3_06B_PARAMS),
+    "qwen3-1.7b": ("1ddb5b89ebc90dcb417a45c213d818577e65976454d29385c8f6140771d95197", 1_720_574_976),
+    "qwen3-4b": ("8ba006f74fecfaaeb392872a60f4a480e7ec9860153d2e1b769ec81f9a147f8a", 4.022e9),
+    "qwen3-8b": ("f7c4eadfbbf522470667b797a3c89be2524832d2d599797248dc304fff447c30", 8.191e9),
+    "qwen3-14b": ("e73c3664ca09b10a673fef0c22e8a6b456201d49bd4713c9691f775720e8857a", 14.768e9),
+}
+
+
+def test_presets_are_the_bundled_official_configs():
+    import hashlib
+
+    assert set(models.PRESETS) == {"tiny", *PRESET_FILES}
+    for name, (sha256, params) in PRESET_FILES.items():
+        path = models.HF_CONFIGS_DIR / f"{name}.json"
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256, path
+        config = models.preset(name)
+        assert config == models.config_from_hf(path)
+        assert config.num_params == pytest.approx(params, rel=5e-4), name
+    fourteen = models.preset("qwen3-14b", num_layers=2, compute_dtype="bfloat16")
+    assert (fourteen.hidden_size, fourteen.num_heads, fourteen.num_layers) == (5120, 40, 2)
+    assert fourteen.compute_dtype == "bfloat16" and not fourteen.tie_word_embeddings
+    tiny = models.preset("tiny", vocab_size=151936)
+    assert tiny == dataclasses.replace(models.TINY, vocab_size=151936) and tiny.num_layers == 2
+    with pytest.raises(ValueError, match=r"model preset 'qwen3-15b' is unknown; expected one of"):
+        models.preset("qwen3-15b")

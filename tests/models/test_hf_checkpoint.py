@@ -1,6 +1,7 @@
 """HF checkpoints: save -> transformers loads the same model; load into a mesh; bad checkpoints are named."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -157,3 +158,22 @@ def test_save_pretrained_writes_the_tokenizer_with_its_chat_template(tiny_models
     np.testing.assert_array_equal(params2["embed"], params["embed"])
     models.save_pretrained(params, config, tmp_path / "bare")
     assert not (tmp_path / "bare" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b[: len(b) // 2], r"tensor '[\w.]+': bytes \d+\.\.\d+ lie outside the \d+ data bytes"),
+        (lambda b: b[:5], r"5 bytes, shorter than the 8-byte header length"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], r"header of 1000000000 bytes does not fit"),
+        (lambda b: b[:8] + b"\xff" * 20 + b[28:], r"header is not JSON"),
+    ],
+    ids=["truncated", "stub", "header_length", "header_bytes"],
+)
+def test_damaged_safetensors_file_is_named(editable_checkpoint, damage, message):
+    path, _ = editable_checkpoint
+    weights = path / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    named = f"^{re.escape(str(weights))}: not a valid safetensors file: "
+    with pytest.raises(ValueError, match=named + message):
+        models.load_pretrained(path)

@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 
+from rstar2jax.eval import EVAL_SETS_DIR
 from rstar2jax.reward import AnswerGrade, AnswerVerifier, as_integer, grade_answer, score_answer
 
 PATHOLOGICAL = "9^{9^{9^{9}}}"  # sympy tries to evaluate the tower: math-verify never returns
@@ -74,10 +75,10 @@ def equivalent_forms_and_near_misses(gold: str) -> tuple[list[str], list[str]]:
 
 
 @pytest.fixture(scope="module")
-def gold_answers(shared_dir):
+def gold_answers():
     answers = []
     for name in ("aime24", "aime25", "hmmt25", "math500"):
-        with open(shared_dir / "data" / f"{name}.jsonl", encoding="utf-8") as f:
+        with open(EVAL_SETS_DIR / f"{name}.jsonl", encoding="utf-8") as f:
             answers += [(name, json.loads(line)["answer"]) for line in f]
     assert len(answers) == 590
     return answers

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rstar2jax import models
-from rstar2jax.train import Checkpointer, init_train_state, make_optimizer, state_shardings
+from rstar2jax.train import Checkpointer, CheckpointError, init_train_state, make_optimizer, state_shardings
 from rstar2jax.train.checkpoint import abstract_like
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import copy_tree
@@ -102,13 +102,55 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path, compile_cache
     assert f"checkpoints: {where}\n" in resumed.stdout, resumed.stdout
 
 
-def test_meta_of_older_checkpoints_is_upgraded_to_start_steps():
-    """Checkpoints from before ``state.step`` became the one step counter counted their own steps."""
-    from rstar2jax.train.runner import _upgrade_meta
+def _truncate_largest_array_file(step_dir):
+    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
 
-    meta = {"stage": 1, "stage_step": 2, "optimizer_steps": 5, "position": 3}
-    _upgrade_meta(meta, 7)
-    assert meta == {"stage": 1, "stage_start": 5, "optimizer_start": 2, "position": 3}
-    current = {"stage_start": 4, "optimizer_start": 0}
-    _upgrade_meta(current, 7)
-    assert current == {"stage_start": 4, "optimizer_start": 0}
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax reader futures
+def test_unreadable_latest_checkpoints_fall_back_to_the_newest_readable(tmp_path, tiny_model, capfd):
+    config, params = tiny_model
+    state = init_train_state(copy_tree(params), make_optimizer(), 11)
+    checkpointer = Checkpointer(tmp_path, save_every=1, keep=5, async_save=False)
+    for step in (1, 2, 3):
+        checkpointer.save(step, state, {"step": step})
+    checkpointer.close()
+    _truncate_largest_array_file(tmp_path / "3")  # damaged array data
+    (tmp_path / "2" / "meta" / "metadata").write_text("{not json")  # a broken record
+
+    checkpointer = Checkpointer(tmp_path, save_every=1, keep=5, async_save=False)
+    restored, meta = checkpointer.restore(abstract_like(state))
+    assert meta == {"step": 1}
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    report = capfd.readouterr().err.strip().splitlines()
+    assert len(report) == 2, report  # one line per unreadable checkpoint
+    for line, step in zip(report, (3, 2), strict=True):
+        assert line.startswith(f"checkpoint {tmp_path / str(step)} is unreadable (") and "older one" in line
+    assert "JSONDecodeError" in report[1]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name[0].isdigit())
+    assert names == ["1", "2.unreadable", "3.unreadable"]
+    # The run goes on from step 1: later saves are not blocked by the damaged folders.
+    assert checkpointer.latest_step == 1
+    assert checkpointer.save(2, state, {"step": 2})
+    assert checkpointer.restore(abstract_like(state))[1] == {"step": 2}
+    checkpointer.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax reader futures
+def test_no_readable_checkpoint_and_an_unreadable_requested_step_are_one_line_errors(tmp_path, tiny_model):
+    config, params = tiny_model
+    state = init_train_state(copy_tree(params), make_optimizer(), 11)
+    checkpointer = Checkpointer(tmp_path, save_every=1, keep=5, async_save=False)
+    checkpointer.save(1, state, {"step": 1})
+    checkpointer.save(2, state, {"step": 2})
+    _truncate_largest_array_file(tmp_path / "2")
+    with pytest.raises(CheckpointError) as error:
+        checkpointer.restore(abstract_like(state), step=2)
+    assert str(error.value).startswith(f"checkpoint {tmp_path / '2'} is unreadable: ")
+    assert "\n" not in str(error.value) and (tmp_path / "2").is_dir()  # a requested step is not moved
+    _truncate_largest_array_file(tmp_path / "1")
+    with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*: steps \[2, 1\]") as error:
+        checkpointer.restore(abstract_like(state))
+    assert "\n" not in str(error.value)
+    checkpointer.close()

@@ -35,6 +35,18 @@ def _set(config, path, value):
         ("loss.eps_low", 1.5, "config.loss.eps_low=1.5"),
         ("loss.dual_clip", 0.5, "config.loss.dual_clip=0.5"),
         ("loss.old_logprobs", "engine", "config.loss.old_logprobs='engine'"),
+        ("loss.importance_sampling_level", "row", "config.loss.importance_sampling_level='row'"),
+        ("loss.gspo_eps_low", 0.0, "config.loss.gspo_eps_low=0.0"),
+        ("loss.kl_coef", -0.1, "config.loss.kl_coef=-0.1"),
+        ("loss.kl", "k4", "config.loss.kl='k4'"),
+        ("loss.rollout_is_cap", 0.9, "config.loss.rollout_is_cap=0.9"),
+        ("loss.rollout_mask", "token", "config.loss.rollout_mask='token'"),
+        ("loss.rollout_mask_threshold", 1.0, "config.loss.rollout_mask_threshold=1.0"),
+        ("loss.rollout_is_cap", 2.0, "config.loss.rollout_is_cap / loss.rollout_mask"),  # needs recompute
+        ("rl.format_penalty", "strict", "config.rl.format_penalty='strict'"),
+        ("rl.overlong_buffer", -1, "config.rl.overlong_buffer=-1"),
+        ("rl.overlong_buffer", 10**6, "config.rl.overlong_buffer=1000000 is longer than stages[0]"),
+        ("rl.overlong_penalty_factor", -1.0, "config.rl.overlong_penalty_factor=-1.0"),
         ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
         ("optimizer.learning_rate", -1.0, "config.optimizer.learning_rate=-1.0"),
         ("optimizer.schedule", "linear", "config.optimizer.schedule='linear'"),
@@ -75,8 +87,7 @@ def test_structural_errors():
 
     config = tiny_cpu.get_config()
     config.loss.agg = "seq_mean_token_mean"
-    with pytest.raises(ConfigError, match="config.batch.pack=True"):
-        validate_rl_config(config)
+    validate_rl_config(config)  # packed rows aggregate per sequence (segment), as padded ones do
     config.batch.pack = False
     config.rl.prompts_per_step = 3  # 3 x 2 = 6 rows: 2 micro-batches x 1 data shard divide them
     validate_rl_config(config)
@@ -252,3 +263,19 @@ def test_model_path_wins_over_an_inline_model_and_brings_its_tokenizer(tmp_path,
     assert tokenizer_path(config) == str(folder)
     config.tokenizer = str(tmp_path / "other")
     assert tokenizer_path(config) == str(tmp_path / "other")  # an explicit tokenizer wins
+
+
+def test_model_preset_field():
+    from rstar2jax import models
+    from rstar2jax.train.runner import model_config_from
+
+    config = tiny_cpu.get_config()  # preset "tiny" refined by spec fields (the real Qwen3 vocabulary)
+    expected = models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))
+    assert model_config_from(config) == expected
+    paper = paper_qwen3_14b.get_config()
+    assert model_config_from(paper) == models.preset(
+        "qwen3-14b", compute_dtype="bfloat16", remat_policy="full"
+    )
+    config.model.preset = "qwen3-15b"
+    with pytest.raises(ConfigError, match=r"config.model.preset='qwen3-15b': must be one of \('tiny'"):
+        validate_rl_config(config)

@@ -81,6 +81,8 @@ def test_paper_config_dry_runs_on_64_emulated_devices(compile_cache_env):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled for 64 cpu devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 8}" in done.stdout
     assert "14,768.3M parameters" in done.stdout and "batch [8192, 14335]" in done.stdout
+    # The memory-efficient path: blockwise attention on CPU devices, log-probs by vocabulary chunks.
+    assert "attention blockwise, remat full, log-probs by vocabulary chunks" in done.stdout
     peak = float(done.stdout.split("peak_estimate")[1].split()[0])
     assert 3 < peak < 80, peak  # GiB per device: sharded weights + AdamW + one row's activations
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rstar2jax.data.problems import Problem
-from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.train import (
     RLIterationConfig,
     RLLossConfig,
@@ -185,10 +185,88 @@ def test_rl_iteration_is_deterministic_and_updates(tiny_model, monkeypatch):
 
     penalty_calls = []
     real_penalties = rl_lib._penalties
-    monkeypatch.setattr(rl_lib, "_penalties", lambda *a: penalty_calls.append(1) or real_penalties(*a))
+    monkeypatch.setattr(
+        rl_lib, "_penalties", lambda *a, **k: penalty_calls.append(1) or real_penalties(*a, **k)
+    )
     rescored = iterate(rollout_fn=recording_rollout, reward_fn=lambda problem, t: 0.0)[1]
     assert rescored["reward"] == 0.0 and rescored["groups_rejected"] == 4
     assert len(penalty_calls) == 1  # penalties computed once, for the metrics and RoC alike
     # The rescoring made new records: the rollout's trajectories keep the rewards it gave them.
     assert any(reward > 0 for _, reward in returned)
     assert all(t.reward == reward for t, reward in returned)
+
+
+def _three_rollouts(**overrides):
+    config = dict(samples_per_problem=3, keep=3, roc_mode="release", min_negatives=1, min_positives=1,
+                  seq_len=16, pack=False, std="population")
+    return RLIterationConfig(**{**config, **overrides})
+
+
+def test_nan_reward_is_an_error_naming_the_trajectory():
+    group = [_traj("a", 1.0), _traj("a", float("nan")), _traj("a", 0.0)]
+    with pytest.raises(ValueError, match=r"trajectory 1 of problem 'a' has reward nan"):
+        select_and_build_batch(jax.random.PRNGKey(0), [group], _three_rollouts(), num_rows=4)
+    group[1].reward = float("inf")
+    with pytest.raises(ValueError, match=r"trajectory 1 of problem 'a' has reward inf"):
+        select_and_build_batch(jax.random.PRNGKey(0), [group], _three_rollouts(), num_rows=4)
+
+
+def test_truncated_responses_masked_and_soft_overlong_penalty():
+    # Rewards [1, 1, 0]; lengths 6, 3, 2 with a budget of 8 and a 4-token buffer: DAPO shaping -0.5, 0, 0.
+    group = [_traj("a", 1.0, length=6, truncated=True), _traj("a", 1.0, length=3), _traj("a", 0.0, length=2)]
+    plain, _ = select_and_build_batch(jax.random.PRNGKey(0), [group], _three_rollouts(), num_rows=4)
+    masked, metrics = select_and_build_batch(
+        jax.random.PRNGKey(0), [group], _three_rollouts(mask_truncated=True), num_rows=4
+    )
+    assert metrics["selected_truncated"] == 1.0
+    # Row of each trajectory by its length (prompt 2 + response n - 1 positions).
+    rows = {int(n) - 1: r for r, n in enumerate((plain.segment_ids > 0).sum(axis=1)) if n > 0}
+    truncated_row = rows[6]
+    assert plain.loss_mask[truncated_row].sum() == 6 and masked.loss_mask[truncated_row].sum() == 0
+    np.testing.assert_array_equal(np.delete(masked.loss_mask, truncated_row, 0),
+                                  np.delete(plain.loss_mask, truncated_row, 0))
+    # Its group statistics are unchanged: the advantages are those of rewards [1, 1, 0].
+    np.testing.assert_allclose(masked.advantages, plain.advantages)
+    np.testing.assert_allclose(plain.advantages[truncated_row, 0], (1 - 2 / 3) / np.sqrt(2 / 9), rtol=1e-5)
+
+    shaped, _ = select_and_build_batch(
+        jax.random.PRNGKey(0), [group], _three_rollouts(overlong_buffer=4), num_rows=4, max_response_length=8
+    )
+    rewards = np.array([0.5, 1.0, 0.0])  # 1 - 0.5, 1, 0
+    want = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    np.testing.assert_allclose([shaped.advantages[rows[n], 0] for n in (6, 3, 2)], want, rtol=1e-5)
+    with pytest.raises(ValueError, match="overlong_buffer > 0 needs max_response_length"):
+        select_and_build_batch(jax.random.PRNGKey(0), [group], _three_rollouts(overlong_buffer=4), num_rows=4)
+    with pytest.raises(ValueError, match="format_penalty='strict'"):
+        _three_rollouts(format_penalty="strict")
+
+
+def test_answer_tag_counts():
+    assert answer_tag_counts("<reason>r</reason><answer>\\boxed{1}</answer>") == (1, 1, 1)
+    assert answer_tag_counts("<answer>a</answer> x <answer>b</answer>") == (2, 2, 2)
+    assert answer_tag_counts("<answer>a <answer>b</answer>") == (2, 1, 1)  # an unclosed block
+    assert answer_tag_counts("</answer><answer>") == (1, 1, 0)
+    assert answer_tag_counts("no tags") == (0, 0, 0)
+
+
+@pytest.mark.parametrize("rule, kept_length", [("paper", 4), ("release", 6)])
+def test_format_penalty_rule_changes_release_selection(rule, kept_length):
+    def positive(length, answers, turns):
+        t = _traj("a", 1.0, ["ok"], answers=answers, turns=turns, length=length)
+        t.num_answer_closes = t.num_answer_pairs = answers
+        return t
+
+    # Positive A (length 4): one answer in one turn, paper p_format 0, released rule 1 (no turn in the
+    # response). Positive B (length 6): two answers in three turns, paper 1/3, released rule 1/2.
+    group = [positive(4, 1, 1), _traj("a", 0.0, length=2), positive(6, 2, 3), _traj("a", 0.0, length=3)]
+    for t in group[1::2]:
+        t.num_answer_closes = t.num_answer_pairs = 1
+    config = RLIterationConfig(samples_per_problem=4, keep=2, roc_mode="release", min_negatives=1,
+                               min_positives=1, seq_len=16, pack=False, format_penalty=rule)
+    batch, metrics = select_and_build_batch(jax.random.PRNGKey(0), [group], config, num_rows=2)
+    lengths = set((batch.segment_ids > 0).sum(axis=1) - 1)
+    assert lengths == {2, kept_length}  # the first negative and the positive with the lower p_total
+    group[1].num_answer_pairs = None
+    if rule == "release":
+        with pytest.raises(ValueError, match="format_penalty='release' needs num_answer_pairs"):
+            select_and_build_batch(jax.random.PRNGKey(0), [group], config, num_rows=2)

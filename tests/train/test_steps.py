@@ -187,3 +187,107 @@ def test_step_input_errors(tiny_model):
         make_rl_step(config, optimizer, mesh=models.make_mesh())
     assert dataclasses.replace(RLLossConfig(), eps_high=0.3).eps_high == 0.3
     assert isinstance(optimizer, optax.GradientTransformation)
+
+
+def test_loss_options_in_rl_step_match_algo_and_accumulate(tiny_model):
+    """GSPO + rollout correction + KL to a reference policy on a packed batch: the micro-batched step equals
+    the full batch, and the full batch equals the algo functions called on the model's log-probs."""
+    config, params = tiny_model
+    batch = build_batch(random_sequences(4, 16), seq_len=32, num_rows=8, pack=True, with_rl_fields=True)
+    logits, _ = models.forward(
+        params, config, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
+    )
+    # Sampler log-probs near the trainer's: some token weights get capped, some sequences masked.
+    noise = np.random.default_rng(0).normal(0.0, 0.4, batch.tokens.shape).astype(np.float32)
+    sampler_logp = np.asarray(models.token_logprobs(logits, batch.targets)) + noise
+    batch = jax.device_put(batch.replace(old_logp=sampler_logp))
+    ref_params = jax.tree.map(lambda x: x * 1.05, params)
+    loss_config = RLLossConfig(
+        importance_sampling_level="sequence",
+        gspo_eps_low=0.05,
+        gspo_eps_high=0.06,
+        kl_coef=0.1,
+        kl="k2",
+        old_logprobs="recompute",
+        rollout_is_cap=1.5,
+        rollout_mask="geometric",
+        rollout_mask_threshold=1.2,
+    )
+    loss_fn = functools.partial(rl_loss, model_config=config, loss_config=loss_config, ref_params=ref_params)
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def full_and_micro(params, batch):
+        normalizer = algo.loss_normalizer(batch.loss_mask)
+        full = accumulate_gradients(loss_fn, params, batch, normalizer, 1)
+        micro = accumulate_gradients(loss_fn, params, batch, normalizer, 4)
+        def logp_of(p):
+            out, _ = models.forward(
+                p, config, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
+            )
+            return models.token_logprobs(out, batch.targets)
+
+        logp = logp_of(params)
+        weights, sums = algo.rollout_correction(
+            logp, batch.old_logp, batch.loss_mask, token_cap=1.5, sequence_mask="geometric",
+            mask_threshold=1.2, segment_ids=batch.segment_ids,
+        )
+        reference = algo.policy_loss(
+            logp, logp, batch.advantages, batch.loss_mask, eps_low=0.05, eps_high=0.06, dual_clip=None,
+            ref_logp=logp_of(ref_params), kl="k2", kl_coef=0.1, importance_sampling_level="sequence",
+            segment_ids=batch.segment_ids, is_weights=weights,
+        )
+        return full, micro, reference, sums
+
+    full, micro, (loss, metrics), sums = full_and_micro(params, batch)
+    _assert_trees_close(full, micro)
+    np.testing.assert_allclose(full[0], loss, rtol=1e-5)
+    np.testing.assert_allclose(full[1]["totals"]["kl_loss"], metrics["kl_loss"], rtol=1e-5)
+    assert float(metrics["kl_loss"]) > 0
+    for name, value in sums.items():
+        np.testing.assert_allclose(micro[1]["token_sums"][name], value, rtol=1e-5, err_msg=name)
+    tokens = float(batch.loss_mask.sum())
+    assert 0 < float(sums["rollout_is_capped"]) < tokens and 0 < float(sums["rollout_is_masked"]) < tokens
+
+    # The jitted step: the state carries the reference; without it the KL term is an error.
+    optimizer = make_optimizer(1e-3, warmup_steps=1)
+    step = make_rl_step(config, optimizer, loss_config, num_microbatches=2, compiler_options=FAST_COMPILE)
+    state = init_train_state(copy_tree(params), optimizer, 0, reference=True)
+    state = state.replace(ref_params=copy_tree(ref_params))
+    new_state, step_metrics = step(state, batch)
+    np.testing.assert_allclose(step_metrics["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(step_metrics["rollout_is_masked"], float(sums["rollout_is_masked"]) / tokens,
+                               rtol=1e-5)
+    _assert_trees_close(new_state.ref_params, ref_params, rtol=0, atol=0)  # frozen
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs a reference policy"):
+        step(init_train_state(copy_tree(params), optimizer, 0), batch)
+
+
+def test_loss_config_errors():
+    with pytest.raises(ValueError, match="needs old_logprobs='recompute'"):
+        RLLossConfig(rollout_is_cap=2.0)
+    with pytest.raises(ValueError, match="importance_sampling_level='seq'"):
+        RLLossConfig(importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="rollout_mask='row'"):
+        RLLossConfig(rollout_mask="row", old_logprobs="recompute")
+    with pytest.raises(ValueError, match="rollout_is_cap must be > 1"):
+        RLLossConfig(rollout_is_cap=1.0, old_logprobs="recompute")
+    with pytest.raises(ValueError, match="kl='k9'"):
+        RLLossConfig(kl="k9")
+    assert RLLossConfig().dual_clip == 3.0
+
+
+def test_nan_in_masked_positions_stays_out_of_the_step(tiny_model, rl_batch):
+    config, params = tiny_model
+    masked_out = rl_batch.loss_mask == 0
+    dirty = rl_batch.replace(
+        old_logp=np.where(masked_out, np.nan, rl_batch.old_logp).astype(np.float32),
+        advantages=np.where(masked_out, np.inf, rl_batch.advantages).astype(np.float32),
+    )
+    optimizer = make_optimizer(1e-3, warmup_steps=1)
+    step = make_rl_step(config, optimizer, RLLossConfig(entropy_coef=0.01), compiler_options=FAST_COMPILE)
+    clean_state, clean = step(init_train_state(copy_tree(params), optimizer, 0), rl_batch)
+    dirty_state, got = step(init_train_state(copy_tree(params), optimizer, 0), dirty)
+    assert all(np.isfinite(float(v)) for v in got.values())
+    for key, value in clean.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=key)
+    _assert_trees_close(dirty_state.params, clean_state.params, rtol=0, atol=0)

@@ -1,0 +1,101 @@
+"""Chat with a policy in the terminal; its Python calls really run, and you see them as they happen.
+
+  python -m experiments.chat --model=runs/demo/policies/rl --prompt_format=bare
+  python -m experiments.chat --model=DIR --prompt="What is 2**100 mod 7?"   # one answer, then exit
+
+The model's reasoning is printed as it is sampled, each Python call as code and its real output as it comes
+back (sandbox: a local one, or ``--sandbox_url``). Later messages continue the same conversation. Ctrl-C or
+Ctrl-D (end of input) exits cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_PROMPT = flags.DEFINE_string("prompt", None, "Answer this one message and exit (for scripts).")
+_PROMPT_FORMAT = flags.DEFINE_enum(
+    "prompt_format", "paper", ["paper", "bare"], "The prompt the policy was trained with."
+)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 4096, "Tokens per assistant turn (tool output included).")
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 10, "Model turns (tool rounds) per message.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature (0: greedy).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 16384, "Context length of the whole chat.")
+_SEED = flags.DEFINE_integer("seed", None, "Seed for reproducible answers.")
+_SANDBOX_URL = flags.DEFINE_string("sandbox_url", None, "Sandbox server URL; default: start a local one.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
+flags.mark_flag_as_required("model")
+
+
+def main(argv):
+    del argv
+    from rstar2jax.agent.rollout import RolloutConfig
+    from rstar2jax.agent.sandbox_client import SandboxClient
+    from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+    from rstar2jax.serve import load_policy
+    from rstar2jax.serve.chat import ChatSession, TerminalObserver
+    from rstar2jax.serve.evaluation import PROMPTS
+
+    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    config = RolloutConfig(
+        max_response_length=_MAX_TOKENS.value,
+        max_turns=_MAX_TURNS.value,
+        sampling=SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value),
+        prompt=PROMPTS[_PROMPT_FORMAT.value](),
+        seed=_SEED.value,
+        segment_tokens=8,
+    )
+    engine = Engine(
+        policy.params,
+        policy.model_config,
+        EngineConfig(
+            num_slots=1,
+            max_len=-(-_MAX_LEN.value // EngineConfig.page_size) * EngineConfig.page_size,
+            eos_token_ids=policy.eos_token_ids,
+            seed=_SEED.value or 0,
+        ),
+    )
+    observer = TerminalObserver(hide=(policy.tokenizer.eos_token,))
+    interactive = _PROMPT.value is None
+    with contextlib.ExitStack() as stack:
+        url = _SANDBOX_URL.value
+        if not url:
+            from sandbox_server import start_local
+
+            url = stack.enter_context(start_local(workers=1)).url
+        runner = stack.enter_context(asyncio.Runner())
+        sandbox = SandboxClient(url, default_timeout=config.tool_timeout)
+        runner.run(engine.__aenter__())
+        stack.callback(lambda: runner.run(sandbox.close()))
+        stack.callback(lambda: runner.run(engine.__aexit__(None, None, None)))
+        chat = ChatSession(engine, policy.tokenizer, sandbox, config, max_len=_MAX_LEN.value)
+        if interactive:
+            print(f"chatting with {policy.path}; Ctrl-D or Ctrl-C exits", flush=True)
+        try:
+            while True:
+                message = _PROMPT.value if not interactive else input("\nyou> ")
+                if interactive and not message.strip():
+                    continue
+                if interactive:
+                    print("model> ", end="", flush=True)
+                try:
+                    runner.run(chat.turn(message, observer))
+                except ValueError as error:  # the chat outgrew the context
+                    print(f"\n{error}", file=sys.stderr)
+                    if not interactive:
+                        sys.exit(1)
+                print(flush=True)
+                if not interactive:
+                    break
+        except (KeyboardInterrupt, EOFError):
+            print("\nbye", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

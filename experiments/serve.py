@@ -1,0 +1,72 @@
+"""An OpenAI-compatible chat-completions server for a trained policy, on the continuous-batching engine.
+
+  python -m experiments.serve --model=runs/demo/rl_policy --host=127.0.0.1 --port=8000
+
+Then any OpenAI client works::
+
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+  client.chat.completions.create(model="rl_policy", messages=[{"role": "user", "content": "2+2?"}])
+
+``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint). Concurrent
+requests share the engine's slots (``--num_slots``); more wait in its queue. Ctrl-C stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "Context length (prompt + completion) per sequence.")
+_SEGMENT = flags.DEFINE_integer("segment_tokens", 32, "Tokens decoded between the server's looks.")
+_OPENER = flags.DEFINE_string(
+    "assistant_opener", None, "Text after the generation prompt (default: the training prompt's opener)."
+)
+_NAME = flags.DEFINE_string("served_model_name", None, "Model id clients use (default: the folder name).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile the engine's programs before reporting healthy.")
+flags.mark_flag_as_required("model")
+
+
+def main(argv):
+    del argv
+    from rstar2jax.serve import ServerConfig, load_policy, run_server
+    from rstar2jax.serve.server import DEFAULT_ASSISTANT_OPENER
+
+    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    config = ServerConfig(
+        num_slots=_NUM_SLOTS.value,
+        max_len=_MAX_LEN.value,
+        segment_tokens=_SEGMENT.value,
+        assistant_opener=DEFAULT_ASSISTANT_OPENER if _OPENER.value is None else _OPENER.value,
+        model_name=_NAME.value,
+        warmup=_WARMUP.value,
+    )
+    ready = asyncio.Event()
+
+    async def announce():
+        await ready.wait()
+        name = config.model_name or policy.name
+        print(
+            f"serving {name!r} ({policy.source}: {policy.path}) at http://{_HOST.value}:{_PORT.value}/v1"
+            f" - {config.num_slots} slots x {config.max_len} tokens; Ctrl-C stops",
+            flush=True,
+        )
+
+    async def serve():
+        await asyncio.gather(run_server(policy, config, _HOST.value, _PORT.value, ready), announce())
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

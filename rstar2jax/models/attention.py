@@ -1,0 +1,295 @@
+"""Causal self-attention over packed sequences for training: one API, several implementations.
+
+``attention(q, k, v, segment_ids, implementation=...)`` computes, for every query position t of a row,
+
+    out_t = sum_{s in A(t)} softmax_s(q_t . k_s) v_s,     A(t) = {s : start(t) <= s <= t}
+
+where ``start(t)`` is the first index of the run of equal segment ids that holds t: a token attends to the
+earlier tokens of its own packed sequence only (positions restart per segment in the RoPE angles, which the
+caller applies). Segments must therefore be contiguous runs of one id, as ``build_batch`` lays them out;
+padding (id 0) at a row's end is a run of its own. Query heads are grouped over kv heads (GQA: head h reads
+kv head ``h // (H // K)``); q arrives already multiplied by ``head_dim ** -0.5``; softmax runs in float32.
+
+Implementations (``IMPLEMENTATIONS``):
+
+- ``"xla"``: the dense reference, ``[B, H, T, T]`` scores (memory quadratic in T);
+- ``"blockwise"``: portable online-softmax attention (FlashAttention-2's recurrences written with XLA ops,
+  a ``jax.custom_vjp`` whose backward recomputes the scores block by block): forward and backward memory
+  linear in T; key blocks before a query block's earliest segment start, and after the query block (causal),
+  are skipped, so a row packed with short sequences costs about the sum of their squares;
+- ``"tokamax"``: tokamax's fused kernels (Mosaic GPU, then Triton, then cuDNN), NVIDIA GPUs only; the segment
+  structure goes in as tokamax's ``Mask(k_start=start(t), is_causal=True)``, which is linear in T too;
+- ``"auto"``: ``tokamax`` on an NVIDIA GPU, ``blockwise`` elsewhere (CPU, ROCm, TPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+
+DEFAULT_BLOCK_SIZE = 512
+# Masked scores: finite, so a block whose scores are all masked gives exp(masked - max) = 1 rather than NaN;
+# such entries are zeroed explicitly.
+_MASKED = -1e30
+# tokamax's kernels, tried in order (its public API takes a dense [B, N, T, S] mask only).
+_TOKAMAX_KERNELS = ("mosaic_gpu", "triton", "cudnn")
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """``start(t)``: int32 ``[B, T]`` index of the first token of the run of equal ids holding t."""
+    T = segment_ids.shape[-1]
+    index = jnp.arange(T, dtype=jnp.int32)
+    changed = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return jax.lax.cummax(jnp.where(changed, index, 0), axis=1)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention with an explicit mask, without repeating kv heads.
+
+    q ``[B, T, H, Dh]`` (already scaled), k ``[B, K, S, Dh]``, v ``[B, K, Dh, S]`` (the KV cache's layout),
+    mask ``[B, T, S]`` bool; softmax in float32. Every query must see at least one key.
+    """
+    B, T, H, Dh = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bkds->btkgd", probs, v)
+    return out.reshape(B, T, H, Dh)
+
+
+def _xla_attention(q, k, v, starts):
+    index = jnp.arange(q.shape[1])
+    mask = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= starts[:, :, None])
+    return dense_attention(q, jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1)), mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Blockwise (online-softmax) attention. Token-major layout throughout (q [B, T, K, G, D], k and v
+# [B, T, K, D]): blocks are slices along T and results are written into whole-sequence buffers in place, so
+# no transposed copy of a [T, H, D] array is made. Scores of a block pair are [B, K, G, bq, bk].
+
+
+def _block_mask(i, j, block, starts_i):
+    """[B, 1, 1, bq, bk] bool: key j*block + s visible from query i*block + t (causal, same segment)."""
+    q_pos = i * block + jnp.arange(block)
+    k_pos = j * block + jnp.arange(block)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    return (causal[None] & (k_pos[None, None, :] >= starts_i[:, :, None]))[:, None, None]
+
+
+def _slice(x, i, block):
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
+
+
+def _update(x, value, i, block):
+    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), i * block, axis=1)
+
+
+def _first_key_blocks(starts, block):
+    """Per query block, the first key block any of its queries sees (segment starts never decrease)."""
+    B, T = starts.shape
+    return jnp.min(starts.reshape(B, T // block, block), axis=(0, 2)) // block
+
+
+def _blockwise_forward(q, k, v, starts, block):
+    B, T, K, G, D = q.shape
+    first = _first_key_blocks(starts, block)
+
+    def query_block(i, outputs):
+        out, lse = outputs
+        q_i = _slice(q, i, block)
+        starts_i = _slice(starts, i, block)
+
+        def key_block(j, carry):
+            m, denom, acc = carry
+            k_j, v_j = _slice(k, j, block), _slice(v, j, block)
+            s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32)
+            mask = _block_mask(i, j, block, starts_i)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _MASKED), axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            denom = alpha * denom + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
+            return m_new, denom, alpha[..., None] * acc + pv
+
+        init = (
+            jnp.full((B, K, G, block), _MASKED, jnp.float32),
+            jnp.zeros((B, K, G, block), jnp.float32),
+            jnp.zeros((B, K, G, block, D), jnp.float32),
+        )
+        m, denom, acc = jax.lax.fori_loop(first[i], i + 1, key_block, init)
+        out_i = jnp.moveaxis(acc / denom[..., None], 3, 1)  # [B, bq, K, G, D]
+        return _update(out, out_i, i, block), _update(lse, jnp.moveaxis(m + jnp.log(denom), 3, 1), i, block)
+
+    init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
+    return jax.lax.fori_loop(0, T // block, query_block, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blockwise_core(q, k, v, starts, block):
+    return _blockwise_forward(q, k, v, starts, block)[0]
+
+
+def _blockwise_fwd(q, k, v, starts, block):
+    out, lse = _blockwise_forward(q, k, v, starts, block)
+    return out, (q, k, v, starts, out, lse)
+
+
+def _blockwise_bwd(block, residuals, d_out):
+    """FlashAttention-2's backward: per key block j, over the query blocks that see it,
+    P = exp(S - lse), dV_j += P^T dO, dS = P * (dO V_j^T - rowsum(dO * O)), dK_j += dS^T Q, dQ += dS K_j."""
+    q, k, v, starts, out, lse = residuals
+    B, T, K, G, D = q.shape
+    first = _first_key_blocks(starts, block)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, K, G]
+
+    def key_block(j, grads):
+        d_q, d_k, d_v = grads
+        k_j, v_j = _slice(k, j, block), _slice(v, j, block)
+        # Query blocks whose earliest segment start lies at or before this key block may see it.
+        last = jnp.sum(first <= j)
+
+        def query_block(i, carry):
+            d_q, d_k_j, d_v_j = carry
+            q_i, do_i = _slice(q, i, block), _slice(d_out, i, block)
+            lse_i = jnp.moveaxis(_slice(lse, i, block), 1, 3)  # [B, K, G, bq]
+            delta_i = jnp.moveaxis(_slice(delta, i, block), 1, 3)
+            s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=jnp.float32)
+            mask = _block_mask(i, j, block, _slice(starts, i, block))
+            p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
+            d_v_j = d_v_j + jnp.einsum("bkgqs,bqkgd->bskd", p, do_i, preferred_element_type=jnp.float32)
+            d_p = jnp.einsum("bqkgd,bskd->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
+            d_s = p * (d_p - delta_i[..., None])
+            d_k_j = d_k_j + jnp.einsum("bkgqs,bqkgd->bskd", d_s, q_i, preferred_element_type=jnp.float32)
+            d_q_i = _slice(d_q, i, block) + jnp.einsum(
+                "bkgqs,bskd->bqkgd", d_s, k_j, preferred_element_type=jnp.float32
+            )
+            return _update(d_q, d_q_i, i, block), d_k_j, d_v_j
+
+        zeros = jnp.zeros((B, block, K, D), jnp.float32)
+        d_q, d_k_j, d_v_j = jax.lax.fori_loop(j, last, query_block, (d_q, zeros, zeros))
+        return d_q, _update(d_k, d_k_j, j, block), _update(d_v, d_v_j, j, block)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))
+    d_q, d_k, d_v = jax.lax.fori_loop(0, T // block, key_block, init)
+    return d_q.astype(q.dtype), d_k, d_v, None
+
+
+_blockwise_core.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def _blockwise_attention(q, k, v, starts, block_size):
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    block = min(block_size, -(-T // 8) * 8)
+    padded = -(-T // block) * block
+    if padded != T:  # padding queries attend to themselves only (start = own index)
+        pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+        starts = jnp.concatenate(
+            [starts, jnp.broadcast_to(jnp.arange(T, padded, dtype=starts.dtype), (B, padded - T))], axis=1
+        )
+    out = _blockwise_core(q.reshape(B, padded, K, H // K, D), k, v, starts, block)
+    return out.reshape(B, padded, H, D)[:, :T]
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tokamax_attention(q, k, v, starts, kernels=_TOKAMAX_KERNELS):
+    from absl import flags  # noqa: PLC0415
+    from tokamax._src.ops.attention import api, base  # noqa: PLC0415 (optional, GPU-only dependency)
+
+    if not flags.FLAGS.is_parsed():
+        # tokamax reads its absl flags and would parse sys.argv (a host program's own options) to get them.
+        flags.FLAGS.mark_as_parsed()
+
+    mask = base.Mask(k_start=starts[:, None, :], is_causal=True)
+    errors = []
+    for name in kernels:
+        if name not in api.IMPLEMENTATIONS:
+            continue
+        try:
+            return api.IMPLEMENTATIONS[name](
+                q,
+                k,
+                v,
+                bias=None,
+                mask=mask,
+                logits_scale=1.0,
+                precision=None,
+                logits_soft_cap=None,
+                q_sharding=None,
+            )
+        except NotImplementedError as e:
+            errors.append(f"{name}: {e}")
+    raise NotImplementedError(f"no tokamax attention kernel accepts these inputs: {errors}")
+
+
+@functools.cache
+def _tokamax_available() -> bool:
+    try:
+        from tokamax._src.ops.attention import api  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_implementation(implementation: str) -> str:
+    """The implementation ``"auto"`` stands for on the default backend (others are returned unchanged)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    device = jax.devices()[0]
+    if device.platform == "gpu" and "nvidia" in device.device_kind.lower() and _tokamax_available():
+        return "tokamax"
+    return "blockwise"
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    implementation: str = "auto",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> jax.Array:
+    """Causal attention within packed segments (see the module doc).
+
+    Args:
+      q: ``[B, T, H, Dh]`` queries, already scaled by ``Dh ** -0.5``.
+      k, v: ``[B, T, K, Dh]`` keys and values; ``H`` a multiple of ``K``.
+      segment_ids: int ``[B, T]``, contiguous runs of one id per packed sequence; ``None``: one sequence.
+      implementation: one of ``IMPLEMENTATIONS``.
+      block_size: query/key block of ``"blockwise"`` (rounded down to the sequence for short rows).
+
+    Returns:
+      ``[B, T, H, Dh]`` in q's dtype.
+    """
+    B, T, H, D = q.shape
+    if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != D or H % k.shape[2]:
+        raise ValueError(f"attention shapes q {q.shape}, k {k.shape}, v {v.shape} do not fit [B, T, H|K, Dh]")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids shape {segment_ids.shape} must be {(B, T)}")
+    if block_size <= 0 or block_size % 8:
+        raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+    if segment_ids is None:
+        starts = jnp.zeros((B, T), jnp.int32)
+    else:
+        starts = segment_starts(segment_ids)
+    implementation = resolve_implementation(implementation)
+    if implementation == "xla":
+        return _xla_attention(q, k, v, starts)
+    if implementation == "blockwise":
+        return _blockwise_attention(q, k, v, starts, block_size)
+    return _tokamax_attention(q, k, v, starts).astype(q.dtype)

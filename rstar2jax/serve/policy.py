@@ -1,0 +1,171 @@
+"""Loads a policy to evaluate, chat with or serve: an HF model folder (or hub name) or an RL run folder.
+
+Both forms go through the loaders training uses, so what is served is what was trained:
+
+* an HF folder (``config.json`` + safetensors, as ``save_pretrained`` and the SFT export write them) is read
+  by :func:`rstar2jax.models.load_pretrained`; its tokenizer comes from the same folder unless given;
+* an RL (or SFT) run folder, the ``workdir`` of ``experiments.train_rl`` / ``experiments.sft``, holds the
+  run's config (``run_config.json``) and its orbax checkpoints: the model config is built from the run
+  config as the trainer builds it, the parameters are those of the latest (or a chosen) checkpoint, and the
+  tokenizer is the run's ``config.tokenizer``. A checkpoint folder inside it (``<workdir>/checkpoints`` or
+  ``<workdir>/checkpoints/<step>``) works too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rstar2jax import models
+from rstar2jax.data.tokenizer import load_tokenizer
+
+#: The run-config file a training run writes into its work folder (``rstar2jax.train.runner``).
+RUN_CONFIG_FILE = "run_config.json"
+
+
+@dataclasses.dataclass
+class Policy:
+    """A loaded policy: model config, parameters (layer-stacked, as the trainer holds them) and tokenizer.
+
+    ``name`` is what the server reports as the model id (the folder's name); ``source`` says where it came
+    from (``"hf"`` or ``"run"``, with the checkpoint ``step`` for a run).
+    """
+
+    model_config: models.ModelConfig
+    params: Any
+    tokenizer: Any
+    name: str
+    path: str
+    source: str
+    step: int | None = None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids plus the tokenizer's end-of-turn token (``<|im_end|>`` for ChatML): a turn
+        ends at either."""
+        ids = list(self.model_config.eos_token_ids or ())
+        eos = self.tokenizer.eos_token
+        if eos:
+            eos_id = self.tokenizer.convert_tokens_to_ids(eos)
+            if isinstance(eos_id, int) and eos_id not in ids:
+                ids.append(eos_id)
+        return tuple(ids)
+
+
+def _step_folders(checkpoints: pathlib.Path) -> dict[int, pathlib.Path]:
+    """Finished step folders of an orbax checkpoint folder (temporary ones of an interrupted save have a
+    non-numeric name and are left out)."""
+    return {
+        int(p.name): p
+        for p in checkpoints.iterdir()
+        if p.is_dir() and p.name.isdigit() and (p / "state").is_dir()
+    }
+
+
+def _restore_params(state_dir: pathlib.Path):
+    """The ``params`` subtree of a saved ``TrainState`` as host NumPy arrays (no optimizer or mesh needed:
+    a run trained on many devices loads on one)."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(state_dir).item_metadata.tree
+    if "params" not in tree:
+        raise ValueError(f"{state_dir} holds no 'params': it is not a training-state checkpoint")
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))["params"]
+
+
+def _locate_run(path: pathlib.Path, step: int | None) -> tuple[pathlib.Path, pathlib.Path, int] | None:
+    """``(workdir, step folder, step)`` when ``path`` is a run folder, its checkpoints folder or one of its
+    step folders; None otherwise."""
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        if step is not None and step != int(path.name):
+            raise ValueError(f"step={step} was given with the step folder {path}")
+        workdir, step = path.parent.parent, int(path.name)
+    else:
+        workdir = path.parent if path.name == "checkpoints" else path
+    if not ((workdir / RUN_CONFIG_FILE).is_file() and (workdir / "checkpoints").is_dir()):
+        return None
+    steps = _step_folders(workdir / "checkpoints")
+    if not steps:
+        raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no finished checkpoint")
+    chosen = max(steps) if step is None else step
+    if chosen not in steps:
+        raise FileNotFoundError(f"{workdir}: no checkpoint for step {chosen}; saved steps: {sorted(steps)}")
+    return workdir, steps[chosen], chosen
+
+
+def _is_hub_name(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
+
+
+def load_policy(
+    model: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    step: int | None = None,
+    dtype: str = "float32",
+) -> Policy:
+    """Loads a policy from an HF folder, a hub name or a training run folder (see the module docstring).
+
+    Args:
+      model: the folder (or a hub name, fetched with ``huggingface_hub`` into its cache).
+      tokenizer: a tokenizer folder to use instead of the model's own.
+      step: for a run folder, the checkpoint step (default: the latest).
+      dtype: parameter and compute dtype (``"float32"`` or ``"bfloat16"``).
+
+    Raises:
+      FileNotFoundError / ValueError naming what is missing: no config, no weights, no tokenizer, no
+      checkpoint, a tokenizer without a chat template.
+    """
+    path = pathlib.Path(os.fspath(model)).expanduser()
+    if not path.exists():
+        if _is_hub_name(os.fspath(model)):
+            from huggingface_hub import snapshot_download
+
+            path = pathlib.Path(snapshot_download(os.fspath(model)))
+        else:
+            raise FileNotFoundError(
+                f"model {os.fspath(model)!r}: no such folder (and not a hub name org/model)"
+            )
+    run = _locate_run(path.resolve(), step)
+    if run is not None:
+        import ml_collections
+
+        from rstar2jax.train.runner import model_config_from
+
+        workdir, step_dir, chosen = run
+        run_config = ml_collections.ConfigDict(json.loads((workdir / RUN_CONFIG_FILE).read_text("utf-8")))
+        run_config.model.param_dtype = dtype
+        run_config.model.compute_dtype = dtype
+        model_config = model_config_from(run_config)
+        saved = _restore_params(step_dir / "state")
+        params = jax.tree.map(lambda x: jnp.asarray(x, model_config.param_dtype), saved)
+        tokenizer_path = tokenizer or run_config.get("tokenizer")
+        if not tokenizer_path:
+            raise ValueError(f"{workdir / RUN_CONFIG_FILE} names no tokenizer; pass tokenizer=")
+        name, source = workdir.name, "run"
+    else:
+        if step is not None:
+            raise ValueError(f"step={step} was given but {path} is not a training run folder")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is neither an HF model folder (no config.json) nor a training run folder "
+                f"(no {RUN_CONFIG_FILE} beside a checkpoints/ folder)"
+            )
+        model_config, params = models.load_pretrained(path, dtype=dtype)
+        tokenizer_path = tokenizer or path
+        name, source, chosen = path.name, "hf", None
+    tok = load_tokenizer(tokenizer_path)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer at {tokenizer_path} has no chat template; pass a tokenizer that has one"
+        )
+    return Policy(model_config, params, tok, name, str(path), source, chosen)

@@ -1,0 +1,157 @@
+"""Training attention (models.attention): every implementation against the dense reference, packed rows."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from rstar2jax import models
+from rstar2jax.models import attention as attention_lib
+from tests.models.conftest import REFERENCE_CONFIG, logprob_loss
+
+# Rows of [3, 50]: contiguous segments of several lengths, a padding run (id 0), one whole row.
+SEGMENTS = np.array([[1] * 10 + [2] * 15 + [3] * 25, [1] * 33 + [0] * 17, [7] * 50], np.int32)
+
+
+def _inputs(seed=0, shape=(3, 50), heads=4, kv_heads=2, head_dim=8):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, k, v = (
+        jax.random.normal(key, (*shape, n, head_dim))
+        for key, n in zip(keys[:3], (heads, kv_heads, kv_heads), strict=True)
+    )
+    cotangent = jax.random.normal(keys[3], q.shape)
+    return q * head_dim**-0.5, k, v, cotangent
+
+
+def _value_and_grads(q, k, v, cotangent, segments, **options):
+    out, vjp = jax.vjp(lambda q, k, v: attention_lib.attention(q, k, v, segments, **options), q, k, v)
+    return (out, *vjp(cotangent))
+
+
+def _blockwise(block):
+    return dict(implementation="blockwise", block_size=block)
+
+
+def _tokamax_xla_kernel(q, k, v, segments):
+    """tokamax's XLA kernel runs the same segment mask on CPU (the GPU kernels get it the same way)."""
+    return attention_lib._tokamax_attention(
+        q, k, v, attention_lib.segment_starts(segments), kernels=("xla_chunked",)
+    )
+
+
+def test_dense_reference_is_causal_attention_within_each_segment():
+    q, k, v, _ = _inputs()
+    out = np.asarray(attention_lib.attention(q, k, v, SEGMENTS, implementation="xla"))
+    b, t = 0, 17  # segment 2 spans [10, 25): query 17 sees keys 10..17
+    heads, kv_heads = q.shape[2], k.shape[2]
+    for h in range(heads):
+        kh = h // (heads // kv_heads)
+        scores = np.asarray(k[b, 10:18, kh]) @ np.asarray(q[b, t, h])
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        np.testing.assert_allclose(out[b, t, h], probs @ np.asarray(v[b, 10:18, kh]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [8, 16, 64])
+@pytest.mark.parametrize("segments", ["packed", "none"])
+def test_blockwise_values_and_gradients_match_dense(block, segments):
+    """Several blocks (50 is padded to a multiple of the block), segment starts inside blocks, GQA."""
+    q, k, v, cotangent = _inputs(seed=block)
+    segment_ids = SEGMENTS if segments == "packed" else None
+    expected = _value_and_grads(q, k, v, cotangent, segment_ids, implementation="xla")
+    got = _value_and_grads(q, k, v, cotangent, segment_ids, **_blockwise(block))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+def test_tokamax_segment_mask_matches_dense():
+    q, k, v, cotangent = _inputs(seed=3)
+    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="xla")
+    out, vjp = jax.vjp(lambda q, k, v: _tokamax_xla_kernel(q, k, v, SEGMENTS), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *vjp(cotangent)), expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+def test_auto_is_blockwise_off_nvidia_gpus():
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("checks the choice on a host without an NVIDIA GPU")
+    assert attention_lib.resolve_implementation("auto") == "blockwise"
+    with pytest.raises(ValueError, match="attention implementation 'flash'"):
+        attention_lib.resolve_implementation("flash")
+
+
+def _temp_bytes(length, block=256):
+    q, k, v, cotangent = _inputs(shape=(1, length), heads=2, kv_heads=1, head_dim=16)
+    grads = jax.jit(lambda *args: _value_and_grads(*args, None, **_blockwise(block)))
+    return grads.lower(q, k, v, cotangent).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_is_linear_in_sequence_length():
+    """Compiled temporaries of forward + backward: doubling T at most doubles them (dense would quadruple)."""
+    small, large = _temp_bytes(1024), _temp_bytes(4096)
+    assert large <= 4.4 * small, (small, large)
+    assert large < 4096 * 4096 * 2 * 4  # less than the dense [H, T, T] float32 scores
+
+
+def test_model_with_blockwise_attention_matches_dense_on_packed_rows():
+    """Whole model, loss and parameter gradients: blockwise (blocks of 8 over 50 tokens) vs the dense path."""
+    tokens = (
+        np.random.default_rng(0).integers(0, REFERENCE_CONFIG.vocab_size, SEGMENTS.shape).astype(np.int32)
+    )
+    starts = np.asarray(attention_lib.segment_starts(SEGMENTS))
+    positions = (np.arange(SEGMENTS.shape[1])[None] - starts).astype(np.int32)
+    params = models.init_params(REFERENCE_CONFIG, jax.random.key(0))
+
+    def loss(params, config):
+        logp, entropy = models.sequence_logprobs(
+            params,
+            config,
+            tokens[:, :-1],
+            tokens[:, 1:],
+            positions=positions[:, :-1],
+            segment_ids=SEGMENTS[:, :-1],
+        )
+        return logp.sum() + entropy.sum()
+
+    results = {}
+    for name in ("xla", "blockwise"):
+        config = dataclasses.replace(REFERENCE_CONFIG, attention=name, attention_block_size=8)
+        results[name] = jax.value_and_grad(functools.partial(loss, config=config))(params)
+    np.testing.assert_allclose(results["blockwise"][0], results["xla"][0], rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
+        results["blockwise"][1],
+        results["xla"][1],
+    )
+
+
+@pytest.mark.parametrize("policy", ["save_projections", "save_attention", "full"])
+def test_remat_policies_keep_loss_and_gradients(reference, policy):
+    variant = dataclasses.replace(reference.config, remat_policy=policy)
+
+    loss_and_grad = jax.value_and_grad(functools.partial(logprob_loss, config=variant), has_aux=True)
+    (loss, _), grads = loss_and_grad(reference.params, reference.tokens)
+    np.testing.assert_allclose(loss, reference.loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, reference.grads)
+
+
+def test_bad_attention_options_are_named():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="segment_ids shape"):
+        attention_lib.attention(q, k, v, SEGMENTS[:, :10])
+    with pytest.raises(ValueError, match="block_size"):
+        attention_lib.attention(q, k, v, SEGMENTS, block_size=12)
+    with pytest.raises(ValueError, match="attention='flash'"):
+        dataclasses.replace(REFERENCE_CONFIG, attention="flash")
+
+
+def test_token_chunked_mlp_keeps_loss_and_gradients(reference):
+    """mlp_chunk_size 4 over 12 tokens: three rematerialised chunks, the same loss and gradients."""
+    variant = dataclasses.replace(reference.config, mlp_chunk_size=4, remat_policy="full")
+
+    loss_and_grad = jax.value_and_grad(functools.partial(logprob_loss, config=variant), has_aux=True)
+    (loss, _), grads = loss_and_grad(reference.params, reference.tokens)
+    np.testing.assert_allclose(loss, reference.loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, reference.grads)

@@ -1,0 +1,25 @@
+"""Fixtures of the serving tests: the tiny taught policy folder (built once) and a live server on it."""
+
+import pytest
+
+from experiments.tiny_policy import build_tiny_policy
+from rstar2jax.serve import BackgroundServer, ServerConfig, load_policy
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_policy_dir):
+    return load_policy(tiny_policy_dir)
+
+
+SERVER_CONFIG = ServerConfig(num_slots=4, max_len=512, segment_tokens=8, warmup=False)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_policy):
+    with BackgroundServer(tiny_policy, SERVER_CONFIG) as live:
+        yield live

@@ -1,0 +1,188 @@
+"""evaluate / chat end to end on the tiny taught policy with a real sandbox, and policy loading from a
+training run folder."""
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments.tiny_policy import ARITHMETIC, HELLO, HELLO_ANSWER
+from rstar2jax.agent.rollout import RolloutConfig
+from rstar2jax.agent.sandbox_client import SandboxClient
+from rstar2jax.data.conversation import encode_text, render_chat
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+from rstar2jax.serve import load_policy
+from rstar2jax.serve.chat import ChatSession
+from rstar2jax.serve.evaluation import PROMPTS
+from rstar2jax.train import config as config_lib
+from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.runner import write_run_config
+from rstar2jax.train.state import init_train_state
+from sandbox_server import start_local
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def launch(module, *args, stdin=None, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def sandbox_url():
+    with start_local(workers=1) as server:
+        yield server.url
+
+
+def test_evaluate_writes_samples_and_summary_and_resumes(tiny_policy_dir, sandbox_url, tmp_path):
+    data = tmp_path / "arith.jsonl"
+    data.write_text(
+        json.dumps({"problem": ARITHMETIC, "answer": "42"})
+        + "\n"
+        + json.dumps({"problem": ARITHMETIC, "answer": "41"})
+        + "\n"
+    )
+    work = tmp_path / "eval"
+    args = [
+        f"--model={tiny_policy_dir}",
+        f"--datasets={data}",
+        f"--workdir={work}",
+        "--samples=3",
+        "--max_tokens=160",
+        "--max_turns=3",
+        "--num_slots=6",
+        f"--sandbox_url={sandbox_url}",
+    ]
+    first = launch("experiments.evaluate", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = (work / "samples.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 6 and {(r["problem_index"], r["sample_index"]) for r in records} == {
+        (p, s) for p in range(2) for s in range(3)
+    }
+    for r in records:
+        assert r["dataset"] == "arith" and r["finish_reason"] in ("stop", "length", "max_turns")
+        assert r["correct"] == (r["answer"] == r["gold"]) and r["response_tokens"] > 0
+    summary = json.loads((work / "summary.json").read_text())["datasets"]["arith"]
+    correct = np.array([[r["correct"] for r in records if r["problem_index"] == p] for p in range(2)])
+    assert summary["avg@3"] == pytest.approx(correct.mean()) and summary["num_problems"] == 2
+    assert {"pass@3", "maj@3", "response_tokens", "tool_calls_per_sample", "tool_error_ratio"} <= set(summary)
+    assert any(r["tool_calls"] for r in records)  # the taught call ran in the sandbox
+    assert "avg@3" in first.stdout  # the table
+
+    # Killed after the first problem, in the middle of writing the second: the re-run finishes the second
+    # problem only, with the samples an uninterrupted run wrote, and no line twice.
+    kept = [line for line, r in zip(lines, records, strict=True) if r["problem_index"] == 0]
+    (work / "samples.jsonl").write_text("\n".join(kept) + "\n" + lines[-1][:25])
+    second = launch("experiments.evaluate", *args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = [json.loads(line) for line in (work / "samples.jsonl").read_text().splitlines()]
+    key = lambda r: (r["problem_index"], r["sample_index"])  # noqa: E731
+    assert sorted(again, key=key) == sorted(records, key=key)
+    third = launch("experiments.evaluate", *args)  # nothing left to do
+    assert third.returncode == 0 and (work / "samples.jsonl").read_text().count("\n") == 6
+
+
+def test_chat_one_shot_shows_the_call_and_its_real_output(tiny_policy_dir, sandbox_url):
+    result = launch(
+        "experiments.chat",
+        f"--model={tiny_policy_dir}",
+        f"--prompt={ARITHMETIC}",
+        "--temperature=0",
+        f"--sandbox_url={sandbox_url}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "[python]\nprint(6 * 7)" in out and "[output: ok]\n42" in out and "\\boxed{42}" in out
+    assert out.index("[python]") < out.index("[output: ok]") < out.index("\\boxed{42}")
+    assert "<|im_end|>" not in out and '"arguments"' not in out  # the call is shown as code, not JSON
+
+
+def test_chat_interactive_exits_cleanly_at_end_of_input(tiny_policy_dir, sandbox_url):
+    result = launch(
+        "experiments.chat",
+        f"--model={tiny_policy_dir}",
+        "--temperature=0",
+        "--prompt_format=bare",
+        f"--sandbox_url={sandbox_url}",
+        stdin=f"{HELLO}\n",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert HELLO_ANSWER.removeprefix("<reason>") in result.stdout and result.stdout.rstrip().endswith("bye")
+    assert "Unclosed" not in result.stderr and "Traceback" not in result.stderr  # no leaked aiohttp session
+
+
+def test_chat_turns_continue_the_template_rendering(tiny_policy, sandbox_url):
+    """After two turns, the token stream is the chat template's rendering of the same conversation."""
+    tokenizer, prompt = tiny_policy.tokenizer, PROMPTS["bare"]()
+    config = RolloutConfig(
+        max_response_length=40, max_turns=2, sampling=SamplingParams(temperature=0.0), prompt=prompt
+    )
+
+    async def run():
+        engine = Engine(
+            tiny_policy.params,
+            tiny_policy.model_config,
+            EngineConfig(num_slots=1, max_len=256, eos_token_ids=tiny_policy.eos_token_ids),
+        )
+        async with engine, SandboxClient(sandbox_url) as sandbox:
+            chat = ChatSession(engine, tokenizer, sandbox, config, max_len=256)
+            first = await chat.turn(HELLO)
+            second = await chat.turn("Again.")
+            return chat.history, first, second
+
+    history, first, second = asyncio.run(run())
+    assert first.text.startswith(HELLO_ANSWER.removeprefix("<reason>"))
+    messages = [
+        {"role": "user", "content": HELLO},
+        {"role": "assistant", "content": prompt.assistant_opener + first.text.removesuffix("<|im_end|>")},
+        {"role": "user", "content": "Again."},
+    ]
+    expected = render_chat(tokenizer, messages, add_generation_prompt=True) + prompt.assistant_opener
+    start = len(history) - len(second.response_ids)
+    assert tokenizer.decode(history[:start]) == expected
+    assert history[:start] == encode_text(tokenizer, expected)
+
+
+def test_load_policy_from_a_training_run_folder(tiny_policy, tiny_policy_dir, tmp_path):
+    config = config_lib.rl_config()
+    config.model.path = str(tiny_policy_dir)
+    config.tokenizer = str(tiny_policy_dir)
+    write_run_config(tmp_path / "run", config)
+    params = jax.tree.map(lambda x: x * 1.5, tiny_policy.params)  # "trained" weights
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", async_save=False)
+    checkpointer.save(4, init_train_state(tiny_policy.params, optax.adam(1e-3), 0), {}, force=True)
+    checkpointer.save(7, init_train_state(params, optax.adam(1e-3), 0), {}, force=True)
+    checkpointer.close()
+    for where, step, expected in (
+        (tmp_path / "run", None, params),
+        (tmp_path / "run" / "checkpoints", 4, None),
+        (tmp_path / "run" / "checkpoints" / "4", None, None),
+    ):
+        policy = load_policy(where, step=step)
+        expected = params if expected is not None else tiny_policy.params
+        assert policy.source == "run" and policy.step == (7 if step is None and where.name == "run" else 4)
+        assert policy.model_config.vocab_size == tiny_policy.model_config.vocab_size
+        jax.tree.map(np.testing.assert_array_equal, policy.params, expected)
+        assert policy.tokenizer.chat_template == tiny_policy.tokenizer.chat_template
+    with pytest.raises(FileNotFoundError, match="no checkpoint for step 5"):
+        load_policy(tmp_path / "run", step=5)
+    with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
+        load_policy(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_policy(tmp_path / "missing")
