@@ -24,13 +24,12 @@ import ml_collections
 
 from rstar2jax.data.conversation import format_tool_result, render_chat
 from rstar2jax.data.problems import Problem, load_problems
-from rstar2jax.data.sft_data import build_sft_examples
+from rstar2jax.data.sft_data import build_sft_examples, sft_rows
 from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
 from rstar2jax.train import runner
 from rstar2jax.train.policy import (
     evaluate_policy,
-    export_policy,
     load_policy,
     max_prompt_tokens,
     prompt_from_config,
@@ -148,23 +147,14 @@ def write_sft_data(
         format_tool_output=functools.partial(
             format_tool_result, max_chars=config.rl.rollout.tool_output_chars
         ),
-        system_prompt=prompt.system_prompt,
-        user_prefix=prompt.user_prefix,
+        prompt=prompt,
         fail_rate=d.fail_rate,
         bug_kinds=tuple(d.bug_kinds),
         seed=config.seed,
         max_workers=4,
         progress=progress,
     )
-    rows = [
-        {
-            "messages": e.messages,
-            "tools": prompt.listed_tools,
-            "assistant_opener": prompt.assistant_opener,
-        }
-        for e in examples
-    ]
-    _write_jsonl(paths.sft_data, rows)
+    _write_jsonl(paths.sft_data, sft_rows(examples, prompt))
     counts: dict[str, int] = {}
     for e in examples:
         counts[e.bug_kind or "none"] = counts.get(e.bug_kind or "none", 0) + 1
@@ -342,8 +332,7 @@ def prepare_policy(
     if not (paths.sft_policy / "config.json").exists():
         with timer.phase("sft", paths.sft_run):
             print(f"   model {sft_config.model.spec.to_dict()}, longest prompt {longest} tokens")
-            runner.train_sft(sft_config)
-            export_policy(sft_config, paths.sft_policy, total_steps=sft_config.sft.steps)
+            runner.train_sft(sft_config, export_dir=paths.sft_policy)
     return sft_config
 
 

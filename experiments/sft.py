@@ -1,14 +1,20 @@
 """Non-reasoning SFT (the stage before RL): masked cross-entropy on assistant tokens over packed sequences.
 
-  python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --config.sft.data=sft.jsonl
+  python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft   # the shipped tool-use data
+  python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --config.sft.data=my_chats.parquet
   python -m experiments.sft --config=experiments/configs/paper_qwen3_14b.py:sft --dry_run
   python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
   python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft --print_config  # fields, meanings
 
-Data: JSONL rows of chats ({"messages": [...], "tools": [...]}, rendered with config.tokenizer's template,
-loss on assistant turns) or pre-tokenised {"input_ids": [...], "loss_mask": [...]}. Any config field can be
+Data (.jsonl, .json, .parquet): chats ({"messages": [...], "tools": [...]}, assistant "tool_calls", "tool"
+turns as function-calling sets ship them, rendered with config.tokenizer's chat template, loss on the
+assistant's tokens only) or pre-tokenised {"input_ids": [...], "loss_mask": [...]}. Any config field can be
 overridden (--config.sft.epochs=1 --config.mesh.fsdp=8). A run resumes from the latest checkpoint in its
 workdir; Ctrl-C saves a checkpoint and stops; a bad config value exits 2 naming the field.
+
+At the end the policy is exported as an HF folder (safetensors, config.json, the tokenizer with its chat
+template) to <workdir>/policy; RL starts from it with
+  python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.model.path=<workdir>/policy
 """
 
 from __future__ import annotations
@@ -40,7 +46,13 @@ def main(argv):
         config, kind="sft", title="sft", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
     ):
         return
-    train.train_sft(config, max_steps=_MAX_STEPS.value)
+    policy = train.RunPaths.of(config.workdir).policy
+    train.train_sft(config, max_steps=_MAX_STEPS.value, export_dir=policy)
+    print(
+        f"policy (HF folder with the tokenizer): {policy}\n"
+        f"  RL from it: python -m experiments.train_rl --config=<an RL config> --config.model.path={policy}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

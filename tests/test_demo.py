@@ -87,6 +87,12 @@ def test_every_phase_runs_and_writes_its_output(demo_run):
 
     sft_metrics = [json.loads(line) for line in (workdir / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sft_metrics] == [1, 2, 3]
+    # Both exported policies are whole HF folders: weights, config and the tokenizer with its chat template.
+    for policy in ("sft", "rl"):
+        folder = workdir / "policies" / policy
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+            f.name for f in folder.iterdir()
+        }, policy
     rl_metrics = [json.loads(line) for line in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["stage"] for r in rl_metrics] == [0, 1]  # one step of each stage
     for record in rl_metrics:
@@ -131,7 +137,9 @@ def test_rerun_resumes_without_redoing_any_phase(demo_run):
 
 def test_demo_phases_run_from_the_training_launchers(demo_run, tmp_path):
     """``demo.py:sft,WORKDIR`` and ``demo.py:rl,WORKDIR``: one phase of the demo run by ``experiments.sft`` /
-    ``experiments.train_rl`` on the files the demo wrote (the RL rollouts in the demo's own prompt)."""
+    ``experiments.train_rl`` on the files the demo wrote (the RL rollouts in the demo's own prompt). SFT to RL
+    is one path: ``experiments.sft`` exports its policy with the tokenizer, and ``train_rl`` starts from that
+    folder with ``--config.model.path`` alone (the tokenizer comes from the folder)."""
     workdir, _, cache = demo_run
     env = {
         **os.environ,
@@ -141,9 +149,11 @@ def test_demo_phases_run_from_the_training_launchers(demo_run, tmp_path):
     }
     rl_overrides = [a.replace("--config.rl.", "--config.") for a in SHORT if a.startswith("--config.rl.")]
     sft_overrides = [a.replace("--config.sft.", "--config.") for a in SHORT if a.startswith("--config.sft.")]
+    exported = tmp_path / "sft" / "policy"
+    from_sft = [f"--config.model.path={exported}", "--config.tokenizer="]
     for module, kind, overrides in (
         ("experiments.sft", "sft", sft_overrides),
-        ("experiments.train_rl", "rl", rl_overrides),
+        ("experiments.train_rl", "rl", rl_overrides + from_sft),
     ):
         run = tmp_path / kind
         done = subprocess.run(
@@ -167,4 +177,7 @@ def test_demo_phases_run_from_the_training_launchers(demo_run, tmp_path):
         assert f"NOTE: the demo's {kind.upper()} phase on the files" in done.stdout
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == [1]
+        if kind == "sft":
+            assert f"policy (HF folder with the tokenizer): {exported.resolve()}" in done.stdout
+            assert (exported / "tokenizer.json").exists() and (exported / "model.safetensors").exists()
     assert records[0]["num_trajectories"] == 2 * 4 and "reward" in records[0]  # the RL step's rollouts

@@ -6,6 +6,8 @@ with the hard-problem filter and an optimizer reset; small batches). For a run t
   python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.workdir=runs/tiny
 """
 
+import pathlib
+
 from rstar2jax import models
 from rstar2jax.eval import EVAL_SETS_DIR
 from rstar2jax.train.config import rl_config, sft_config, stage
@@ -31,12 +33,13 @@ def _model(c):
 
 
 def get_config(kind: str = "rl"):
-    """``kind``: "rl" (python -m experiments.train_rl) or "sft" (python -m experiments.sft, add
-    --config.sft.data=...)."""
+    """``kind``: "rl" (python -m experiments.train_rl) or "sft" (python -m experiments.sft, on the shipped
+    tool-use conversations unless --config.sft.data=... names other data)."""
     if kind == "sft":
         c = _model(sft_config())
         c.notice = SMOKE_TEST_SFT
         c.workdir = "runs/tiny_cpu_sft"
+        c.sft.data = str(pathlib.Path(__file__).resolve().parents[1] / "data" / "sft_tool_use.jsonl")
         c.optimizer.learning_rate = 1e-3
         c.sft.epochs, c.sft.batch_size, c.sft.seq_len = 1, 8, 1024
         c.num_microbatches = 2

@@ -213,7 +213,11 @@ class PromptConfig:
         return tuple(tool.get("function", tool)["name"] for tool in self.tools)
 
 
-def _prompt_messages(problem: str, cfg: PromptConfig) -> list[dict[str, str]]:
+def prompt_messages(problem: str, cfg: PromptConfig | None = None) -> list[dict[str, str]]:
+    """The chat messages before the first assistant turn: the system turn (when ``cfg.system_prompt``) and
+    the user turn (``cfg.user_prefix`` + the problem). Rollout prompts (:func:`render_prompt_text`) and SFT
+    conversations (``data.sft_data``) both start with them, so the two cannot drift apart."""
+    cfg = cfg or PromptConfig()
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages.append({"role": "user", "content": cfg.user_prefix + problem})
     return messages
@@ -228,7 +232,7 @@ def render_prompt_text(
         raise ValueError(f"problem must be a non-empty str, got {problem!r}")
     text = render_chat(
         tokenizer,
-        _prompt_messages(problem, cfg),
+        prompt_messages(problem, cfg),
         tools=cfg.listed_tools,
         add_generation_prompt=True,
         **cfg.chat_template_kwargs,

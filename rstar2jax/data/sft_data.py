@@ -28,13 +28,13 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import tqdm.auto as tqdm
 
 from rstar2jax.data.batch import TokenSequence
-from rstar2jax.data.conversation import PYTHON_TOOL_NAME, tokenize_conversation
+from rstar2jax.data.conversation import PromptConfig, prompt_messages, tokenize_conversation
 from rstar2jax.data.synthetic import SyntheticProblem
 
 #: ``run_code(code, stdin) -> {"status": "ok" | "error" | "timeout" | ..., "stdout": str, "stderr": str}``.
@@ -132,8 +132,7 @@ class _ConversationWriter:
 
     run_code: RunCode
     format_tool_output: Callable[[Mapping[str, Any]], str]
-    system_prompt: str
-    user_prefix: str
+    prompt: PromptConfig
     tool_name: str
 
     def _call(self, reason: str, code: str) -> tuple[list[dict[str, Any]], Mapping[str, Any]]:
@@ -148,8 +147,7 @@ class _ConversationWriter:
         return turns, result
 
     def __call__(self, problem: SyntheticProblem, buggy_code: str | None, bug_kind: str | None) -> SFTExample:
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages.append({"role": "user", "content": self.user_prefix + problem.problem})
+        messages: list[dict[str, Any]] = prompt_messages(problem.problem, self.prompt)
         reason = PLAN_REASON
         if buggy_code is not None:
             turns, failed = self._call(reason, buggy_code)
@@ -176,9 +174,7 @@ def build_sft_examples(
     run_code: RunCode,
     *,
     format_tool_output: Callable[[Mapping[str, Any]], str],
-    system_prompt: str = "",
-    user_prefix: str = "",
-    tool_name: str = PYTHON_TOOL_NAME,
+    prompt: PromptConfig | None = None,
     fail_rate: float = 0.3,
     bug_kinds: Sequence[str] = DEFAULT_BUG_KINDS,
     seed: int = 0,
@@ -193,9 +189,9 @@ def build_sft_examples(
         Called ``len(problems) + round(fail_rate * len(problems))`` times.
       format_tool_output: sandbox result -> tool message text; pass the rollout's formatter
         (``functools.partial(conversation.format_tool_result, max_chars=...)``) so SFT matches RL.
-      system_prompt / user_prefix: the system turn ('' for none) and the text before the problem in the
-        user turn (``conversation.PromptConfig`` fields). The tool schema goes to the chat template later.
-      tool_name: the Python tool's function name (the paper's by default).
+      prompt: the prompt the policy will be rolled out in (default the paper's): the conversations start
+        with its ``conversation.prompt_messages`` and call its first tool (the Python tool). The tool schemas
+        go to the chat template later (:func:`sft_rows`).
       fail_rate: exact share (rounded) of conversations whose first call is broken, then fixed.
       bug_kinds: which ``BUG_KINDS`` to inject; each failing conversation gets one that applies to its code.
       seed: picks the failing conversations, their bug kinds and the misspelled names.
@@ -229,7 +225,10 @@ def build_sft_examples(
     for i in sorted(rng.sample(eligible, num_failing)):
         chosen_kinds[i] = rng.choice(sorted(candidates[i]))
     buggy_codes = [bugs.get(kind) for bugs, kind in zip(candidates, chosen_kinds, strict=True)]
-    write = _ConversationWriter(run_code, format_tool_output, system_prompt, user_prefix, tool_name)
+    prompt = prompt or PromptConfig()
+    if not prompt.tools:
+        raise ValueError("prompt.tools is empty: the conversations call the Python tool")
+    write = _ConversationWriter(run_code, format_tool_output, prompt, prompt.tool_names[0])
     with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
         written = pool.map(write, problems, buggy_codes, chosen_kinds)
         return list(
@@ -238,46 +237,120 @@ def build_sft_examples(
             )
         )
 
-#: Row formats :func:`load_sft_sequences` reads: a chat, ``{"messages": [...], "tools": [...]?,
-#: "assistant_opener": "<reason>"?}`` (tokenised the way a rollout builds its token stream by
-#: ``conversation.tokenize_conversation``: loss on the assistant-written tokens only), or pre-tokenised
-#: ``{"input_ids": [...], "loss_mask": [...]}``.
+def sft_rows(examples: Sequence[SFTExample], prompt: PromptConfig | None = None) -> list[dict[str, Any]]:
+    """The rows of an SFT file for ``examples`` written in ``prompt`` (default the paper's): the messages,
+    the tool schemas the chat template lists (``prompt.listed_tools``) and the assistant opener."""
+    prompt = prompt or PromptConfig()
+    return [
+        {"messages": e.messages, "tools": prompt.listed_tools, "assistant_opener": prompt.assistant_opener}
+        for e in examples
+    ]
 
 
-def load_sft_sequences(path: str | os.PathLike, tokenizer=None) -> tuple[list[TokenSequence], int]:
-    """Reads SFT examples; returns the sequences and the count of rows skipped for having nothing to train on
-    (fewer than two tokens, or no loss token after the first)."""
+#: The roles a chat row may use.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _chat_row(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None, str]:
+    """(messages, tools, assistant opener) of a chat row, in the form the chat template takes.
+
+    Accepts what function-calling data sets ship: ``tools`` as a list or a JSON string, assistant
+    ``tool_calls`` as ``{"function": {"name", "arguments"}}`` or ``{"name", "arguments"}`` with the arguments
+    a mapping or a JSON string, ``content`` None beside tool calls, and extra keys (``tool_call_id``, ...).
+    """
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools) if tools.strip() else None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"'tools' must be a list of schemas (or its JSON), got {type(tools).__name__}")
+    messages = []
+    for i, message in enumerate(row["messages"]):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"message {i} has role {role!r}; expected one of {CHAT_ROLES}")
+        message = {**message, "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function", call))
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"message {i}: tool call arguments are not JSON: {error}") from None
+                calls.append({"type": "function", "function": function})
+            message["tool_calls"] = calls
+        else:
+            message.pop("tool_calls", None)
+        messages.append(message)
+    return messages, tools, row.get("assistant_opener", "")
+
+
+def read_sft_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for each row of an SFT source: a ``.jsonl`` file (one row a line), a ``.json`` file
+    (a list of rows), a ``.parquet`` file, or rows in memory (a ``datasets.Dataset``, a list of dicts)."""
+    if not isinstance(source, str | os.PathLike):
+        for index, row in enumerate(source):
+            yield f"row {index}", row
+        return
+    path = os.fspath(source)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"SFT data {path!r}: no such file")
+    if path.endswith(".parquet"):
+        import datasets
+
+        for index, row in enumerate(datasets.Dataset.from_parquet(path)):
+            yield f"{path} row {index}", row
+    elif path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json SFT file holds a list of rows, got {type(rows).__name__}")
+        for index, row in enumerate(rows):
+            yield f"{path} row {index}", row
+    else:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{path}:{line_number}", json.loads(line)
+
+
+def load_sft_sequences(
+    source: str | os.PathLike | Iterable[Mapping[str, Any]], tokenizer=None
+) -> tuple[list[TokenSequence], int]:
+    """Reads SFT examples (see :func:`read_sft_rows` for the sources); returns the sequences and the count of
+    rows skipped for having nothing to train on (no assistant turn, fewer than two tokens, or no loss token
+    after the first).
+
+    A row is a chat, ``{"messages": [...], "tools": [...]?, "assistant_opener": "<reason>"?}``, rendered with
+    ``tokenizer``'s chat template and tokenised the way a rollout builds its token stream
+    (``conversation.tokenize_conversation``: loss on the assistant-written tokens only; see
+    :func:`_chat_row` for the function-calling variants accepted), or pre-tokenised
+    ``{"input_ids": [...], "loss_mask": [...]}``.
+    """
     sequences, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "messages" in row:
-                if tokenizer is None:
-                    raise ValueError(f"{path}:{line_number}: chat rows need config.tokenizer")
-                if not any(m.get("role") == "assistant" for m in row["messages"]):
+    for where, row in read_sft_rows(source):
+        if "messages" in row:
+            if tokenizer is None:
+                raise ValueError(f"{where}: chat rows need a tokenizer (config.tokenizer)")
+            try:
+                messages, tools, opener = _chat_row(row)
+                if not any(m["role"] == "assistant" for m in messages):
                     skipped += 1
                     continue
-                try:
-                    tokenized = tokenize_conversation(
-                        tokenizer,
-                        row["messages"],
-                        tools=row.get("tools"),
-                        assistant_opener=row.get("assistant_opener", ""),
-                    )
-                except ValueError as error:
-                    raise ValueError(f"{path}:{line_number}: {error}") from error
-                ids, mask = tokenized.input_ids, tokenized.loss_mask
-            elif "input_ids" in row:
-                ids, mask = row["input_ids"], row.get("loss_mask")
-                if mask is None or len(mask) != len(ids):
-                    raise ValueError(f"{path}:{line_number}: input_ids needs a loss_mask of the same length")
-            else:
-                raise ValueError(f"{path}:{line_number}: a row needs 'messages' or 'input_ids'")
-            if len(ids) < 2 or not any(mask[1:]):
-                skipped += 1
-                continue
-            # The first token has no context to be predicted from.
-            sequences.append(TokenSequence(tokens=list(ids), loss_mask=[0, *mask[1:]]))
+                tokenized = tokenize_conversation(tokenizer, messages, tools=tools, assistant_opener=opener)
+            except (ValueError, TypeError, KeyError) as error:
+                raise ValueError(f"{where}: {error}") from error
+            ids, mask = tokenized.input_ids, tokenized.loss_mask
+        elif "input_ids" in row:
+            ids, mask = list(row["input_ids"]), row.get("loss_mask")
+            if mask is None or len(mask) != len(ids):
+                raise ValueError(f"{where}: input_ids needs a loss_mask of the same length")
+        else:
+            raise ValueError(f"{where}: a row needs 'messages' or 'input_ids', got keys {sorted(row)}")
+        if len(ids) < 2 or not any(mask[1:]):
+            skipped += 1
+            continue
+        # The first token has no context to be predicted from.
+        sequences.append(TokenSequence(tokens=list(ids), loss_mask=[0, *list(mask)[1:]]))
     return sequences, skipped

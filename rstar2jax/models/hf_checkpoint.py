@@ -273,12 +273,15 @@ def save_pretrained(
     *,
     dtype=None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer=None,
 ) -> None:
     """Write ``params`` as a HF checkpoint: ``config.json`` plus safetensors (split into
     ``model-0000i-of-0000n.safetensors`` with an index once larger than ``max_shard_bytes``), loadable by
     ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM.
 
     ``dtype``: stored weight dtype, default the params' own. Sharded params are gathered one leaf at a time.
+    ``tokenizer``: a Hugging Face tokenizer to save beside the weights (its files and chat template), so the
+    folder alone is a policy that ``config.model.path`` (and its tokenizer) can start from.
     """
     path = os.fspath(path)
     specs = param_specs(config)
@@ -339,3 +342,5 @@ def save_pretrained(
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_hf(config, dtype=store_dtype.name), f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

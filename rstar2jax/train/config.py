@@ -202,9 +202,11 @@ FIELD_HELP = {
     "seed": "seed of the initial weights, data order and sampling",
     "notice": "a line the launchers print at start (e.g. that the config is only a smoke test)",
     "workdir": "the run's folder: checkpoints/, metrics.jsonl, tensorboard/; a rerun resumes from it",
-    "tokenizer": "tokenizer folder (HF format, with its chat template); empty: pre-tokenised SFT data only",
-    "model.path": "HF checkpoint folder (config.json + safetensors) to start from",
+    "tokenizer": "tokenizer folder (HF format, with its chat template); empty: model.path's own tokenizer, "
+    "else pre-tokenised SFT data only",
+    "model.path": "HF checkpoint folder (config.json + safetensors) to start from; wins over the ones below",
     "model.config_json": "or an HF config.json, or a preset name: random weights of that shape",
+    "model.preset": "or a named model shape (models.PRESETS), refined by model.spec fields: random weights",
     "model.spec": "or inline ModelConfig fields (model_type, hidden_size, ...): random weights",
     "model.spec.*": "a ModelConfig field of the inline model",
     "model.param_dtype": "dtype of the master weights and optimizer moments",
@@ -367,14 +369,17 @@ def _one_of(config, path, options):
 def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: bool = True) -> None:
     _check(config, "seed", _is_int, "must be an integer")
     _check(config, "workdir", lambda v: isinstance(v, str) and v, "must be a non-empty path")
-    sources = [name for name in ("path", "config_json", "preset") if _field(config, f"model.{name}")]
-    if len(_field(config, "model.spec")) and sources != ["preset"]:  # spec fields override a preset's
-        sources += ["spec"]
-    if len(sources) != 1:
-        raise ConfigError(
-            f"config.model: set exactly one of path / config_json / preset / spec (spec may refine a "
-            f"preset), got {sources or 'none'}"
-        )
+    # model.path wins over the others: a command line cannot clear a config's inline spec, and
+    # --config.model.path=<an exported policy> must start the run from that policy.
+    if not _field(config, "model.path"):
+        sources = [name for name in ("config_json", "preset") if _field(config, f"model.{name}")]
+        if len(_field(config, "model.spec")) and sources != ["preset"]:  # spec fields override a preset's
+            sources += ["spec"]
+        if len(sources) != 1:
+            raise ConfigError(
+                f"config.model: set exactly one of config_json / preset / spec (spec may refine a preset; "
+                f"model.path wins over all of them), got {sources or 'none'}"
+            )
     _check(config, "model.preset", lambda v: not v or v in PRESETS, f"must be one of {PRESETS}")
     for name in ("path", "config_json") if check_paths else ():
         _check(config, f"model.{name}", lambda v: not v or os.path.exists(v), "does not exist")
@@ -519,6 +524,18 @@ def validate_sft_config(config, *, check_data: bool = True, check_paths: bool = 
 #: once, however many entry points (launcher, ``train_rl`` / ``train_sft``, ``dry_run``) it passes through.
 _ACCEPTED: dict[tuple[str, str], tuple[bool, bool]] = {}
 KINDS = ("rl", "sft")
+
+
+def tokenizer_path(config) -> str:
+    """The run's tokenizer folder: ``config.tokenizer``, else ``config.model.path`` when that folder holds a
+    tokenizer (an exported policy does), else '' (none)."""
+    if config.tokenizer:
+        return config.tokenizer
+    path = config.model.get("path", "")
+    has_tokenizer = path and any(
+        os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+    )
+    return path if has_tokenizer else ""
 
 
 def validate(config, kind: str, *, check_data: bool = True, check_paths: bool = True) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,21 +54,22 @@ def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | 
     return None if restored is None else (model_config, restored[0].params)
 
 
+def run_tokenizer(run_config: ml_collections.ConfigDict):
+    """The run's tokenizer (``config.tokenizer``, else the one in ``config.model.path``), or None."""
+    path = config_lib.tokenizer_path(run_config)
+    return load_tokenizer(path) if path else None
+
+
 def export_policy(
     run_config: ml_collections.ConfigDict, out: pathlib.Path, *, total_steps: int | None = None
 ) -> pathlib.Path:
-    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json + safetensors), the
-    form ``config.model.path`` and ``load_pretrained`` read."""
+    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json, safetensors and the
+    run's tokenizer with its chat template), the form ``config.model.path`` and ``load_pretrained`` read."""
     restored = restore_params(run_config, total_steps=total_steps)
     if restored is None:
         raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
     model_config, params = restored
-    temporary = out.with_name(out.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
-    models.save_pretrained(params, model_config, temporary)
-    shutil.rmtree(out, ignore_errors=True)
-    temporary.replace(out)
-    return out
+    return runner.save_policy(params, model_config, out, tokenizer=run_tokenizer(run_config))
 
 
 def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prompt: PromptConfig):
@@ -78,10 +78,16 @@ def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prom
     from rstar2jax import agent
     from rstar2jax.engine import EngineConfig, SamplingParams
 
+    tokenizer = run_tokenizer(run_config)
+    if tokenizer is None:
+        raise config_lib.ConfigError(
+            "config.tokenizer is empty and config.model.path holds no tokenizer: the rollout needs the "
+            "policy's tokenizer"
+        )
     r = run_config.rollout
     return agent.PolicyRollout(
         runner.model_config_from(run_config),
-        load_tokenizer(run_config.tokenizer),
+        tokenizer,
         agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
         engine_config=EngineConfig(
             num_slots=r.engine_slots,

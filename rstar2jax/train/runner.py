@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import pathlib
+import shutil
 import sys
 import threading
 import time
@@ -77,6 +78,8 @@ def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
 
 #: Checkpoint step folders go to ``<workdir>/CHECKPOINT_DIR``.
 CHECKPOINT_DIR = "checkpoints"
+#: ``experiments.sft`` exports its policy (an HF folder with the tokenizer) to ``<workdir>/POLICY_DIR``.
+POLICY_DIR = "policy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,11 @@ class RunPaths:
     checkpoints: pathlib.Path
     metrics: pathlib.Path
     tensorboard: pathlib.Path
+
+    @property
+    def policy(self) -> pathlib.Path:
+        """Where the SFT launcher exports the trained policy (see ``save_policy``)."""
+        return self.workdir / POLICY_DIR
 
     @classmethod
     def of(cls, workdir: str | pathlib.Path) -> RunPaths:
@@ -116,6 +124,26 @@ def request_stop() -> bool:
         return False
     _STOP.set()
     return True
+
+
+def save_policy(params, model_config: models.ModelConfig, out: str | pathlib.Path, *, tokenizer=None):
+    """Writes ``params`` as an HF folder at ``out`` (config.json, safetensors and, when given, the tokenizer
+    with its chat template): the form ``config.model.path`` reads, so RL can start from it. The folder is
+    written beside ``out`` and renamed into place, so a crash never leaves a half policy. With several
+    processes the parameters are gathered and process 0 writes. Returns ``out`` as a path."""
+    out = pathlib.Path(out)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+        if jax.process_index() != 0:
+            return out
+    temporary = out.with_name(out.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    models.save_pretrained(params, model_config, temporary, tokenizer=tokenizer)
+    shutil.rmtree(out, ignore_errors=True)
+    temporary.replace(out)
+    return out
 
 
 def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) -> TrainState:
@@ -446,12 +474,20 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
     return [p for p in problems if p.id in keep]
 
 
-def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
-    """Runs (or resumes) SFT on ``config.sft.data``; returns the metrics history."""
+def train_sft(
+    config, *, max_steps: int | None = None, export_dir: str | pathlib.Path | None = None
+) -> list[dict]:
+    """Runs (or resumes) SFT on ``config.sft.data``; returns the metrics history.
+
+    ``export_dir``: when the run ends (not when it is interrupted), the policy is written there as an HF
+    folder with the tokenizer (``save_policy``), what ``experiments.train_rl --config.model.path=`` starts
+    from.
+    """
     config_lib.validate(config, "sft")
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
-    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    tokenizer_dir = config_lib.tokenizer_path(config)
+    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     sequences, skipped = load_sft_sequences(config.sft.data, tokenizer)
     if not sequences:
         raise ValueError(f"config.sft.data={config.sft.data!r}: no usable examples ({skipped} skipped)")
@@ -503,6 +539,8 @@ def train_sft(config, *, max_steps: int | None = None) -> list[dict]:
                 run.stop_if_requested()
         finally:
             run.close()
+    if export_dir is not None:
+        save_policy(run.state.params, run.model_config, export_dir, tokenizer=tokenizer)
     return run.logger.history
 
 

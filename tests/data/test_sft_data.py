@@ -3,6 +3,7 @@
 import copy
 import functools
 import json
+import pathlib
 import random
 import re
 import subprocess
@@ -12,14 +13,24 @@ import pytest
 
 from rstar2jax.data.conversation import (
     CHATML_TOOLS_TEMPLATE,
+    DEFAULT_USER_PREFIX,
     PromptConfig,
     format_tool_result,
+    prompt_messages,
     render_chat,
+    render_prompt_ids,
     render_prompt_text,
     tokenize_conversation,
     tool_response_text,
 )
-from rstar2jax.data.sft_data import BUG_KINDS, SFTExample, build_sft_examples, inject_bug
+from rstar2jax.data.sft_data import (
+    BUG_KINDS,
+    SFTExample,
+    build_sft_examples,
+    inject_bug,
+    load_sft_sequences,
+    sft_rows,
+)
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
 
@@ -48,8 +59,7 @@ def run_code(code: str, stdin: str) -> dict:
 def _build(problems, **kwargs) -> list[SFTExample]:
     kwargs = {
         "format_tool_output": FORMAT,
-        "system_prompt": CFG.system_prompt,
-        "user_prefix": CFG.user_prefix,
+        "prompt": CFG,
         "max_workers": 2,
         **kwargs,
     }
@@ -248,3 +258,38 @@ def test_tokenize_rejects_bad_conversations(qwen3, examples):
         tokenize_conversation(qwen3, messages[:-1])
     with pytest.raises(ValueError, match="does not start with the opener"):
         tokenize_conversation(qwen3, messages, assistant_opener="<think>")
+
+
+SHIPPED = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "data" / "sft_tool_use.jsonl"
+
+
+def test_rows_carry_the_prompt_rollouts_use(examples):
+    """An SFT row holds the tool schemas and opener of the prompt it was written in."""
+    demo_prompt = PromptConfig(system_prompt="", user_prefix="", list_tools=False)
+    for prompt in (CFG, demo_prompt):
+        (row,) = sft_rows(examples[:1], prompt)
+        assert row["tools"] == prompt.listed_tools and row["assistant_opener"] == prompt.assistant_opener
+    problem = examples[0].messages[1]["content"].removeprefix(CFG.user_prefix)
+    assert examples[0].messages[:2] == prompt_messages(problem)
+
+
+def test_shipped_sft_data_is_in_the_rl_prompt_and_tokenizes(qwen3):
+    """experiments/data/sft_tool_use.jsonl: 128 conversations written in the prompt RL rollouts use by default
+    (the same system and user turns, tool schemas and opener), every one tokenising with the loss on the
+    assistant turns; the tokens before the first assistant content are exactly the rollout's prompt."""
+    rows = [json.loads(line) for line in SHIPPED.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 128 and SHIPPED.stat().st_size < 400_000
+    fixed = 0
+    for row in rows:
+        problem = row["messages"][1]["content"].removeprefix(DEFAULT_USER_PREFIX)
+        assert row["messages"][:2] == prompt_messages(problem, CFG)
+        assert row["tools"] == CFG.listed_tools and row["assistant_opener"] == CFG.assistant_opener
+        assert row["messages"][-1]["content"].endswith("</answer>")
+        fixed += sum(bool(m.get("tool_calls")) for m in row["messages"]) == 2
+    assert 30 <= fixed <= 60  # about a third first call broken code, then fix it
+    sequences, skipped = load_sft_sequences(SHIPPED, qwen3)
+    assert skipped == 0 and len(sequences) == 128
+    for row, sequence in list(zip(rows, sequences, strict=True))[:8]:
+        prompt_ids = render_prompt_ids(qwen3, row["messages"][1]["content"].removeprefix(DEFAULT_USER_PREFIX))
+        assert list(sequence.tokens[: len(prompt_ids)]) == prompt_ids
+        assert not any(sequence.loss_mask[: len(prompt_ids)]) and sequence.loss_mask[len(prompt_ids)] == 1

@@ -141,6 +141,25 @@ def test_save_rejects_params_of_another_shape(tiny_models, tmp_path):
         models.save_pretrained(params, config, tmp_path)
 
 
+def test_save_pretrained_writes_the_tokenizer_with_its_chat_template(tiny_models, tmp_path):
+    """A policy folder with its tokenizer is all ``config.model.path`` needs; the chat template survives."""
+    from rstar2jax.data.conversation import CHATML_TOOLS_TEMPLATE
+    from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer(["What is 2+2? <answer>4</answer>"] * 4, 300, tmp_path / "tok")
+    config, params = models.load_pretrained(tiny_models("qwen3").path)
+    models.save_pretrained(params, config, tmp_path / "policy", tokenizer=tokenizer)
+    reloaded = load_tokenizer(tmp_path / "policy")
+    assert reloaded.chat_template == CHATML_TOOLS_TEMPLATE and len(reloaded) == len(tokenizer)
+    text = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<tool_call>"
+    assert reloaded.encode(text) == tokenizer.encode(text)
+    config2, params2 = models.load_pretrained(tmp_path / "policy")
+    assert config2 == config
+    np.testing.assert_array_equal(params2["embed"], params["embed"])
+    models.save_pretrained(params, config, tmp_path / "bare")
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [

@@ -240,6 +240,31 @@ def test_demo_config_fields_all_have_a_meaning():
     assert len(lines) > 100 and not [line for line in lines if line.endswith("# (no description)")]
 
 
+def test_model_path_wins_over_an_inline_model_and_brings_its_tokenizer(tmp_path, tiny_model):
+    """``--config.model.path=<an exported policy>`` on a config with an inline model starts from the policy;
+    an empty ``config.tokenizer`` then means the folder's own tokenizer."""
+    from rstar2jax import models
+    from rstar2jax.data.tokenizer import train_tiny_tokenizer
+    from rstar2jax.train.config import tokenizer_path
+    from rstar2jax.train.runner import model_config_from
+
+    model_config, params = tiny_model
+    folder = tmp_path / "policy"
+    models.save_pretrained(params, model_config, folder)
+    config = tiny_cpu.get_config()
+    config.tokenizer = ""
+    config.model.path = str(folder)
+    assert len(config.model.spec)  # the inline model is still there ...
+    validate_rl_config(config, check_data=False)
+    loaded = model_config_from(config)  # ... and the folder's model wins
+    assert (loaded.vocab_size, loaded.hidden_size, loaded.num_layers) == (128, 32, 2)
+    assert tokenizer_path(config) == ""  # no tokenizer in the folder: none
+    train_tiny_tokenizer(["x"], 300, folder)
+    assert tokenizer_path(config) == str(folder)
+    config.tokenizer = str(tmp_path / "other")
+    assert tokenizer_path(config) == str(tmp_path / "other")  # an explicit tokenizer wins
+
+
 def test_model_preset_field():
     from rstar2jax import models
     from rstar2jax.train.runner import model_config_from

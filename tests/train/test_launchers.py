@@ -51,7 +51,11 @@ def test_help_and_config_errors():
             ["--config.rl.keep=40", "--dry_run"],
             "error: config.rl.keep=40: must be an integer in [1, rl.samples_per_problem=4]",
         ),
-        ("experiments.sft", [":sft"], "error: config.sft.data='': does not exist"),
+        (
+            "experiments.sft",
+            [":sft", "--config.sft.data=missing.jsonl"],
+            "error: config.sft.data='missing.jsonl': does not exist",
+        ),
         (
             "experiments.train_rl",
             ["--config.rl.kep=1"],
