@@ -292,17 +292,16 @@ def _sweep_dead_servers() -> None:
 
     Both carry the server's pid in their names; only those of pids that no longer exist are removed.
     """
-    pattern = re.compile(r"sandbox_server-(\d+)(-|$)")
-    places = [tempfile.gettempdir()]
+    places = [(tempfile.gettempdir(), re.compile(r"sandbox_server-(\d+)-\w+"))]
     with contextlib.suppress(OSError):
-        places.append(_memory_cgroup_parent()[0])
-    for place in places:
+        places.append((_memory_cgroup_parent()[0], re.compile(r"sandbox_server-(\d+)")))
+    for place, pattern in places:
         try:
             entries = list(os.scandir(place))
         except OSError:
             continue
         for entry in entries:
-            match = pattern.fullmatch(entry.name) or pattern.match(entry.name)
+            match = pattern.fullmatch(entry.name)
             if not match or not entry.is_dir(follow_symlinks=False) or _pid_alive(int(match.group(1))):
                 continue
             if place == tempfile.gettempdir():
