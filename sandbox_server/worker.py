@@ -687,6 +687,9 @@ def main(argv=None) -> None:
     channel fd, tier, name, parent pid, temporary root, first uid, memory cgroup and the worker config.
     """
     spec = json.loads((argv or sys.argv[1:])[0])
+    # Every call is a fork of this process: its code must not find the configuration in sys.argv.
+    del sys.argv[1:]
+    sys.orig_argv[:] = [arg for arg in sys.orig_argv if not arg.startswith("{")]
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec["parent_pid"]:
         sys.exit("sandbox worker: front end already gone")

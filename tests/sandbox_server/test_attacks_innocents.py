@@ -240,3 +240,21 @@ def test_a_sigkilled_server_leaves_nothing_the_next_start_does_not_clean():
         with start_local(workers=1, slots=2, tiers="base,full"):
             assert not os.path.exists(temp_root)
             assert cgroup is None or not os.path.exists(cgroup)
+
+
+def test_io_uring_is_denied_and_the_worker_configuration_is_not_visible(server):
+    code = textwrap.dedent(
+        """
+        import ctypes, sys
+        libc = ctypes.CDLL(None, use_errno=True)
+        params = ctypes.create_string_buffer(120)
+        print(libc.syscall(425, 8, params), ctypes.get_errno())  # io_uring_setup
+        print(sys.argv, any("uid_base" in arg or "{" in arg for arg in sys.orig_argv))
+        """
+    )
+    result = attack_with_innocents(server.url, {"code": code, "timeout": 10})
+    assert result["status"] == "ok", result
+    setup, argv = result["stdout"].splitlines()
+    assert setup == "-1 1", result  # EPERM
+    assert argv.endswith(" False"), result
+    assert "uid_base" not in result["stdout"] and "temp_root" not in result["stdout"]
