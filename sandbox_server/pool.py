@@ -77,6 +77,7 @@ class WorkerProcess:
             "temp_root": self.pool.temp_root,
             "uid_base": self.uid_base,
             "cgroup": self.pool.cgroup_dir,
+            "session_uid_base": self.pool.session_uid_base if self.tier == "full" else None,
             "config": self.pool.config.worker_payload(),
         }
         args = [sys.executable, "-m", "sandbox_server.worker", json.dumps(spec)]

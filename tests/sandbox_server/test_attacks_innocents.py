@@ -258,3 +258,15 @@ def test_io_uring_is_denied_and_the_worker_configuration_is_not_visible(server):
     assert setup == "-1 1", result  # EPERM
     assert argv.endswith(" False"), result
     assert "uid_base" not in result["stdout"] and "temp_root" not in result["stdout"]
+
+
+def test_memfd_memory_counts_against_a_session_too(server):
+    mechanisms = get(server.url, "/health")["mechanisms"]["active"]
+    if "call_memory_cgroup" not in mechanisms:
+        pytest.skip("no per-call memory cgroup here (needs root and a memory cgroup)")
+    session = "memfd-" + os.urandom(12).hex()
+    assert run_batch(server.url, [{"code": "kept = 1", "session": session}])[0]["status"] == "ok"
+    fill = MEMFD_FILL.replace("range(200)", "range(250)")  # above the session's 2 GiB + tmpfs
+    result = attack_with_innocents(server.url, {"code": fill, "timeout": 30, "session": session})
+    assert result["status"] == "memory_limit" and "survived" not in result["stdout"], result
+    assert "terminated" in result["stderr"]  # the session says it ended; the next call starts afresh
