@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 from rstar2jax.agent.sandbox_client import SandboxClient
 from sandbox_server import start_local
@@ -267,26 +268,34 @@ def side_by_side(new_url: str, base_url: str, name: str, args) -> dict:
     """Alternating slices of the same workload on the new and the baseline server (order swapped every
     round, so drifting machine load hits both alike); calls/s over all slices and p99 of all calls."""
     sides = {"new": new_url, "baseline": base_url}
-    totals = {side: {"calls": 0, "seconds": 0.0, "latencies": [], "statuses": collections.Counter()}
-              for side in sides}
+    totals = {side: {"calls": 0, "seconds": 0.0, "latencies": [], "statuses": collections.Counter(),
+                     "cpu": collections.Counter()} for side in sides}
     order = list(sides)
     for round_index in range(args.ab_rounds):
         codes = workload(name, args.ab_slice, seed=100 + round_index)
         for side in order:
+            health = _get_json(sides[side] + "/health")
+            cpu_before = cpu_snapshot(health)
             result = asyncio.run(run_sandbox(sides[side], codes, args.in_flight, keep_latencies=True))
+            cpu_after = cpu_snapshot(health)
             total = totals[side]
+            total["cpu"].update({kind: cpu_after[kind] - cpu_before[kind] for kind in cpu_after})
             total["calls"] += result["calls"]
             total["seconds"] += result["calls"] / result["calls_per_s"]
             total["latencies"] += result.pop("latencies")
             total["statuses"].update(result["statuses"])
         order.reverse()
     figures = {}
+    warmup = args.ab_rounds * min(200, args.ab_slice)  # run_sandbox's warm-up calls, in the CPU too
     for side, total in totals.items():
         figures[side] = {
             "calls": total["calls"],
             "calls_per_s": total["calls"] / total["seconds"],
             **percentiles(total["latencies"]),
             "statuses": dict(total["statuses"]),
+            "cpu_ms_per_call": {
+                kind: 1e3 * seconds / (total["calls"] + warmup) for kind, seconds in total["cpu"].items()
+            },
         }
     figures["throughput_ratio"] = figures["new"]["calls_per_s"] / figures["baseline"]["calls_per_s"]
     return figures
@@ -318,6 +327,12 @@ def main() -> None:
     parser.add_argument("--ab-rounds", type=int, default=6, help="A/B: slices per side and workload")
     parser.add_argument("--ab-slice", type=int, default=1000, help="A/B: calls per slice")
     parser.add_argument("--ab-workloads", default="trivial,mixed", help="A/B: workloads, comma-separated")
+    parser.add_argument(
+        "--new-option",
+        action="append",
+        default=[],
+        help="A/B: NAME=VALUE server option for this checkout's server only (e.g. call_memory_cgroups=0)",
+    )
     args = parser.parse_args()
     if args.baseline_dir is not None:
         ab_main(args)
@@ -379,12 +394,28 @@ def main() -> None:
     print(json.dumps(figures))
 
 
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.load(response)
+
+
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def ab_main(args) -> None:
     """``--baseline-dir``: this checkout's server against the baseline's, same machine, same run."""
     figures: dict = {"load_average_before": os.getloadavg(), "cpus": os.cpu_count()}
     figures["baseline_dir"] = args.baseline_dir
     limits = dict(workers=args.workers, slots=args.slots)
-    with start_local(python=args.server_python, **limits) as server, server_from_checkout(
+    new_options = {name: _number(value) for name, value in (o.split("=", 1) for o in args.new_option)}
+    figures["new_options"] = new_options
+    with start_local(python=args.server_python, **limits, **new_options) as server, server_from_checkout(
         args.baseline_dir, python=args.server_python, **limits
     ) as base_url:
         for name in args.ab_workloads.split(","):
@@ -395,8 +426,9 @@ def ab_main(args) -> None:
     for name in args.ab_workloads.split(","):
         for side in ("baseline", "new"):
             r = figures[name][side]
+            cpu = ", ".join(f"{kind} {ms:.2f}" for kind, ms in r["cpu_ms_per_call"].items())
             print(f"{name:10s} {side:9s} {r['calls']:6d} {r['calls_per_s']:9.1f} {r['p50_ms']:9.1f} "
-                  f"{r['p99_ms']:9.1f}  {r['statuses']}")
+                  f"{r['p99_ms']:9.1f}  {r['statuses']}  CPU ms/call: {cpu}")
         print(f"{name}: new / baseline = {figures[name]['throughput_ratio']:.3f} calls/s")
     print(f"load average before/after: {figures['load_average_before']} / {figures['load_average_after']}")
     print(json.dumps(figures))

@@ -236,8 +236,9 @@ class WorkerSandbox:
                 mechanisms.mark("call_memory_cgroup")
             except OSError as error:
                 mechanisms.mark("call_memory_cgroup", error)
-        elif "memory_cgroup" not in mechanisms:
-            mechanisms.mark("call_memory_cgroup", "needs the memory cgroup")
+        else:
+            why = "off (--call-memory-cgroups 0)" if cgroup_oom_fd is not None else "needs the memory cgroup"
+            mechanisms.mark("call_memory_cgroup", why)
         oom_adj_fd = None
         try:  # the OOM killer should pick a call, never the worker: -1000 here, 1000 in each fork
             oom_adj_fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)

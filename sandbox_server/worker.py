@@ -723,7 +723,7 @@ def main(argv=None) -> None:
         slots=config["slots"],
         uid_base=spec["uid_base"],
         cgroup_dir=spec["cgroup"],
-        call_memory_bytes=(config["memory_mb"] + config["tmp_mb"]) << 20,
+        call_memory_bytes=((config["memory_mb"] + config["tmp_mb"]) << 20) * config["call_memory_cgroups"],
         sessions=config["max_sessions"] if spec["session_uid_base"] is not None else 0,
         session_memory_bytes=(config["session_memory_mb"] + config["tmp_mb"]) << 20,
     )
