@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import glob
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 from rstar2jax.agent.sandbox_client import SandboxClient
 from sandbox_server import start_local
@@ -85,7 +89,7 @@ async def _drive(run_one, codes: list[str], in_flight: int):
     return results, latencies, time.perf_counter() - start
 
 
-async def run_sandbox(url: str, codes: list[str], in_flight: int):
+async def run_sandbox(url: str, codes: list[str], in_flight: int, keep_latencies: bool = False):
     async with SandboxClient(url) as client:
         await _drive(client.run, codes[: min(200, len(codes))], in_flight)  # warm the connection pool
         results, latencies, wall = await _drive(client.run, codes, in_flight)
@@ -95,6 +99,7 @@ async def run_sandbox(url: str, codes: list[str], in_flight: int):
         "calls_per_s": len(codes) / wall,
         **percentiles(latencies),
         "statuses": statuses,
+        **({"latencies": latencies} if keep_latencies else {}),
     }
 
 
@@ -225,6 +230,77 @@ def load_test(server, n_calls: int = 20000, in_flight: int = 512) -> dict:
     }
 
 
+@contextlib.contextmanager
+def server_from_checkout(directory: str, *, python: str, **limits):
+    """A sandbox server run from another checkout's ``sandbox_server`` (e.g. ``git worktree add /tmp/base
+    main``): its C fork server is built there first if missing. Yields the server's URL."""
+    directory = os.path.abspath(directory)
+    if not glob.glob(os.path.join(directory, "sandbox_server", "_spawn*.so")):
+        build = (
+            "from setuptools import Extension, setup; setup(name='sandbox_base', script_args=['build_ext', "
+            "'--inplace', '-q'], ext_modules=[Extension('sandbox_server._spawn', "
+            "['sandbox_server/_spawn.c'])])"
+        )
+        subprocess.run([python, "-c", build], cwd=directory, check=True, stdout=subprocess.DEVNULL)
+    args = [python, "-m", "sandbox_server", "--host", "127.0.0.1", "--port", "0", "--stop-at-stdin-eof"]
+    for name, value in limits.items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = directory
+    process = subprocess.Popen(args, cwd=directory, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in process.stdout:
+            if "listening on" in line:
+                url = line.split("listening on", 1)[1].strip()
+                break
+        else:
+            raise RuntimeError(f"the baseline server in {directory} did not start")
+        threading.Thread(target=lambda: collections.deque(process.stdout, 0), daemon=True).start()
+        yield url
+    finally:
+        process.stdin.close()
+        process.terminate()
+        process.wait(60)
+
+
+def side_by_side(new_url: str, base_url: str, name: str, args) -> dict:
+    """Alternating slices of the same workload on the new and the baseline server (order swapped every
+    round, so drifting machine load hits both alike); calls/s over all slices and p99 of all calls."""
+    sides = {"new": new_url, "baseline": base_url}
+    totals = {side: {"calls": 0, "seconds": 0.0, "latencies": [], "statuses": collections.Counter(),
+                     "cpu": collections.Counter()} for side in sides}
+    order = list(sides)
+    for round_index in range(args.ab_rounds):
+        codes = workload(name, args.ab_slice, seed=100 + round_index)
+        for side in order:
+            health = _get_json(sides[side] + "/health")
+            cpu_before = cpu_snapshot(health)
+            result = asyncio.run(run_sandbox(sides[side], codes, args.in_flight, keep_latencies=True))
+            cpu_after = cpu_snapshot(health)
+            total = totals[side]
+            total["cpu"].update({kind: cpu_after[kind] - cpu_before[kind] for kind in cpu_after})
+            total["calls"] += result["calls"]
+            total["seconds"] += result["calls"] / result["calls_per_s"]
+            total["latencies"] += result.pop("latencies")
+            total["statuses"].update(result["statuses"])
+        order.reverse()
+    figures = {}
+    warmup = args.ab_rounds * min(200, args.ab_slice)  # run_sandbox's warm-up calls, in the CPU too
+    for side, total in totals.items():
+        figures[side] = {
+            "calls": total["calls"],
+            "calls_per_s": total["calls"] / total["seconds"],
+            **percentiles(total["latencies"]),
+            "statuses": dict(total["statuses"]),
+            "cpu_ms_per_call": {
+                kind: 1e3 * seconds / (total["calls"] + warmup) for kind, seconds in total["cpu"].items()
+            },
+        }
+    figures["throughput_ratio"] = figures["new"]["calls_per_s"] / figures["baseline"]["calls_per_s"]
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -241,7 +317,26 @@ def main() -> None:
         "--server-python", default=sys.executable, help="interpreter the sandbox server and its calls run on"
     )
     parser.add_argument("--load-test", action="store_true", help="also 20,000 calls at 512 in flight")
+    parser.add_argument(
+        "--baseline-dir",
+        "--baseline_dir",
+        default=None,
+        help="A/B only: a checkout of the code to compare with (e.g. `git worktree add /tmp/base main`); "
+        "its server and this one run side by side, alternating slices of calls",
+    )
+    parser.add_argument("--ab-rounds", type=int, default=6, help="A/B: slices per side and workload")
+    parser.add_argument("--ab-slice", type=int, default=1000, help="A/B: calls per slice")
+    parser.add_argument("--ab-workloads", default="trivial,mixed", help="A/B: workloads, comma-separated")
+    parser.add_argument(
+        "--new-option",
+        action="append",
+        default=[],
+        help="A/B: NAME=VALUE server option for this checkout's server only (e.g. call_memory_cgroups=0)",
+    )
     args = parser.parse_args()
+    if args.baseline_dir is not None:
+        ab_main(args)
+        return
 
     figures: dict = {"load_average_before": os.getloadavg(), "cpus": os.cpu_count()}
     rows = []
@@ -296,6 +391,46 @@ def main() -> None:
     for name in ("trivial", "mixed"):
         for method in ("sandbox", "baseline"):
             figures[name][method]["statuses"] = dict(figures[name][method]["statuses"])
+    print(json.dumps(figures))
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.load(response)
+
+
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def ab_main(args) -> None:
+    """``--baseline-dir``: this checkout's server against the baseline's, same machine, same run."""
+    figures: dict = {"load_average_before": os.getloadavg(), "cpus": os.cpu_count()}
+    figures["baseline_dir"] = args.baseline_dir
+    limits = dict(workers=args.workers, slots=args.slots)
+    new_options = {name: _number(value) for name, value in (o.split("=", 1) for o in args.new_option)}
+    figures["new_options"] = new_options
+    with start_local(python=args.server_python, **limits, **new_options) as server, server_from_checkout(
+        args.baseline_dir, python=args.server_python, **limits
+    ) as base_url:
+        for name in args.ab_workloads.split(","):
+            figures[name] = side_by_side(server.url, base_url, name, args)
+    figures["load_average_after"] = os.getloadavg()
+    print("\n{:10s} {:9s} {:>6s} {:>9s} {:>9s} {:>9s}  statuses".format(
+        "workload", "server", "calls", "calls/s", "p50 ms", "p99 ms"))
+    for name in args.ab_workloads.split(","):
+        for side in ("baseline", "new"):
+            r = figures[name][side]
+            cpu = ", ".join(f"{kind} {ms:.2f}" for kind, ms in r["cpu_ms_per_call"].items())
+            print(f"{name:10s} {side:9s} {r['calls']:6d} {r['calls_per_s']:9.1f} {r['p50_ms']:9.1f} "
+                  f"{r['p99_ms']:9.1f}  {r['statuses']}  CPU ms/call: {cpu}")
+        print(f"{name}: new / baseline = {figures[name]['throughput_ratio']:.3f} calls/s")
+    print(f"load average before/after: {figures['load_average_before']} / {figures['load_average_after']}")
     print(json.dumps(figures))
 
 

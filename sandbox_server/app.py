@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import os
 import re
 import shutil
@@ -22,11 +23,24 @@ from sandbox_server.config import ServerConfig
 from sandbox_server.metrics import Metrics
 from sandbox_server.pool import Pool, QueueFull
 
+BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client cannot hold a handler)
+
 
 def _decode_body(body: bytes, content_type: str):
     if content_type == schema.CONTENT_TYPE_MSGPACK:
-        return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass")
+        return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass", max_array_len=1 << 20)
     return json.loads(body)
+
+
+def _finite(value):
+    """``value`` with NaN and infinities replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _encode(payload, request: web.Request, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -35,7 +49,11 @@ def _encode(payload, request: web.Request, status: int = 200, headers: dict | No
         return web.Response(
             body=body, status=status, content_type=schema.CONTENT_TYPE_MSGPACK, headers=headers
         )
-    return web.json_response(payload, status=status, headers=headers)
+    try:
+        text = json.dumps(payload, allow_nan=False)
+    except ValueError:  # a non-finite number somewhere: never answer invalid JSON
+        text = json.dumps(_finite(payload), allow_nan=False)
+    return web.Response(text=text, status=status, content_type="application/json", headers=headers)
 
 
 def _error(request: web.Request, status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -132,10 +150,14 @@ class SandboxServer:
 
     async def _read_payload(self, request: web.Request):
         """The decoded body; a decoding error becomes 400 with the decoder's message."""
-        body = await request.read()
+        try:
+            body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+        except TimeoutError as error:
+            raise _BadRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s") from error
         try:
             return _decode_body(body, request.content_type)
-        except (ValueError, msgpack.UnpackException, UnicodeDecodeError) as error:
+        except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as error:
+            # malformed, nested too deep, or a map whose keys cannot be keys (mixed or unhashable)
             kind = "msgpack" if request.content_type == schema.CONTENT_TYPE_MSGPACK else "JSON"
             raise _BadRequest(f"malformed {kind}: {error}") from error
 
@@ -292,17 +314,16 @@ def _sweep_dead_servers() -> None:
 
     Both carry the server's pid in their names; only those of pids that no longer exist are removed.
     """
-    pattern = re.compile(r"sandbox_server-(\d+)(-|$)")
-    places = [tempfile.gettempdir()]
+    places = [(tempfile.gettempdir(), re.compile(r"sandbox_server-(\d+)-\w+"))]
     with contextlib.suppress(OSError):
-        places.append(_memory_cgroup_parent()[0])
-    for place in places:
+        places.append((_memory_cgroup_parent()[0], re.compile(r"sandbox_server-(\d+)")))
+    for place, pattern in places:
         try:
             entries = list(os.scandir(place))
         except OSError:
             continue
         for entry in entries:
-            match = pattern.fullmatch(entry.name) or pattern.match(entry.name)
+            match = pattern.fullmatch(entry.name)
             if not match or not entry.is_dir(follow_symlinks=False) or _pid_alive(int(match.group(1))):
                 continue
             if place == tempfile.gettempdir():

@@ -184,6 +184,7 @@ class WorkerSandbox:
     seccomp_fprog: object = None
     # per slot: (cgroup.procs fd, OOM-kill counter fd) of its own memory cgroup (_make_call_cgroups)
     slot_cgroups: list = dataclasses.field(default_factory=list)
+    session_cgroups: list = dataclasses.field(default_factory=list)  # the same per session index (full tier)
 
     @property
     def seccomp_address(self) -> int | None:
@@ -199,6 +200,8 @@ class WorkerSandbox:
         uid_base: int,
         cgroup_dir: str | None,
         call_memory_bytes: int = 0,
+        sessions: int = 0,
+        session_memory_bytes: int = 0,
     ) -> WorkerSandbox:
         mechanisms = Mechanisms()
 
@@ -222,16 +225,20 @@ class WorkerSandbox:
                 mechanisms.mark("memory_cgroup")
             except OSError as error:
                 mechanisms.mark("memory_cgroup", error)
-        slot_cgroups = []
+        slot_cgroups, session_cgroups = [], []
         if cgroup_oom_fd is not None and call_memory_bytes:
             try:
                 worker_key = name.rsplit(".", 1)[0]  # without the generation: reused across restarts
-                slot_cgroups = _make_call_cgroups(cgroup_dir, worker_key, slots, call_memory_bytes)
+                slot_cgroups = _make_call_cgroups(cgroup_dir, f"{worker_key}-s", slots, call_memory_bytes)
+                session_cgroups = _make_call_cgroups(
+                    cgroup_dir, f"{worker_key}-session", sessions, session_memory_bytes
+                )
                 mechanisms.mark("call_memory_cgroup")
             except OSError as error:
                 mechanisms.mark("call_memory_cgroup", error)
-        elif "memory_cgroup" not in mechanisms:
-            mechanisms.mark("call_memory_cgroup", "needs the memory cgroup")
+        else:
+            why = "off (--call-memory-cgroups 0)" if cgroup_oom_fd is not None else "needs the memory cgroup"
+            mechanisms.mark("call_memory_cgroup", why)
         oom_adj_fd = None
         try:  # the OOM killer should pick a call, never the worker: -1000 here, 1000 in each fork
             oom_adj_fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -331,14 +338,15 @@ class WorkerSandbox:
             seccomp_program,
             oom_adj_fd,
         )
-        sandbox.slot_cgroups = slot_cgroups
+        sandbox.slot_cgroups, sandbox.session_cgroups = slot_cgroups, session_cgroups
         if seccomp_program is not None:
             sandbox.seccomp_fprog = linux.seccomp_fprog(seccomp_program)
         return sandbox
 
-    def oom_kills(self, slot: int | None = None) -> int:
-        """The OOM-kill counter of the server's cgroup, or of ``slot``'s own (0 without a cgroup)."""
-        fd = self.slot_cgroups[slot][1] if slot is not None and self.slot_cgroups else self.cgroup_oom_fd
+    def oom_kills(self, counter_fd: int | None = None) -> int:
+        """The OOM-kill counter of the server's cgroup, or of a call's own (``counter_fd``, from
+        ``slot_cgroups`` / ``session_cgroups``); 0 without a cgroup."""
+        fd = self.cgroup_oom_fd if counter_fd is None else counter_fd
         if fd is None:
             return 0
         for line in os.pread(fd, 4096, 0).decode().splitlines():
@@ -599,7 +607,7 @@ class ForkServer:
         return native_spawn.request_fork(self.sock, request, targets[1::2], payload)
 
 
-def _make_call_cgroups(parent: str, worker: str, slots: int, limit_bytes: int) -> list:
+def _make_call_cgroups(parent: str, prefix: str, slots: int, limit_bytes: int) -> list:
     """One memory cgroup per slot under the server's, limited to ``limit_bytes``: a call joins its slot's
     first thing after the clone, so anonymous memory, memfd and tmpfs pages, pipe and socket buffers and
     page cache it makes resident are charged to it and an OOM kill stays inside it. Reused slot by slot
@@ -609,7 +617,7 @@ def _make_call_cgroups(parent: str, worker: str, slots: int, limit_bytes: int) -
     limit_file = "memory.limit_in_bytes" if events == "memory.oom_control" else "memory.max"
     fds = []
     for slot in range(slots):
-        path = os.path.join(parent, f"{worker}-s{slot}")
+        path = os.path.join(parent, f"{prefix}{slot}")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, limit_file), "w") as f:
             f.write(str(limit_bytes))

@@ -129,6 +129,10 @@ _DENIED_SYSCALLS = {
     "fsmount": (432, 432),
     "fspick": (433, 433),
     "mount_setattr": (442, 442),
+    # io_uring: its own kernel attack surface, and its workers do I/O outside the call's seccomp filter
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
     "shmget": (29, 194),
     "shmat": (30, 196),
     "shmctl": (31, 195),

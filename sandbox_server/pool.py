@@ -28,6 +28,7 @@ from sandbox_server.isolation import MALLOC_ENV
 from sandbox_server.metrics import Metrics
 
 WORKER_START_TIMEOUT_S = 120.0
+STUCK_GRACE_S = 10.0  # beyond a call's timeout, before its silent worker is declared stuck
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 TOMBSTONES_KEPT = 4096
 WORKER_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
@@ -76,6 +77,7 @@ class WorkerProcess:
             "temp_root": self.pool.temp_root,
             "uid_base": self.uid_base,
             "cgroup": self.pool.cgroup_dir,
+            "session_uid_base": self.pool.session_uid_base if self.tier == "full" else None,
             "config": self.pool.config.worker_payload(),
         }
         args = [sys.executable, "-m", "sandbox_server.worker", json.dumps(spec)]
@@ -106,10 +108,22 @@ class WorkerProcess:
         self.pool.spawn_background(self._read_results(reader))
 
     def send(self, message: dict) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
+        """Hand a call to the worker; the future gets its result frame. A worker that has not answered
+        ``STUCK_GRACE_S`` after the call's timeout (stopped, wedged) is killed: its running calls are
+        answered ``killed``/``WorkerDied`` and it is restarted, while other workers' calls, finished ones of
+        the same batch included, are unaffected."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.pending[message["id"]] = future
         self.writer.write(encode_frame(message))
+        watchdog = loop.call_later(message["timeout"] + STUCK_GRACE_S, self._stuck, future)
+        future.add_done_callback(lambda _: watchdog.cancel())
         return future
+
+    def _stuck(self, future: asyncio.Future) -> None:
+        if not future.done() and self.process is not None and self.process.poll() is None:
+            print(f"sandbox_server: worker {self.name} did not answer in time; killing it", file=sys.stderr)
+            self.process.send_signal(signal.SIGKILL)  # _read_results answers its calls and restarts it
 
     def notify(self, message: dict) -> None:
         if self.ready:

@@ -95,12 +95,21 @@ class Child:
     control_fd: int | None = None
     call: Call | None = None
     record_buffer: bytearray = dataclasses.field(default_factory=bytearray)
+    oom_counter_fd: int | None = None  # OOM-kill counter of the call's own memory cgroup, if it has one
     skipping_record: bool = False  # dropping the rest of an over-long line on the record pipe
     exited: bool = False
 
 
 class Worker:
-    def __init__(self, channel: int, sandbox: WorkerSandbox, config: dict, tier: str, stdio: tuple):
+    def __init__(
+        self,
+        channel: int,
+        sandbox: WorkerSandbox,
+        config: dict,
+        tier: str,
+        stdio: tuple,
+        session_uid_base: int | None = None,
+    ):
         self.channel = channel  # the socketpair end, used through plain fd calls (no socket module)
         self.sandbox = sandbox
         self.config = config
@@ -114,8 +123,10 @@ class Worker:
         self.lost_sessions: dict[str, str] = {}  # session id -> why its process ended between calls
         self.deadlines: list = []  # heap of (deadline, call id, child)
         self.worker_pidfd = os.pidfd_open(os.getpid())
-        self.oom_kills_seen = {None: sandbox.oom_kills()}  # per slot with call cgroups (key None: server's)
-        self.oom_kills_seen.update((n, sandbox.oom_kills(n)) for n in range(len(sandbox.slot_cgroups)))
+        # OOM kills seen per counter: the server cgroup's (None) and each call cgroup's (its counter fd)
+        counters = [oom_fd for _, oom_fd in sandbox.slot_cgroups + sandbox.session_cgroups]
+        self.oom_kills_seen = {fd: sandbox.oom_kills(fd) for fd in [None, *counters]}
+        self.session_uid_base = session_uid_base
         self.slot_plans: dict[int, CallSandbox] = {}
         self.native_unavailable = fork_server_unavailable(sandbox, config["call_setup"])  # None: fork server
         self.huge_page_bytes = 0  # of the warm heap, as the fork server started (ForkServer.collapse_heap)
@@ -303,6 +314,8 @@ class Worker:
             return
         call.fork_end = time.monotonic()
         child.slot, child.workdir = slot, workdir
+        if self.sandbox.slot_cgroups:
+            child.oom_counter_fd = self.sandbox.slot_cgroups[slot][1]
         self._attach(child, call)
 
     def _start_session_call(self, message: dict) -> None:
@@ -336,9 +349,13 @@ class Worker:
             self._kill(child, "closed")  # the session process is gone; its exit event reports the call
 
     def _start_session(self, session: str, uid: int | None) -> Child | None:
+        cgroup = None
+        if self.sandbox.session_cgroups and self.session_uid_base is not None:
+            cgroup = self.sandbox.session_cgroups[uid - self.session_uid_base]
         uid = uid if self.sandbox.uid_base is not None else None
         workdir = self._make_workdir(uid)
         plan = self._plan(
+            cgroup_fd=cgroup[0] if cgroup else None,
             uid=uid,
             netns_fd=None,
             fresh_netns="network_namespace" in self.sandbox.mechanisms,
@@ -356,6 +373,7 @@ class Worker:
         finally:
             os.close(control_r)
         child.session, child.control_fd, child.workdir = session, control_w, workdir
+        child.oom_counter_fd = cgroup[1] if cgroup else None
         self.sessions[session] = child
         return child
 
@@ -498,7 +516,7 @@ class Worker:
         elif record is not None:
             status, error_type = record["status"], wire_text(record["error_type"])
         elif exit_code is not None and exit_code < 0:
-            status, error_type = self._classify_signal(-exit_code, child.slot)
+            status, error_type = self._classify_signal(-exit_code, child.oom_counter_fd)
         elif exit_code == SETUP_FAILED_EXIT and stderr.startswith(SETUP_FAILED_MESSAGE):
             status, error_type = "internal", "SandboxSetupFailed"
         else:
@@ -539,16 +557,15 @@ class Worker:
             session_ended=session_ended,
         )
 
-    def _classify_signal(self, signum: int, slot: int | None) -> tuple[str, str]:
+    def _classify_signal(self, signum: int, counter_fd: int | None) -> tuple[str, str]:
         name = _signal_name(signum)
         if signum == signal.SIGXCPU:
             return "timeout", name
         if signum == signal.SIGKILL:
             # The call's own cgroup (exact: nothing else runs in it), else the server's (any call's kill).
-            key = slot if slot is not None and self.sandbox.slot_cgroups else None
-            oom_kills = self.sandbox.oom_kills(key)
-            if oom_kills > self.oom_kills_seen.get(key, 0):
-                self.oom_kills_seen[key] = oom_kills
+            oom_kills = self.sandbox.oom_kills(counter_fd)
+            if oom_kills > self.oom_kills_seen.get(counter_fd, 0):
+                self.oom_kills_seen[counter_fd] = oom_kills
                 return "memory_limit", "OutOfMemory"
         return "killed", name
 
@@ -687,6 +704,9 @@ def main(argv=None) -> None:
     channel fd, tier, name, parent pid, temporary root, first uid, memory cgroup and the worker config.
     """
     spec = json.loads((argv or sys.argv[1:])[0])
+    # Every call is a fork of this process: its code must not find the configuration in sys.argv.
+    del sys.argv[1:]
+    sys.orig_argv[:] = [arg for arg in sys.orig_argv if not arg.startswith("{")]
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec["parent_pid"]:
         sys.exit("sandbox worker: front end already gone")
@@ -703,13 +723,15 @@ def main(argv=None) -> None:
         slots=config["slots"],
         uid_base=spec["uid_base"],
         cgroup_dir=spec["cgroup"],
-        call_memory_bytes=(config["memory_mb"] + config["tmp_mb"]) << 20,
+        call_memory_bytes=((config["memory_mb"] + config["tmp_mb"]) << 20) * config["call_memory_cgroups"],
+        sessions=config["max_sessions"] if spec["session_uid_base"] is not None else 0,
+        session_memory_bytes=(config["session_memory_mb"] + config["tmp_mb"]) << 20,
     )
     stdio = runner.make_stdio()
     runner.rehearse()
     gc.collect()
     gc.freeze()  # keep the collector from touching (and copying) the parent's objects in every child
-    Worker(spec["channel"], sandbox, config, spec["tier"], stdio).serve()
+    Worker(spec["channel"], sandbox, config, spec["tier"], stdio, spec["session_uid_base"]).serve()
 
 
 if __name__ == "__main__":

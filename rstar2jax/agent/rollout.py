@@ -34,6 +34,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Sequence
@@ -60,6 +61,9 @@ from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
 # ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
 _CLIENT_FAILURE_TYPES = frozenset(
     {"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse", "Unreachable"})
+# Outcomes that are the sandbox service's fault, never the model's: retried, and a trajectory left with one is
+# dropped by :class:`PolicyRollout` rather than penalised by RoC.
+INFRA_OUTCOMES = frozenset({"unreachable", "internal"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,12 @@ class RolloutConfig:
         engine derives seeds from its own seed and the opening order.
       segment_tokens: sample at most this many tokens between looks at the text (for showing it live,
         :func:`converse_async`'s observer); None: a whole turn at once. Either way the tokens are the same.
+      tool_infra_retries: a one-shot call whose result is a sandbox infrastructure failure (outcome
+        ``"unreachable"`` or ``"internal"``: no server, a dead worker; never the model's own error) is run
+        again up to this many times.
+      stateful_tool: each trajectory's calls run in one sandbox session (Jupyter-like: variables persist
+        across its turns; an unguessable id per trajectory, closed when it ends). Off by default (the paper's
+        tool is stateless).
     """
 
     max_response_length: int = 8192
@@ -90,6 +100,8 @@ class RolloutConfig:
     prompt: PromptConfig = dataclasses.field(default_factory=PromptConfig)
     seed: int | None = None
     segment_tokens: int | None = None
+    tool_infra_retries: int = 2
+    stateful_tool: bool = False
 
     def __post_init__(self):
         for name in ("max_response_length", "max_turns", "max_tool_calls_per_turn", "tool_output_chars"):
@@ -108,6 +120,11 @@ class RolloutConfig:
         ):
             raise ValueError(f"RolloutConfig.segment_tokens must be a positive int or None, got "
                              f"{self.segment_tokens!r}")
+        if not isinstance(self.tool_infra_retries, int) or self.tool_infra_retries < 0:
+            raise ValueError(
+                f"RolloutConfig.tool_infra_retries must be an int >= 0, got {self.tool_infra_retries!r}")
+        if not isinstance(self.stateful_tool, bool):
+            raise ValueError(f"RolloutConfig.stateful_tool must be a bool, got {self.stateful_tool!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"RolloutConfig.seed must be an int or None, got {self.seed!r}")
 
@@ -136,7 +153,8 @@ class RolloutEngine(Protocol):
 class ToolSandbox(Protocol):
     """What a rollout needs of the code sandbox (:class:`rstar2jax.agent.SandboxClient` has it): ``run``
     returns a result with ``status``, ``stdout``, ``stderr`` and ``error_type`` and never raises for service
-    failures."""
+    failures. With ``RolloutConfig.stateful_tool`` it is also called with ``session=`` and needs an async
+    ``close_session(session)``."""
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> Any: ...
 
@@ -158,7 +176,16 @@ def tool_outcome(result: Any) -> str:
     error_type = result.error_type or ""
     if result.status == "internal" and (error_type in _CLIENT_FAILURE_TYPES or error_type.startswith("HTTP")):
         return "unreachable"
+    if result.status == "killed" and error_type == "WorkerDied":  # the server's worker died, not the code
+        return "internal"
     return result.status
+
+
+def drop_infra_failures(trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
+    """``(kept, number dropped)``: the trajectories none of whose tool calls ended in an
+    :data:`INFRA_OUTCOMES` outcome (the sandbox's fault, which RoC must not count as the model's)."""
+    kept = [t for t in trajectories if INFRA_OUTCOMES.isdisjoint(t.tool_outcomes)]
+    return kept, len(trajectories) - len(kept)
 
 
 class _Clock:
@@ -187,6 +214,7 @@ class _Conversation:
     tool_outcomes: list[str] = dataclasses.field(default_factory=list)
     num_turns: int = 1
     truncated: bool = False
+    tool_session: str | None = None  # the sandbox session of a stateful tool (RolloutConfig.stateful_tool)
     clock: _Clock = dataclasses.field(default_factory=_Clock)
 
     def add_sampled(self, segment: Segment, text: str) -> None:
@@ -217,9 +245,11 @@ class _Rollout:
     """One ``rollout_async`` call: the shared pieces and the per-group / per-session coroutines."""
 
     def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
-                 verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None):
+                 verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None,
+                 stats: collections.Counter | None = None):
         self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
             engine, sandbox, tokenizer, verifier, config)
+        self.stats = collections.Counter() if stats is None else stats
         if not tokenizer.eos_token:
             raise ValueError("the tokenizer has no eos_token: the rollout needs the end-of-turn token")
         self.tool_call_end = encode_text(tokenizer, TOOL_CALL_CLOSE)
@@ -251,10 +281,14 @@ class _Rollout:
                       queued: float) -> Trajectory:
         conversation = _Conversation()
         conversation.clock.seconds["queue"] = queued
+        if self.config.stateful_tool:
+            conversation.tool_session = f"rollout-{secrets.token_urlsafe(18)}"  # unguessable: the capability
         try:
             await self.converse(session, conversation)
         finally:
             session.close()
+            if conversation.tool_session is not None:
+                await self.sandbox.close_session(conversation.tool_session)
         text = "".join(conversation.model_text)
         opens, closes, pairs = answer_tag_counts(text)
         if conversation.truncated:
@@ -280,15 +314,23 @@ class _Rollout:
             timings=dict(conversation.clock.seconds),
         )
 
-    async def execute(self, call: ToolCall | ToolCallError) -> tuple[str, str]:
-        """(outcome, text the model sees) of one parsed call."""
+    async def execute(self, call: ToolCall | ToolCallError, session: str | None = None) -> tuple[str, str]:
+        """(outcome, text the model sees) of one parsed call; infrastructure failures of a one-shot call are
+        retried (``RolloutConfig.tool_infra_retries``), a session call's never (its state may have moved)."""
         limit = self.config.tool_output_chars
         if self.observer is not None:
             self.observer.on_call(call)
         if isinstance(call, ToolCallError):
             outcome, response = "parse_error", truncate_middle(call.message, limit)
         else:
-            result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout)
+            extra = {} if session is None else {"session": session}
+            for attempt in range(1 + (self.config.tool_infra_retries if session is None else 0)):
+                if attempt:
+                    self.stats["sandbox_retried_calls"] += 1
+                result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout,
+                                                **extra)
+                if tool_outcome(result) not in INFRA_OUTCOMES:
+                    break
             outcome, response = tool_outcome(result), format_tool_result(result, limit)
         if self.observer is not None:
             self.observer.on_result(call, outcome, response)
@@ -329,7 +371,8 @@ class _Rollout:
                 if calls and conversation.num_turns >= config.max_turns and not session.done:
                     conversation.truncated = True  # no turn is left to show the results in
                     return
-                running += [asyncio.ensure_future(self.execute(call)) for call in calls]
+                running += [asyncio.ensure_future(self.execute(call, conversation.tool_session))
+                            for call in calls]
                 if called and len(running) < config.max_tool_calls_per_turn:
                     continue
                 if not running:
@@ -371,6 +414,7 @@ async def rollout_async(
     tokenizer: PreTrainedTokenizerBase,
     verifier: AnswerVerifier | None = None,
     config: RolloutConfig = RolloutConfig(),
+    stats: collections.Counter | None = None,
 ) -> list[Trajectory]:
     """Roll out every problem ``samples_per_problem`` times with the tool, concurrently; see the module doc.
 
@@ -383,6 +427,7 @@ async def rollout_async(
       tokenizer: the policy's tokenizer (its chat template frames prompts and tool responses).
       verifier: grades final answers; None: the process-wide :func:`~rstar2jax.reward.default_verifier`.
       config: limits, sampling and prompt.
+      stats: if given, counts are added to it (``"sandbox_retried_calls"``).
 
     Returns:
       ``len(problems) * samples_per_problem`` trajectories, problem by problem, in order.
@@ -390,7 +435,7 @@ async def rollout_async(
     problems = _checked_problems(problems)
     if not isinstance(samples_per_problem, int) or samples_per_problem < 1:
         raise ValueError(f"samples_per_problem must be a positive int, got {samples_per_problem!r}")
-    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config)
+    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config, stats=stats)
     groups = await _gather_or_cancel(run.problem(i, p, samples_per_problem) for i, p in enumerate(problems))
     return [trajectory for group in groups for trajectory in group]
 
@@ -420,7 +465,7 @@ async def converse_async(
     tool responses, until the model ends its turn without a call or a limit is hit), without grading: the
     chat's turn. ``observer`` sees the text and the tool calls as they happen. The session is left open
     (the caller closes it)."""
-    run = _Rollout(None, sandbox, tokenizer, None, config, observer)
+    run = _Rollout(None, sandbox, tokenizer, None, config, observer=observer)
     conversation = _Conversation()
     await run.converse(session, conversation)
     return Conversation(conversation.response_ids, conversation.loss_mask, "".join(conversation.model_text),
@@ -451,6 +496,7 @@ def rollout(
     tokenizer: PreTrainedTokenizerBase,
     verifier: AnswerVerifier | None = None,
     config: RolloutConfig = RolloutConfig(),
+    stats: collections.Counter | None = None,
 ) -> list[Trajectory]:
     """Blocking :func:`rollout_async` for notebooks and scripts (it works inside Jupyter's running loop).
 
@@ -463,7 +509,7 @@ def rollout(
     async def run() -> list[Trajectory]:
         async with engine:
             return await rollout_async(problems, samples_per_problem, engine=engine, sandbox=sandbox,
-                                       tokenizer=tokenizer, verifier=verifier, config=config)
+                                       tokenizer=tokenizer, verifier=verifier, config=config, stats=stats)
 
     future = asyncio.run_coroutine_threadsafe(run(), _rollout_loop())
     try:
@@ -495,6 +541,12 @@ class PolicyRollout:
       max_prompt_length: the longest rendered prompt the engine must hold.
       config: everything but ``max_response_length``, ``max_turns`` and ``seed``, which each call sets.
       verifier: grades final answers; None: the process-wide default.
+
+    A trajectory whose tool call still failed for the sandbox's own reasons after the retries (an
+    :data:`INFRA_OUTCOMES` outcome: no server, a dead worker) is dropped from its group, so the RoC
+    tool-error penalty never counts the server's fault against the model (the trainer accepts groups
+    smaller than ``samples_per_problem``). Each call's counts are in :attr:`last_stats`:
+    ``sandbox_retried_calls`` and ``trajectories_dropped_for_sandbox_failures``.
     """
 
     model_config: ModelConfig
@@ -505,6 +557,7 @@ class PolicyRollout:
     max_prompt_length: int
     config: RolloutConfig = RolloutConfig()
     verifier: AnswerVerifier | None = None
+    last_stats: dict = dataclasses.field(default_factory=dict, init=False)
 
     def __post_init__(self):
         if not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1:
@@ -517,8 +570,17 @@ class PolicyRollout:
         engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
         config = dataclasses.replace(self.config, max_response_length=max_response_length,
                                      max_turns=max_turns, seed=seed)
-        return rollout(problems, samples_per_problem, engine=Engine(params, self.model_config, engine_config),
-                       sandbox=self.sandbox, tokenizer=self.tokenizer, verifier=self.verifier, config=config)
+        stats = collections.Counter()
+        trajectories = rollout(problems, samples_per_problem,
+                               engine=Engine(params, self.model_config, engine_config), sandbox=self.sandbox,
+                               tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats)
+        kept, dropped = drop_infra_failures(trajectories)
+        self.last_stats = {"sandbox_retried_calls": stats["sandbox_retried_calls"],
+                           "trajectories_dropped_for_sandbox_failures": dropped}
+        if dropped:
+            print(f"rollout: dropped {dropped} of {len(trajectories)} trajectories for sandbox failures "
+                  f"(after {stats['sandbox_retried_calls']} retried calls)", flush=True)
+        return kept
 
     def close(self) -> None:
         """Close the sandbox client (on the loop it was used from), if it has an async ``close``."""

@@ -6,11 +6,20 @@ and no worker may die.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import json
+import os
+import signal
 import textwrap
+import time
+import urllib.request
 
 import msgpack
 import pytest
 
+from sandbox_server import start_local
+from sandbox_server.config import ServerConfig
+from sandbox_server.pool import STUCK_GRACE_S
 from tests.sandbox_server.conftest import assert_clean, get, post, run_batch
 
 INNOCENTS = 12
@@ -147,3 +156,117 @@ def test_filled_pipes_harm_no_other_call(server):
     result = attack_with_innocents(server.url, {"code": PIPE_FILL, "timeout": 20})
     assert result["status"] in ("ok", "memory_limit", "error"), result
     assert_clean(server.url)
+
+
+# ------------------------------------------------------------------------ failures, input, configuration
+def test_a_stopped_worker_fails_only_its_own_calls():
+    """SIGSTOP one warm process: calls on the others return their results; its own are answered
+    ``WorkerDied`` once the watchdog (timeout + grace) kills it, and it is restarted."""
+    with start_local(workers=2, slots=4, tiers="base,full") as server:
+        victim = next(w for w in get(server.url, "/health")["workers"] if w["tier"] == "base")
+        os.kill(victim["pid"], signal.SIGSTOP)
+        try:
+            batch = [{"code": f"print({i} * 7)", "timeout": 1} for i in range(16)]
+            started = time.monotonic()
+            results = run_batch(server.url, batch)
+            waited = time.monotonic() - started
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGCONT)
+        ok = [i for i, r in enumerate(results) if r["status"] == "ok"]
+        assert ok, results  # the other worker set served its share
+        for i, result in enumerate(results):
+            if i in ok:
+                assert result["stdout"] == f"{i * 7}\n", result
+            else:
+                assert (result["status"], result["error_type"]) == ("killed", "WorkerDied"), result
+        assert waited < 1 + STUCK_GRACE_S + 20
+        deadline = time.monotonic() + 120
+        while victim["pid"] in [w["pid"] for w in get(server.url, "/health")["workers"]]:
+            assert time.monotonic() < deadline, "the stopped worker was never replaced"
+            time.sleep(0.2)
+        assert run_batch(server.url, batch)[3]["stdout"] == "21\n"
+
+
+@pytest.mark.parametrize(
+    "body, content_type, message",
+    [
+        (b"[" * 100000 + b"]" * 100000, "application/json", "malformed JSON"),
+        (msgpack.packb({1: "a", "code": "print(1)"}), "application/msgpack", None),
+        (b"\x81\x81\x01\x02\x03", "application/msgpack", "malformed msgpack"),  # a map used as a key
+        (json.dumps({"requests": "x"}).encode(), "application/json", "must be a list"),
+    ],
+)
+def test_bad_bodies_get_400_with_a_message(server, body, content_type, message):
+    path = "/run/batch" if b"requests" in body else "/run"
+    status, answer, _ = post(server.url, body, path=path, content_type=content_type)
+    assert status == 400, answer
+    assert message is None or message in answer["error"], answer
+
+
+def test_metrics_stay_valid_json_whatever_a_call_reports(server):
+    code = (
+        "import os\n"
+        "os.write(3, b'{\"status\": \"ok\", \"error_type\": null, \"exit_code\": 0, "
+        "\"exec_start\": NaN, \"exec_end\": Infinity}\\n')\n"
+    )
+    assert run_batch(server.url, [{"code": code}])[0]["status"] == "ok"
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+        json.loads(response.read(), parse_constant=lambda name: pytest.fail(f"{name} in /metrics"))
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"max_output_bytes": 1}, "max_output_bytes"),
+        ({"max_timeout": 1e300}, "max_timeout"),
+        ({"memory_mb": 1}, "memory_mb"),
+        ({"output_limit_bytes": 300, "max_output_bytes": 4096}, "output_limit"),
+    ],
+)
+def test_configuration_outside_sane_bounds_is_refused(options, field):
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**options)
+
+
+def test_a_sigkilled_server_leaves_nothing_the_next_start_does_not_clean():
+    with start_local(workers=1, slots=2, tiers="base,full") as first:
+        health = get(first.url, "/health")
+        os.kill(health["server_pid"], signal.SIGKILL)
+        first.process.wait(30)
+        temp_root, cgroup = health["temp_root"], health["cgroup"]
+        time.sleep(0.5)  # the workers die with their parent (parent-death signal)
+        assert os.path.isdir(temp_root)
+        with start_local(workers=1, slots=2, tiers="base,full"):
+            assert not os.path.exists(temp_root)
+            assert cgroup is None or not os.path.exists(cgroup)
+
+
+def test_io_uring_is_denied_and_the_worker_configuration_is_not_visible(server):
+    code = textwrap.dedent(
+        """
+        import ctypes, sys
+        libc = ctypes.CDLL(None, use_errno=True)
+        params = ctypes.create_string_buffer(120)
+        print(libc.syscall(425, 8, params), ctypes.get_errno())  # io_uring_setup
+        print(sys.argv, any("uid_base" in arg or "{" in arg for arg in sys.orig_argv))
+        """
+    )
+    result = attack_with_innocents(server.url, {"code": code, "timeout": 10})
+    assert result["status"] == "ok", result
+    setup, argv = result["stdout"].splitlines()
+    assert setup == "-1 1", result  # EPERM
+    assert argv.endswith(" False"), result
+    assert "uid_base" not in result["stdout"] and "temp_root" not in result["stdout"]
+
+
+def test_memfd_memory_counts_against_a_session_too(server):
+    mechanisms = get(server.url, "/health")["mechanisms"]["active"]
+    if "call_memory_cgroup" not in mechanisms:
+        pytest.skip("no per-call memory cgroup here (needs root and a memory cgroup)")
+    session = "memfd-" + os.urandom(12).hex()
+    assert run_batch(server.url, [{"code": "kept = 1", "session": session}])[0]["status"] == "ok"
+    fill = MEMFD_FILL.replace("range(200)", "range(250)")  # above the session's 2 GiB + tmpfs
+    result = attack_with_innocents(server.url, {"code": fill, "timeout": 30, "session": session})
+    assert result["status"] == "memory_limit" and "survived" not in result["stdout"], result
+    assert "terminated" in result["stderr"]  # the session says it ended; the next call starts afresh
