@@ -61,7 +61,7 @@ def main(argv):
             seed=_SEED.value or 0,
         ),
     )
-    observer = TerminalObserver(hide=(policy.tokenizer.eos_token,))
+    observer = TerminalObserver(hide=(policy.tokenizer.eos_token,), opener=config.prompt.assistant_opener)
     interactive = _PROMPT.value is None
     with contextlib.ExitStack() as stack:
         url = _SANDBOX_URL.value

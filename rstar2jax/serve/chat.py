@@ -24,8 +24,16 @@ class TerminalObserver:
     """Prints a turn as it happens: the model's text (its reasoning) as it is sampled, each Python call's
     code instead of its JSON, and the call's real output."""
 
-    def __init__(self, out: TextIO = sys.stdout, color: bool | None = None, hide: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        out: TextIO = sys.stdout,
+        color: bool | None = None,
+        hide: tuple[str, ...] = (),
+        opener: str = "",
+    ):
         self.out = out
+        self.opener = opener  # shown where each model turn starts (it is part of the prompt, not sampled)
+        self.turn_start = True
         self.hide = hide  # e.g. the end-of-turn token
         self.color = out.isatty() if color is None else color
         self.in_call = False
@@ -37,6 +45,8 @@ class TerminalObserver:
     def on_text(self, text: str) -> None:
         for token in self.hide:
             text = text.replace(token, "")
+        if self.turn_start:
+            text, self.turn_start = self.opener + text, False
         self.pending += text
         shown = []
         while self.pending:
@@ -74,6 +84,11 @@ class TerminalObserver:
         if isinstance(call, ToolCall):
             self.out.write(self._style(f"[output: {outcome}]\n{response.rstrip()}\n", "33"))
             self.out.flush()
+        self.turn_start = True
+
+    def new_turn(self) -> None:
+        """The next text starts a model turn."""
+        self.turn_start = True
 
 
 @dataclasses.dataclass
@@ -107,6 +122,8 @@ class ChatSession:
                 f"the chat is {len(prompt_ids)} tokens long: it no longer fits the context "
                 f"({self.max_len} tokens); start a new chat"
             )
+        if observer is not None and hasattr(observer, "new_turn"):
+            observer.new_turn()
         (session,) = await self.engine.open(prompt_ids, 1, sampling=self.config.sampling, max_tokens=budget)
         try:
             conversation = await converse_async(
