@@ -140,7 +140,8 @@ def test_model_preset_field():
     from rstar2jax.train.runner import model_config_from
 
     config = tiny_cpu.get_config()  # preset "tiny" refined by spec fields (the real Qwen3 vocabulary)
-    assert model_config_from(config) == models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))
+    expected = models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))
+    assert model_config_from(config) == expected
     paper = paper_qwen3_14b.get_config()
     assert model_config_from(paper) == models.preset(
         "qwen3-14b", compute_dtype="bfloat16", remat_policy="full"
