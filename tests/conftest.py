@@ -37,3 +37,17 @@ def pytest_runtest_setup(item):
     need, have = marker.args[0], jax.device_count()
     if have < need:
         pytest.skip(f"needs {need} devices, {have} {jax.default_backend()} device(s) exist")
+
+
+@pytest.fixture(scope="session")
+def compile_cache_env(tmp_path_factory) -> dict:
+    """Environment for subprocesses (launchers, resumed runs): one shared persistent JAX compilation cache,
+    fast compilation (XLA backend optimisation off: the test models are too small for it to matter)."""
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip(),
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }

@@ -2,7 +2,6 @@
 backend optimisation off (``FAST_COMPILE``; these models are too small for it to matter) and a persistent
 compilation cache so the subprocess tests (resume, launchers, multi-process) reuse each other's programs."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,19 +12,6 @@ from rstar2jax import models
 from rstar2jax.data.batch import TokenSequence, build_batch
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-@pytest.fixture(scope="session")
-def compile_cache_env(tmp_path_factory) -> dict:
-    """Environment for subprocesses: one shared persistent JAX compilation cache, fast compilation."""
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {
-        **os.environ,
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip(),
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
 
 
 def tiny_model_config() -> models.ModelConfig:

@@ -1,0 +1,212 @@
+"""The README runs as written: every ```python block is executed, and every `python -m ...` command is either
+run (with the few overrides listed here that keep it short: a temporary work folder, fewer steps) or named
+with the test or CI job that runs it. A tiny Qwen3 folder (random weights, the real Qwen3 tokenizer) stands in
+for ``path/to/Qwen3-0.6B``, a small chat file for ``path/to/sft.jsonl``.
+
+A new README command without an entry here fails ``test_every_readme_command_is_covered``.
+"""
+
+import json
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import jax
+import pytest
+
+from rstar2jax import models
+from tests.conftest import REPO_ROOT
+
+README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+MODEL_PATH = "path/to/Qwen3-0.6B"
+SFT_DATA_PATH = "path/to/sft.jsonl"
+
+
+
+def _fenced_blocks() -> list[tuple[str, str]]:
+    """(info string, body) of every fenced code block, in order."""
+    blocks, current, info = [], None, ""
+    for line in README.splitlines(keepends=True):
+        if line.startswith("```"):
+            if current is None:
+                current, info = [], line[3:].strip()
+            else:
+                blocks.append((info, "".join(current)))
+                current = None
+        elif current is not None:
+            current.append(line)
+    assert current is None, "README.md has an unclosed code block"
+    return blocks
+
+
+PYTHON_BLOCKS = [body for info, body in _fenced_blocks() if info == "python"]
+
+
+def _commands() -> list[str]:
+    """Every ``python -m`` command of the README: lines of plain code blocks (``\\`` continuations joined,
+    comments dropped) and inline code spans outside blocks."""
+    found = []
+    for info, block in _fenced_blocks():
+        if info:
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line.startswith("python -m "):
+                found.append(re.sub(r"\s+", " ", line))
+    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+    found += re.findall(r"`(python -m [^`]+)`", prose)
+    return found
+
+
+COMMANDS = _commands()
+
+# Commands run elsewhere, with where.
+COVERED_ELSEWHERE = {
+    "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py --dry_run": (
+        "tests/train/test_launchers.py",  # test_paper_config_dry_runs_on_64_emulated_devices, by default
+        ["--config=experiments/configs/paper_qwen3_14b.py", "--dry_run"],
+    ),
+    "python -m experiments.demo": (".ci/main", ["python -m experiments.demo"]),  # the main job
+    "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py "
+    "--config.workdir=/shared/runs/paper --config.distributed.coordinator_address=HOST0:12355 "
+    "--config.distributed.num_processes=N --config.distributed.process_id=i": (
+        # HOST0 / N / i are placeholders; two processes on one machine are run by the distributed test.
+        "tests/train/test_distributed.py",
+        ["--num_processes=2", "--process_id="],
+    ),
+}
+# Not run by the default suite: needs the demo's SFT policy (runs/demo) and takes ~10 min (README figure).
+NOT_RUN = {"python -m experiments.ablate_roc": "needs the demo's SFT policy; 10 min"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_folder(tmp_path_factory):
+    """An HF folder like Qwen3-0.6B's: the tiny preset at the real Qwen3 vocabulary, random weights, the
+    bundled Qwen3 tokenizer."""
+    folder = tmp_path_factory.mktemp("readme") / "Qwen3-tiny"
+    config = models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))
+    models.save_pretrained(models.init_params(config, jax.random.key(0)), config, folder)
+    for file in models.QWEN3_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+def _stand_ins(text: str, model_folder, sft_data=None) -> str:
+    text = text.replace(MODEL_PATH, str(model_folder))
+    return text.replace(SFT_DATA_PATH, str(sft_data)) if sft_data else text
+
+
+def test_every_readme_command_is_covered():
+    runs = set(RUN_WITH)
+    for command in COMMANDS:
+        known = runs | set(COVERED_ELSEWHERE) | set(NOT_RUN)
+        assert command in known, f"README command not tested: {command}"
+    for command, (where, needles) in COVERED_ELSEWHERE.items():
+        assert command in COMMANDS, f"stale entry: {command}"
+        text = (REPO_ROOT / where).read_text(encoding="utf-8")
+        assert all(needle in text for needle in needles), (where, needles)
+    assert all(command in COMMANDS for command in runs | set(NOT_RUN))
+    assert len(PYTHON_BLOCKS) >= 3
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_python_block_runs(index, tiny_model_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # blocks may write relative paths ("out/")
+    code = _stand_ins(PYTHON_BLOCKS[index], tiny_model_folder)
+    namespace = {"__name__": "__readme__"}
+    exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+    if "loss" in namespace:
+        assert bool(jax.numpy.isfinite(namespace["loss"]))
+    if "trajectories" in namespace:
+        assert len(namespace["trajectories"]) == 2 * 4
+    if "outs" in namespace:
+        assert (tmp_path / "out" / "config.json").is_file() and len(namespace["outs"]) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sft_file(path):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": f"<reason>add</reason><answer>\\boxed{{{a + b}}}</answer>"},
+            ]
+        }
+        for a in range(4)
+        for b in range(4)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _run_launcher(command: str, extra: list[str], env, timeout: int = 600) -> str:
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "-m"]
+    done = subprocess.run(
+        [sys.executable, *argv[1:], *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{command} {extra}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def _sft(command, tmp_path, env, model_folder):
+    data = _sft_file(tmp_path / "sft.jsonl")
+    command = _stand_ins(command, model_folder, data)
+    _run_launcher(command, [f"--config.workdir={tmp_path / 'run'}", "--max_steps=2"], env)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def _train_rl(command, tmp_path, env, model_folder):
+    _run_launcher(command, [f"--config.workdir={tmp_path / 'run'}", "--max_steps=1"], env)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def _roc_demo(command, tmp_path, env, model_folder):
+    out = _run_launcher(command, [], env)
+    assert "RoC demo: 512 prompts x 32 rollouts" in out, out[-1000:]
+
+
+def _sandbox(command, tmp_path, env, model_folder):
+    port = _free_port()  # the README's port may be taken on a shared test machine
+    argv = shlex.split(command.replace("--port 8088", f"--port {port}"))
+    server = subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO_ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    assert response.status == 200
+                    break
+            except OSError:
+                assert server.poll() is None, "the sandbox server exited"
+                assert time.monotonic() < deadline, "the sandbox server did not answer /health in 60 s"
+                time.sleep(0.3)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+RUN_WITH = {
+    "python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft "
+    "--config.sft.data=path/to/sft.jsonl": _sft,
+    "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1": _train_rl,
+    "python -m experiments.roc_demo": _roc_demo,
+    "python -m sandbox_server --host 127.0.0.1 --port 8088 --workers 4": _sandbox,
+}
+
+
+@pytest.mark.parametrize("command", sorted(RUN_WITH))
+def test_readme_command_runs(command, tmp_path, compile_cache_env, tiny_model_folder):
+    assert command in COMMANDS, f"not in the README any more: {command}"
+    RUN_WITH[command](command, tmp_path, compile_cache_env, tiny_model_folder)
