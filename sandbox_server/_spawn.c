@@ -576,4 +576,12 @@ static struct PyModuleDef module = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__spawn(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__spawn(void) {
+    PyObject *m = PyModule_Create(&module);
+    /* isolation.py compares it with its WIRE_PLAN: a build older than the Python code is not used. */
+    if (m != NULL && PyModule_AddIntConstant(m, "WIRE_PLAN_SIZE", (long)sizeof(struct wire_plan)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -61,6 +61,10 @@ MAX_TARGETS = MAX_LIMITS = 8
 TMPFS_OPTIONS_SIZE, WORKDIR_SIZE = 256, 4096  # with the terminating NUL
 WIRE_PLAN = struct.Struct(f"=iiiiiQiii8i8q{TMPFS_OPTIONS_SIZE}s{WORKDIR_SIZE}s")
 REQUEST_TAIL = struct.Struct("=qi8iq")  # cpu_seconds, n_targets, targets, payload size
+if native_spawn is not None and getattr(native_spawn, "WIRE_PLAN_SIZE", None) != WIRE_PLAN.size:
+    # A build from older sources (a checkout updated without `pip install -e .`) would misread every plan.
+    native_spawn = None
+    NATIVE_UNAVAILABLE = "sandbox_server._spawn is older than its Python code (rebuild: pip install -e .)"
 SANDBOX_TMP = "/tmp"
 SANDBOX_TMP_BYTES = SANDBOX_TMP.encode()
 DEVICES = ("null", "zero", "full", "random", "urandom")

@@ -1,12 +1,11 @@
 """The README runs as written: every ```python block is executed, and every `python -m ...` command is either
 run (with the few overrides listed here that keep it short: a temporary work folder, fewer steps) or named
 with the test or CI job that runs it. A tiny Qwen3 folder (random weights, the real Qwen3 tokenizer) stands in
-for ``path/to/Qwen3-0.6B``, a small chat file for ``path/to/sft.jsonl``.
+for ``path/to/Qwen3-0.6B``; the SFT command trains on the shipped SFT set, its policy starts the RL one.
 
 A new README command without an entry here fails ``test_every_readme_command_is_covered``.
 """
 
-import json
 import re
 import shlex
 import shutil
@@ -24,7 +23,6 @@ from tests.conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 MODEL_PATH = "path/to/Qwen3-0.6B"
-SFT_DATA_PATH = "path/to/sft.jsonl"
 
 
 
@@ -45,6 +43,8 @@ def _fenced_blocks() -> list[tuple[str, str]]:
 
 
 PYTHON_BLOCKS = [body for info, body in _fenced_blocks() if info == "python"]
+# Blocks that talk to the README's `experiments.serve` command: run by _serve against that server.
+SERVER_BLOCKS = [body for body in PYTHON_BLOCKS if "OpenAI(" in body]
 
 
 def _commands() -> list[str]:
@@ -72,6 +72,17 @@ COVERED_ELSEWHERE = {
         ["--config=experiments/configs/paper_qwen3_14b.py", "--dry_run"],
     ),
     "python -m experiments.demo": (".ci/main", ["python -m experiments.demo"]),  # the main job
+    # The demo's phases with the training launchers, SFT -> RL by --config.model.path (the demo's test).
+    "python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2": (
+        "tests/test_demo.py",
+        ["experiments.train_rl", "--config.model.path="],
+    ),
+    # DIR / W are placeholders: the three commands run on a tiny policy folder in the serve tests.
+    "python -m experiments.evaluate --model=DIR --datasets=aime24,aime25,math500,hmmt25 --workdir=W": (
+        "tests/serve/test_launchers.py",
+        ['"experiments.evaluate"', "--datasets=", "--workdir="],
+    ),
+    "python -m experiments.chat --model=DIR": ("tests/serve/test_launchers.py", ['"experiments.chat"']),
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py "
     "--config.workdir=/shared/runs/paper --config.distributed.coordinator_address=HOST0:12355 "
     "--config.distributed.num_processes=N --config.distributed.process_id=i": (
@@ -81,7 +92,14 @@ COVERED_ELSEWHERE = {
     ),
 }
 # Not run by the default suite: needs the demo's SFT policy (runs/demo) and takes ~10 min (README figure).
-NOT_RUN = {"python -m experiments.ablate_roc": "needs the demo's SFT policy; 10 min"}
+NOT_RUN = {
+    "python -m experiments.ablate_roc": "needs the demo's SFT policy; 10 min",
+    "python -m experiments.evaluate --model=runs/demo/policies/rl --tokenizer=runs/demo/tokenizer "
+    "--prompt=bare --datasets=runs/demo/data/eval.jsonl --workdir=runs/demo/eval_rl --samples=4 "
+    "--temperature=1.0 --max_tokens=320 --max_turns=4": "needs the demo's RL policy (the main job writes it)",
+    "python -m experiments.X": "a placeholder in prose, not a command",
+    "python -m experiments.sft_data": "writes the shipped SFT set with a live sandbox; minutes",
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +114,12 @@ def tiny_model_folder(tmp_path_factory):
     return folder
 
 
-def _stand_ins(text: str, model_folder, sft_data=None) -> str:
-    text = text.replace(MODEL_PATH, str(model_folder))
-    return text.replace(SFT_DATA_PATH, str(sft_data)) if sft_data else text
+def _stand_ins(text: str, model_folder) -> str:
+    return text.replace(MODEL_PATH, str(model_folder))
 
 
 def test_every_readme_command_is_covered():
-    runs = set(RUN_WITH)
+    runs = set(RUN_WITH) | {SFT_TO_RL}
     for command in COMMANDS:
         known = runs | set(COVERED_ELSEWHERE) | set(NOT_RUN)
         assert command in known, f"README command not tested: {command}"
@@ -114,12 +131,20 @@ def test_every_readme_command_is_covered():
     assert len(PYTHON_BLOCKS) >= 3
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def _exec_block(code: str, name: str) -> dict:
+    namespace = {"__name__": "__readme__"}
+    exec(compile(code, name, "exec"), namespace)
+    return namespace
+
+
+STANDALONE_BLOCKS = [body for body in PYTHON_BLOCKS if body not in SERVER_BLOCKS]
+
+
+@pytest.mark.parametrize("index", range(len(STANDALONE_BLOCKS)))
 def test_python_block_runs(index, tiny_model_folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks may write relative paths ("out/")
-    code = _stand_ins(PYTHON_BLOCKS[index], tiny_model_folder)
-    namespace = {"__name__": "__readme__"}
-    exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+    code = _stand_ins(STANDALONE_BLOCKS[index], tiny_model_folder)
+    namespace = _exec_block(code, f"README.md python block {index}")
     if "loss" in namespace:
         assert bool(jax.numpy.isfinite(namespace["loss"]))
     if "trajectories" in namespace:
@@ -134,21 +159,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sft_file(path):
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": f"What is {a} + {b}?"},
-                {"role": "assistant", "content": f"<reason>add</reason><answer>\\boxed{{{a + b}}}</answer>"},
-            ]
-        }
-        for a in range(4)
-        for b in range(4)
-    ]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
 def _run_launcher(command: str, extra: list[str], env, timeout: int = 600) -> str:
     argv = shlex.split(command)
     assert argv[:2] == ["python", "-m"]
@@ -160,11 +170,20 @@ def _run_launcher(command: str, extra: list[str], env, timeout: int = 600) -> st
     return done.stdout + done.stderr
 
 
-def _sft(command, tmp_path, env, model_folder):
-    data = _sft_file(tmp_path / "sft.jsonl")
-    command = _stand_ins(command, model_folder, data)
-    _run_launcher(command, [f"--config.workdir={tmp_path / 'run'}", "--max_steps=2"], env)
-    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+def _sft_then_rl(command, tmp_path, env, model_folder):
+    """The README's SFT command on its shipped data, then its RL command from the exported policy folder."""
+    sft_run = tmp_path / "tiny_cpu_sft"
+    _run_launcher(command, [f"--config.workdir={sft_run}", "--max_steps=2"], env)
+    policy = sft_run / "policy"
+    assert (policy / "config.json").is_file() and (policy / "tokenizer.json").is_file()
+    rl_command = SFT_TO_RL.replace("runs/tiny_cpu_sft/policy", str(policy))
+    _run_launcher(rl_command, [f"--config.workdir={tmp_path / 'rl'}", "--max_steps=1"], env)
+    assert (tmp_path / "rl" / "metrics.jsonl").is_file()
+
+
+def _print_config(command, tmp_path, env, model_folder):
+    out = _run_launcher(command, [], env)
+    assert "rl.keep = " in out and "# (no description)" not in out
 
 
 def _train_rl(command, tmp_path, env, model_folder):
@@ -177,31 +196,61 @@ def _roc_demo(command, tmp_path, env, model_folder):
     assert "RoC demo: 512 prompts x 32 rollouts" in out, out[-1000:]
 
 
+def _wait_healthy(server: subprocess.Popen, port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                assert response.status == 200
+                return
+        except OSError:
+            assert server.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, f"the server did not answer /health in {seconds:.0f} s"
+            time.sleep(0.3)
+
+
 def _sandbox(command, tmp_path, env, model_folder):
     port = _free_port()  # the README's port may be taken on a shared test machine
     argv = shlex.split(command.replace("--port 8088", f"--port {port}"))
     server = subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO_ROOT, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    assert response.status == 200
-                    break
-            except OSError:
-                assert server.poll() is None, "the sandbox server exited"
-                assert time.monotonic() < deadline, "the sandbox server did not answer /health in 60 s"
-                time.sleep(0.3)
+        _wait_healthy(server, port, 60)
     finally:
         server.terminate()
         server.wait(timeout=30)
 
 
+def _serve(command, tmp_path, env, model_folder):
+    """The OpenAI-compatible server on the tiny model (served as "rl", the name the README's client block
+    uses), then the README's client blocks against it."""
+    port = _free_port()
+    argv = shlex.split(command.replace("DIR", str(model_folder)).replace("--port=8000", f"--port={port}"))
+    server = subprocess.Popen(
+        [sys.executable, *argv[1:], "--served_model_name=rl", "--max_len=256"], cwd=REPO_ROOT, env=env
+    )
+    try:
+        _wait_healthy(server, port, 240)
+        assert SERVER_BLOCKS
+        for index, block in enumerate(SERVER_BLOCKS):
+            namespace = _exec_block(block.replace(":8000/", f":{port}/"), f"README.md server block {index}")
+            assert namespace["reply"].choices[0].message.role == "assistant"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+# Run by _sft_then_rl on the policy the SFT command exported.
+SFT_TO_RL = (
+    "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py "
+    "--config.model.path=runs/tiny_cpu_sft/policy"
+)
+
 RUN_WITH = {
-    "python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft "
-    "--config.sft.data=path/to/sft.jsonl": _sft,
+    "python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft": _sft_then_rl,
+    "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --print_config": _print_config,
     "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1": _train_rl,
     "python -m experiments.roc_demo": _roc_demo,
+    "python -m experiments.serve --model=DIR --host=127.0.0.1 --port=8000": _serve,
     "python -m sandbox_server --host 127.0.0.1 --port 8088 --workers 4": _sandbox,
 }
 
