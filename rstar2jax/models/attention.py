@@ -25,6 +25,7 @@ Implementations (``IMPLEMENTATIONS``):
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,9 @@ DEFAULT_BLOCK_SIZE = 512
 _MASKED = -1e30
 # tokamax's kernels, tried in order (its public API takes a dense [B, N, T, S] mask only).
 _TOKAMAX_KERNELS = ("mosaic_gpu", "triton", "cudnn")
+# tokamax's GPU kernels tile the sequence (the Mosaic one in pairs of 64-query blocks): rows are padded to a
+# multiple of this and the padding sliced off.
+_TOKAMAX_LENGTH_MULTIPLE = 256
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:
@@ -212,13 +216,22 @@ def _tokamax_attention(q, k, v, starts, kernels=_TOKAMAX_KERNELS):
         # tokamax reads its absl flags and would parse sys.argv (a host program's own options) to get them.
         flags.FLAGS.mark_as_parsed()
 
+    T = q.shape[1]
+    pad = -T % _TOKAMAX_LENGTH_MULTIPLE
+    if pad:
+        # Padded keys sit after every real query (causality hides them); a padded query starts its own
+        # segment at itself, so its row is finite, and is sliced off.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+        own = jnp.broadcast_to(jnp.arange(T, T + pad, dtype=starts.dtype), (starts.shape[0], pad))
+        starts = jnp.concatenate([starts, own], axis=1)
     mask = base.Mask(k_start=starts[:, None, :], is_causal=True)
     errors = []
     for name in kernels:
         if name not in api.IMPLEMENTATIONS:
             continue
         try:
-            return api.IMPLEMENTATIONS[name](
+            out = api.IMPLEMENTATIONS[name](
                 q,
                 k,
                 v,
@@ -231,6 +244,8 @@ def _tokamax_attention(q, k, v, starts, kernels=_TOKAMAX_KERNELS):
             )
         except NotImplementedError as e:
             errors.append(f"{name}: {e}")
+        else:
+            return out[:, :T]
     raise NotImplementedError(f"no tokamax attention kernel accepts these inputs: {errors}")
 
 
@@ -287,9 +302,21 @@ def attention(
         starts = jnp.zeros((B, T), jnp.int32)
     else:
         starts = segment_starts(segment_ids)
-    implementation = resolve_implementation(implementation)
+    requested, implementation = implementation, resolve_implementation(implementation)
     if implementation == "xla":
         return _xla_attention(q, k, v, starts)
-    if implementation == "blockwise":
-        return _blockwise_attention(q, k, v, starts, block_size)
-    return _tokamax_attention(q, k, v, starts).astype(q.dtype)
+    if implementation == "tokamax":
+        try:
+            return _tokamax_attention(q, k, v, starts).astype(q.dtype)
+        except Exception as error:  # noqa: BLE001 (any failure of the optional kernels while tracing)
+            if requested != "auto":
+                raise
+            # "auto" keeps the portable path when tokamax cannot trace here (e.g. a JAX version its Pallas
+            # kernels do not support: tokamax 0.0.12 under JAX 0.11 fails in Mosaic GPU's kernel builder).
+            warnings.warn(
+                f"attention 'auto': tokamax failed ({type(error).__name__}: {str(error)[:200]}); "
+                "using 'blockwise'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _blockwise_attention(q, k, v, starts, block_size)

@@ -155,3 +155,21 @@ def test_token_chunked_mlp_keeps_loss_and_gradients(reference):
     (loss, _), grads = loss_and_grad(reference.params, reference.tokens)
     np.testing.assert_allclose(loss, reference.loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, reference.grads)
+
+
+def test_auto_falls_back_to_blockwise_when_tokamax_cannot_trace(monkeypatch):
+    """On a GPU whose JAX tokamax's kernels do not support, "auto" warns and runs the portable path; an
+    explicit "tokamax" raises."""
+    q, k, v, _ = _inputs()
+    expected = attention_lib.attention(q, k, v, SEGMENTS, implementation="blockwise", block_size=16)
+
+    def broken(*args, **kwargs):
+        raise TypeError("Mesh.__init__() got an unexpected keyword argument 'out_shape'")
+
+    monkeypatch.setattr(attention_lib, "resolve_implementation", lambda impl: "tokamax")
+    monkeypatch.setattr(attention_lib, "_tokamax_attention", broken)
+    with pytest.warns(RuntimeWarning, match="tokamax failed"):
+        out = attention_lib.attention(q, k, v, SEGMENTS, implementation="auto", block_size=16)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    with pytest.raises(TypeError, match="out_shape"):
+        attention_lib.attention(q, k, v, SEGMENTS, implementation="tokamax")
