@@ -13,14 +13,13 @@
    policy's step on an accelerator, so decode and tool time keep the proportions of a real rollout; with a
    CPU-bound step 10x slower the tools would vanish from both timings.
 
-Usage: ``python experiments/bench_engine.py [--new-tokens 256] [--new-tokens-06b 256] [--skip-06b]``.
+Usage: ``python -m experiments.bench_engine [--new_tokens=256] [--new_tokens_06b=256] [--skip_06b]``.
 Prints a table and, as the last line, a JSON object with the three ratios. The transformers side runs in a
-subprocess (``--torch-worker``) so the two models never share memory.
+subprocess (``--torch_worker``) so the two models never share memory.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -32,6 +31,7 @@ import time
 
 import jax
 import numpy as np
+from absl import app, flags
 
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
 from rstar2jax.models import HF_CONFIGS_DIR, config_from_hf, init_params, load_pretrained
@@ -100,7 +100,7 @@ def decode_throughput(shape: str, batch: int, new_tokens: int) -> dict:
     """Tokens/s of ours and of transformers on the same weights; also how many greedy tokens agree."""
     with tempfile.TemporaryDirectory() as path:
         worker = subprocess.run(
-            [sys.executable, __file__, "--torch-worker", shape, path, str(batch), str(new_tokens)],
+            [sys.executable, __file__, f"--torch_worker={shape},{path},{batch},{new_tokens}"],
             check=True,
             capture_output=True,
             text=True,
@@ -244,20 +244,18 @@ def multiturn(num_rollouts: int = 64, turns: int = 3) -> dict:
     return dict(engine_s=engine_s, static_s=static_s, same_tokens=same)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per sequence (small)")
-    parser.add_argument("--new-tokens-06b", type=int, default=256, help="new tokens per sequence (0.6B)")
-    parser.add_argument("--skip-06b", action="store_true", help="leave out the two 0.6B measurements")
-    parser.add_argument(
-        "--torch-worker", nargs=4, metavar=("SHAPE", "PATH", "BATCH", "NEW"), help=argparse.SUPPRESS
-    )
-    args = parser.parse_args()
-    if args.torch_worker:
-        shape, path, batch, new = args.torch_worker
+_BATCH = flags.DEFINE_integer("batch", 32, "sequences decoded at once")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "new tokens per sequence (small)")
+_NEW_TOKENS_06B = flags.DEFINE_integer("new_tokens_06b", 256, "new tokens per sequence (0.6B)")
+_SKIP_06B = flags.DEFINE_bool("skip_06b", False, "leave out the two 0.6B measurements")
+_TORCH_WORKER = flags.DEFINE_list("torch_worker", None, "internal: SHAPE,PATH,BATCH,NEW of one PyTorch run")
+
+
+def main(argv) -> None:
+    del argv
+    args = flags.FLAGS
+    if _TORCH_WORKER.value:
+        shape, path, batch, new = _TORCH_WORKER.value
         torch_worker(shape, path, int(batch), int(new))
         return
 
@@ -299,4 +297,4 @@ def main() -> None:
     print(json.dumps({k: round(v, 3) for k, v in figures.items()}))
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from jax._src import monitoring
 
+from rstar2jax import models
 from rstar2jax.engine import (
     PAUSED,
     Engine,
@@ -22,7 +23,7 @@ from rstar2jax.engine import (
     init_state,
     resume,
 )
-from rstar2jax.models import ModelConfig, forward, init_params, layers_are_unstacked, unstack_layers
+from rstar2jax.models import forward, init_params, layers_are_unstacked, unstack_layers
 from tests.engine.conftest import ENGINE_CONFIG
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
@@ -317,8 +318,8 @@ def test_decode_updates_the_cache_in_place(unstacked):
     """The decode loop writes the donated KV cache in place: its compiled program needs no scratch memory as
     large as the cache's keys (a per-step copy of the cache would; one layer's slice, read for attention,
     is 2/num_layers of it)."""
-    config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
-                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)
+    config = models.preset("tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4,
+                           head_dim=8, tie_word_embeddings=False)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     if unstacked:
         params = jax.eval_shape(unstack_layers, params)
