@@ -13,9 +13,9 @@
    policy's step on an accelerator, so decode and tool time keep the proportions of a real rollout; with a
    CPU-bound step 10x slower the tools would vanish from both timings.
 
-Usage: ``python experiments/bench_engine.py [--new-tokens 256] [--new-tokens-06b 256] [--skip-06b]``.
+Usage: ``python -m experiments.bench_engine [--new_tokens=256] [--new_tokens_06b=256] [--skip_06b]``.
 Prints a table and, as the last line, a JSON object with the three ratios. The transformers side runs in a
-subprocess (``--torch-worker``) so the two models never share memory.
+subprocess (``--torch_worker``) so the two models never share memory.
 
 ``--scale`` measures the paged KV cache instead (issue 21), each figure against its baseline in the same run:
 
@@ -34,12 +34,11 @@ subprocess (``--torch-worker``) so the two models never share memory.
 
 ``--scale --gpu``: the same in bfloat16 with the Qwen3-1.7B shape for the ratios, plus tokens/s and the decode
 step over the HBM floor ((parameter + KV bytes read per step) / measured device copy bandwidth) for 0.6B and
-1.7B at batch 1/64/256 (``--gpu-batches``, ``--gpu-models``).
+1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_models``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
@@ -53,6 +52,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from absl import app, flags
 
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
 from rstar2jax.engine.paged_attention import init_pages
@@ -124,7 +124,7 @@ def decode_throughput(shape: str, batch: int, new_tokens: int) -> dict:
     """Tokens/s of ours and of transformers on the same weights; also how many greedy tokens agree."""
     with tempfile.TemporaryDirectory() as path:
         worker = subprocess.run(
-            [sys.executable, __file__, "--torch-worker", shape, path, str(batch), str(new_tokens)],
+            [sys.executable, __file__, f"--torch_worker={shape},{path},{batch},{new_tokens}"],
             check=True,
             capture_output=True,
             text=True,
@@ -447,7 +447,7 @@ def scale(args, report) -> None:
            "best of 3 each")
     speeds = {}
     shapes = args.gpu_models if gpu else ["tiny", "0.6b"]
-    batches = args.gpu_batches if gpu else [1, 64]
+    batches = [int(b) for b in args.gpu_batches] if gpu else [1, 64]
     measure_bandwidth = device_copy_bandwidth if gpu else functools.partial(copy_bandwidth, repeats=2)
     for shape in shapes:
         config, params = (tiny_config, tiny_params) if shape == "tiny" else _model(shape, dtype)
@@ -482,26 +482,25 @@ def scale(args, report) -> None:
                f"{big['seconds']:.0f} s, 1.7B, no OOM")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per sequence (small)")
-    parser.add_argument("--new-tokens-06b", type=int, default=256, help="new tokens per sequence (0.6B)")
-    parser.add_argument("--skip-06b", action="store_true", help="leave out the two 0.6B measurements")
-    parser.add_argument("--scale", action="store_true", help="measure the paged KV cache (issue 21)")
-    parser.add_argument("--gpu", action="store_true", help="with --scale: bfloat16, 1.7B ratios, GPU table")
-    parser.add_argument("--gpu-models", nargs="+", default=["0.6b", "1.7b"])
-    parser.add_argument("--gpu-batches", nargs="+", type=int, default=[1, 64, 256])
-    parser.add_argument("--big-rollout", action="store_true",
-                        help="with --scale --gpu: 64 prompts x 2048 tokens x 16 samples on one GPU")
-    parser.add_argument(
-        "--torch-worker", nargs=4, metavar=("SHAPE", "PATH", "BATCH", "NEW"), help=argparse.SUPPRESS
-    )
-    args = parser.parse_args()
-    if args.torch_worker:
-        shape, path, batch, new = args.torch_worker
+_BATCH = flags.DEFINE_integer("batch", 32, "sequences decoded at once")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "new tokens per sequence (small)")
+_NEW_TOKENS_06B = flags.DEFINE_integer("new_tokens_06b", 256, "new tokens per sequence (0.6B)")
+_SKIP_06B = flags.DEFINE_bool("skip_06b", False, "leave out the two 0.6B measurements")
+_SCALE = flags.DEFINE_bool("scale", False, "measure the paged KV cache (issue 21)")
+_GPU = flags.DEFINE_bool("gpu", False, "with --scale: bfloat16, 1.7B ratios, GPU table")
+_GPU_MODELS = flags.DEFINE_list("gpu_models", ["0.6b", "1.7b"], "with --gpu: model shapes")
+_GPU_BATCHES = flags.DEFINE_list("gpu_batches", ["1", "64", "256"], "with --gpu: batch sizes")
+_BIG_ROLLOUT = flags.DEFINE_bool(
+    "big_rollout", False, "with --scale --gpu: 64 prompts x 2048 tokens x 16 samples on one GPU"
+)
+_TORCH_WORKER = flags.DEFINE_list("torch_worker", None, "internal: SHAPE,PATH,BATCH,NEW of one PyTorch run")
+
+
+def main(argv) -> None:
+    del argv
+    args = flags.FLAGS  # the flags by name (scale() reads the --gpu ones)
+    if _TORCH_WORKER.value:
+        shape, path, batch, new = _TORCH_WORKER.value
         torch_worker(shape, path, int(batch), int(new))
         return
 
@@ -554,4 +553,4 @@ def main() -> None:
     print(json.dumps({k: round(v, 3) for k, v in figures.items()}))
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -4,21 +4,22 @@ Same config, batch, sequence length and loss (mean next-token cross-entropy, gra
 float32. Each (shape, framework) runs in its own process pinned to the same cores with the same thread count,
 so neither framework's memory or thread pool disturbs the other.
 
-    python experiments/bench_model.py                 # both shapes
-    python experiments/bench_model.py --shapes small --steps 10
+    python -m experiments.bench_model                 # both shapes
+    python -m experiments.bench_model --shapes=small --steps=10
 
 Prints a table, then as the last line a JSON object with tokens/s and the JAX/PyTorch ratios.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
+
+from absl import app, flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QWEN3_06B = REPO / "rstar2jax" / "models" / "hf_configs" / "qwen3-0.6b.json"  # models.preset("qwen3-0.6b")
@@ -91,54 +92,49 @@ def run_torch(hf_config: dict, batch: int, length: int, steps: int, threads: int
     return _time_steps(step, steps)
 
 
-def worker(args) -> None:
-    source, batch, length = SHAPES[args.shape]
+_SHAPES = flags.DEFINE_multi_enum("shapes", list(SHAPES), list(SHAPES), "shapes to measure")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed steps per measurement (fastest reported)")
+_THREADS = flags.DEFINE_integer("threads", os.cpu_count(), "cores/threads for both frameworks")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "alternate fresh torch/jax processes; keep the best")
+_WORKER = flags.DEFINE_string("worker", None, "internal: run one 'framework:shape' measurement")
+
+
+def worker(framework: str, shape: str, steps: int, threads: int) -> None:
+    source, batch, length = SHAPES[shape]
     hf_config = _hf_config_dict(source)
-    if args.framework == "jax":
-        seconds = run_jax(hf_config, batch, length, args.steps)
+    if framework == "jax":
+        seconds = run_jax(hf_config, batch, length, steps)
     else:
-        seconds = run_torch(hf_config, batch, length, args.steps, args.threads)
+        seconds = run_torch(hf_config, batch, length, steps, threads)
     print(json.dumps({"seconds": seconds, "tokens_per_s": batch * length / seconds}))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (fastest reported)")
-    parser.add_argument(
-        "--threads", type=int, default=os.cpu_count(), help="cores/threads for both frameworks"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="alternate fresh torch/jax processes; keep the best"
-    )
-    parser.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "SHAPE"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    if args.worker:
-        args.framework, args.shape = args.worker
-        os.sched_setaffinity(0, set(range(args.threads)))  # both frameworks on the same cores
-        worker(args)
+def main(argv) -> None:
+    del argv
+    steps, threads, rounds = _STEPS.value, _THREADS.value, _ROUNDS.value
+    if _WORKER.value:
+        framework, shape = _WORKER.value.split(":")
+        os.sched_setaffinity(0, set(range(threads)))  # both frameworks on the same cores
+        worker(framework, shape, steps, threads)
         return
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     load_before = os.getloadavg()[0]
     best: dict[tuple[str, str], float] = {}
-    for shape in args.shapes:
-        for _ in range(args.rounds):
+    for shape in _SHAPES.value:
+        for _ in range(rounds):
             for framework in ("torch", "jax"):
-                command = [sys.executable, __file__, "--worker", framework, shape, "--steps", str(args.steps),
-                           "--threads", str(args.threads)]  # fmt: skip
+                command = [sys.executable, __file__, f"--worker={framework}:{shape}", f"--steps={steps}",
+                           f"--threads={threads}"]  # fmt: skip
                 out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
                 tokens_per_s = json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
                 best[(shape, framework)] = max(best.get((shape, framework), 0.0), tokens_per_s)
 
     # Other processes on a shared machine slow both frameworks (PyTorch's OpenMP barriers more): say how busy.
     load = (round(load_before, 1), round(os.getloadavg()[0], 1))
-    summary = {"threads": args.threads, "steps": args.steps, "rounds": args.rounds, "load_avg_1min": load}
+    summary = {"threads": threads, "steps": steps, "rounds": rounds, "load_avg_1min": load}
     print(f"{'shape':<12} {'batch x len':>12} {'torch tok/s':>12} {'jax tok/s':>12} {'jax/torch':>10}")
-    for shape in args.shapes:
+    for shape in _SHAPES.value:
         _, batch, length = SHAPES[shape]
         torch_tps, jax_tps = best[(shape, "torch")], best[(shape, "jax")]
         ratio = jax_tps / torch_tps
@@ -150,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,7 +1,7 @@
 """Benchmark sandbox_server against a fresh ``python3`` process per snippet (the paper's tool-server method).
 
     python -m experiments.bench_sandbox              # trivial + mixed workloads, 2 workers, 64 in flight
-    python -m experiments.bench_sandbox --load-test  # + 20,000 calls at 512 in flight (answered, lost, RSS)
+    python -m experiments.bench_sandbox --load_test  # + 20,000 calls at 512 in flight (answered, lost, RSS)
 
 Workloads: "trivial" (``print(1 + 1)``-like) and "mixed" (70% trivial, 20% numpy, 10% sympy). The sandbox
 is driven through ``rstar2jax.agent.sandbox_client.SandboxClient`` (micro-batching), the baseline runs each
@@ -13,7 +13,6 @@ CPU accounting. The last line is a JSON object of the figures.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
@@ -28,7 +27,10 @@ import threading
 import time
 import urllib.request
 
+from absl import app, flags
+
 from rstar2jax.agent.sandbox_client import SandboxClient
+from rstar2jax.agent.sandbox_load import drive_closed_loop, load_test, percentiles
 from sandbox_server import start_local
 from sandbox_server.config import ServerConfig
 
@@ -57,42 +59,10 @@ def workload(name: str, n: int, seed: int = 0) -> list[str]:
     return [rng.choice(rng.choices([p for _, p in pools], [w for w, _ in pools])[0]) for _ in range(n)]
 
 
-def percentiles(latencies: list[float]) -> dict:
-    ordered = sorted(latencies)
-
-    def at(q):
-        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"p50_ms": at(0.50), "p95_ms": at(0.95), "p99_ms": at(0.99)}
-
-
-async def _drive(run_one, codes: list[str], in_flight: int):
-    """Closed loop: ``in_flight`` drivers, each issuing the next code as soon as its last call returns.
-
-    Returns (results, latencies, wall seconds). A fixed set of drivers rather than one task per code behind
-    a semaphore: creating thousands of tasks at once stalls the event loop for 15-30 ms before the first
-    request goes out, and that stall would count as the first calls' latency (and, for a 64-call batch,
-    as the run's p99).
-    """
-    results: list = [None] * len(codes)
-    latencies = [0.0] * len(codes)
-    todo = iter(enumerate(codes))  # shared: each driver takes the next unclaimed code
-
-    async def driver():
-        for i, code in todo:
-            start = time.perf_counter()
-            results[i] = await run_one(code)
-            latencies[i] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    await asyncio.gather(*(driver() for _ in range(min(in_flight, len(codes)))))
-    return results, latencies, time.perf_counter() - start
-
-
 async def run_sandbox(url: str, codes: list[str], in_flight: int, keep_latencies: bool = False):
     async with SandboxClient(url) as client:
-        await _drive(client.run, codes[: min(200, len(codes))], in_flight)  # warm the connection pool
-        results, latencies, wall = await _drive(client.run, codes, in_flight)
+        await drive_closed_loop(client.run, codes[: min(200, len(codes))], in_flight)  # warm the pool
+        results, latencies, wall = await drive_closed_loop(client.run, codes, in_flight)
     statuses = collections.Counter(r.status for r in results)
     return {
         "calls": len(codes),
@@ -117,7 +87,7 @@ async def run_baseline(codes: list[str], in_flight: int, python: str):
         os.unlink(path)
         return "ok" if process.returncode == 0 else "error"
 
-    results, latencies, wall = await _drive(one, codes, in_flight)
+    results, latencies, wall = await drive_closed_loop(one, codes, in_flight)
     os.rmdir(workdir)
     return {
         "calls": len(codes),
@@ -166,68 +136,16 @@ def breakdown(server, codes: list[str], in_flight: int) -> dict:
     }
 
 
-class RssSampler:
-    """Samples the resident memory of the server's processes in the background; keeps the maxima (MiB)."""
-
-    def __init__(self, health: dict, period: float = 0.25):
-        workers = [w["pid"] for w in health["workers"]] + [
-            w["fork_server_pid"] for w in health["workers"] if w["fork_server_pid"]
-        ]
-        self.pids = {"frontend": [health["server_pid"]], "workers": workers}
-        self.max_mib = dict.fromkeys(self.pids, 0.0)
-        self.period = period
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self):
-        while not self._stop.is_set():
-            for kind, pids in self.pids.items():
-                for pid in pids:
-                    try:
-                        with open(f"/proc/{pid}/status") as f:
-                            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-                    except (OSError, StopIteration):
-                        continue
-                    self.max_mib[kind] = max(self.max_mib[kind], rss / 1024)
-            self._stop.wait(self.period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info):
-        self._stop.set()
-        self._thread.join()
-
-
-def load_test(server, n_calls: int = 20000, in_flight: int = 512) -> dict:
-    """``n_calls`` distinct calls at ``in_flight`` outstanding: answered correctly, lost, executed, RSS."""
-    codes = [f"print({i})" for i in range(n_calls)]
-    before = server.get("/metrics")
-
-    async def main():
-        async with SandboxClient(server.url) as client:
-            return await _drive(client.run, codes, in_flight)
-
-    with RssSampler(server.get("/health")) as rss:
-        results, latencies, wall = asyncio.run(main())
-    after = server.get("/metrics")
-    answered = sum(r.ok and r.stdout == f"{i}\n" for i, r in enumerate(results))
-    executed = after["results_total"] - before["results_total"]
-    rejected = after["http_rejected"].get("503", 0) - before["http_rejected"].get("503", 0)
-    return {
-        "calls": n_calls,
-        "in_flight": in_flight,
-        "answered": answered,
-        "lost": n_calls - answered,
-        "statuses": dict(collections.Counter(r.status for r in results)),
-        "executed_by_server": executed,
-        "rejected_503": rejected,
-        "calls_per_s": n_calls / wall,
-        **percentiles(latencies),
-        "max_rss_mib": rss.max_mib,
-        "worker_restarts": after["worker_restarts"],
-    }
+_CALLS = flags.DEFINE_integer("calls", 3000, "sandbox calls per workload")
+_BASELINE_CALLS = flags.DEFINE_integer("baseline_calls", 300, "fresh-interpreter calls per workload")
+_IN_FLIGHT = flags.DEFINE_integer("in_flight", 64, "calls outstanding at once")
+_WORKERS = flags.DEFINE_integer("workers", 2, "sandbox worker processes")
+_SLOTS = flags.DEFINE_integer("slots", ServerConfig.slots, "calls at once per worker")
+_PYTHON = flags.DEFINE_string("python", sys.executable, "interpreter for the baseline")
+_SERVER_PYTHON = flags.DEFINE_string(
+    "server_python", sys.executable, "interpreter the sandbox server and its calls run on"
+)
+_LOAD_TEST = flags.DEFINE_bool("load_test", False, "also 20,000 calls at 512 in flight")
 
 
 @contextlib.contextmanager
@@ -301,39 +219,33 @@ def side_by_side(new_url: str, base_url: str, name: str, args) -> dict:
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--calls", type=int, default=3000, help="sandbox calls per workload")
-    parser.add_argument(
-        "--baseline-calls", type=int, default=300, help="fresh-interpreter calls per workload"
-    )
-    parser.add_argument("--in-flight", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=ServerConfig.slots, help="calls at once per worker")
-    parser.add_argument("--python", default=sys.executable, help="interpreter for the baseline")
-    parser.add_argument(
-        "--server-python", default=sys.executable, help="interpreter the sandbox server and its calls run on"
-    )
-    parser.add_argument("--load-test", action="store_true", help="also 20,000 calls at 512 in flight")
-    parser.add_argument(
-        "--baseline-dir",
-        "--baseline_dir",
-        default=None,
-        help="A/B only: a checkout of the code to compare with (e.g. `git worktree add /tmp/base main`); "
-        "its server and this one run side by side, alternating slices of calls",
-    )
-    parser.add_argument("--ab-rounds", type=int, default=6, help="A/B: slices per side and workload")
-    parser.add_argument("--ab-slice", type=int, default=1000, help="A/B: calls per slice")
-    parser.add_argument("--ab-workloads", default="trivial,mixed", help="A/B: workloads, comma-separated")
-    parser.add_argument(
-        "--new-option",
-        action="append",
-        default=[],
-        help="A/B: NAME=VALUE server option for this checkout's server only (e.g. call_memory_cgroups=0)",
-    )
-    args = parser.parse_args()
+_CALLS = flags.DEFINE_integer("calls", 3000, "sandbox calls per workload")
+_BASELINE_CALLS = flags.DEFINE_integer("baseline_calls", 300, "fresh-interpreter calls per workload")
+_IN_FLIGHT = flags.DEFINE_integer("in_flight", 64, "calls in flight")
+_WORKERS = flags.DEFINE_integer("workers", 2, "sandbox workers")
+_SLOTS = flags.DEFINE_integer("slots", ServerConfig.slots, "calls at once per worker")
+_PYTHON = flags.DEFINE_string("python", sys.executable, "interpreter for the baseline")
+_SERVER_PYTHON = flags.DEFINE_string(
+    "server_python", sys.executable, "interpreter the sandbox server and its calls run on"
+)
+_LOAD_TEST = flags.DEFINE_bool("load_test", False, "also 20,000 calls at 512 in flight")
+_BASELINE_DIR = flags.DEFINE_string(
+    "baseline_dir",
+    None,
+    "A/B only: a checkout of the code to compare with (e.g. `git worktree add /tmp/base main`); its server "
+    "and this one run side by side, alternating slices of calls",
+)
+_AB_ROUNDS = flags.DEFINE_integer("ab_rounds", 6, "A/B: slices per side and workload")
+_AB_SLICE = flags.DEFINE_integer("ab_slice", 1000, "A/B: calls per slice")
+_AB_WORKLOADS = flags.DEFINE_string("ab_workloads", "trivial,mixed", "A/B: workloads, comma-separated")
+_NEW_OPTION = flags.DEFINE_multi_string(
+    "new_option", [], "A/B: NAME=VALUE server option for this checkout's server only (call_memory_cgroups=0)"
+)
+
+
+def main(argv) -> None:
+    del argv
+    args = flags.FLAGS  # the flags by name
     if args.baseline_dir is not None:
         ab_main(args)
         return
@@ -409,7 +321,7 @@ def _number(text: str):
 
 
 def ab_main(args) -> None:
-    """``--baseline-dir``: this checkout's server against the baseline's, same machine, same run."""
+    """``--baseline_dir``: this checkout's server against the baseline's, same machine, same run."""
     figures: dict = {"load_average_before": os.getloadavg(), "cpus": os.cpu_count()}
     figures["baseline_dir"] = args.baseline_dir
     limits = dict(workers=args.workers, slots=args.slots)
@@ -435,4 +347,4 @@ def ab_main(args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -13,7 +13,6 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.bench_rollout import answer_turn, teach_tool_use, tiny_policy, tool_code_output
 from rstar2jax import models
 from rstar2jax.agent import (
     FAILED_OUTCOMES,
@@ -24,6 +23,7 @@ from rstar2jax.agent import (
     SandboxClient,
     rollout_async,
 )
+from rstar2jax.agent.testing import answer_turn, teach_tool_use, tiny_policy, tool_code_output
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, ops

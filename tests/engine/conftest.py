@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from rstar2jax import models
 from rstar2jax.engine import EngineConfig, EngineCore
 from rstar2jax.models import load_pretrained
 
@@ -22,11 +23,8 @@ def tiny_qwen3(tmp_path_factory) -> TinyQwen3:
     """Random float32 Qwen3 (tied embeddings, GQA) with weights large enough for clear-cut greedy choices,
     saved by transformers and read back with ``load_pretrained``."""
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-        initializer_range=0.3, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-    )
+    tiny = models.config_to_hf(models.preset("tiny", max_position_embeddings=256))  # vocabulary of 256
+    hf_config = transformers.Qwen3Config(**tiny, initializer_range=0.3, eos_token_id=None, bos_token_id=None)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
     path = tmp_path_factory.mktemp("tiny-qwen3")
     model.save_pretrained(path)

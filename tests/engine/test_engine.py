@@ -10,6 +10,7 @@ import pytest
 import torch
 from jax._src import monitoring
 
+from rstar2jax import models
 from rstar2jax.engine import (
     PAUSED,
     Engine,
@@ -23,7 +24,7 @@ from rstar2jax.engine import (
     resume,
     set_pages,
 )
-from rstar2jax.models import ModelConfig, forward, init_params, layers_are_unstacked, unstack_layers
+from rstar2jax.models import forward, init_params, layers_are_unstacked, unstack_layers
 from tests.engine.conftest import ENGINE_CONFIG
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
@@ -322,8 +323,8 @@ def test_decode_updates_the_pages_in_place(unstacked):
     """The decode loop writes the donated page pool in place and reads only gathered blocks of it: its
     compiled program needs scratch memory under half the pool (a per-step copy of the pool would need all
     of it)."""
-    config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
-                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)
+    config = models.preset("tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4,
+                           head_dim=8, tie_word_embeddings=False)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     if unstacked:
         params = jax.eval_shape(unstack_layers, params)
@@ -337,8 +338,8 @@ def test_decode_updates_the_pages_in_place(unstacked):
 def test_prefill_attention_memory_is_blocked_not_quadratic():
     """A 1024-token prefill chunk attends block by block over the pages: its scratch memory stays well under
     the [chunk, chunk] score matrix a dense prefill would build."""
-    config = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    config = models.preset("tiny", vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8,
+                           tie_word_embeddings=False)
     params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
     state = jax.eval_shape(lambda: init_state(config, num_slots=1, max_len=2048, attention="jnp",
                                               block_tokens=128))

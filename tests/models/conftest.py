@@ -11,10 +11,9 @@ from rstar2jax import models
 from tests.models.tiny_models import TinyModel
 
 # Head counts divisible by a 4-way tensor axis so every sharding rule really shards something.
-REFERENCE_CONFIG = models.ModelConfig(
-    model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-    num_kv_heads=4, head_dim=8, tie_word_embeddings=False,
-)  # fmt: skip
+REFERENCE_CONFIG = models.preset(
+    "tiny", vocab_size=128, num_heads=8, num_kv_heads=4, head_dim=8, tie_word_embeddings=False
+)
 
 
 def logprob_loss(params, tokens, config):

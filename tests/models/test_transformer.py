@@ -156,9 +156,9 @@ def test_cached_decode_step_updates_the_cache_in_place(layout):
     """A decode step on a donated cache writes it in place: the compiled step needs no scratch memory as large
     as the cache's keys (a copy of the cache would; reading one layer's keys and values for attention may
     materialise that layer's slice, 2/num_layers of it)."""
-    config = models.ModelConfig(
-        model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4,
-        num_heads=4, num_kv_heads=2, head_dim=8, scan_layers=layout == "scan",
+    config = models.preset(
+        "tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4, head_dim=8,
+        tie_word_embeddings=False, scan_layers=layout == "scan",
     )
     params = jax.eval_shape(lambda: models.init_params(config, jax.random.key(0)))
     if layout == "unstacked":

@@ -2,14 +2,14 @@
 
 Every call must come back with its own output (client retries after 503 are allowed), the server must
 execute each exactly once, and its memory must stay bounded. The default run uses 3,000 calls; the full
-20,000-call run is marked slow and is also part of ``experiments/bench_sandbox.py --load-test``.
+20,000-call run is marked slow and is also part of ``experiments/bench_sandbox.py --load_test``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from experiments.bench_sandbox import load_test
+from rstar2jax.agent.sandbox_load import load_test
 from sandbox_server import start_local
 from tests.sandbox_server.conftest import assert_clean
 
