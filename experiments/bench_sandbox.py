@@ -136,18 +136,6 @@ def breakdown(server, codes: list[str], in_flight: int) -> dict:
     }
 
 
-_CALLS = flags.DEFINE_integer("calls", 3000, "sandbox calls per workload")
-_BASELINE_CALLS = flags.DEFINE_integer("baseline_calls", 300, "fresh-interpreter calls per workload")
-_IN_FLIGHT = flags.DEFINE_integer("in_flight", 64, "calls outstanding at once")
-_WORKERS = flags.DEFINE_integer("workers", 2, "sandbox worker processes")
-_SLOTS = flags.DEFINE_integer("slots", ServerConfig.slots, "calls at once per worker")
-_PYTHON = flags.DEFINE_string("python", sys.executable, "interpreter for the baseline")
-_SERVER_PYTHON = flags.DEFINE_string(
-    "server_python", sys.executable, "interpreter the sandbox server and its calls run on"
-)
-_LOAD_TEST = flags.DEFINE_bool("load_test", False, "also 20,000 calls at 512 in flight")
-
-
 @contextlib.contextmanager
 def server_from_checkout(directory: str, *, python: str, **limits):
     """A sandbox server run from another checkout's ``sandbox_server`` (e.g. ``git worktree add /tmp/base
