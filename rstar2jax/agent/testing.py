@@ -29,8 +29,9 @@ from rstar2jax.agent import (
     render_prompt_text,
     tool_response_ids,
 )
+from rstar2jax.data.conversation import encode_text
 from rstar2jax.data.problems import Problem
-from rstar2jax.models.tokenizer import encode_text, train_tiny_tokenizer
+from rstar2jax.data.tokenizer import train_tiny_tokenizer
 
 #: The call the tool-using policy learns to write: real work in the sandbox, a fixed output.
 TOOL_CODE = "total = 0\nfor i in range(300000):\n    total += i * i % 7\nprint(total)"
