@@ -98,6 +98,11 @@ NOT_RUN = {
     "--prompt=bare --datasets=runs/demo/data/eval.jsonl --workdir=runs/demo/eval_rl --samples=4 "
     "--temperature=1.0 --max_tokens=320 --max_turns=4": "needs the demo's RL policy (the main job writes it)",
     "python -m experiments.X": "a placeholder in prose, not a command",
+    "python -m experiments.bench_X": "a placeholder in prose, not a command",
+    "python -m experiments.train_rl --config=experiments/configs/qwen3_1p7b_1gpu.py": (
+        "needs an 80 GB GPU (its --dry_run plan is tested in tests/train/test_colocate.py)"
+    ),
+    "python -m experiments.bench_train --gpu": "needs a GPU",
     "python -m experiments.sft_data": "writes the shipped SFT set with a live sandbox; minutes",
 }
 
