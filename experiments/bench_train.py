@@ -120,14 +120,7 @@ def run_jax(config: dict, batch: int, seq_len: int, steps: int) -> dict:
     compiled = step.lower(state, data).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    state, metrics = compiled(state, data)  # warm-up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, data)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    times, metrics = timed_steps(compiled, state, data, steps)
     return {
         "step_s": float(np.median(times)),
         "compile_s": compile_s,
@@ -226,7 +219,15 @@ def time_rl_step(model_config, batch, steps: int) -> float:
     optimizer = train.make_optimizer()
     state = train.init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, 0)
     step = train.make_rl_step(model_config, optimizer)
-    batch = jax.device_put(batch)
+    times, _ = timed_steps(step, state, jax.device_put(batch), steps)
+    return float(np.median(times))
+
+
+def timed_steps(step, state, batch, steps: int) -> tuple[list[float], dict]:
+    """Seconds of each of ``steps`` calls of ``step(state, batch)`` after one warm-up call (the state is
+    threaded through: the step donates it), and the last call's metrics."""
+    import jax
+
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     times = []
@@ -235,7 +236,7 @@ def time_rl_step(model_config, batch, steps: int) -> float:
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return times, metrics
 
 
 def memory_main() -> None:
