@@ -23,8 +23,6 @@ from sandbox_server.config import ServerConfig
 from sandbox_server.metrics import Metrics
 from sandbox_server.pool import Pool, QueueFull
 
-BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client cannot hold a handler)
-
 
 def _decode_body(body: bytes, content_type: str):
     if content_type == schema.CONTENT_TYPE_MSGPACK:
@@ -95,7 +93,10 @@ class SandboxServer:
                 web.delete(schema.PATH_SESSIONS + "/{session}", self.handle_close_session),
             ]
         )
-        self.runner = web.AppRunner(app, access_log=None)
+        # aiohttp closes a connection that has not delivered a complete request head within
+        # keepalive_timeout of connecting (or of the previous answer): a header read timeout, so a client
+        # trickling header bytes (slowloris) is disconnected. Tested in test_hardening.
+        self.runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.config.header_timeout)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
         await site.start()
@@ -151,9 +152,9 @@ class SandboxServer:
     async def _read_payload(self, request: web.Request):
         """The decoded body; a decoding error becomes 400 with the decoder's message."""
         try:
-            body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+            body = await asyncio.wait_for(request.read(), self.config.body_timeout)
         except TimeoutError as error:
-            raise _BadRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s") from error
+            raise _BadRequest(f"request body not received within {self.config.body_timeout:g} s") from error
         try:
             return _decode_body(body, request.content_type)
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as error:
