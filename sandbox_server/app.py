@@ -21,7 +21,7 @@ from aiohttp import web
 from sandbox_server import schema
 from sandbox_server.config import ServerConfig
 from sandbox_server.metrics import Metrics
-from sandbox_server.pool import Pool, QueueFull
+from sandbox_server.pool import Pool, QueueFull, SessionsFull
 
 
 def _decode_body(body: bytes, content_type: str):
@@ -90,6 +90,7 @@ class SandboxServer:
                 web.post(schema.PATH_BATCH, self.handle_batch),
                 web.get(schema.PATH_HEALTH, self.handle_health),
                 web.get(schema.PATH_METRICS, self.handle_metrics),
+                web.post(schema.PATH_SESSIONS, self.handle_open_session),
                 web.delete(schema.PATH_SESSIONS + "/{session}", self.handle_close_session),
             ]
         )
@@ -192,7 +193,8 @@ class SandboxServer:
         admitted = time.monotonic()
         result = await self.pool.run(call, admitted)
         collected = time.monotonic()
-        response = _encode(result, request)
+        not_found = result["error_type"] == schema.SESSION_NOT_FOUND and result["status"] == "invalid_request"
+        response = _encode(result, request, 404 if not_found else 200)
         self.metrics.frontend_seconds += (admitted - started) + (time.monotonic() - collected)
         return response
 
@@ -249,9 +251,22 @@ class SandboxServer:
         )
         return _encode(snapshot, request)
 
+    async def handle_open_session(self, request: web.Request) -> web.Response:
+        try:
+            opened = self.pool.open_session()
+        except SessionsFull as error:
+            self.metrics.rejected[503] += 1
+            return _error(request, 503, f"sandbox busy: {error}", {"Retry-After": "1"})
+        return _encode(opened, request)
+
     async def handle_close_session(self, request: web.Request) -> web.Response:
-        closed = self.pool.close_session(request.match_info["session"])
-        return _encode({"closed": closed}, request, 200 if closed else 404)
+        """Closes the session if the ``X-Session-Token`` header holds its token; an unknown id and a wrong or
+        missing token get the same 404."""
+        token = request.headers.get(schema.SESSION_TOKEN_HEADER)
+        closed = self.pool.close_session(request.match_info["session"], token)
+        if closed:
+            return _encode({"closed": True}, request)
+        return _encode({"closed": False, "error": "no session with this id and token"}, request, 404)
 
 
 def _memory_cgroup_parent() -> tuple[str, str]:

@@ -15,11 +15,19 @@ import pytest
 
 from sandbox_server import start_local
 from sandbox_server.config import ServerConfig
-from tests.sandbox_server.conftest import run_batch
+from tests.sandbox_server.conftest import (
+    delete_session,
+    get,
+    open_session,
+    post,
+    processes_in_uid_range,
+    run_batch,
+)
 from tests.sandbox_server.test_attacks_innocents import _assert_innocent, _innocent
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
+SESSION_TTL = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,7 @@ def hardened():
         header_timeout=HEADER_TIMEOUT,
         body_timeout=BODY_TIMEOUT,
         max_sessions=6,
-        session_ttl=3.0,
+        session_ttl=SESSION_TTL,
         session_cpu_seconds=3,
     ) as running:
         yield running
@@ -119,3 +127,62 @@ def test_a_client_trickling_its_body_gets_400_while_innocent_calls_succeed(harde
 def test_read_timeouts_outside_sane_bounds_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
+
+
+# ------------------------------------------------------------------------------------ session ownership
+def _run_one(url: str, code: str, **fields) -> tuple[int, dict]:
+    status, body, _ = post(url, {"code": code, **fields})
+    return status, body
+
+
+def _assert_not_found(status: int, result: dict) -> None:
+    assert status == 404, result
+    assert (result["status"], result["error_type"]) == ("invalid_request", "SessionNotFound"), result
+    assert result["stdout"] == "", result
+
+
+def test_a_session_answers_only_its_token_and_strangers_learn_nothing(hardened):
+    url = hardened.url
+    owner, stranger = open_session(url), open_session(url)
+    assert owner["session"] != stranger["session"] and len(owner["session_token"]) >= 40
+    assert _run_one(url, "secret = 'owner data'", **owner)[1]["status"] == "ok"
+    sid = owner["session"]
+    attempts = [
+        {"session": sid},  # no token
+        {"session": sid, "session_token": stranger["session_token"]},  # another session's token
+        {"session": sid, "session_token": owner["session_token"][:-1] + "x"},  # nearly right
+        {"session": sid + "x", "session_token": owner["session_token"]},  # a guessed id
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        innocent = pool.submit(_innocent_batch, url, 0)
+        for fields in attempts:
+            _assert_not_found(*_run_one(url, "print(secret)", **fields))
+            batch = run_batch(url, [{"code": "print(secret)", **fields}])[0]
+            assert batch["error_type"] == "SessionNotFound" and "owner data" not in str(batch), batch
+            wrong = {"session": fields["session"], "session_token": fields.get("session_token") or "x"}
+            assert delete_session(url, wrong)[0] == 404
+        _assert_innocent(innocent.result())
+    mine = _run_one(url, "print(secret)", **owner)[1]
+    assert mine["stdout"] == "owner data\n", mine  # untouched by all of the above
+    assert delete_session(url, owner) == (200, {"closed": True})
+    # Closed: its owner learns why; a stranger gets the same answer as for an id that never existed.
+    gone = _run_one(url, "1", **owner)[1]
+    assert (gone["status"], gone["error_type"]) == ("killed", "SessionClosed") and "closed" in gone["stderr"]
+    _assert_not_found(*_run_one(url, "1", session=sid, session_token=stranger["session_token"]))
+    delete_session(url, stranger)
+
+
+def test_an_idle_session_expires_and_its_processes_are_gone(hardened):
+    url = hardened.url
+    session = open_session(url)
+    spawn = "import subprocess\nchild = subprocess.Popen(['sleep', '1000'])\nprint(child.pid > 1)"
+    assert _run_one(url, spawn, **session)[1]["stdout"] == "True\n"
+    lo, hi = get(url, "/health")["uid_ranges"]["sessions"]
+    assert processes_in_uid_range(lo, hi), "the session's processes should be running"
+    deadline = time.monotonic() + 10 * SESSION_TTL
+    while processes_in_uid_range(lo, hi) and time.monotonic() < deadline:
+        _assert_innocent(_innocent_batch(url, 0))  # other clients' calls meanwhile are fine
+    assert not processes_in_uid_range(lo, hi), "the expired session's processes are still running"
+    expired = _run_one(url, "print(1)", **session)[1]
+    assert (expired["status"], expired["error_type"]) == ("killed", "SessionClosed"), expired
+    assert f"closed after {SESSION_TTL:g} s idle" in expired["stderr"]
