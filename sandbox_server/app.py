@@ -21,9 +21,7 @@ from aiohttp import web
 from sandbox_server import schema
 from sandbox_server.config import ServerConfig
 from sandbox_server.metrics import Metrics
-from sandbox_server.pool import Pool, QueueFull
-
-BODY_READ_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client cannot hold a handler)
+from sandbox_server.pool import Pool, QueueFull, SessionsFull
 
 
 def _decode_body(body: bytes, content_type: str):
@@ -92,10 +90,14 @@ class SandboxServer:
                 web.post(schema.PATH_BATCH, self.handle_batch),
                 web.get(schema.PATH_HEALTH, self.handle_health),
                 web.get(schema.PATH_METRICS, self.handle_metrics),
+                web.post(schema.PATH_SESSIONS, self.handle_open_session),
                 web.delete(schema.PATH_SESSIONS + "/{session}", self.handle_close_session),
             ]
         )
-        self.runner = web.AppRunner(app, access_log=None)
+        # aiohttp closes a connection that has not delivered a complete request head within
+        # keepalive_timeout of connecting (or of the previous answer): a header read timeout, so a client
+        # trickling header bytes (slowloris) is disconnected. Tested in test_hardening.
+        self.runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.config.header_timeout)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
         await site.start()
@@ -151,9 +153,9 @@ class SandboxServer:
     async def _read_payload(self, request: web.Request):
         """The decoded body; a decoding error becomes 400 with the decoder's message."""
         try:
-            body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+            body = await asyncio.wait_for(request.read(), self.config.body_timeout)
         except TimeoutError as error:
-            raise _BadRequest(f"request body not received within {BODY_READ_TIMEOUT_S:g} s") from error
+            raise _BadRequest(f"request body not received within {self.config.body_timeout:g} s") from error
         try:
             return _decode_body(body, request.content_type)
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as error:
@@ -191,7 +193,8 @@ class SandboxServer:
         admitted = time.monotonic()
         result = await self.pool.run(call, admitted)
         collected = time.monotonic()
-        response = _encode(result, request)
+        not_found = result["error_type"] == schema.SESSION_NOT_FOUND and result["status"] == "invalid_request"
+        response = _encode(result, request, 404 if not_found else 200)
         self.metrics.frontend_seconds += (admitted - started) + (time.monotonic() - collected)
         return response
 
@@ -248,9 +251,22 @@ class SandboxServer:
         )
         return _encode(snapshot, request)
 
+    async def handle_open_session(self, request: web.Request) -> web.Response:
+        try:
+            opened = self.pool.open_session()
+        except SessionsFull as error:
+            self.metrics.rejected[503] += 1
+            return _error(request, 503, f"sandbox busy: {error}", {"Retry-After": "1"})
+        return _encode(opened, request)
+
     async def handle_close_session(self, request: web.Request) -> web.Response:
-        closed = self.pool.close_session(request.match_info["session"])
-        return _encode({"closed": closed}, request, 200 if closed else 404)
+        """Closes the session if the ``X-Session-Token`` header holds its token; an unknown id and a wrong or
+        missing token get the same 404."""
+        token = request.headers.get(schema.SESSION_TOKEN_HEADER)
+        closed = self.pool.close_session(request.match_info["session"], token)
+        if closed:
+            return _encode({"closed": True}, request)
+        return _encode({"closed": False, "error": "no session with this id and token"}, request, 404)
 
 
 def _memory_cgroup_parent() -> tuple[str, str]:

@@ -73,6 +73,8 @@ SANE_BOUNDS = {
     "session_ttl": (0.001, 86400.0 * 7),
     "session_cpu_seconds": (1, 86400 * 7),
     "session_memory_mb": (64, 1 << 20),
+    "header_timeout": (0.1, 3600.0),
+    "body_timeout": (0.1, 3600.0),
 }
 
 
@@ -152,6 +154,18 @@ class ServerConfig:
     )
     max_request_bytes: int = dataclasses.field(
         default=32 << 20, metadata={"help": "largest request body (413)"}
+    )
+    header_timeout: float = dataclasses.field(
+        default=60.0,
+        metadata={
+            "help": "seconds a client has to send a request's headers, counted from connecting or from the "
+            "previous answer on a kept-alive connection (a slow client is disconnected); also how long an "
+            "idle kept-alive connection stays open"
+        },
+    )
+    body_timeout: float = dataclasses.field(
+        default=30.0,
+        metadata={"help": "seconds a request's body may take to arrive once its headers have (400)"},
     )
     max_batch: int = dataclasses.field(default=256, metadata={"help": "most requests in one /run/batch"})
     max_queue: int = dataclasses.field(

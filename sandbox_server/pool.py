@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hmac
 import itertools
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,6 +35,10 @@ RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 TOMBSTONES_KEPT = 4096
 WORKER_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fresh_note(sid: str, reason: str) -> str:
+    return f"sandbox: note: session {sid!r} was {reason}; this call started a fresh session\n"
 
 
 class QueueFull(Exception):
@@ -192,12 +198,28 @@ class WorkerSet:
 @dataclasses.dataclass
 class Session:
     id: str
+    token: str  # the capability: every call and the close must present it
     worker: WorkerSet
     uid_index: int
     last_used: float
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     busy: int = 0
-    started: bool = False  # the worker has (or had) a process for it
+    started: bool = False  # the worker has a process for it (False: the next call starts one)
+    note: str = ""  # why its process ended, told to the next call (which starts a fresh one)
+
+
+class SessionsFull(Exception):
+    """Every session slot holds a session with a call in flight; none can be evicted."""
+
+
+def _session_not_found(sid: str) -> dict:
+    # The same answer for an unknown id and a wrong token: it tells a guesser nothing.
+    return _internal(
+        f"no session {sid!r} with this token (open one with POST {schema.PATH_SESSIONS} and present its "
+        "token as 'session_token')",
+        "invalid_request",
+        schema.SESSION_NOT_FOUND,
+    )
 
 
 @dataclasses.dataclass
@@ -223,7 +245,8 @@ class Pool:
         self.call_ids = itertools.count(1)
         self.sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()  # LRU order
         self.free_session_uids = list(range(config.max_sessions))[::-1]
-        self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # closed sessions: id -> (token, why), so that their owner (only) learns why
+        self.tombstones: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.closing = False
         self._background: set[asyncio.Task] = set()
 
@@ -334,32 +357,44 @@ class Pool:
         self._pump()
 
     # ----------------------------------------------------------------------------------------- sessions
-    async def _run_in_session(self, request: dict, stamps: dict) -> dict:
-        sid = request["session"]
+    def _owned(self, sid: str, token: str | None) -> Session | None:
+        """The session ``sid`` if ``token`` is its token (compared in constant time), else None."""
         session = self.sessions.get(sid)
-        note = ""
+        if session is None or token is None or not hmac.compare_digest(session.token, token):
+            return None
+        return session
+
+    async def _run_in_session(self, request: dict, stamps: dict) -> dict:
+        sid, token = request["session"], request["session_token"]
+        session = self._owned(sid, token)
         if session is None:
-            session = self._open_session(sid)
-            if session is None:
+            tomb = self.tombstones.get(sid)
+            if tomb is not None and token is not None and hmac.compare_digest(tomb[0], token):
                 return _internal(
-                    f"all {self.config.max_sessions} sessions are busy; retry later or close one",
-                    "invalid_request",
+                    f"session {sid!r} was {tomb[1]}; its state is lost (open a new session)",
+                    "killed",
+                    schema.SESSION_CLOSED,
                 )
-            reason = self.tombstones.pop(sid, None)
-            if reason is not None:
-                note = f"sandbox: note: session {sid!r} was {reason}; this call started a fresh session\n"
+            return _session_not_found(sid)
         session.busy += 1
         try:
             async with session.lock:
+                if self.sessions.get(sid) is not session:  # closed while this call waited for the lock
+                    reason = self.tombstones.get(sid, (None, "closed"))[1]
+                    return _internal(f"session {sid!r} was {reason}", "killed", schema.SESSION_CLOSED)
                 self.sessions.move_to_end(sid)
                 process = session.worker.processes["full"]
                 stamps["dispatched"] = time.monotonic()
+                note, session.note = session.note, ""
                 if not process.ready:
                     message = _internal(
-                        "the session's worker is restarting; the session is lost", "killed", "WorkerDied"
+                        "the session's worker is restarting; the session's state is lost",
+                        "killed",
+                        "WorkerDied",
                     )
-                    self._drop_session(session, "lost when its worker restarted")
+                    session.started, session.note = False, _fresh_note(sid, "lost when its worker restarted")
                 else:
+                    create, session.started = not session.started, True  # before awaiting: a close kills it
                     message = await process.send(
                         {
                             "op": "session_run",
@@ -369,50 +404,62 @@ class Pool:
                             "stdin": request["stdin"],
                             "timeout": request["timeout"],
                             "uid": self.session_uid_base + session.uid_index,
-                            "create": not session.started,
+                            "create": create,
                         }
                     )
-                    session.started = True
                     if message.get("session_ended"):
-                        self._drop_session(session, f"terminated earlier ({message['session_ended']})")
+                        reason = f"terminated earlier ({message['session_ended']})"
+                        session.started, session.note = False, _fresh_note(sid, reason)
+                if note:
+                    message = dict(message, stderr=note + message["stderr"])
         finally:
             session.busy -= 1
             session.last_used = time.monotonic()
-        if note:
-            message = dict(message, stderr=note + message["stderr"])
         return message
 
-    def _open_session(self, sid: str) -> Session | None:
+    def open_session(self) -> dict:
+        """A new session: ``{"session": id, "token": token}`` (both unguessable). Evicts the least
+        recently used idle session when ``max_sessions`` are open; ``SessionsFull`` if every one has a call
+        in flight."""
         if len(self.sessions) >= self.config.max_sessions:
             idle = next((s for s in self.sessions.values() if not s.busy), None)  # least recently used first
             if idle is None:
-                return None
-            self.close_session(idle.id, "evicted (too many sessions)")
+                raise SessionsFull(f"all {self.config.max_sessions} sessions are busy; retry later")
+            self._close(idle, "evicted (too many sessions)")
         worker_set = min(
             (ws for ws in self.worker_sets if "full" in ws.tiers_ready()),
             key=lambda ws: ws.sessions,
             default=self.worker_sets[0],
         )
-        session = Session(sid, worker_set, self.free_session_uids.pop(), time.monotonic())
+        sid = secrets.token_urlsafe(12)
+        while sid in self.sessions or sid in self.tombstones:
+            sid = secrets.token_urlsafe(12)
+        session = Session(
+            sid, secrets.token_urlsafe(32), worker_set, self.free_session_uids.pop(), time.monotonic()
+        )
         worker_set.sessions += 1
         self.sessions[sid] = session
-        return session
+        return {schema.SESSION_KEY: sid, schema.SESSION_TOKEN_KEY: session.token}
 
-    def _drop_session(self, session: Session, reason: str) -> None:
-        if self.sessions.get(session.id) is session:
-            del self.sessions[session.id]
-            session.worker.sessions -= 1
-            self.free_session_uids.append(session.uid_index)
-            self.tombstones[session.id] = reason
-            while len(self.tombstones) > TOMBSTONES_KEPT:
-                self.tombstones.popitem(last=False)
+    def _close(self, session: Session, reason: str) -> None:
+        """End ``session``: its process is killed (resources freed with it), its owner learns ``reason``."""
+        if self.sessions.get(session.id) is not session:
+            return
+        del self.sessions[session.id]
+        session.worker.sessions -= 1
+        self.free_session_uids.append(session.uid_index)
+        self.tombstones[session.id] = (session.token, reason)
+        while len(self.tombstones) > TOMBSTONES_KEPT:
+            self.tombstones.popitem(last=False)
+        if session.started:
+            session.worker.processes["full"].notify({"op": "session_close", "session": session.id})
 
-    def close_session(self, sid: str, reason: str = "closed") -> bool:
-        session = self.sessions.get(sid)
+    def close_session(self, sid: str, token: str | None) -> bool:
+        """Close ``sid`` if ``token`` is its token; False (and nothing touched) otherwise."""
+        session = self._owned(sid, token)
         if session is None:
             return False
-        session.worker.processes["full"].notify({"op": "session_close", "session": sid})
-        self._drop_session(session, reason)
+        self._close(session, "closed by its client")
         return True
 
     async def _expire_sessions(self) -> None:
@@ -422,7 +469,7 @@ class Pool:
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 if not session.busy and now - session.last_used > ttl:
-                    self.close_session(session.id, f"closed after {ttl:g} s idle")
+                    self._close(session, f"closed after {ttl:g} s idle")
 
     # ------------------------------------------------------------------------------------------ restarts
     def on_worker_exit(self, process: WorkerProcess) -> None:
@@ -430,8 +477,10 @@ class Pool:
             return
         self.metrics.worker_restarts += 1
         if process.tier == "full":
-            for session in [s for s in self.sessions.values() if s.worker.processes["full"] is process]:
-                self._drop_session(session, "lost when its worker restarted")
+            for session in self.sessions.values():
+                if session.worker.processes["full"] is process and session.started:
+                    session.started = False
+                    session.note = _fresh_note(session.id, "lost when its worker restarted")
         self.spawn_background(self._restart(process))
 
     async def _restart(self, process: WorkerProcess) -> None:

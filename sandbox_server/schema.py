@@ -5,7 +5,15 @@ can import it without pulling in the server.
 
 Request (``POST /run``, or each element of ``{"requests": [...]}`` on ``POST /run/batch``)::
 
-    {"code": str, "stdin": str = "", "timeout": float = server default, "session": str | null = null}
+    {"code": str, "stdin": str = "", "timeout": float = server default, "session": str | null = null,
+     "session_token": str | null = null}
+
+Sessions are opened with ``POST /sessions`` (no body), answered ``{"session": id, "token": token}``; every
+call in the session names ``session`` and presents its ``session_token``, and ``DELETE /sessions/{id}`` the
+``X-Session-Token`` header. An unknown id or a wrong or missing token is answered ``invalid_request`` with
+``error_type`` ``SessionNotFound`` (``/run``: HTTP 404), the same either way, and does not touch the
+session. A call with the right token to a session that was closed, evicted or expired is answered
+``killed`` with ``error_type`` ``SessionClosed`` and the reason in ``stderr``.
 
 Result (the ``/run`` body, or each element of ``{"results": [...]}``, in request order)::
 
@@ -33,18 +41,23 @@ PATH_RUN = "/run"
 PATH_BATCH = "/run/batch"
 PATH_HEALTH = "/health"
 PATH_METRICS = "/metrics"
-PATH_SESSIONS = "/sessions"  # DELETE /sessions/{id} closes a session
+PATH_SESSIONS = "/sessions"  # POST /sessions opens a session, DELETE /sessions/{id} closes one
+SESSION_TOKEN_HEADER = "X-Session-Token"
+SESSION_KEY = "session"
+SESSION_TOKEN_KEY = "token"
 
 CONTENT_TYPE_JSON = "application/json"
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 
 STATUSES = ("ok", "error", "timeout", "memory_limit", "output_limit", "killed", "invalid_request", "internal")
-REQUEST_FIELDS = ("code", "stdin", "timeout", "session")
+REQUEST_FIELDS = ("code", "stdin", "timeout", "session", "session_token")
 RESULT_FIELDS = ("status", "stdout", "stderr", "exit_code", "error_type", "duration")
 BATCH_REQUESTS_KEY = "requests"
 BATCH_RESULTS_KEY = "results"
 
 MAX_SESSION_ID_CHARS = 128
+SESSION_NOT_FOUND = "SessionNotFound"  # error_type: unknown session id, or a wrong or missing token
+SESSION_CLOSED = "SessionClosed"  # error_type: the session was closed, evicted or expired (its owner asked)
 
 
 class SchemaError(ValueError):
@@ -87,13 +100,22 @@ def validate_run_request(
         raise SchemaError(f"'timeout' must be a number of seconds, got {type(timeout).__name__}")
     if not math.isfinite(timeout) or timeout <= 0 or timeout > max_timeout:
         raise SchemaError(f"'timeout' must be in (0, {max_timeout}] seconds, got {timeout}")
-    session = obj.get("session")
-    if session is not None:
-        if not isinstance(session, str) or not session:
-            raise SchemaError("'session' must be a non-empty string or null")
-        if len(session) > MAX_SESSION_ID_CHARS:
-            raise SchemaError(f"'session' id longer than {MAX_SESSION_ID_CHARS} characters")
-    return {"code": code, "stdin": stdin, "timeout": float(timeout), "session": session}
+    session, token = obj.get("session"), obj.get("session_token")
+    for name, value in (("session", session), ("session_token", token)):
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise SchemaError(f"{name!r} must be a non-empty string or null")
+            if len(value) > MAX_SESSION_ID_CHARS:
+                raise SchemaError(f"{name!r} longer than {MAX_SESSION_ID_CHARS} characters")
+    if token is not None and session is None:
+        raise SchemaError("'session_token' given without a 'session'")
+    return {
+        "code": code,
+        "stdin": stdin,
+        "timeout": float(timeout),
+        "session": session,
+        "session_token": token,
+    }
 
 
 def validate_batch_request(obj: Any, *, max_batch: int) -> list:

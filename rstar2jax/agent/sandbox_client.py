@@ -14,7 +14,12 @@ How it behaves:
       sent when a batch is full or ``batch_window`` seconds after its first call;
     * with several server URLs each batch goes to the one with the fewest calls outstanding (a server that
       refused a connection sits out a back-off period); calls with a ``session`` always go to the same
-      server, chosen by hashing the session id, because a session lives in one server;
+      server, chosen by hashing the session name, because a session lives in one server;
+    * a ``session`` name is the client's own: its first call opens a session on the server
+      (``POST /sessions``) and the client keeps the server's id and token, which every later call and
+      ``close_session`` present; another client using the same name gets a session of its own. A call that
+      finds its session closed or expired (``SessionClosed``) says so, and the next call with that name
+      opens a fresh session;
     * connection errors and 503 (queue full) are retried with exponential back-off and jitter; a session
       call is retried only if it was certainly not delivered (connection refused, 503);
     * every call has a deadline, ``timeout + deadline_slack``; a call that cannot get a result by then
@@ -80,6 +85,19 @@ class _Call:
     request: dict
     future: asyncio.Future
     deadline: float
+    url: str | None = None  # the server a session call must go to
+
+
+@dataclasses.dataclass(frozen=True)
+class _SessionHandle:
+    """A session opened on ``url``: the server's id for it and the token that proves it is ours."""
+
+    url: str
+    id: str
+    token: str
+
+
+CLIENT_REQUEST_FIELDS = ("code", "stdin", "timeout", "session")
 
 
 class _Retry(Exception):
@@ -158,6 +176,8 @@ class SandboxClient:
         self._tasks: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
+        self._sessions: dict[str, _SessionHandle] = {}  # the caller's session name -> the server's
+        self._opening: dict[str, asyncio.Future] = {}  # names whose session is being opened
 
     # ------------------------------------------------------------------------------------------ public
     async def run(
@@ -172,10 +192,18 @@ class SandboxClient:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         loop = asyncio.get_running_loop()
+        request = {"code": code, "stdin": stdin, "timeout": timeout, "session": None}
+        handle = None
+        if session is not None:
+            handle = await self._session_handle(session)
+            if isinstance(handle, SandboxResult):  # could not open it
+                return handle
+            request.update(session=handle.id, session_token=handle.token)
         call = _Call(
-            request={"code": code, "stdin": stdin, "timeout": timeout, "session": session},
+            request=request,
             future=loop.create_future(),
             deadline=time.monotonic() + timeout + self.deadline_slack,
+            url=None if handle is None else handle.url,
         )
         self._pending.append(call)
         if len(self._pending) >= self.max_batch:
@@ -183,11 +211,15 @@ class SandboxClient:
         elif self._flush_handle is None:
             self._flush_handle = loop.call_later(self.batch_window, self._flush)
         try:
-            return await asyncio.wait_for(
+            result = await asyncio.wait_for(
                 asyncio.shield(call.future), max(0.0, call.deadline - time.monotonic()) + 1.0
             )
         except TimeoutError:
             return _deadline_result(call)
+        if handle is not None and result.error_type in (schema.SESSION_CLOSED, schema.SESSION_NOT_FOUND):
+            if self._sessions.get(session) is handle:  # gone on the server: the next call opens a new one
+                del self._sessions[session]
+        return result
 
     async def run_many(
         self, requests: Iterable[str | dict], *, timeout: float | None = None, session: str | None = None
@@ -200,21 +232,90 @@ class SandboxClient:
         specs = []
         for item in requests:
             spec = {"code": item} if isinstance(item, str) else dict(item)
-            unknown = set(spec) - set(schema.REQUEST_FIELDS)
+            unknown = set(spec) - set(CLIENT_REQUEST_FIELDS)
             if "code" not in spec or unknown:
                 raise ValueError(
-                    f"each request needs 'code' and only {schema.REQUEST_FIELDS}; got {sorted(spec)}"
+                    f"each request needs 'code' and only {CLIENT_REQUEST_FIELDS}; got {sorted(spec)}"
                 )
             specs.append({"timeout": timeout, "session": session, **spec})
         return list(await asyncio.gather(*(self.run(**spec) for spec in specs)))
 
     async def close_session(self, session: str) -> bool:
-        """Close a session on its server; returns whether it existed."""
-        url = self._session_url(session)
+        """Close a session on its server; returns whether it existed (a name this client never used, or
+        whose session has already ended, is False)."""
+        opening = self._opening.get(session)
+        if opening is not None:
+            await asyncio.shield(opening)
+        handle = self._sessions.pop(session, None)
+        if handle is None:
+            return False
         http = await self._session()
-        path = f"{schema.PATH_SESSIONS}/{urllib.parse.quote(session, safe='')}"
-        async with http.delete(url + path, headers=self._headers()) as response:
+        path = f"{schema.PATH_SESSIONS}/{urllib.parse.quote(handle.id, safe='')}"
+        headers = {**self._headers(), schema.SESSION_TOKEN_HEADER: handle.token}
+        async with http.delete(handle.url + path, headers=headers) as response:
             return response.status == 200
+
+    async def _session_handle(self, name: str) -> _SessionHandle | SandboxResult:
+        """The server session behind ``name``, opened on first use (concurrent first calls share one open);
+        a failure result if it cannot be opened."""
+        handle = self._sessions.get(name)
+        if handle is not None:
+            return handle
+        opening = self._opening.get(name)
+        if opening is None:
+            opening = asyncio.get_running_loop().create_future()
+            self._opening[name] = opening
+            try:
+                opened = await self._open_session(self._session_url(name))
+            except BaseException:
+                opening.set_result(SandboxResult.failure("opening the session was cancelled"))
+                raise
+            finally:
+                del self._opening[name]
+            if isinstance(opened, _SessionHandle):
+                self._sessions[name] = opened
+            opening.set_result(opened)
+            return opened
+        return await asyncio.shield(opening)
+
+    async def _open_session(self, url: str) -> _SessionHandle | SandboxResult:
+        """``POST /sessions`` on ``url``, retrying refused connections and 503 like calls are retried."""
+        http = await self._session()
+        delay = self.backoff[0]
+        for attempt in range(self.connect_attempts):
+            if attempt:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(2 * delay, self.backoff[1])
+            try:
+                async with http.post(
+                    url + schema.PATH_SESSIONS,
+                    headers=self._headers(),
+                    timeout=aiohttp.ClientTimeout(
+                        total=self.deadline_slack + 5, connect=self.connect_timeout
+                    ),
+                ) as response:
+                    status, raw = response.status, await response.read()
+            except (aiohttp.ClientConnectorError, ConnectionRefusedError) as error:
+                failure = SandboxResult.failure(
+                    f"cannot open a session on {url}: {error} (is the server down?)", error_type="Unreachable"
+                )
+                continue
+            except (TimeoutError, aiohttp.ClientError, OSError) as error:
+                return SandboxResult.failure(
+                    f"opening a session on {url} failed: {error!r}", error_type="ConnectionError"
+                )
+            decoded = _decode(raw, response.content_type)
+            if status == 200 and isinstance(decoded, dict):
+                session_id, token = decoded.get(schema.SESSION_KEY), decoded.get(schema.SESSION_TOKEN_KEY)
+                if isinstance(session_id, str) and isinstance(token, str):
+                    return _SessionHandle(url, session_id, token)
+            message = decoded.get("error") if isinstance(decoded, dict) else raw[:200]
+            failure = SandboxResult.failure(
+                f"HTTP {status} from {url} opening a session: {message!r}", error_type=f"HTTP{status}"
+            )
+            if status != 503:
+                return failure
+        return failure
 
     async def health(self, url: str | None = None) -> dict:
         return await self._get(url or self.urls[0], schema.PATH_HEALTH)
@@ -251,8 +352,7 @@ class SandboxClient:
         pending, self._pending = self._pending, []
         by_target: dict[str | None, list[_Call]] = {}
         for call in pending:
-            session = call.request["session"]
-            by_target.setdefault(None if session is None else self._session_url(session), []).append(call)
+            by_target.setdefault(call.url, []).append(call)
         for url, calls in by_target.items():
             for start in range(0, len(calls), self.max_batch):
                 task = asyncio.get_running_loop().create_task(

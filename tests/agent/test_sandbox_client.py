@@ -39,12 +39,14 @@ class FakeServer:
     def __init__(self, behaviour):
         self.behaviour = behaviour  # async (FakeServer, list of requests, request) -> web.Response
         self.batches: list[list[dict]] = []
+        self.sessions_opened = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def __aenter__(self):
         app = web.Application()
         app.router.add_post(schema.PATH_BATCH, self._handle)
+        app.router.add_post(schema.PATH_SESSIONS, self._open_session)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -54,6 +56,11 @@ class FakeServer:
 
     async def __aexit__(self, *exc_info):
         await self.runner.cleanup()
+
+    async def _open_session(self, request):
+        self.sessions_opened += 1
+        opened = {schema.SESSION_KEY: f"fake-{self.sessions_opened}", schema.SESSION_TOKEN_KEY: "token"}
+        return web.json_response(opened)
 
     async def _handle(self, request):
         body = await request.read()
@@ -123,6 +130,34 @@ def test_sessions_through_the_client(server):
     assert value.stdout == "42\n" and closed and not closed_again
 
 
+def test_a_session_name_belongs_to_the_client_that_used_it(server):
+    """Two clients using the same session name get separate sessions; the wire id and token the server
+    gave one of them are needed to reach it, and once it is closed or expired the next call starts afresh."""
+
+    async def main():
+        async with SandboxClient(server.url) as owner, SandboxClient(server.url) as other:
+            await owner.run("secret = 41", session="shared-name")
+            seen_by_other = await other.run("print('secret' in globals())", session="shared-name")
+            handle = owner._sessions["shared-name"]
+            guess = {"code": "secret", "session": handle.id}  # the id without the token
+            async with other._http.post(server.url + schema.PATH_RUN, json=guess) as response:
+                guessed = response.status, await response.json()
+            still = await owner.run("secret + 1", session="shared-name")
+            closed = await other.close_session("shared-name")
+            after_other_closed = await owner.run("secret + 1", session="shared-name")
+            await owner.close_session("shared-name")
+            fresh = await owner.run("print('secret' in globals())", session="shared-name")
+            await owner.close_session("shared-name")
+            return seen_by_other, guessed, still, closed, after_other_closed, fresh
+
+    seen_by_other, guessed, still, closed, after_other_closed, fresh = _run(main())
+    assert seen_by_other.stdout == "False\n"
+    assert guessed[0] == 404 and guessed[1]["error_type"] == schema.SESSION_NOT_FOUND, guessed
+    assert still.stdout == "42\n" and closed
+    assert after_other_closed.stdout == "42\n"
+    assert fresh.stdout == "False\n"
+
+
 def test_sync_client_works_inside_and_outside_an_event_loop(server):
     with SyncSandboxClient(server.url) as client:
         assert client.run("6 * 7").stdout == "42\n"
@@ -156,6 +191,9 @@ def test_least_loaded_routing_spreads_batches_and_pins_sessions():
     assert min(plain_counts) >= 16, plain_counts  # both servers took a share
     session_counts = [sum(1 for batch in fake.batches for r in batch if r["session"]) for fake in (a, b)]
     assert sorted(session_counts) == [0, 20]  # a session stays on one server
+    assert sorted(fake.sessions_opened for fake in (a, b)) == [0, 1]  # opened once, by the first call
+    pinned = [r for fake in (a, b) for batch in fake.batches for r in batch if r["session"]]
+    assert {(r["session"], r["session_token"]) for r in pinned} == {("fake-1", "token")}
 
 
 def test_retries_503_with_retry_after():

@@ -6,6 +6,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import msgpack
@@ -58,6 +59,28 @@ def run_batch(url: str, requests: list[dict]) -> list[dict]:
     status, body, _ = post(url, {"requests": requests}, path="/run/batch")
     assert status == 200, body
     return body["results"]
+
+
+def open_session(url: str, headers=None) -> dict:
+    """``POST /sessions``: the fields a call in the new session carries (``session``, ``session_token``)."""
+    status, body, _ = post(url, b"", path="/sessions", headers=headers)
+    assert status == 200, body
+    return {"session": body["session"], "session_token": body["token"]}
+
+
+def delete_session(url: str, session: dict, headers=None) -> tuple[int, dict]:
+    """``DELETE /sessions/{id}`` with the session's token (``session`` as ``open_session`` returns it)."""
+    token = {"X-Session-Token": session["session_token"]} if session.get("session_token") else {}
+    request = urllib.request.Request(
+        f"{url}/sessions/{urllib.parse.quote(session['session'], safe='')}",
+        method="DELETE",
+        headers={**token, **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def get(url: str, path: str) -> dict:

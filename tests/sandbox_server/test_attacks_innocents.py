@@ -20,7 +20,7 @@ import pytest
 from sandbox_server import start_local
 from sandbox_server.config import ServerConfig
 from sandbox_server.pool import STUCK_GRACE_S
-from tests.sandbox_server.conftest import assert_clean, get, post, run_batch
+from tests.sandbox_server.conftest import assert_clean, get, open_session, post, run_batch
 
 INNOCENTS = 12
 
@@ -264,9 +264,9 @@ def test_memfd_memory_counts_against_a_session_too(server):
     mechanisms = get(server.url, "/health")["mechanisms"]["active"]
     if "call_memory_cgroup" not in mechanisms:
         pytest.skip("no per-call memory cgroup here (needs root and a memory cgroup)")
-    session = "memfd-" + os.urandom(12).hex()
-    assert run_batch(server.url, [{"code": "kept = 1", "session": session}])[0]["status"] == "ok"
+    session = open_session(server.url)
+    assert run_batch(server.url, [{"code": "kept = 1", **session}])[0]["status"] == "ok"
     fill = MEMFD_FILL.replace("range(200)", "range(250)")  # above the session's 2 GiB + tmpfs
-    result = attack_with_innocents(server.url, {"code": fill, "timeout": 30, "session": session})
+    result = attack_with_innocents(server.url, {"code": fill, "timeout": 30, **session})
     assert result["status"] == "memory_limit" and "survived" not in result["stdout"], result
     assert "terminated" in result["stderr"]  # the session says it ended; the next call starts afresh

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from sandbox_server import start_local
-from tests.sandbox_server.conftest import assert_clean, get, post
+from tests.sandbox_server.conftest import assert_clean, get, open_session, post
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -135,16 +135,19 @@ def test_memory_cgroup_stops_what_rlimits_allow(small_server):
 
 
 def test_session_ttl_and_eviction(small_server):
-    assert _run(small_server, "a = 1", session="s1")[1]["status"] == "ok"
-    assert _run(small_server, "b = 2", session="s2")[1]["status"] == "ok"
+    s1, s2 = (open_session(small_server.url, AUTH) for _ in range(2))
+    assert _run(small_server, "a = 1", **s1)[1]["status"] == "ok"
+    assert _run(small_server, "b = 2", **s2)[1]["status"] == "ok"
     # A third session evicts the least recently used one (s1) because max_sessions is 2.
-    assert _run(small_server, "c = 3", session="s3")[1]["status"] == "ok"
-    result = _run(small_server, "print('a' in globals())", session="s1")[1]
-    assert result["stdout"] == "False\n" and "evicted (too many sessions)" in result["stderr"]
+    s3 = open_session(small_server.url, AUTH)
+    assert _run(small_server, "c = 3", **s3)[1]["status"] == "ok"
+    result = _run(small_server, "print('a' in globals())", **s1)[1]
+    assert (result["status"], result["error_type"]) == ("killed", "SessionClosed"), result
+    assert "evicted (too many sessions)" in result["stderr"] and result["stdout"] == ""
     time.sleep(1.6)  # > session_ttl plus one expiry sweep (every ttl / 4)
-    result = _run(small_server, "print('c' in globals())", session="s3")[1]
-    assert result["stdout"] == "False\n" and "idle" in result["stderr"]
-    assert _metrics(small_server)["sessions"] == 1
+    result = _run(small_server, "print('c' in globals())", **s3)[1]
+    assert result["error_type"] == "SessionClosed" and "idle" in result["stderr"], result
+    assert _metrics(small_server)["sessions"] == 0
 
 
 def test_shutdown_answers_open_calls_and_cleans_up():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -12,7 +11,15 @@ import pytest
 
 from sandbox_server import schema
 from sandbox_server.isolation import PYTHON_UNDER_TMP
-from tests.sandbox_server.conftest import assert_clean, get, post, run_batch, run_code
+from tests.sandbox_server.conftest import (
+    assert_clean,
+    delete_session,
+    get,
+    open_session,
+    post,
+    run_batch,
+    run_code,
+)
 
 
 def test_stdout_and_result_fields(server):
@@ -77,7 +84,7 @@ def test_cells_compile_as_a_python_file_would(server, where):
     # sandbox; either way no __future__ flag of the sandbox's own modules reaches the cell.
     filler = "# " + "-" * 3000 + "\n" if where == "compiled in the call" else ""
     code = filler + "def f(x: int):\n    return 1 / x\nprint(f.__annotations__)\nf(0)"
-    session = {"session": "compile-check"} if where == "session" else {}
+    session = open_session(server.url) if where == "session" else {}
     result = run_code(server.url, code, **session)
     assert result["stdout"] == "{'x': <class 'int'>}\n"
     assert result["error_type"] == "ZeroDivisionError"
@@ -161,81 +168,72 @@ def test_batch_preserves_order_and_reports_invalid_items(server):
 
 
 def test_sessions_keep_state_and_are_separate(server):
-    a, b = "sem-a", "sem-b"
-    assert run_code(server.url, "x = 10\nimport numpy as np", session=a)["status"] == "ok"
-    assert run_code(server.url, "x = 'other'", session=b)["status"] == "ok"
-    assert run_code(server.url, "x * 2", session=a)["stdout"] == "20\n"
-    assert run_code(server.url, "x", session=b)["stdout"] == "'other'\n"
-    error = run_code(server.url, "1 / 0", session=a)
+    a, b = open_session(server.url), open_session(server.url)
+    assert run_code(server.url, "x = 10\nimport numpy as np", **a)["status"] == "ok"
+    assert run_code(server.url, "x = 'other'", **b)["status"] == "ok"
+    assert run_code(server.url, "x * 2", **a)["stdout"] == "20\n"
+    assert run_code(server.url, "x", **b)["stdout"] == "'other'\n"
+    error = run_code(server.url, "1 / 0", **a)
     assert error["status"] == "error" and error["error_type"] == "ZeroDivisionError"
-    assert run_code(server.url, "x + int(input())", session=a, stdin="5\n")["stdout"] == "15\n"
-    for sid in (a, b):
-        assert _delete(server.url, sid) == (200, {"closed": True})
-    assert _delete(server.url, a) == (404, {"closed": False})
-    result = run_code(server.url, "print('x' in globals())", session=a)
-    assert result["stdout"] == "False\n"
-    assert "started a fresh session" in result["stderr"]
-    _delete(server.url, a)
+    assert run_code(server.url, "x + int(input())", stdin="5\n", **a)["stdout"] == "15\n"
+    for session in (a, b):
+        assert delete_session(server.url, session) == (200, {"closed": True})
+    assert delete_session(server.url, a)[0] == 404
+    result = run_code(server.url, "print('x' in globals())", **a)
+    assert (result["status"], result["error_type"]) == ("killed", "SessionClosed"), result
+    assert "closed by its client" in result["stderr"] and result["stdout"] == ""
 
 
 def test_session_killed_by_limit_says_so(server):
-    sid = "sem-limit"
-    assert run_code(server.url, "state = 1", session=sid)["status"] == "ok"
-    killed = run_code(server.url, "while True:\n    pass", session=sid, timeout=1.0)
+    session = open_session(server.url)
+    sid = session["session"]
+    assert run_code(server.url, "state = 1", **session)["status"] == "ok"
+    killed = run_code(server.url, "while True:\n    pass", **session, timeout=1.0)
     assert killed["status"] == "timeout"
     assert f"session '{sid}' was terminated (timeout)" in killed["stderr"]
-    fresh = run_code(server.url, "print('state' in globals())", session=sid)
+    fresh = run_code(server.url, "print('state' in globals())", **session)
     assert fresh["status"] == "ok" and fresh["stdout"] == "False\n"
     assert "terminated earlier (timeout)" in fresh["stderr"]
-    _delete(server.url, sid)
+    delete_session(server.url, session)
 
 
 def test_session_that_dies_between_calls_says_so(server):
-    sid = "sem-dies"
+    session = open_session(server.url)
     code = (
         "import os, threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), os._exit(3))).start()"
     )
-    assert run_code(server.url, "kept = 1", session=sid)["status"] == "ok"
-    ended = run_code(server.url, code, session=sid, timeout=5)  # the cell waits for its thread, which exits
+    assert run_code(server.url, "kept = 1", **session)["status"] == "ok"
+    ended = run_code(server.url, code, **session, timeout=5)  # the cell waits for its thread, which exits
     assert ended["status"] == "error" and ended["exit_code"] == 3
     assert "was terminated (exited with code 3)" in ended["stderr"]
-    after = run_code(server.url, "kept", session=sid)
+    after = run_code(server.url, "kept", **session)
     assert after["error_type"] == "NameError" and "started a fresh session" in after["stderr"]
-    _delete(server.url, sid)
+    delete_session(server.url, session)
 
 
 def test_session_that_dies_while_idle_says_so(server):
-    sid = "sem-idle-death"
+    session = open_session(server.url)
     code = (
         "import os, threading, time\n"
         "threading.Thread(target=lambda: (time.sleep(0.3), os._exit(3)), daemon=True).start()"
     )
-    assert run_code(server.url, code, session=sid)["status"] == "ok"
+    assert run_code(server.url, code, **session)["status"] == "ok"
     time.sleep(1.0)  # the background thread ends the session process meanwhile
-    lost = run_code(server.url, "print('hello')", session=sid)
+    lost = run_code(server.url, "print('hello')", **session)
     assert lost["status"] == "killed" and lost["error_type"] == "SessionLost"
     assert "exited with code 3" in lost["stderr"]
-    fresh = run_code(server.url, "print('hello')", session=sid)
+    fresh = run_code(server.url, "print('hello')", **session)
     assert fresh["status"] == "ok" and fresh["stdout"] == "hello\n" and "fresh session" in fresh["stderr"]
-    _delete(server.url, sid)
+    delete_session(server.url, session)
 
 
 def test_session_processes_are_isolated(server):
-    sid = "sem-isolated"
-    result = run_code(server.url, "import os, socket\nprint(os.getuid() != 0, os.getpid())", session=sid)
+    session = open_session(server.url)
+    result = run_code(server.url, "import os, socket\nprint(os.getuid() != 0, os.getpid())", **session)
     assert result["stdout"] == "True 1\n"
-    result = run_code(server.url, "socket.create_connection(('127.0.0.1', 22), timeout=1)", session=sid)
+    result = run_code(server.url, "socket.create_connection(('127.0.0.1', 22), timeout=1)", **session)
     assert result["status"] == "error" and result["error_type"] == "OSError"
-    _delete(server.url, sid)
-
-
-def _delete(url: str, sid: str):
-    request = urllib.request.Request(f"{url}/sessions/{sid}", method="DELETE")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    delete_session(server.url, session)
 
 
 def test_msgpack_wire(server):

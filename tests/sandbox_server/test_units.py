@@ -51,7 +51,13 @@ def test_capture_rejects_tiny_limit():
 
 def test_validate_request_normalises():
     request = schema.validate_run_request({"code": "print(1)"}, **LIMITS)
-    assert request == {"code": "print(1)", "stdin": "", "timeout": 10.0, "session": None}
+    assert request == {
+        "code": "print(1)",
+        "stdin": "",
+        "timeout": 10.0,
+        "session": None,
+        "session_token": None,
+    }
     request = schema.validate_run_request(
         {"code": "x", "stdin": None, "timeout": 3, "session": "s"}, **LIMITS
     )
@@ -72,6 +78,8 @@ def test_validate_request_normalises():
         ({"code": "x", "timeout": 61}, "must be in"),
         ({"code": "x", "session": ""}, "'session' must be a non-empty string"),
         ({"code": "x", "session": "s" * 200}, "longer than"),
+        ({"code": "x", "session": "s", "session_token": 5}, "'session_token' must be a non-empty string"),
+        ({"code": "x", "session_token": "t"}, "without a 'session'"),
         ({"code": "x", "extra": 1}, "unknown request field"),
     ],
 )

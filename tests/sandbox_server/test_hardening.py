@@ -1,0 +1,188 @@
+"""Issue 20's remaining hardening, each attack beside innocent calls that must keep their exact results:
+slow clients (header and body read timeouts), session ownership and expiry, a session's CPU budget over all
+its processes and its background processes stopped between calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import select
+import socket
+import time
+import urllib.parse
+
+import pytest
+
+from sandbox_server import start_local
+from sandbox_server.config import ServerConfig
+from tests.sandbox_server.conftest import (
+    delete_session,
+    get,
+    open_session,
+    post,
+    processes_in_uid_range,
+    run_batch,
+)
+from tests.sandbox_server.test_attacks_innocents import _assert_innocent, _innocent
+
+HEADER_TIMEOUT = 1.0
+BODY_TIMEOUT = 1.0
+SESSION_TTL = 2.0
+
+
+@pytest.fixture(scope="module")
+def hardened():
+    with start_local(
+        workers=1,
+        slots=8,
+        tiers="base,full",
+        default_timeout=5.0,
+        header_timeout=HEADER_TIMEOUT,
+        body_timeout=BODY_TIMEOUT,
+        max_sessions=6,
+        session_ttl=SESSION_TTL,
+        session_cpu_seconds=3,
+    ) as running:
+        yield running
+
+
+def _connect(url: str) -> socket.socket:
+    parts = urllib.parse.urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _trickle_until_closed(
+    sock: socket.socket, data: bytes, *, interval: float, limit_s: float, answered: bytes | None = None
+) -> bytes | None:
+    """Send ``data`` one byte every ``interval`` s; return what the server answered when it closed the
+    connection (or once the answer contains ``answered``), or None if neither happened in ``limit_s`` s."""
+    answer = b""
+    started = time.monotonic()
+    for position in range(len(data)):
+        if time.monotonic() - started > limit_s:
+            return None
+        try:
+            sock.send(data[position : position + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return answer
+        readable, _, _ = select.select([sock], [], [], interval)
+        if readable:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                return answer
+            if not chunk:
+                return answer
+            answer += chunk
+            if answered is not None and answered in answer:
+                return answer
+    return None
+
+
+def _innocent_batch(url: str, offset: int) -> list[dict]:
+    return run_batch(url, [_innocent(offset + i) for i in range(8)])
+
+
+@pytest.mark.parametrize("connections", [1, 40])
+def test_a_client_trickling_headers_is_disconnected_while_innocent_calls_succeed(hardened, connections):
+    """Slowloris: request heads sent a byte at a time never complete; the server drops each connection
+    ``header_timeout`` after it opened (the limit below is 15 times that), while calls run normally."""
+    head = b"POST /run HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\nX-Slow: " + b"a" * 4000
+    socks = [_connect(hardened.url) for _ in range(connections)]
+    with concurrent.futures.ThreadPoolExecutor(connections + 1) as pool:
+        innocent = pool.submit(_innocent_batch, hardened.url, 0)
+        outcomes = list(
+            pool.map(
+                lambda s: _trickle_until_closed(s, head, interval=0.05, limit_s=15 * HEADER_TIMEOUT), socks
+            )
+        )
+        _assert_innocent(innocent.result())
+    for sock in socks:
+        sock.close()
+    assert all(outcome is not None for outcome in outcomes), "a slow header sender kept its connection"
+    _assert_innocent(_innocent_batch(hardened.url, 0))
+
+
+def test_a_client_trickling_its_body_gets_400_while_innocent_calls_succeed(hardened):
+    sock = _connect(hardened.url)
+    body = b'{"code": "print(1)"}' + b" " * 4000
+    head = (
+        b"POST /run HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    sock.sendall(head)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, hardened.url, 0)
+        answer = _trickle_until_closed(sock, body, interval=0.05, limit_s=15 * BODY_TIMEOUT, answered=b's"}')
+        _assert_innocent(innocent.result())
+    sock.close()
+    assert answer is not None, "a slow body sender kept its connection"
+    assert answer.startswith(b"HTTP/1.1 400") and b"not received within" in answer, answer[:300]
+
+
+@pytest.mark.parametrize("field", ["header_timeout", "body_timeout"])
+@pytest.mark.parametrize("value", [0.0, float("nan"), 1e9])
+def test_read_timeouts_outside_sane_bounds_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**{field: value})
+
+
+# ------------------------------------------------------------------------------------ session ownership
+def _run_one(url: str, code: str, **fields) -> tuple[int, dict]:
+    status, body, _ = post(url, {"code": code, **fields})
+    return status, body
+
+
+def _assert_not_found(status: int, result: dict) -> None:
+    assert status == 404, result
+    assert (result["status"], result["error_type"]) == ("invalid_request", "SessionNotFound"), result
+    assert result["stdout"] == "", result
+
+
+def test_a_session_answers_only_its_token_and_strangers_learn_nothing(hardened):
+    url = hardened.url
+    owner, stranger = open_session(url), open_session(url)
+    assert owner["session"] != stranger["session"] and len(owner["session_token"]) >= 40
+    assert _run_one(url, "secret = 'owner data'", **owner)[1]["status"] == "ok"
+    sid = owner["session"]
+    attempts = [
+        {"session": sid},  # no token
+        {"session": sid, "session_token": stranger["session_token"]},  # another session's token
+        {"session": sid, "session_token": owner["session_token"][:-1] + "x"},  # nearly right
+        {"session": sid + "x", "session_token": owner["session_token"]},  # a guessed id
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        innocent = pool.submit(_innocent_batch, url, 0)
+        for fields in attempts:
+            _assert_not_found(*_run_one(url, "print(secret)", **fields))
+            batch = run_batch(url, [{"code": "print(secret)", **fields}])[0]
+            assert batch["error_type"] == "SessionNotFound" and "owner data" not in str(batch), batch
+            wrong = {"session": fields["session"], "session_token": fields.get("session_token") or "x"}
+            assert delete_session(url, wrong)[0] == 404
+        _assert_innocent(innocent.result())
+    mine = _run_one(url, "print(secret)", **owner)[1]
+    assert mine["stdout"] == "owner data\n", mine  # untouched by all of the above
+    assert delete_session(url, owner) == (200, {"closed": True})
+    # Closed: its owner learns why; a stranger gets the same answer as for an id that never existed.
+    gone = _run_one(url, "1", **owner)[1]
+    assert (gone["status"], gone["error_type"]) == ("killed", "SessionClosed") and "closed" in gone["stderr"]
+    _assert_not_found(*_run_one(url, "1", session=sid, session_token=stranger["session_token"]))
+    delete_session(url, stranger)
+
+
+def test_an_idle_session_expires_and_its_processes_are_gone(hardened):
+    url = hardened.url
+    session = open_session(url)
+    spawn = "import subprocess\nchild = subprocess.Popen(['sleep', '1000'])\nprint(child.pid > 1)"
+    assert _run_one(url, spawn, **session)[1]["stdout"] == "True\n"
+    lo, hi = get(url, "/health")["uid_ranges"]["sessions"]
+    assert processes_in_uid_range(lo, hi), "the session's processes should be running"
+    deadline = time.monotonic() + 10 * SESSION_TTL
+    while processes_in_uid_range(lo, hi) and time.monotonic() < deadline:
+        _assert_innocent(_innocent_batch(url, 0))  # other clients' calls meanwhile are fine
+    assert not processes_in_uid_range(lo, hi), "the expired session's processes are still running"
+    expired = _run_one(url, "print(1)", **session)[1]
+    assert (expired["status"], expired["error_type"]) == ("killed", "SessionClosed"), expired
+    assert f"closed after {SESSION_TTL:g} s idle" in expired["stderr"]
