@@ -502,11 +502,14 @@ def select_and_build_batch(
     scored: ScoredGroups | None = None,
     *,
     max_response_length: int | None = None,
+    padding_groups: int = 0,
 ) -> tuple[Batch, dict[str, float]]:
     """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch.
 
     ``scored``: the groups' :func:`score_groups` at width ``samples_per_problem`` (default: computed here).
     ``max_response_length`` (the response budget) is needed with ``config.overlong_buffer`` > 0.
+    ``padding_groups``: the last this many groups are empty padding (a fixed group count keeps the scoring
+    programs' shapes): left out of the rejected-group counts.
     """
     width = config.samples_per_problem
     if scored is None:
@@ -565,7 +568,7 @@ def select_and_build_batch(
         with_rl_fields=True,
         with_policy_versions=True,
     )
-    rejected = selection.rejected
+    rejected = selection.rejected[: len(groups) - padding_groups]
     metrics = {
         "groups_rejected": float(rejected.sum()),
         "groups_rejected_frac": float(rejected.mean()) if len(rejected) else 0.0,
@@ -606,6 +609,7 @@ def rl_iteration(
     next_problems: Sequence[Problem] | None = None,
     token_budget: int | None = None,
     carry: RolloutCarry | None = None,
+    num_groups: int | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
     """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats).
 
@@ -617,7 +621,9 @@ def rl_iteration(
     ``off_policy_steps=1`` trains on ``carry.ready`` when it holds a rollout (``problems`` is then ignored;
     otherwise ``problems`` are rolled out now) and, before the update, rolls out ``next_problems`` (None: the
     last step of a stage, nothing) with this step's parameters into ``carry.ready``; ``token_budget`` runs
-    partial rollouts: ``problems`` are the new problems of the step.
+    partial rollouts: ``problems`` are the new problems of the step, and the complete groups (a number that
+    varies) are padded with empty ones to ``num_groups`` (the most a step can complete, e.g.
+    ``prompts_per_step``) so that nothing recompiles.
     """
     if off_policy_steps not in (0, 1):
         raise ValueError(f"off_policy_steps={off_policy_steps!r}; expected 0 or 1")
@@ -661,10 +667,17 @@ def rl_iteration(
         groups = rescore(unique, groups, reward_fn)
     verify_done = time.perf_counter()
 
+    padding = 0
+    if num_groups is not None:
+        if len(groups) > num_groups:
+            raise ValueError(f"{len(groups)} complete groups, more than num_groups={num_groups}")
+        padding = num_groups - len(groups)
+        groups = groups + [[] for _ in range(padding)]
     scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
     metrics = rollout_metrics(groups, scored)
     batch, select_metrics = select_and_build_batch(
-        roc_key, groups, config, num_rows, scored, max_response_length=max_response_length
+        roc_key, groups, config, num_rows, scored, max_response_length=max_response_length,
+        padding_groups=padding,
     )
     metrics.update(select_metrics)
     metrics.update(carry_metrics)
