@@ -319,13 +319,19 @@ def _partial_rollouts(
     return done, groups, metrics
 
 
-def policy_lag_metrics(batch: Batch, version: int) -> dict[str, float]:
-    """``rollout/policy_lag_mean`` / ``_max``: ``version`` minus the policy version of each loss token of
-    ``batch`` (its ``policy_versions``); 0 / 0 when the batch has no loss token."""
-    mask = np.asarray(batch.loss_mask) > 0
-    lag = version - np.asarray(batch.policy_versions)[mask]
-    if np.any(lag < 0) or np.any(np.asarray(batch.policy_versions)[mask] < 0):
-        raise ValueError(f"trained tokens carry policy versions outside [0, {version}]")
+def policy_lag_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dict[str, float]:
+    """``rollout/policy_lag_mean`` / ``_max``: ``version`` minus the policy version of each sampled response
+    token (loss mask 1) of the step's rollouts (all of them, before selection); 0 / 0 without any."""
+    versions = [
+        np.asarray(t.policy_versions, np.int64)[np.asarray(t.loss_mask, bool)]
+        for group in groups
+        for t in group
+        if t.policy_versions is not None
+    ]
+    versions = np.concatenate(versions) if versions else np.zeros((0,), np.int64)
+    lag = version - versions
+    if np.any(lag < 0) or np.any(versions < 0):
+        raise ValueError(f"sampled tokens carry policy versions outside [0, {version}]")
     return {
         "rollout/policy_lag_mean": float(lag.mean()) if lag.size else 0.0,
         "rollout/policy_lag_max": float(lag.max()) if lag.size else 0.0,
@@ -681,7 +687,7 @@ def rl_iteration(
     )
     metrics.update(select_metrics)
     metrics.update(carry_metrics)
-    metrics.update(policy_lag_metrics(batch, version))
+    metrics.update(policy_lag_metrics(groups, version))
     batch = batch.replace(policy_versions=None)  # bookkeeping only: the step's inputs are as they were
     update_start = time.perf_counter()
     # Optimizer state a colocated run parked in host memory during rollout comes back for the update.
