@@ -132,7 +132,7 @@ def test_partial_rollouts_train_finished_groups_and_resume_the_rest(tiny_model):
 
 @pytest.mark.parametrize("mode", ["off_policy", "partial"])
 def test_a_resumed_run_carries_its_rollouts_exactly(tmp_path, mode):
-    """Stopped after 2 steps and resumed to 3: the same numbers as 3 steps in one go (the carried rollouts
+    """Stopped after 1 step and resumed to 2: the same numbers as 2 steps in one go (the carried rollouts
     live in the checkpoint)."""
 
     def config(name):
@@ -150,8 +150,8 @@ def test_a_resumed_run_carries_its_rollouts_exactly(tmp_path, mode):
     def numbers(history):
         return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in history]
 
-    straight = numbers(train_rl(config("straight"), rollout_fn=rollout_fn(), max_steps=3))
-    train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=2)
-    resumed = numbers(train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=3))
-    assert len(straight) == 3 and resumed == straight
+    straight = numbers(train_rl(config("straight"), rollout_fn=rollout_fn(), max_steps=2))
+    train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=1)
+    resumed = numbers(train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=2))
+    assert len(straight) == 2 and resumed == straight
     assert max(m["rollout/policy_lag_max"] for m in straight) >= 1
