@@ -8,6 +8,7 @@ out across tool turns). The trainer-facing ``PolicyRollout`` takes new parameter
 """
 
 import asyncio
+import pickle
 
 import jax
 import numpy as np
@@ -197,6 +198,7 @@ def test_partial_rollout_resumed_after_an_update_keeps_old_tokens(problems, poli
         finished, unfinished = rollout_fn(taught, problems[:1], **call, token_budget=6)
         assert finished == [] and len(unfinished) == 1
         before = unfinished[0].num_tokens
+        unfinished = pickle.loads(pickle.dumps(unfinished))  # as a checkpoint keeps it
         finished, unfinished = rollout_fn(nudged, [], **call, token_budget=10**9, resume=unfinished,
                                           policy_version=1)
     finally:
