@@ -2,11 +2,15 @@
 the default (synchronous on-policy) run unchanged."""
 
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
+from rstar2jax.data.batch import build_batch, trajectory_sequence
 from rstar2jax.data.problems import Problem, ProblemIterator
+from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.train import (
     RLIterationConfig,
     RLLossConfig,
@@ -155,3 +159,24 @@ def test_a_resumed_run_carries_its_rollouts_exactly(tmp_path, mode):
     resumed = numbers(train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=2))
     assert len(straight) == 2 and resumed == straight
     assert max(m["rollout/policy_lag_max"] for m in straight) >= 1
+
+
+def test_versions_are_carried_into_batches_target_aligned():
+    t = Trajectory("p", [5, 6, 7], [8, 9, 10, 11], [1, 0, 1, 1], [-0.5, 0.0, -0.25, -0.125],
+                   policy_versions=[3, -1, 4, 4])
+    sequence = trajectory_sequence(t, 1.0)
+    assert list(sequence.policy_versions) == [-1, -1, -1, 3, -1, 4, 4]
+    batch = build_batch([sequence], seq_len=8, num_rows=2, with_rl_fields=True, with_policy_versions=True)
+    # Position i predicts token i + 1: its version is that token's; padding and prompt targets get -1.
+    np.testing.assert_array_equal(batch.policy_versions[0], [-1, -1, 3, -1, 4, 4, -1, -1])
+    assert (batch.policy_versions[1] == -1).all()
+    assert build_batch([sequence], seq_len=8, with_rl_fields=True).policy_versions is None
+    lag = rl_lib.policy_lag_metrics([[t]], 5)
+    assert lag == {"rollout/policy_lag_mean": pytest.approx(4 / 3), "rollout/policy_lag_max": 2.0}
+    with pytest.raises(ValueError, match="outside"):
+        rl_lib.policy_lag_metrics([[t]], 3)
+    with pytest.raises(ValueError, match="policy_versions"):
+        Trajectory("p", [1], [2, 3], [1, 1], [0.0, 0.0], policy_versions=[0])
+    # Untagged trajectories get the version they were rolled out with on their sampled tokens.
+    (tagged,) = rl_lib.tag_versions([dataclasses.replace(t, policy_versions=None)], 7)
+    assert tagged.policy_versions == [7, -1, 7, 7]
