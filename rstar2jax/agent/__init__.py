@@ -22,6 +22,7 @@ _NAMES = {
         "tool_response_text",
     ],
     "rstar2jax.agent.rollout": [
+        "PartialRollout",
         "PolicyRollout",
         "RolloutConfig",
         "RolloutEngine",

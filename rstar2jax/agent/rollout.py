@@ -21,6 +21,14 @@ holds ``max_tool_calls_per_turn`` of them or the turn ends; a tool response that
 the response budget (tool tokens count against it) ends the rollout ``truncated``, as does a budget reached
 while sampling.
 
+Partial rollouts (``token_budget``): once the sessions of one call have sampled that many tokens together,
+each session stops at its next segment boundary (``RolloutConfig.segment_tokens``, so a turn can be cut in
+the middle) where no tool call of it is running, and comes back as a :class:`PartialRollout`: its tokens,
+log-probs and policy versions so far. A later call resumes it (``resume=``, usually with new parameters
+and a new ``policy_version``): the engine prefills prompt + response so far and sampling goes on; the old
+tokens keep their log-probs and versions. Groups not yet opened when the budget runs out come back as
+partial rollouts with no tokens.
+
 Turn ends: the rollout passes the tokenizer's end-of-turn token (``<|im_end|>``) as a stop sequence. An engine
 that also counts it as EOS finishes the session there (the usual set-up, and the paper's protocol with one
 call per turn). With ``max_tool_calls_per_turn > 1`` a turn can close with calls still unanswered; to show the
@@ -53,7 +61,7 @@ from rstar2jax.data.conversation import (
 )
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
-from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
+from rstar2jax.data.trajectory import NO_POLICY_VERSION, Trajectory, answer_tag_counts
 from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
 from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
@@ -210,6 +218,8 @@ class _Conversation:
     response_ids: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # None once a segment came without versions (an engine that does not record them).
+    policy_versions: list[int] | None = dataclasses.field(default_factory=list)
     model_text: list[str] = dataclasses.field(default_factory=list)
     tool_outcomes: list[str] = dataclasses.field(default_factory=list)
     num_turns: int = 1
@@ -221,12 +231,55 @@ class _Conversation:
         self.response_ids += segment.tokens
         self.loss_mask += [1] * len(segment.tokens)
         self.logprobs += segment.logprobs
+        versions = getattr(segment, "policy_versions", [])
+        if self.policy_versions is not None and len(versions) == len(segment.tokens):
+            self.policy_versions += versions
+        else:
+            self.policy_versions = None
         self.model_text.append(text)
 
     def add_inserted(self, token_ids: Sequence[int]) -> None:
         self.response_ids += token_ids
         self.loss_mask += [0] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+        if self.policy_versions is not None:
+            self.policy_versions += [NO_POLICY_VERSION] * len(token_ids)
+
+
+@dataclasses.dataclass(eq=False)
+class PartialRollout:
+    """A rollout a token budget stopped before it finished (see :func:`rollout_async`): everything needed to
+    resume it in a later call (``resume=``), with new parameters or not. Its tokens so far keep the log-probs
+    and policy versions of the policy that sampled them.
+
+    Attributes:
+      problem: the problem (its gold answer grades the finished rollout).
+      prompt_ids: the rendered prompt.
+      conversation: the record so far (response tokens, loss mask, log-probs, versions, text, tool outcomes).
+      unparsed: model text of the current turn not yet searched for tool calls (a turn cut mid-way).
+      seed: seed of this rollout's sampling (each resume derives its own from it); None: the engine's.
+      resumes: how many times it was resumed so far.
+    """
+
+    problem: Problem
+    prompt_ids: list[int]
+    conversation: _Conversation
+    unparsed: str = ""
+    seed: int | None = None
+    resumes: int = 0
+
+    @property
+    def problem_id(self) -> str:
+        return self.problem.id
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens so far (sampled and inserted)."""
+        return len(self.conversation.response_ids)
+
+    @property
+    def policy_versions(self) -> list[int] | None:
+        return self.conversation.policy_versions
 
 
 async def _gather_or_cancel(awaitables: Iterable[Awaitable]) -> list:
@@ -246,10 +299,12 @@ class _Rollout:
 
     def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
                  verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None,
-                 stats: collections.Counter | None = None):
+                 stats: collections.Counter | None = None, token_budget: int | None = None):
         self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
             engine, sandbox, tokenizer, verifier, config)
         self.stats = collections.Counter() if stats is None else stats
+        self.token_budget = token_budget
+        self.sampled = 0  # tokens the sessions of this call sampled, together
         if not tokenizer.eos_token:
             raise ValueError("the tokenizer has no eos_token: the rollout needs the end-of-turn token")
         self.tool_call_end = encode_text(tokenizer, TOOL_CALL_CLOSE)
@@ -262,33 +317,73 @@ class _Rollout:
             return None
         return int(np.random.SeedSequence([self.config.seed, index]).generate_state(1)[0])
 
+    def out_of_budget(self) -> bool:
+        return self.token_budget is not None and self.sampled >= self.token_budget
+
+    @staticmethod
+    def derived_seed(*entropy: int | None) -> int | None:
+        """A well-mixed seed from ints (None if the first is None: the engine derives one)."""
+        if entropy[0] is None:
+            return None
+        return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(1)[0])
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    async def problem(self, index: int, problem: Problem, n: int) -> list[Trajectory]:
+    async def problem(self, index: int, problem: Problem, n: int) -> list[Trajectory | PartialRollout]:
         prompt_ids = render_prompt_ids(self.tokenizer, problem.problem, self.config.prompt)
+        seed = self.group_seed(index)
+        if self.out_of_budget():  # not opened: the whole group waits for a later call
+            return [PartialRollout(problem, list(prompt_ids), _Conversation(),
+                                   seed=self.derived_seed(seed, j)) for j in range(n)]
         start = time.perf_counter()
         try:
             sessions = await self.engine.open(prompt_ids, n, sampling=self.config.sampling,
-                                              max_tokens=self.config.max_response_length,
-                                              seed=self.group_seed(index))
+                                              max_tokens=self.config.max_response_length, seed=seed)
         except ValueError as error:
             raise ValueError(f"problem {problem.id!r}: {error}") from error
         queued = time.perf_counter() - start
-        return await _gather_or_cancel(self.session(s, problem, prompt_ids, queued) for s in sessions)
+        return await _gather_or_cancel(
+            self.session(s, problem, prompt_ids, queued, seed=self.derived_seed(seed, j))
+            for j, s in enumerate(sessions))
+
+    async def resume(self, partial: PartialRollout) -> Trajectory | PartialRollout:
+        """Go on with a rollout an earlier call stopped: a new session whose prompt is the prompt and the
+        response so far (prefilled with this call's parameters), budget what is left of the response's."""
+        if self.out_of_budget():
+            return partial
+        conversation = partial.conversation
+        start = time.perf_counter()
+        left = self.config.max_response_length - len(conversation.response_ids)
+        if left < 1:
+            raise ValueError(f"resume: the partial rollout of problem {partial.problem_id!r} has "
+                             f"{len(conversation.response_ids)} response tokens, no budget left of "
+                             f"max_response_length={self.config.max_response_length}")
+        resumes = partial.resumes + 1
+        (session,) = await self.engine.open(
+            partial.prompt_ids + conversation.response_ids, 1, sampling=self.config.sampling, max_tokens=left,
+            seed=self.derived_seed(partial.seed, resumes))
+        conversation.clock.seconds["queue"] += time.perf_counter() - start
+        return await self.session(session, partial.problem, partial.prompt_ids, 0.0, seed=partial.seed,
+                                  conversation=conversation, unparsed=partial.unparsed, resumes=resumes)
 
     async def session(self, session: RolloutSession, problem: Problem, prompt_ids: list[int],
-                      queued: float) -> Trajectory:
-        conversation = _Conversation()
-        conversation.clock.seconds["queue"] = queued
-        if self.config.stateful_tool:
-            conversation.tool_session = f"rollout-{secrets.token_urlsafe(18)}"  # unguessable: the capability
+                      queued: float, *, seed: int | None = None, conversation: _Conversation | None = None,
+                      unparsed: str = "", resumes: int = 0) -> Trajectory | PartialRollout:
+        if conversation is None:
+            conversation = _Conversation()
+            if self.config.stateful_tool:  # unguessable: the capability
+                conversation.tool_session = f"rollout-{secrets.token_urlsafe(18)}"
+        conversation.clock.seconds["queue"] += queued
+        interrupted = None
         try:
-            await self.converse(session, conversation)
+            interrupted = await self.converse(session, conversation, unparsed)
         finally:
             session.close()
             if conversation.tool_session is not None:
                 await self.sandbox.close_session(conversation.tool_session)
+        if interrupted is not None:
+            return PartialRollout(problem, list(prompt_ids), conversation, interrupted, seed, resumes)
         text = "".join(conversation.model_text)
         opens, closes, pairs = answer_tag_counts(text)
         if conversation.truncated:
@@ -312,6 +407,7 @@ class _Rollout:
             answer=answer,
             reward=reward,
             timings=dict(conversation.clock.seconds),
+            policy_versions=conversation.policy_versions,
         )
 
     async def execute(self, call: ToolCall | ToolCallError, session: str | None = None) -> tuple[str, str]:
@@ -343,15 +439,21 @@ class _Rollout:
         conversation.tool_outcomes += [outcome for outcome, _ in results]
         return [response for _, response in results]
 
-    async def converse(self, session: RolloutSession, conversation: _Conversation) -> None:
-        """Run the turns of one session until it finishes, is truncated or hits a limit."""
+    async def converse(self, session: RolloutSession, conversation: _Conversation, unparsed: str = ""
+                       ) -> str | None:
+        """Run the turns of one session until it finishes, is truncated or hits a limit (returns None), or
+        until the call's token budget is spent at a point where it can stop (no tool call running, budget
+        left): then it returns the text of the current turn not yet parsed (``unparsed``: what a resumed
+        conversation starts from)."""
         config = self.config
         running: list[asyncio.Task] = []  # this turn's calls, dispatched as soon as they were written
-        unparsed = ""  # model text of this turn not yet searched for calls
         try:
             while True:
+                if self.out_of_budget() and not running and session.remaining > 0:
+                    return unparsed
                 with conversation.clock.phase("generate"):
                     segment = await session.generate(stop=self.stops, max_new_tokens=config.segment_tokens)
+                self.sampled += len(segment.tokens)
                 text = self.decode(segment.tokens)
                 conversation.add_sampled(segment, text)
                 if self.observer is not None:
@@ -360,7 +462,7 @@ class _Rollout:
                 if segment.finish_reason == "budget":
                     conversation.truncated = True
                     await self.collect(running, conversation)  # calls of the cut turn ran: record them
-                    return
+                    return None
                 called = (segment.finish_reason == "stop"
                           and segment.tokens[-len(self.tool_call_end):] == self.tool_call_end)
                 turn_over = not called and segment.finish_reason in ("stop", "eos")
@@ -370,21 +472,21 @@ class _Rollout:
                 unparsed = ""
                 if calls and conversation.num_turns >= config.max_turns and not session.done:
                     conversation.truncated = True  # no turn is left to show the results in
-                    return
+                    return None
                 running += [asyncio.ensure_future(self.execute(call, conversation.tool_session))
                             for call in calls]
                 if called and len(running) < config.max_tool_calls_per_turn:
                     continue
                 if not running:
-                    return  # the model ended its turn without calling a tool: finished
+                    return None  # the model ended its turn without calling a tool: finished
                 responses = await self.collect(running, conversation)
                 running = []
                 if session.done:
-                    return  # the turn ended at an engine EOS: nothing can follow it
+                    return None  # the turn ended at an engine EOS: nothing can follow it
                 ids = tool_response_ids(self.tokenizer, responses, config.prompt, turn_closed=turn_over)
                 if len(ids) > session.remaining:
                     conversation.truncated = True
-                    return
+                    return None
                 session.append(ids)
                 conversation.add_inserted(ids)
                 conversation.num_turns += 1
@@ -415,7 +517,9 @@ async def rollout_async(
     verifier: AnswerVerifier | None = None,
     config: RolloutConfig = RolloutConfig(),
     stats: collections.Counter | None = None,
-) -> list[Trajectory]:
+    token_budget: int | None = None,
+    resume: Sequence[PartialRollout] = (),
+) -> list[Trajectory | PartialRollout]:
     """Roll out every problem ``samples_per_problem`` times with the tool, concurrently; see the module doc.
 
     Args:
@@ -428,16 +532,37 @@ async def rollout_async(
       verifier: grades final answers; None: the process-wide :func:`~rstar2jax.reward.default_verifier`.
       config: limits, sampling and prompt.
       stats: if given, counts are added to it (``"sandbox_retried_calls"``).
+      token_budget: partial rollouts (see the module doc): once the sessions have sampled this many tokens
+        together, each stops at its next segment boundary and comes back as a :class:`PartialRollout`
+        (``config.segment_tokens`` bounds how far past the budget a session can go). None: no budget.
+      resume: partial rollouts of earlier calls to go on with (this call's ``engine`` samples their new
+        tokens; ``config.max_response_length`` must be the one they started with).
 
     Returns:
-      ``len(problems) * samples_per_problem`` trajectories, problem by problem, in order.
+      The resumed rollouts (in ``resume`` order), then ``len(problems) * samples_per_problem`` rollouts,
+      problem by problem, in order: :class:`Trajectory` records, and with a ``token_budget``
+      :class:`PartialRollout` records of the unfinished ones.
     """
     problems = _checked_problems(problems)
     if not isinstance(samples_per_problem, int) or samples_per_problem < 1:
         raise ValueError(f"samples_per_problem must be a positive int, got {samples_per_problem!r}")
-    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config, stats=stats)
-    groups = await _gather_or_cancel(run.problem(i, p, samples_per_problem) for i, p in enumerate(problems))
-    return [trajectory for group in groups for trajectory in group]
+    if token_budget is not None:
+        if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
+            raise ValueError(f"token_budget must be a positive int or None, got {token_budget!r}")
+        if config.stateful_tool:
+            raise ValueError("token_budget (partial rollouts) does not support RolloutConfig.stateful_tool: "
+                             "a stopped rollout would hold its sandbox session until resumed")
+    resume = list(resume)
+    for i, partial in enumerate(resume):
+        if not isinstance(partial, PartialRollout):
+            raise TypeError(f"resume[{i}] is a {type(partial).__name__}, expected a PartialRollout")
+    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config, stats=stats,
+                   token_budget=token_budget)
+    groups = await _gather_or_cancel(
+        [run.resume(p) for p in resume]
+        + [run.problem(i, p, samples_per_problem) for i, p in enumerate(problems)])
+    resumed, groups = groups[: len(resume)], groups[len(resume):]
+    return resumed + [trajectory for group in groups for trajectory in group]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,7 +622,9 @@ def rollout(
     verifier: AnswerVerifier | None = None,
     config: RolloutConfig = RolloutConfig(),
     stats: collections.Counter | None = None,
-) -> list[Trajectory]:
+    token_budget: int | None = None,
+    resume: Sequence[PartialRollout] = (),
+) -> list[Trajectory | PartialRollout]:
     """Blocking :func:`rollout_async` for notebooks and scripts (it works inside Jupyter's running loop).
 
     ``engine`` must not be running: it is started for the call (``async with engine``) and stopped after,
@@ -509,7 +636,8 @@ def rollout(
     async def run() -> list[Trajectory]:
         async with engine:
             return await rollout_async(problems, samples_per_problem, engine=engine, sandbox=sandbox,
-                                       tokenizer=tokenizer, verifier=verifier, config=config, stats=stats)
+                                       tokenizer=tokenizer, verifier=verifier, config=config, stats=stats,
+                                       token_budget=token_budget, resume=resume)
 
     future = asyncio.run_coroutine_threadsafe(run(), _rollout_loop())
     try:
@@ -526,7 +654,7 @@ class PolicyRollout:
         rollout_fn = PolicyRollout(model_config, tokenizer, SandboxClient(url),
                                    engine_config=EngineConfig(num_slots=64), max_prompt_length=1024)
         trajectories = rollout_fn(params, problems, samples_per_problem=32, max_response_length=8192,
-                                  max_turns=10, seed=step_seed)
+                                  max_turns=10, seed=step_seed, policy_version=step)
 
     Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
     cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The
@@ -547,6 +675,12 @@ class PolicyRollout:
     tool-error penalty never counts the server's fault against the model (the trainer accepts groups
     smaller than ``samples_per_problem``). Each call's counts are in :attr:`last_stats`:
     ``sandbox_retried_calls`` and ``trajectories_dropped_for_sandbox_failures``.
+
+    ``policy_version`` (the trainer step of ``params``) tags the sampled tokens. Partial rollouts: with
+    ``token_budget`` the call returns ``(finished trajectories, unfinished PartialRollouts)``, and ``resume``
+    takes the unfinished ones of an earlier call (see :func:`rollout_async`); sessions then sample in
+    segments of ``config.segment_tokens`` (``partial_segment_tokens`` when that is None) between looks at
+    the budget.
     """
 
     model_config: ModelConfig
@@ -557,6 +691,7 @@ class PolicyRollout:
     max_prompt_length: int
     config: RolloutConfig = RolloutConfig()
     verifier: AnswerVerifier | None = None
+    partial_segment_tokens: int = 64
     last_stats: dict = dataclasses.field(default_factory=dict, init=False)
 
     def __post_init__(self):
@@ -564,23 +699,31 @@ class PolicyRollout:
             raise ValueError(f"max_prompt_length must be a positive int, got {self.max_prompt_length!r}")
 
     def __call__(self, params, problems: Sequence[Problem], *, samples_per_problem: int,
-                 max_response_length: int, max_turns: int, seed: int) -> list[Trajectory]:
+                 max_response_length: int, max_turns: int, seed: int, policy_version: int = 0,
+                 token_budget: int | None = None, resume: Sequence[PartialRollout] = ()
+                 ) -> list[Trajectory] | tuple[list[Trajectory], list[PartialRollout]]:
         page = self.engine_config.page_size  # max_len must be whole pages
         max_len = -(-(self.max_prompt_length + max_response_length) // page) * page
         engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
         config = dataclasses.replace(self.config, max_response_length=max_response_length,
                                      max_turns=max_turns, seed=seed)
+        partial = token_budget is not None
+        if partial and config.segment_tokens is None:
+            config = dataclasses.replace(config, segment_tokens=self.partial_segment_tokens)
         stats = collections.Counter()
-        trajectories = rollout(problems, samples_per_problem,
-                               engine=Engine(params, self.model_config, engine_config), sandbox=self.sandbox,
-                               tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats)
+        engine = Engine(params, self.model_config, engine_config, policy_version=policy_version)
+        results = rollout(problems, samples_per_problem, engine=engine, sandbox=self.sandbox,
+                          tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats,
+                          token_budget=token_budget, resume=resume)
+        trajectories = [t for t in results if isinstance(t, Trajectory)]
+        unfinished = [t for t in results if isinstance(t, PartialRollout)]
         kept, dropped = drop_infra_failures(trajectories)
         self.last_stats = {"sandbox_retried_calls": stats["sandbox_retried_calls"],
                            "trajectories_dropped_for_sandbox_failures": dropped}
         if dropped:
             print(f"rollout: dropped {dropped} of {len(trajectories)} trajectories for sandbox failures "
                   f"(after {stats['sandbox_retried_calls']} retried calls)", flush=True)
-        return kept
+        return (kept, unfinished) if partial else kept
 
     def close(self) -> None:
         """Close the sandbox client (on the loop it was used from), if it has an async ``close``."""

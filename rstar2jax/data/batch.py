@@ -35,6 +35,9 @@ class Batch:
       loss_mask: float32, 1 where ``targets`` is trained on (sampled response / assistant tokens).
       advantages: float32 per-token advantage (the sequence's scalar advantage broadcast to its tokens).
       old_logp: float32 log-prob of ``targets`` under the sampling policy.
+      policy_versions: int32 policy version (trainer step) that sampled ``targets``, -1 where no policy
+        did (prompt, tool output, padding); only with ``build_batch(with_policy_versions=True)``: host-side
+        bookkeeping (the trainer reports the policy lag from it), not an input of the train steps.
     """
 
     tokens: jax.Array
@@ -44,6 +47,7 @@ class Batch:
     loss_mask: jax.Array
     advantages: jax.Array | None = None
     old_logp: jax.Array | None = None
+    policy_versions: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,13 +59,15 @@ class TokenSequence:
     """One training sequence: ``tokens`` with a per-token ``loss_mask`` (1 = train on predicting this token).
 
     ``logprobs`` (per token, sampler log-prob of the token, ignored where the mask is 0) and ``advantage`` are
-    set for RL sequences.
+    set for RL sequences; ``policy_versions`` (per token, the policy version that sampled it, -1 where none
+    did) when the rollout recorded them.
     """
 
     tokens: Sequence[int]
     loss_mask: Sequence[float]
     logprobs: Sequence[float] | None = None
     advantage: float = 0.0
+    policy_versions: Sequence[int] | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -72,20 +78,26 @@ class TokenSequence:
                 f"tokens ({n}), loss_mask ({len(self.loss_mask)}) and logprobs "
                 f"({None if self.logprobs is None else len(self.logprobs)}) must have the same length"
             )
+        if self.policy_versions is not None and len(self.policy_versions) != n:
+            raise ValueError(f"tokens ({n}) and policy_versions ({len(self.policy_versions)}) must have the "
+                             "same length")
         if self.loss_mask[0]:
             raise ValueError("the first token of a sequence has no context and cannot carry loss")
 
 
 def trajectory_sequence(trajectory: Trajectory, advantage: float) -> TokenSequence:
-    """Prompt + response as one sequence; loss on the sampled response tokens, sampler log-probs kept."""
+    """Prompt + response as one sequence; loss on the sampled response tokens, sampler log-probs and policy
+    versions kept (prompt tokens: version -1)."""
     if not trajectory.prompt_ids:
         raise ValueError(f"trajectory of problem {trajectory.problem_id!r} has an empty prompt")
     prompt = len(trajectory.prompt_ids)
+    versions = getattr(trajectory, "policy_versions", None)
     return TokenSequence(
         tokens=[*trajectory.prompt_ids, *trajectory.response_ids],
         loss_mask=[0] * prompt + list(trajectory.loss_mask),
         logprobs=[0.0] * prompt + list(trajectory.logprobs),
         advantage=float(advantage),
+        policy_versions=None if versions is None else [-1] * prompt + list(versions),
     )
 
 
@@ -131,6 +143,7 @@ def build_batch(
     row_multiple: int = 1,
     pack: bool = True,
     with_rl_fields: bool = False,
+    with_policy_versions: bool = False,
 ) -> Batch:
     """Packs sequences into a NumPy ``Batch`` of ``[num_rows, seq_len]``.
 
@@ -142,6 +155,7 @@ def build_batch(
         up to ``row_multiple`` times a power of two, so a run compiles for a handful of shapes at most.
       row_multiple: rows must divide evenly into micro-batches and data shards.
       with_rl_fields: fill ``advantages`` and ``old_logp`` (sequences without log-probs get 0).
+      with_policy_versions: fill ``policy_versions`` (-1 where a sequence has none).
     """
     if seq_len <= 0 or row_multiple <= 0:
         raise ValueError(f"seq_len ({seq_len}) and row_multiple ({row_multiple}) must be positive")
@@ -159,6 +173,7 @@ def build_batch(
     shape = (num_rows, seq_len)
     tokens, targets, positions, segment_ids = (np.zeros(shape, np.int32) for _ in range(4))
     loss_mask, advantages, old_logp = (np.zeros(shape, np.float32) for _ in range(3))
+    versions = np.full(shape, -1, np.int32)
     segments_in_row = np.zeros(num_rows, np.int32)
     for seq, (row, start) in zip(sequences, placement, strict=True):
         stop = start + len(seq.tokens) - 1
@@ -172,7 +187,11 @@ def build_batch(
         advantages[span] = seq.advantage
         if seq.logprobs is not None:
             old_logp[span] = seq.logprobs[1:]
+        if seq.policy_versions is not None:
+            versions[span] = seq.policy_versions[1:]
     rl = dict(advantages=advantages, old_logp=old_logp) if with_rl_fields else {}
+    if with_policy_versions:
+        rl["policy_versions"] = versions
     return Batch(
         tokens=tokens,
         targets=targets,

@@ -334,11 +334,17 @@ class ProblemIterator:
         return self
 
     def __next__(self) -> list[Problem]:
+        return self.take(self.batch_size)
+
+    def take(self, count: int) -> list[Problem]:
+        """The next ``count`` problems (``next(iterator)`` takes ``batch_size``); 0 takes none."""
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
         n = len(self.problems)
         batch = []
-        while len(batch) < self.batch_size:
+        while len(batch) < count:
             epoch, offset = divmod(self.position, n)
-            take = min(self.batch_size - len(batch), n - offset)
+            take = min(count - len(batch), n - offset)
             batch.extend(self.problems[i] for i in self._order(epoch)[offset : offset + take])
             self.position += take
         return batch

@@ -23,6 +23,11 @@ ToolOutcome = Literal[
 # Outcomes that count as a failed tool call for the RoC tool-error penalty: anything but a clean run.
 FAILED_OUTCOMES = frozenset(o for o in ToolOutcome.__args__ if o != "ok")
 
+#: The policy version of a response token no policy sampled (inserted tool output and turn tokens); a
+#: sampled token carries the trainer step whose parameters sampled it (>= 0). The engine's
+#: ``rstar2jax.engine.NO_POLICY_VERSION`` is the same value.
+NO_POLICY_VERSION = -1
+
 
 _ANSWER_BLOCK = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
@@ -54,6 +59,10 @@ class Trajectory:
       answer: the extracted final answer, or None.
       reward: binary reward (0.0 or 1.0).
       timings: seconds spent per phase (e.g. "generate", "tool", "verify").
+      policy_versions: per response token, the policy version (trainer step) whose parameters sampled it,
+        ``NO_POLICY_VERSION`` (-1) where ``loss_mask`` is 0; None when the rollout did not record them (the
+        trainer then tags the sampled tokens with the version of the parameters it rolled out with). Tokens
+        of one trajectory can carry several versions (a partial rollout resumed after an update).
     """
 
     problem_id: str
@@ -70,6 +79,7 @@ class Trajectory:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     num_answer_closes: int | None = None
     num_answer_pairs: int | None = None
+    policy_versions: list[int] | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -77,6 +87,10 @@ class Trajectory:
             raise ValueError(
                 f"response_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) "
                 "must have the same length"
+            )
+        if self.policy_versions is not None and len(self.policy_versions) != n:
+            raise ValueError(
+                f"policy_versions ({len(self.policy_versions)}) must have one entry per response token ({n})"
             )
 
     @property

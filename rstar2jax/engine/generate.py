@@ -15,12 +15,14 @@ _MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across c
 
 class Generation(NamedTuple):
     """One prompt's completion: sampled tokens, their raw policy log-probs, ``"eos"`` / ``"stop"`` /
-    ``"budget"`` (``max_new_tokens`` reached), and each token's sampling-distribution entropy."""
+    ``"budget"`` (``max_new_tokens`` reached), each token's sampling-distribution entropy and the policy
+    version that sampled it (``generate``'s ``policy_version``)."""
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
     entropies: list[float] = []
+    policy_versions: list[int] = []
 
 
 def generate(
@@ -35,13 +37,15 @@ def generate(
     seed: int = 0,
     stop: Sequence[Sequence[int]] | None = None,
     engine_config: EngineConfig | None = None,
+    policy_version: int = 0,
 ) -> list[Generation]:
     """Complete each prompt (token ids) with continuous batching; returns one :class:`Generation` per prompt.
 
     Prompt ``i`` samples with seed ``(seed, i)``, so its completion does not depend on the other prompts or on
     slot assignment. ``stop`` token sequences end a completion (the stop tokens included). With more prompts
     than fit in ``engine_config.num_slots`` (default: up to 32 slots) and its KV pages, the rest wait and
-    slots and pages are reused as completions finish.
+    slots and pages are reused as completions finish. ``policy_version`` tags every sampled token
+    (``Generation.policy_versions``).
     """
     if not prompts:
         return []
@@ -49,7 +53,7 @@ def generate(
         longest = max(len(p) for p in prompts) + max_new_tokens
         engine_config = EngineConfig(num_slots=min(len(prompts), 32),
                                      max_len=-(-longest // _MAX_LEN_MULTIPLE) * _MAX_LEN_MULTIPLE)
-    core = EngineCore(params, config, engine_config)
+    core = EngineCore(params, config, engine_config, policy_version=policy_version)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     stop = [] if stop is None else stop
     for prompt in prompts:

@@ -41,6 +41,7 @@ from rstar2jax.engine.pages import PageAllocator, pages_for
 from rstar2jax.engine.state import (
     DONE,
     FINISH_REASON_NAMES,
+    NO_POLICY_VERSION,
     NO_TOKEN,
     RUNNING,
     EngineState,
@@ -153,12 +154,15 @@ class Segment:
     sequence, included in ``tokens``) or ``"length"`` (``max_new_tokens``): the session is paused and may go
     on; ``"eos"`` or ``"budget"`` (``max_tokens`` used up): the session is done. ``entropies``: for each
     token, the entropy of the raw policy distribution it was sampled from (see
-    :class:`~rstar2jax.engine.EngineState`)."""
+    :class:`~rstar2jax.engine.EngineState`). ``policy_versions``: for each token, the policy version (the
+    trainer step whose parameters sampled it) of the engine that sampled it
+    (:attr:`EngineCore.policy_version`)."""
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
     entropies: list[float] = dataclasses.field(default_factory=list)
+    policy_versions: list[int] = dataclasses.field(default_factory=list)
 
 
 class _Record:
@@ -171,6 +175,7 @@ class _Record:
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.entropies: list[float] = []
+        self.policy_versions: list[int] = []
         self.pending: list[int] = []  # appended, not yet on the device
         self.budget_end = len(prompt_ids) + max_tokens
         self.reserve = 0  # pages the sequence may still take from the pool (promised at admission)
@@ -188,12 +193,15 @@ class _Record:
         return self.budget_end - self.length - len(self.pending)
 
     def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
-            entropies: Sequence[float] | None = None) -> None:
-        """Record tokens: sampled (with their log-probs and entropies) or inserted (``logprobs=None``)."""
+            entropies: Sequence[float] | None = None, policy_version: int = NO_POLICY_VERSION) -> None:
+        """Record tokens: sampled (with their log-probs, entropies and the version of the policy that sampled
+        them) or inserted (``logprobs=None``: version ``NO_POLICY_VERSION``)."""
         self.response_ids += tokens
         self.loss_mask += [0 if logprobs is None else 1] * len(tokens)
         self.logprobs += [0.0] * len(tokens) if logprobs is None else logprobs
         self.entropies += [0.0] * len(tokens) if entropies is None else entropies
+        version = NO_POLICY_VERSION if logprobs is None else policy_version
+        self.policy_versions += [version] * len(tokens)
 
 
 _unstack_layers = jax.jit(unstack_layers, static_argnames=("dtype",))
@@ -224,9 +232,16 @@ class EngineCore:
 
     Not thread-safe: one caller at a time. :class:`Engine` drives it from a worker thread; :func:`generate`
     drives it directly.
+
+    ``policy_version`` (an int >= 0, the trainer step whose parameters ``params`` are) tags every token the
+    engine samples (``Segment.policy_versions``); inserted tokens get ``NO_POLICY_VERSION`` (-1).
     """
 
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig):
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, policy_version: int = 0):
+        if not isinstance(policy_version, (int, np.integer)) or isinstance(policy_version, bool) or (
+                policy_version < 0):
+            raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+        self.policy_version = int(policy_version)
         self.params = engine_params(params, config, engine_config.unstacked_decode)
         self.config = config
         self.engine_config = engine_config
@@ -618,8 +633,9 @@ class EngineCore:
                 logprobs[row, start:end].tolist(),
                 FINISH_REASON_NAMES[int(reason[slot])],
                 entropies[row, start:end].tolist(),
+                [self.policy_version] * int(end - start),
             )
-            record.add(segment.tokens, segment.logprobs, segment.entropies)
+            record.add(segment.tokens, segment.logprobs, segment.entropies, self.policy_version)
             if status[slot] == DONE:
                 record.finish_reason = segment.finish_reason
                 self.close(record)
@@ -633,7 +649,8 @@ class Session:
     The host record (``prompt_ids``, ``response_ids``, ``loss_mask``, ``logprobs``) is exactly what
     :class:`rstar2jax.agent.Trajectory` needs: ``response_ids`` holds sampled and appended tokens in order,
     ``loss_mask`` is 1 on sampled ones, ``logprobs`` their raw policy log-probs (0.0 on appended ones);
-    ``entropies`` the entropy of the distribution each was sampled from (0.0 on appended ones).
+    ``entropies`` the entropy of the distribution each was sampled from (0.0 on appended ones);
+    ``policy_versions`` the policy version that sampled each (``NO_POLICY_VERSION``, -1, on appended ones).
     """
 
     def __init__(self, engine: Engine, record: _Record):
@@ -647,6 +664,9 @@ class Session:
     logprobs = property(lambda self: self._record.logprobs + [0.0] * len(self._record.pending))
     entropies = property(lambda self: self._record.entropies + [0.0] * len(self._record.pending),
                          doc="per response token: its sampling distribution's entropy (0.0 on appended ones)")
+    policy_versions = property(
+        lambda self: self._record.policy_versions + [NO_POLICY_VERSION] * len(self._record.pending),
+        doc="per response token: the policy version that sampled it (NO_POLICY_VERSION on appended ones)")
     finish_reason = property(lambda self: self._record.finish_reason, doc='"eos" or "budget" once done')
     done = property(lambda self: self._record.finish_reason is not None)
     remaining = property(lambda self: self._record.remaining, doc="tokens left in the budget")
@@ -696,8 +716,9 @@ class Engine:
     chunk; then it wakes the coroutines whose segments ended.
     """
 
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig()):
-        self._core = EngineCore(params, config, engine_config)
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
+                 policy_version: int = 0):
+        self._core = EngineCore(params, config, engine_config, policy_version=policy_version)
         self._waiting: collections.deque = collections.deque()  # (request, future) for open()
         self._starts: list = []  # (record, stop, max_new_tokens, future)
         self._closes: list[_Record] = []

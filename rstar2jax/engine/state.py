@@ -38,6 +38,9 @@ NOT_FINISHED, STOP, EOS, BUDGET, LENGTH = 0, 1, 2, 3, 4
 FINISH_REASON_NAMES = {STOP: "stop", EOS: "eos", BUDGET: "budget", LENGTH: "length"}
 
 NO_TOKEN = -1  # padding in stop-sequence and EOS tables; never equal to a real token id
+# The policy version of a token no policy sampled (prompt, appended tool output); sampled tokens carry the
+# trainer step whose parameters sampled them (>= 0). ``rstar2jax.data.trajectory`` uses the same value.
+NO_POLICY_VERSION = -1
 MAX_EOS_IDS = 8  # width of the EOS table: a fixed shape, so engines with different EOS ids share programs
 
 

@@ -19,6 +19,7 @@ from rstar2jax.train.config import (
 from rstar2jax.train.metrics import MetricsLogger
 from rstar2jax.train.rl import (
     RLIterationConfig,
+    RolloutCarry,
     filter_hard_problems,
     rl_iteration,
     rollout_metrics,
@@ -65,6 +66,7 @@ __all__ = [
     "MetricsLogger",
     "RLIterationConfig",
     "RLLossConfig",
+    "RolloutCarry",
     "RunPaths",
     "TokenSequence",
     "TrainState",

@@ -130,6 +130,9 @@ def rl_config() -> ml_collections.ConfigDict:
             mask_truncated=False,
             overlong_buffer=0,
             overlong_penalty_factor=1.0,
+            # 1: step n+1's rollout is generated with step n's parameters before step n's update (one-step
+            # off-policy; needs the rollout correction below). 0: synchronous on-policy.
+            off_policy_steps=0,
         )
     )
     c.batch = ml_collections.ConfigDict(dict(max_prompt_length=1024, pack=True))
@@ -145,6 +148,10 @@ def rl_config() -> ml_collections.ConfigDict:
             sandbox_workers=2,
             engine_slots=64,
             kv_cache_tokens=0,  # tokens the engine's KV pool holds; 0: engine_slots x the longest sequence
+            # Partial rollouts: > 0 stops a step's rollouts once they sampled this many tokens; finished
+            # groups are trained on, unfinished rollouts resume next step (needs the rollout correction).
+            partial_token_budget=0,
+            partial_segment_tokens=64,  # tokens sampled between looks at that budget
         )
     )
     # Colocated rollout and training (rstar2jax.train.colocate): where the optimizer moments wait while the
@@ -282,6 +289,8 @@ FIELD_HELP = {
     "rl.mask_truncated": "truncated responses carry no loss (they still count in their group's advantages)",
     "rl.overlong_buffer": "DAPO soft overlong penalty over the last N tokens of the budget (0: off)",
     "rl.overlong_penalty_factor": "DAPO soft overlong penalty at the budget (reward - factor)",
+    "rl.off_policy_steps": "1: roll out step n+1 with step n's parameters before step n's update (one-step "
+    "off-policy, needs loss.old_logprobs='recompute' and a rollout correction); 0: on-policy",
     "batch.max_prompt_length": "longest prompt in tokens (longer problems are rejected)",
     "batch.pack": "pack several trajectories per row; False: one per row (worst case must fit)",
     "rollout.temperature": "sampling temperature of rollouts",
@@ -294,6 +303,10 @@ FIELD_HELP = {
     "rollout.sandbox_workers": "workers of the local sandbox",
     "rollout.engine_slots": "concurrent sequences in the generation engine",
     "rollout.kv_cache_tokens": "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
+    "rollout.partial_token_budget": "partial rollouts: > 0 stops a step's rollouts after this many sampled "
+    "tokens, trains on the finished groups and resumes the rest next step (0: off; needs the rollout "
+    "correction)",
+    "rollout.partial_segment_tokens": "partial rollouts: tokens a session samples between budget checks",
     "colocate.optimizer_memory": "where optimizer moments wait during rollout: auto / host (pinned) / device",
     "device_memory_gib": "per-device memory the plan is checked against (None: what the device reports)",
     "filter_batch_size": "problems per batch of the hard-problem filter's rollouts",
@@ -497,8 +510,35 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
                 raise ConfigError(f"config.stages[{i}].dataset={s.dataset!r}: {missing}")
     _positive_int(config, "filter_batch_size")
     _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _check_rollouts_across_updates(config)
     _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
     _check(config, "device_memory_gib", lambda v: v is None or v > 0, "must be positive or None")
+
+
+def _check_rollouts_across_updates(config) -> None:
+    """One-step off-policy and partial rollouts: valid values, not both, and the rollout correction on."""
+    off = _one_of(config, "rl.off_policy_steps", (0, 1))
+    budget = _check(
+        config, "rollout.partial_token_budget", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"
+    )
+    _positive_int(config, "rollout.partial_segment_tokens")
+    if off and budget:
+        raise ConfigError(
+            "config.rl.off_policy_steps=1 and config.rollout.partial_token_budget > 0 do not combine: "
+            "pick one way for rollouts to cross a policy update"
+        )
+    if not (off or budget):
+        return
+    option = "config.rl.off_policy_steps=1" if off else "config.rollout.partial_token_budget > 0"
+    if config.loss.old_logprobs != "recompute" or (
+        config.loss.rollout_is_cap is None and config.loss.rollout_mask is None
+    ):
+        raise ConfigError(
+            f"{option} trains on tokens an older policy sampled: it needs the rollout correction, "
+            "loss.old_logprobs='recompute' with loss.rollout_is_cap and/or loss.rollout_mask set"
+        )
+    if budget and config.distributed.num_processes > 1:
+        raise ConfigError(f"{option}: partial rollouts run in one process (distributed.num_processes=1)")
 
 
 def _check_stage_int(config, index: int, name: str) -> None:
@@ -598,7 +638,7 @@ def uses_reference(config) -> bool:
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:
     """The iteration options for a stage whose responses are at most ``max_response_length`` tokens."""
-    rl = {k: v for k, v in config.rl.items() if k != "prompts_per_step"}
+    rl = {k: v for k, v in config.rl.items() if k not in ("prompts_per_step", "off_policy_steps")}
     return RLIterationConfig(
         **rl,
         seq_len=config.batch.max_prompt_length + max_response_length - 1,

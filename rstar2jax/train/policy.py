@@ -96,6 +96,7 @@ def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prom
             num_pages=r.kv_cache_tokens // EngineConfig.page_size + 1 if r.kv_cache_tokens else None,
         ),
         max_prompt_length=run_config.batch.max_prompt_length,
+        partial_segment_tokens=r.partial_segment_tokens,
         config=agent.RolloutConfig(
             max_tool_calls_per_turn=r.max_tool_calls_per_turn,
             tool_timeout=r.tool_timeout,

@@ -6,17 +6,45 @@ scripted rollout in tests. Signature expected of it::
     rollout_fn(params, problems, *, samples_per_problem, max_response_length, max_turns, seed)
         -> list[Trajectory]      # samples_per_problem per problem, rewards filled in
 
+Policy versions: the version of parameters is the trainer step that produced them (``state.step``). A
+``rollout_fn`` that takes a ``policy_version`` keyword gets it and tags the tokens it samples
+(``Trajectory.policy_versions``, e.g. :class:`~rstar2jax.agent.PolicyRollout`); trajectories that come back
+without tags get the version of the parameters they were rolled out with on every sampled token. The
+iteration reports ``rollout/policy_lag_mean`` / ``rollout/policy_lag_max``: the version being updated minus
+each trained token's version, over the batch's loss tokens (0 in synchronous on-policy runs).
+
+Two options let rollouts cross a policy update (both off by default; then the iteration is the synchronous
+on-policy one, number for number):
+
+* one-step off-policy (``off_policy_steps=1``): the rollout of step n+1's problems is generated with step
+  n's parameters before step n's update (sequentially here: the engine and the trainer share one parameter
+  tree, so the update, which donates it, cannot run beside the rollout); step n then trains on the rollout
+  made with step n-1's parameters (the first step of a stage trains on its own, on-policy rollout);
+* partial rollouts (``token_budget``): the rollout stops once its sessions sampled that many tokens, the
+  groups whose rollouts all finished are trained on, and the unfinished rollouts are resumed in the next
+  step with the new parameters (their tokens keep their versions and sampler log-probs). The ``rollout_fn``
+  must take ``token_budget`` and ``resume`` and then return ``(finished, unfinished)``, unfinished records
+  having a ``problem_id`` and ``num_tokens`` (:class:`~rstar2jax.agent.PartialRollout`).
+
+Either way the sampler's log-probs of the older tokens come from an older policy: the trainer's rollout
+correction (``RLLossConfig`` with ``old_logprobs="recompute"`` and ``rollout_is_cap`` / ``rollout_mask``,
+``algo.rollout_correction``) weighs them by pi_current / pi_behaviour. What a step hands to the next lives
+in a :class:`RolloutCarry`.
+
 Every process of a multi-host run calls the iteration; each rolls out its own slice of the problems and the
 trajectories are gathered to all processes before selection, so all of them build the same global batch.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import functools
+import inspect
 import pickle
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +54,7 @@ import numpy as np
 from rstar2jax import algo
 from rstar2jax.data.batch import Batch, build_batch, group_array, trajectory_sequence
 from rstar2jax.data.problems import Problem
-from rstar2jax.data.trajectory import tool_error_ratios
+from rstar2jax.data.trajectory import NO_POLICY_VERSION, tool_error_ratios
 from rstar2jax.train import colocate
 from rstar2jax.train.state import TrainState
 
@@ -126,6 +154,30 @@ def _gather_to_all_processes(items: list[Any]) -> list[Any]:
     ]
 
 
+def accepts_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` names the keyword argument ``name`` in its signature (a bare ``**kwargs`` does not
+    count: a wrapper that forwards them to a plain rollout function would pass on what it cannot take)."""
+    try:
+        parameter = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read: assume the plain protocol
+        return False
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in keyword
+
+
+def tag_versions(trajectories: Sequence[Trajectory], version: int) -> list[Trajectory]:
+    """``trajectories`` with ``policy_versions`` set where the rollout recorded none: ``version`` on every
+    sampled token (loss mask 1), ``NO_POLICY_VERSION`` elsewhere. Tagged records are kept as they are."""
+    return [
+        t
+        if t.policy_versions is not None
+        else dataclasses.replace(
+            t, policy_versions=[version if m else NO_POLICY_VERSION for m in t.loss_mask]
+        )
+        for t in trajectories
+    ]
+
+
 def run_rollouts(
     rollout_fn: RolloutFn,
     params,
@@ -135,9 +187,16 @@ def run_rollouts(
     max_response_length: int,
     max_turns: int,
     seed: int,
+    policy_version: int | None = None,
 ) -> list[list[Trajectory]]:
-    """Rollouts grouped per problem (in ``problems`` order); with several processes each rolls out a slice."""
+    """Rollouts grouped per problem (in ``problems`` order); with several processes each rolls out a slice.
+
+    ``policy_version``: the version of ``params``; passed to a ``rollout_fn`` that takes it, and tags the
+    trajectories that come back without versions (see :func:`tag_versions`). None: nothing is tagged."""
     mine = problems[jax.process_index() :: jax.process_count()]
+    extra = {}
+    if policy_version is not None and accepts_keyword(rollout_fn, "policy_version"):
+        extra["policy_version"] = policy_version
     trajectories = rollout_fn(
         params,
         list(mine),
@@ -145,10 +204,138 @@ def run_rollouts(
         max_response_length=max_response_length,
         max_turns=max_turns,
         seed=seed + jax.process_index(),
+        **extra,
     )
+    if policy_version is not None:
+        trajectories = tag_versions(trajectories, policy_version)
     if jax.process_count() > 1:
         trajectories = _gather_to_all_processes(list(trajectories))
     return _group(problems, trajectories, samples_per_problem)
+
+
+@dataclasses.dataclass
+class RolloutCarry:
+    """Rollouts one RL step hands to the next (see the module doc); empty in synchronous on-policy runs.
+
+    Attributes:
+      ready: one-step off-policy: the next step's problems and their groups, rolled out with this step's
+        parameters (None: the next step rolls out its own problems).
+      unfinished: partial rollouts: the records the token budget stopped, resumed by the next step.
+      held: partial rollouts: per open problem id, the finished trajectories of its group so far.
+      problems: partial rollouts: the open groups' problems, by id, in the order they were opened.
+    """
+
+    ready: tuple[list[Problem], list[list[Trajectory]]] | None = None
+    unfinished: list = dataclasses.field(default_factory=list)
+    held: dict[str, list[Trajectory]] = dataclasses.field(default_factory=dict)
+    problems: dict[str, Problem] = dataclasses.field(default_factory=dict)
+
+    @property
+    def open_groups(self) -> int:
+        """Problems whose partial-rollout groups are not complete yet."""
+        return len(self.problems)
+
+    @property
+    def empty(self) -> bool:
+        return self.ready is None and not self.unfinished and not self.problems
+
+    def encode(self) -> str:
+        """The carry as text for a checkpoint's JSON meta (zlib-compressed pickle, base64)."""
+        return base64.b64encode(zlib.compress(pickle.dumps(self))).decode("ascii")
+
+    @staticmethod
+    def decode(text: str) -> RolloutCarry:
+        """Inverse of :meth:`encode` (only for checkpoints this run wrote: it unpickles)."""
+        return pickle.loads(zlib.decompress(base64.b64decode(text)))
+
+
+def _partial_rollouts(
+    rollout_fn: RolloutFn,
+    params,
+    problems: Sequence[Problem],
+    carry: RolloutCarry,
+    *,
+    samples_per_problem: int,
+    max_response_length: int,
+    max_turns: int,
+    seed: int,
+    policy_version: int,
+    token_budget: int,
+) -> tuple[list[Problem], list[list[Trajectory]], dict[str, float]]:
+    """One step of partial rollouts: resume ``carry.unfinished``, open ``problems`` (but ids still open),
+    sample until the budget; repeated (each call one more budget) until at least one group is complete.
+    Returns the complete groups' problems and groups (the carried ones first) and counts; ``carry`` keeps
+    the rest."""
+    if jax.process_count() > 1:
+        raise ValueError("partial rollouts (token_budget) run in one process only")
+    for name in ("token_budget", "resume", "policy_version"):
+        if not accepts_keyword(rollout_fn, name):
+            raise ValueError(f"partial rollouts need a rollout_fn that takes {name}= (as PolicyRollout does)")
+    new = [p for p in problems if p.id not in carry.problems]
+    for p in new:
+        carry.problems[p.id] = p
+        carry.held[p.id] = []
+    resumed = len(carry.unfinished)
+    resumed_tokens = sum(u.num_tokens for u in carry.unfinished)
+    unfinished, calls = carry.unfinished, 0
+    while True:
+        finished, unfinished = rollout_fn(
+            params,
+            new,
+            samples_per_problem=samples_per_problem,
+            max_response_length=max_response_length,
+            max_turns=max_turns,
+            seed=seed + calls,
+            policy_version=policy_version,
+            token_budget=token_budget,
+            resume=unfinished,
+        )
+        calls, new, unfinished = calls + 1, [], list(unfinished)
+        for t in finished:
+            if t.problem_id not in carry.held:
+                raise ValueError(f"rollout returned a trajectory for unknown problem {t.problem_id!r}")
+            if t.policy_versions is None:
+                raise ValueError("partial rollouts need trajectories with policy_versions (a resumed "
+                                 "rollout mixes versions)")
+            carry.held[t.problem_id].append(t)
+        still_open = {u.problem_id for u in unfinished}
+        complete = [pid for pid in carry.problems if pid not in still_open]
+        if complete:
+            break
+    carry.unfinished = unfinished
+    done = [carry.problems.pop(pid) for pid in complete]
+    groups = [carry.held.pop(pid) for pid in complete]
+    for group in groups:
+        if len(group) > samples_per_problem:
+            raise ValueError(f"rollout returned {len(group)} trajectories for problem "
+                             f"{group[0].problem_id!r}, more than samples_per_problem={samples_per_problem}")
+    metrics = {
+        "rollout/partial_calls": float(calls),
+        "rollout/partial_resumed": float(resumed),
+        "rollout/partial_resumed_tokens": float(resumed_tokens),
+        "rollout/partial_unfinished": float(len(unfinished)),
+        "rollout/partial_open_groups": float(carry.open_groups),
+    }
+    return done, groups, metrics
+
+
+def policy_lag_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dict[str, float]:
+    """``rollout/policy_lag_mean`` / ``_max``: ``version`` minus the policy version of each sampled response
+    token (loss mask 1) of the step's rollouts (all of them, before selection); 0 / 0 without any."""
+    versions = [
+        np.asarray(t.policy_versions, np.int64)[np.asarray(t.loss_mask, bool)]
+        for group in groups
+        for t in group
+        if t.policy_versions is not None
+    ]
+    versions = np.concatenate(versions) if versions else np.zeros((0,), np.int64)
+    lag = version - versions
+    if np.any(lag < 0) or np.any(versions < 0):
+        raise ValueError(f"sampled tokens carry policy versions outside [0, {version}]")
+    return {
+        "rollout/policy_lag_mean": float(lag.mean()) if lag.size else 0.0,
+        "rollout/policy_lag_max": float(lag.max()) if lag.size else 0.0,
+    }
 
 
 def check_rewards(groups: list[list[Trajectory]]) -> None:
@@ -321,11 +508,14 @@ def select_and_build_batch(
     scored: ScoredGroups | None = None,
     *,
     max_response_length: int | None = None,
+    padding_groups: int = 0,
 ) -> tuple[Batch, dict[str, float]]:
     """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch.
 
     ``scored``: the groups' :func:`score_groups` at width ``samples_per_problem`` (default: computed here).
     ``max_response_length`` (the response budget) is needed with ``config.overlong_buffer`` > 0.
+    ``padding_groups``: the last this many groups are empty padding (a fixed group count keeps the scoring
+    programs' shapes): left out of the rejected-group counts.
     """
     width = config.samples_per_problem
     if scored is None:
@@ -382,8 +572,9 @@ def select_and_build_batch(
         row_multiple=config.row_multiple,
         pack=config.pack,
         with_rl_fields=True,
+        with_policy_versions=True,
     )
-    rejected = selection.rejected
+    rejected = selection.rejected[: len(groups) - padding_groups]
     metrics = {
         "groups_rejected": float(rejected.sum()),
         "groups_rejected_frac": float(rejected.mean()) if len(rejected) else 0.0,
@@ -420,37 +611,84 @@ def rl_iteration(
     reward_fn: RewardFn | None = None,
     num_rows: int | None = None,
     batch_sharding: jax.sharding.Sharding | None = None,
+    off_policy_steps: int = 0,
+    next_problems: Sequence[Problem] | None = None,
+    token_budget: int | None = None,
+    carry: RolloutCarry | None = None,
+    num_groups: int | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
     """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats).
 
     ``state.rng`` is split into the next state key, the RoC key and the rollout seed, so the iteration is a
     deterministic function of (state, problems) for a deterministic rollout. Repeated problems in
     ``problems`` (a batch across an epoch boundary) are rolled out once.
+
+    Rollouts across an update (see the module doc), both with a ``carry`` that the call updates in place:
+    ``off_policy_steps=1`` trains on ``carry.ready`` when it holds a rollout (``problems`` is then ignored;
+    otherwise ``problems`` are rolled out now) and, before the update, rolls out ``next_problems`` (None: the
+    last step of a stage, nothing) with this step's parameters into ``carry.ready``; ``token_budget`` runs
+    partial rollouts: ``problems`` are the new problems of the step, and the complete groups (a number that
+    varies) are padded with empty ones to ``num_groups`` (the most a step can complete, e.g.
+    ``prompts_per_step``) so that nothing recompiles.
     """
+    if off_policy_steps not in (0, 1):
+        raise ValueError(f"off_policy_steps={off_policy_steps!r}; expected 0 or 1")
+    if token_budget is not None and off_policy_steps:
+        raise ValueError("partial rollouts (token_budget) and off_policy_steps=1 do not combine")
+    if (off_policy_steps or token_budget is not None) and carry is None:
+        raise ValueError("off_policy_steps=1 and token_budget need a RolloutCarry (carry=)")
     start = time.perf_counter()
     unique = list({p.id: p for p in problems}.values())
     rng, roc_key, rollout_key = jax.random.split(state.rng, 3)
     seed = int(jax.random.randint(rollout_key, (), 0, np.iinfo(np.int32).max))
-    groups = run_rollouts(
-        rollout_fn,
-        state.params,
-        unique,
+    version = int(jax.device_get(state.step.addressable_data(0)))
+    rollout_options = dict(
         samples_per_problem=config.samples_per_problem,
         max_response_length=max_response_length,
         max_turns=max_turns,
-        seed=seed,
     )
+    carry_metrics = {}
+    if token_budget is not None:
+        unique, groups, carry_metrics = _partial_rollouts(
+            rollout_fn, state.params, unique, carry, **rollout_options, seed=seed, policy_version=version,
+            token_budget=token_budget,
+        )
+    elif off_policy_steps and carry.ready is not None:
+        (unique, groups), carry.ready = carry.ready, None
+    else:
+        groups = run_rollouts(
+            rollout_fn, state.params, unique, **rollout_options, seed=seed, policy_version=version
+        )
+    if off_policy_steps and next_problems is not None:
+        # The next step's rollout, made with this step's parameters before this step's update.
+        ahead = list({p.id: p for p in next_problems}.values())
+        next_seed = int(jax.random.randint(jax.random.fold_in(rollout_key, 1), (), 0, np.iinfo(np.int32).max))
+        carry.ready = (
+            ahead,
+            run_rollouts(rollout_fn, state.params, ahead, **rollout_options, seed=next_seed,
+                         policy_version=version),
+        )
     rollout_done = time.perf_counter()
     if reward_fn is not None:
         groups = rescore(unique, groups, reward_fn)
     verify_done = time.perf_counter()
 
+    padding = 0
+    if num_groups is not None:
+        if len(groups) > num_groups:
+            raise ValueError(f"{len(groups)} complete groups, more than num_groups={num_groups}")
+        padding = num_groups - len(groups)
+        groups = groups + [[] for _ in range(padding)]
     scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
     metrics = rollout_metrics(groups, scored)
     batch, select_metrics = select_and_build_batch(
-        roc_key, groups, config, num_rows, scored, max_response_length=max_response_length
+        roc_key, groups, config, num_rows, scored, max_response_length=max_response_length,
+        padding_groups=padding,
     )
     metrics.update(select_metrics)
+    metrics.update(carry_metrics)
+    metrics.update(policy_lag_metrics(groups, version))
+    batch = batch.replace(policy_versions=None)  # bookkeeping only: the step's inputs are as they were
     update_start = time.perf_counter()
     # Optimizer state a colocated run parked in host memory during rollout comes back for the update.
     state = colocate.to_device(state.replace(rng=rng))

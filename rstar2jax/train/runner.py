@@ -32,7 +32,14 @@ from rstar2jax.train import config as config_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
-from rstar2jax.train.rl import RewardFn, RolloutFn, filter_hard_problems, put_batch, rl_iteration
+from rstar2jax.train.rl import (
+    RewardFn,
+    RolloutCarry,
+    RolloutFn,
+    filter_hard_problems,
+    put_batch,
+    rl_iteration,
+)
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, mesh_size, request_host_devices
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
@@ -367,6 +374,12 @@ def train_rl(
 
     ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.rl``); ``max_steps`` stops early after
     that many steps in total (for demos and tests).
+
+    Rollouts across an update (``config.rl.off_policy_steps`` = 1, ``config.rollout.partial_token_budget``
+    > 0; see ``rstar2jax.train.rl``): what one step hands to the next (the next step's rollout, unfinished
+    rollouts) is kept in the checkpoint meta (``rollout_carry``), so a resumed run goes on exactly; it does
+    not cross a stage boundary (a stage's last step rolls out nothing ahead, and its unfinished rollouts
+    are dropped: the next stage has its own budget and problems).
     """
     config_lib.validate(config, "rl")
     optimizer = config_lib.build_optimizer(config)
@@ -400,6 +413,9 @@ def train_rl(
         )
     dataset = None
     offload = colocate.resolve_offload(config.colocate.optimizer_memory)
+    off_policy = config.rl.off_policy_steps
+    token_budget = config.rollout.partial_token_budget or None
+    carries = bool(off_policy or token_budget)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
     with Progress(run, total, "rl", keys) as progress:
         try:
@@ -420,12 +436,28 @@ def train_rl(
                 )
                 iteration = config_lib.build_iteration_config(config, s.max_response_length)
                 num_rows = None if config.batch.pack else config.rl.prompts_per_step * config.rl.keep
+                saved = run.meta.get("rollout_carry")
+                carry = RolloutCarry.decode(saved) if saved else RolloutCarry()
                 while run.step - run.meta["stage_start"] < s.steps and run.step < total:
                     if offload:  # the moments wait in host memory while the engine runs
                         run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
+                    # A stage's last step rolls out nothing ahead (max_steps does not count: a run it
+                    # stopped resumes exactly).
+                    stage_last = run.step - run.meta["stage_start"] + 1 >= s.steps
+                    options = {}
+                    if token_budget:
+                        wanted = max(config.rl.prompts_per_step - carry.open_groups, 0)
+                        problems_now = iterator.take(wanted)
+                        options = dict(token_budget=token_budget, num_groups=config.rl.prompts_per_step)
+                    elif off_policy:
+                        problems_now = [] if carry.ready is not None else next(iterator)
+                        ahead = None if stage_last else next(iterator)
+                        options = dict(off_policy_steps=1, next_problems=ahead)
+                    else:
+                        problems_now = next(iterator)
                     run.state, metrics = rl_iteration(
                         run.state,
-                        next(iterator),
+                        problems_now,
                         rollout_fn=rollout_fn,
                         rl_step=step_fn,
                         config=iteration,
@@ -434,10 +466,16 @@ def train_rl(
                         reward_fn=reward_fn,
                         num_rows=num_rows,
                         batch_sharding=batch_sharding(run.mesh),
+                        carry=carry if carries else None,
+                        **options,
                     )
+                    if carries and stage_last:
+                        carry = RolloutCarry()  # nothing crosses into the next stage
+                    carried = {"rollout_carry": None if carry.empty else carry.encode()} if carries else {}
                     record = run.record(
                         {"stage": index, **data_metrics, **metrics},
                         position=iterator.position,
+                        **carried,
                     )
                     stage_step = run.step - run.meta["stage_start"]
                     progress.update(record, f"stage {s.name!r} {stage_step}/{s.steps}")
@@ -445,6 +483,7 @@ def train_rl(
                 if run.step >= total:
                     break
                 run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
+                run.meta.pop("rollout_carry", None)
         finally:
             run.close()
     return run.logger.history

@@ -10,6 +10,7 @@ import pytest
 
 from rstar2jax.agent import (
     PYTHON_TOOL_NAME,
+    PartialRollout,
     PromptConfig,
     RolloutConfig,
     SandboxClient,
@@ -431,3 +432,41 @@ def test_a_dead_sandbox_server_is_unreachable_not_a_hang(tokenizer, verifier):
 
     (t,) = asyncio.run(run())
     assert t.tool_outcomes == ["unreachable"] and t.num_turns == 2 and t.reward == 1.0
+
+
+def test_a_budget_stops_mid_turn_and_the_rollout_resumes_where_it_stopped(tokenizer, verifier):
+    """Partial rollouts on scripted streams: the token budget stops the session at a segment boundary in the
+    middle of its first turn; resumed (a new session on prompt + response so far, with the turn's unparsed
+    text kept), it runs the tool call and answers: the same record as an uninterrupted rollout."""
+    script = encode_turns(tokenizer, call_text(), ANSWER)
+    config = RolloutConfig(segment_tokens=4, seed=5)
+    (whole,), _, _ = run(tokenizer, verifier, [[script]], config=config)
+
+    engine = ScriptedEngine([[script]], [encode_text(tokenizer, "<|im_end|>")[0]])
+    (partial,) = asyncio.run(rollout_async(
+        [PROBLEM], 1, engine=engine, sandbox=ScriptedSandbox(), tokenizer=tokenizer, verifier=verifier,
+        config=config, token_budget=6))
+    assert isinstance(partial, PartialRollout) and partial.problem_id == "p0"
+    assert partial.num_tokens == 8 and partial.conversation.response_ids == script[:8]  # two segments
+    assert partial.unparsed == tokenizer.decode(script[:8]) and engine.sessions[0].closed
+    assert partial.policy_versions is None  # the scripted engine records no versions
+
+    engine.scripts.append([script[8:]])
+    sandbox = ScriptedSandbox()
+    (t,) = asyncio.run(rollout_async(
+        [], 1, engine=engine, sandbox=sandbox, tokenizer=tokenizer, verifier=verifier, config=config,
+        resume=[partial]))
+    prompt = render_prompt_ids(tokenizer, PROBLEM.problem)
+    assert engine.opened[1]["prompt_ids"] == prompt + script[:8]
+    assert engine.opened[1]["max_tokens"] == config.max_response_length - 8 and engine.opened[1]["n"] == 1
+    assert (t.response_ids, t.loss_mask, t.tool_outcomes) == (whole.response_ids, whole.loss_mask, ["ok"])
+    assert (t.answer, t.reward, t.num_turns) == (whole.answer, whole.reward, whole.num_turns)
+    assert (t.answer, t.reward, t.num_turns) == ("1024", 1.0, 2)
+    assert t.logprobs[:8] == whole.logprobs[:8] and len(sandbox.calls) == 1
+
+    with pytest.raises(ValueError, match="token_budget must be a positive int"):
+        asyncio.run(rollout_async([PROBLEM], 1, engine=engine, sandbox=sandbox, tokenizer=tokenizer,
+                                  config=config, token_budget=0))
+    with pytest.raises(ValueError, match="stateful_tool"):
+        asyncio.run(rollout_async([PROBLEM], 1, engine=engine, sandbox=sandbox, tokenizer=tokenizer,
+                                  config=dataclasses.replace(config, stateful_tool=True), token_budget=5))

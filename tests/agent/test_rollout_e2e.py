@@ -8,6 +8,7 @@ out across tool turns). The trainer-facing ``PolicyRollout`` takes new parameter
 """
 
 import asyncio
+import pickle
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ from rstar2jax import models
 from rstar2jax.agent import (
     FAILED_OUTCOMES,
     PYTHON_TOOL_NAME,
+    PartialRollout,
     PolicyRollout,
     PromptConfig,
     RolloutConfig,
@@ -143,3 +145,72 @@ def test_policy_rollout_takes_new_params_without_recompiling(problems, policy, t
         rollout_fn.close()
     assert second.response_ids == first.response_ids and second.tool_outcomes == first.tool_outcomes
     assert second.logprobs != first.logprobs  # decoded with the new parameters
+
+
+def _by_problem(trajectories):
+    return sorted((t.problem_id, t.response_ids, t.loss_mask, t.tool_outcomes, t.reward)
+                  for t in trajectories)
+
+
+def test_partial_rollouts_resume_to_the_uninterrupted_tokens(problems, policy, taught, server, verifier):
+    """Greedy decoding: rollouts stopped by a small token budget (mid-turn and around tool turns) and
+    resumed (each resume with a new policy version but the same parameters) end with exactly the tokens of
+    one uninterrupted call; the tokens keep the version that sampled them (-1 on tool output) and their
+    log-probs stay the policy's."""
+    rollout_fn = policy_rollout(policy, server, verifier)
+    rollout_fn.partial_segment_tokens = 8
+    call = dict(samples_per_problem=1, max_response_length=BUDGET, max_turns=3, seed=1)
+    try:
+        reference = rollout_fn(taught, problems, **call)  # no budget: whole turns, nothing stops
+        assert len(reference) == 2
+        finished, unfinished = rollout_fn(taught, problems, **call, token_budget=24)
+        assert unfinished and all(isinstance(u, PartialRollout) for u in unfinished)
+        version = 0
+        while unfinished:
+            version += 1
+            done, unfinished = rollout_fn(taught, [], **call, token_budget=24, resume=unfinished,
+                                          policy_version=version)
+            finished += done
+    finally:
+        rollout_fn.close()
+    assert version > 1
+    assert _by_problem(finished) == _by_problem(reference)
+    assert any(t.tool_outcomes == ["ok"] for t in finished)  # interrupted around a real tool turn too
+    resumed = 0
+    for t in finished:
+        check_record(t, taught, policy.model_config)
+        versions = np.array(t.policy_versions)
+        mask = np.array(t.loss_mask, bool)
+        assert (versions[~mask] == -1).all() and (versions[mask] >= 0).all()
+        assert (np.diff(versions[mask]) >= 0).all()  # resumed tokens carry later versions, in order
+        resumed += len(set(versions[mask])) > 1
+    assert resumed
+
+
+def test_partial_rollout_resumed_after_an_update_keeps_old_tokens(problems, policy, taught, server, verifier):
+    """Resumed with new parameters: the tokens sampled before keep version 0 and the old policy's log-probs;
+    the new ones carry version 1 and the new policy's log-probs."""
+    nudged = jax.tree.map(lambda x: x * (1 + 1e-2), taught)
+    rollout_fn = policy_rollout(policy, server, verifier)
+    rollout_fn.partial_segment_tokens = 4
+    call = dict(samples_per_problem=1, max_response_length=BUDGET, max_turns=3, seed=1)
+    try:
+        finished, unfinished = rollout_fn(taught, problems[:1], **call, token_budget=6)
+        assert finished == [] and len(unfinished) == 1
+        before = unfinished[0].num_tokens
+        unfinished = pickle.loads(pickle.dumps(unfinished))  # as a checkpoint keeps it
+        finished, unfinished = rollout_fn(nudged, [], **call, token_budget=10**9, resume=unfinished,
+                                          policy_version=1)
+    finally:
+        rollout_fn.close()
+    (t,) = finished
+    assert unfinished == [] and 0 < before < len(t.response_ids)
+    versions = np.array(t.policy_versions)
+    mask = np.array(t.loss_mask, bool)
+    assert (versions[:before][mask[:before]] == 0).all() and (versions[before:][mask[before:]] == 1).all()
+    tokens = np.array([t.prompt_ids + t.response_ids], np.int32)
+    for params, part in ((taught, versions == 0), (nudged, versions == 1)):
+        logits, _ = models.forward(params, policy.model_config, tokens)
+        recomputed = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[0]
+        recomputed = recomputed[len(t.prompt_ids) - 1:]
+        np.testing.assert_allclose(np.array(t.logprobs)[part], recomputed[part], atol=2e-4)

@@ -12,6 +12,7 @@ from jax._src import monitoring
 
 from rstar2jax import models
 from rstar2jax.engine import (
+    NO_POLICY_VERSION,
     PAUSED,
     Engine,
     EngineCore,
@@ -75,8 +76,10 @@ def test_logprobs_equal_teacher_forced_logprobs(tiny_qwen3, unstacked_decode):
         top_k=50,
         seed=3,
         engine_config=engine_config,
+        policy_version=2,
     )
     for prompt, result in zip(prompts, results, strict=True):
+        assert result.policy_versions == [2] * len(result.tokens)
         logprobs = _teacher_forced(tiny_qwen3, prompt + result.tokens)
         # Raw policy log-probs (temperature 1, untruncated) of each sampled token.
         expected = logprobs[np.arange(len(prompt) - 1, len(prompt) + 15), result.tokens]
@@ -147,7 +150,7 @@ def test_pause_resume_equals_one_go(tiny_qwen3):
     sampling = SamplingParams(temperature=1.0)
 
     async def scenario():
-        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG, policy_version=7) as engine:
             (free_run,) = await engine.open(prompt, sampling=sampling, max_tokens=40, seed=11)
             reference = (await free_run.generate(max_new_tokens=12)).tokens
             # Stop on the first pair of sampled tokens not seen earlier in the segment (a 2-token stop).
@@ -174,6 +177,10 @@ def test_pause_resume_equals_one_go(tiny_qwen3):
             assert paused.response_ids == first.tokens + tool + second.tokens
             assert paused.loss_mask == [1] * len(first.tokens) + [0] * len(tool) + [1] * 8
             assert paused.logprobs[len(first.tokens) : len(first.tokens) + len(tool)] == [0.0] * len(tool)
+            # Every sampled token carries the engine's policy version, appended ones NO_POLICY_VERSION.
+            assert first.policy_versions == [7] * len(first.tokens) and second.policy_versions == [7] * 8
+            inserted = [NO_POLICY_VERSION] * len(tool)
+            assert paused.policy_versions == [7] * len(first.tokens) + inserted + [7] * 8
             for session in (free_run, paused, one_go):
                 session.close()
 
@@ -272,6 +279,8 @@ def test_bad_requests_are_rejected(tiny_qwen3):
         core.check_request([256], 1, 10)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="policy_version must be an int >= 0"):
+        EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG, policy_version=-1)
 
 
 def test_no_recompilation_after_warmup(tiny_qwen3):

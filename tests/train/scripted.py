@@ -6,6 +6,7 @@ small driver that trains the tiny CPU recipe with it, so a run can be killed and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 
@@ -108,6 +109,44 @@ def make_scripted_rollout(*, vocab_size: int = TINY_VOCAB, model_config=None, de
                     )
                 )
         return trajectories
+
+    return rollout
+
+
+@dataclasses.dataclass
+class ScriptedPartial:
+    """An unfinished scripted rollout: the part of ``target`` produced so far (``num_tokens`` response
+    tokens, each sampled one tagged with the version of the call that produced it)."""
+
+    problem_id: str
+    target: Trajectory
+    num_tokens: int = 0
+    policy_versions: list[int] = dataclasses.field(default_factory=list)
+
+
+def make_partial_scripted_rollout(*, vocab_size: int = TINY_VOCAB):
+    """A rollout_fn with the partial-rollout protocol (``policy_version``, ``token_budget``, ``resume``):
+    each trajectory is ``make_scripted_rollout``'s, produced token by token, resumed rollouts first, until
+    the call has produced ``token_budget`` tokens; returns ``(finished, unfinished)``."""
+    scripted = make_scripted_rollout(vocab_size=vocab_size)
+
+    def rollout(params, problems, *, samples_per_problem, max_response_length, max_turns, seed,
+                policy_version, token_budget, resume):
+        fresh = scripted(params, problems, samples_per_problem=samples_per_problem,
+                         max_response_length=max_response_length, max_turns=max_turns, seed=seed)
+        todo = list(resume) + [ScriptedPartial(t.problem_id, t) for t in fresh]
+        finished, unfinished, left = [], [], token_budget
+        for item in todo:
+            take = min(len(item.target.response_ids) - item.num_tokens, left)
+            mask = item.target.loss_mask[item.num_tokens : item.num_tokens + take]
+            versions = item.policy_versions + [policy_version if m else -1 for m in mask]
+            item = dataclasses.replace(item, num_tokens=item.num_tokens + take, policy_versions=versions)
+            left -= take
+            if item.num_tokens == len(item.target.response_ids):
+                finished.append(dataclasses.replace(item.target, policy_versions=versions))
+            else:
+                unfinished.append(item)
+        return finished, unfinished
 
     return rollout
 

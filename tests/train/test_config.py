@@ -55,6 +55,11 @@ def _set(config, path, value):
         ("distributed.process_id", 3, "config.distributed.process_id=3"),
         ("tokenizer", "/nonexistent/tok", "config.tokenizer='/nonexistent/tok'"),
         ("model.spec.vocab_size", 256, None),  # valid
+        ("rl.off_policy_steps", 2, "config.rl.off_policy_steps=2"),
+        ("rollout.partial_token_budget", -5, "config.rollout.partial_token_budget=-5"),
+        ("rollout.partial_segment_tokens", 0, "config.rollout.partial_segment_tokens=0"),
+        ("rl.off_policy_steps", 1, "config.rl.off_policy_steps=1 trains on tokens an older policy"),
+        ("rollout.partial_token_budget", 100, "config.rollout.partial_token_budget > 0 trains on tokens"),
     ],
 )
 def test_invalid_field_is_named(path, value, message):
@@ -98,6 +103,20 @@ def test_structural_errors():
     config = tiny_cpu.get_config()
     config.data.source = ""
     with pytest.raises(ConfigError, match="config.data.source is empty"):
+        validate_rl_config(config)
+
+    # Rollouts across an update: with the rollout correction each option is valid, the two together not.
+    config = tiny_cpu.get_config()
+    config.loss.old_logprobs, config.loss.rollout_is_cap = "recompute", 2.0
+    config.rl.off_policy_steps = 1
+    validate_rl_config(config)
+    config.rollout.partial_token_budget = 64
+    with pytest.raises(ConfigError, match="do not combine"):
+        validate_rl_config(config)
+    config.rl.off_policy_steps = 0
+    validate_rl_config(config)
+    config.distributed.num_processes = 2
+    with pytest.raises(ConfigError, match="one process"):
         validate_rl_config(config)
 
 

@@ -1,0 +1,182 @@
+"""Rollouts across a policy update: version tags and policy lag, one-step off-policy, partial rollouts, and
+the default (synchronous on-policy) run unchanged."""
+
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from rstar2jax.data.batch import build_batch, trajectory_sequence
+from rstar2jax.data.problems import Problem, ProblemIterator
+from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.train import (
+    RLIterationConfig,
+    RLLossConfig,
+    init_train_state,
+    make_optimizer,
+    make_rl_step,
+    rl_iteration,
+    train_rl,
+)
+from rstar2jax.train import rl as rl_lib
+from rstar2jax.train.rl import RolloutCarry
+from tests.train.conftest import FAST_COMPILE, copy_tree
+from tests.train.scripted import make_partial_scripted_rollout, make_scripted_rollout, tiny_rl_config
+
+TIMING = ("time/", "throughput/")
+
+# Produced by main's code before policy versions existed (commit 68a3a72), in the session that wrote this
+# test: ``train_rl(tiny_rl_config(d), rollout_fn=make_scripted_rollout(), max_steps=2)`` on the CPU backend
+# (the second step's numbers depend on the parameters the first step's update produced).
+MAIN_HISTORY = [
+    {"loss": 0.03923498094081879, "grad_norm": 0.01573694869875908, "reward": 0.75, "selected": 4.0,
+     "entropy": 5.537577152252197, "approx_kl": 3.999556064605713, "tokens": 62.0},
+    {"loss": 0.40422937273979187, "grad_norm": 0.016745366156101227, "reward": 0.5, "selected": 4.0,
+     "entropy": 5.537692546844482, "approx_kl": 3.980048179626465, "tokens": 43.0},
+]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the reference numbers were made on the CPU")
+def test_default_run_gives_the_numbers_of_the_code_before_versions(tmp_path):
+    history = train_rl(tiny_rl_config(str(tmp_path)), rollout_fn=make_scripted_rollout(), max_steps=2)
+    assert len(history) == 2
+    for record, expected in zip(history, MAIN_HISTORY, strict=True):
+        assert {k: record[k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=0)
+        assert record["rollout/policy_lag_mean"] == record["rollout/policy_lag_max"] == 0.0
+        assert not any(k.startswith("rollout/partial") for k in record)
+
+
+def _corrected_step(model_config):
+    loss = RLLossConfig(old_logprobs="recompute", rollout_is_cap=2.0)
+    optimizer = make_optimizer(1e-3, warmup_steps=1)
+    return optimizer, make_rl_step(model_config, optimizer, loss, compiler_options=FAST_COMPILE)
+
+
+def _embed_sum(params) -> float:
+    return float(np.asarray(params["embed"], np.float64).sum())
+
+
+def test_one_step_off_policy_trains_on_the_previous_parameters_rollout(tiny_model):
+    config, params = tiny_model
+    optimizer, step = _corrected_step(config)
+    iteration = RLIterationConfig(samples_per_problem=4, keep=2, seq_len=40, pack=False)
+    batches = [[Problem(f"{k}-{i}", "q", "1") for i in range(2)] for k in range(3)]
+    scripted = make_scripted_rollout(vocab_size=config.vocab_size)
+    calls = []
+
+    def rollout(params, problems, **kwargs):
+        calls.append(([p.id for p in problems], _embed_sum(params)))
+        return scripted(params, problems, **kwargs)
+
+    state, carry, metrics, before = init_train_state(copy_tree(params), optimizer, 3), RolloutCarry(), [], []
+    for k in range(3):
+        before.append(_embed_sum(state.params))
+        state, m = rl_iteration(
+            state, batches[0] if k == 0 else [], rollout_fn=rollout, rl_step=step, config=iteration,
+            max_response_length=24, max_turns=3, num_rows=4, off_policy_steps=1,
+            next_problems=batches[k + 1] if k + 1 < len(batches) else None, carry=carry,
+        )
+        metrics.append(m)
+    assert carry.empty and int(state.step) == 3
+    # Batch 0 on-policy at step 0; batch k+1 rolled out with step k's parameters, before step k's update.
+    ids = [[p.id for p in b] for b in batches]
+    assert calls == [(ids[0], before[0]), (ids[1], before[0]), (ids[2], before[1])]
+    assert len(set(before)) == 3
+    assert [(m["rollout/policy_lag_mean"], m["rollout/policy_lag_max"]) for m in metrics] == [
+        (0.0, 0.0), (1.0, 1.0), (1.0, 1.0)]
+    assert all(m["num_trajectories"] == 8 and "rollout_is_ratio" in m for m in metrics)
+    assert step._cache_size() == 1  # one compiled update for every step
+
+
+def test_partial_rollouts_train_finished_groups_and_resume_the_rest(tiny_model):
+    config, params = tiny_model
+    optimizer, step = _corrected_step(config)
+    iteration = RLIterationConfig(samples_per_problem=4, keep=2, seq_len=40, pack=False)
+    problems = [Problem(f"p{i}", "q", "1") for i in range(12)]
+    iterator, prompts_per_step = ProblemIterator(problems, 3, seed=0), 3
+    partial = make_partial_scripted_rollout(vocab_size=config.vocab_size)
+    finished = []
+
+    def rollout(params, problems, *, policy_version, token_budget, resume, **kwargs):
+        done, unfinished = partial(params, problems, policy_version=policy_version, token_budget=token_budget,
+                                   resume=resume, **kwargs)
+        finished.extend((policy_version, t) for t in done)
+        return done, unfinished
+
+    state, carry = init_train_state(copy_tree(params), optimizer, 3), RolloutCarry()
+    metrics, compiled = [], []
+    for _ in range(5):
+        new = iterator.take(prompts_per_step - carry.open_groups)
+        state, m = rl_iteration(
+            state, new, rollout_fn=rollout, rl_step=step, config=iteration, max_response_length=24,
+            max_turns=3, num_rows=prompts_per_step * 2, token_budget=40, carry=carry,
+            num_groups=prompts_per_step,
+        )
+        metrics.append(m)
+        compiled.append((step._cache_size(), rl_lib._select._cache_size(), rl_lib._penalties._cache_size()))
+        assert carry.open_groups <= prompts_per_step
+    assert metrics[0]["rollout/policy_lag_max"] == 0.0
+    assert any(m["rollout/partial_resumed_tokens"] > 0 for m in metrics)
+    lags = [m["rollout/policy_lag_max"] for m in metrics]
+    assert max(lags) >= 1 and all(lag <= k for k, lag in enumerate(lags))
+    assert len(set(compiled)) == 1 and compiled[0][0] == 1  # a varying number of complete groups: no compile
+    mixed = 0
+    for version, t in finished:
+        versions, mask = np.array(t.policy_versions), np.array(t.loss_mask, bool)
+        assert (versions[~mask] == -1).all() and (versions[mask] >= 0).all() and versions.max() <= version
+        assert (np.diff(versions[mask]) >= 0).all()  # old tokens keep their version, new ones the new one
+        mixed += len(set(versions[mask])) > 1
+    assert mixed
+    # Every complete group is trained once; the rest stay open in the carry.
+    trained = sum(m["num_trajectories"] for m in metrics)
+    assert trained == len(finished) - sum(len(g) for g in carry.held.values())
+
+
+@pytest.mark.parametrize("mode", ["off_policy", "partial"])
+def test_a_resumed_run_carries_its_rollouts_exactly(tmp_path, mode):
+    """Stopped after 1 step and resumed to 2: the same numbers as 2 steps in one go (the carried rollouts
+    live in the checkpoint)."""
+
+    def config(name):
+        c = tiny_rl_config(str(tmp_path / name))
+        c.loss.old_logprobs, c.loss.rollout_is_cap = "recompute", 2.0
+        if mode == "off_policy":
+            c.rl.off_policy_steps = 1
+        else:
+            c.rollout.partial_token_budget = 60
+        return c
+
+    def rollout_fn():
+        return make_scripted_rollout() if mode == "off_policy" else make_partial_scripted_rollout()
+
+    def numbers(history):
+        return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in history]
+
+    straight = numbers(train_rl(config("straight"), rollout_fn=rollout_fn(), max_steps=2))
+    train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=1)
+    resumed = numbers(train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=2))
+    assert len(straight) == 2 and resumed == straight
+    assert max(m["rollout/policy_lag_max"] for m in straight) >= 1
+
+
+def test_versions_are_carried_into_batches_target_aligned():
+    t = Trajectory("p", [5, 6, 7], [8, 9, 10, 11], [1, 0, 1, 1], [-0.5, 0.0, -0.25, -0.125],
+                   policy_versions=[3, -1, 4, 4])
+    sequence = trajectory_sequence(t, 1.0)
+    assert list(sequence.policy_versions) == [-1, -1, -1, 3, -1, 4, 4]
+    batch = build_batch([sequence], seq_len=8, num_rows=2, with_rl_fields=True, with_policy_versions=True)
+    # Position i predicts token i + 1: its version is that token's; padding and prompt targets get -1.
+    np.testing.assert_array_equal(batch.policy_versions[0], [-1, -1, 3, -1, 4, 4, -1, -1])
+    assert (batch.policy_versions[1] == -1).all()
+    assert build_batch([sequence], seq_len=8, with_rl_fields=True).policy_versions is None
+    lag = rl_lib.policy_lag_metrics([[t]], 5)
+    assert lag == {"rollout/policy_lag_mean": pytest.approx(4 / 3), "rollout/policy_lag_max": 2.0}
+    with pytest.raises(ValueError, match="outside"):
+        rl_lib.policy_lag_metrics([[t]], 3)
+    with pytest.raises(ValueError, match="policy_versions"):
+        Trajectory("p", [1], [2, 3], [1, 1], [0.0, 0.0], policy_versions=[0])
+    # Untagged trajectories get the version they were rolled out with on their sampled tokens.
+    (tagged,) = rl_lib.tag_versions([dataclasses.replace(t, policy_versions=None)], 7)
+    assert tagged.policy_versions == [7, -1, 7, 7]
