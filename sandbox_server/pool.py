@@ -83,6 +83,7 @@ class WorkerProcess:
             "temp_root": self.pool.temp_root,
             "uid_base": self.uid_base,
             "cgroup": self.pool.cgroup_dir,
+            "session_cgroups": self.pool.session_cgroup_dirs,
             "session_uid_base": self.pool.session_uid_base if self.tier == "full" else None,
             "config": self.pool.config.worker_payload(),
         }
@@ -230,10 +231,18 @@ class QueuedCall:
 
 
 class Pool:
-    def __init__(self, config: ServerConfig, temp_root: str, cgroup_dir: str | None, metrics: Metrics):
+    def __init__(
+        self,
+        config: ServerConfig,
+        temp_root: str,
+        cgroup_dir: str | None,
+        metrics: Metrics,
+        session_cgroup_dirs: dict | None = None,
+    ):
         self.config = config
         self.temp_root = temp_root
         self.cgroup_dir = cgroup_dir
+        self.session_cgroup_dirs = session_cgroup_dirs or {}  # controller -> the server's v1 cgroup
         self.metrics = metrics
         self.tiers = config.tier_list
         self.first_uid = config.first_uid(os.getpid())
@@ -270,8 +279,9 @@ class Pool:
         self.spawn_background(self._expire_sessions())
 
     def mechanisms(self) -> dict:
-        """What the workers report (they all run the same probes; the first ready one speaks for all)."""
-        for process in self.processes():
+        """What the workers report (they all run the same probes; the first ready one speaks for all, a
+        ``full`` tier one first: only those hold sessions and report the session mechanisms)."""
+        for process in sorted(self.processes(), key=lambda p: p.tier != "full"):
             if process.mechanisms:
                 return process.mechanisms
         return {"active": [], "inactive": {}}

@@ -186,3 +186,78 @@ def test_an_idle_session_expires_and_its_processes_are_gone(hardened):
     expired = _run_one(url, "print(1)", **session)[1]
     assert (expired["status"], expired["error_type"]) == ("killed", "SessionClosed"), expired
     assert f"closed after {SESSION_TTL:g} s idle" in expired["stderr"]
+
+
+# ------------------------------------------------------------------------------ a session's CPU and idling
+STAMPER = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:  # a detached grandchild, writing a time stamp every 20 ms
+        with open("/tmp/stamps", "a") as f:
+            while True:
+                f.write(f"{time.monotonic()}\\n")
+                f.flush()
+                time.sleep(0.02)
+    os._exit(0)
+os.wait()
+time.sleep(0.3)
+print("stamping")
+"""
+LONGEST_GAP = """
+stamps = [float(x) for x in open("/tmp/stamps").read().split()]
+print(round(max(b - a for a, b in zip(stamps, stamps[1:])), 1))
+"""
+BURNERS = """
+import os
+for _ in range(2):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            pass
+print("burning")
+"""
+
+
+def _require(url: str, mechanism: str) -> None:
+    if mechanism not in get(url, "/health")["mechanisms"]["active"]:
+        pytest.skip(f"{mechanism} is not available here (needs root and the cgroup controller)")
+
+
+def test_a_sessions_background_processes_are_stopped_between_its_calls(hardened):
+    url = hardened.url
+    _require(url, "session_freezer")
+    session = open_session(url)
+    assert _run_one(url, STAMPER, **session)[1]["stdout"] == "stamping\n"
+    idle = 1.5  # below the session TTL
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, url, 0)
+        time.sleep(idle)
+        _assert_innocent(innocent.result())
+    result = _run_one(url, LONGEST_GAP, **session)[1]
+    assert result["status"] == "ok", result
+    assert float(result["stdout"]) >= 1.0, result  # no stamp while the session was idle
+    delete_session(url, session)
+
+
+def test_a_sessions_cpu_budget_counts_all_its_processes(hardened):
+    """Two detached busy processes, each far under the 3 s budget on its own: together they use it up
+    during the next call, which is killed (``timeout``) with the whole session; innocent calls meanwhile
+    are fine, and the session's next call starts afresh."""
+    url = hardened.url
+    _require(url, "session_cpu_accounting")
+    session = open_session(url)
+    assert _run_one(url, "kept = 1\n" + BURNERS, **session)[1]["stdout"] == "burning\n"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, url, 0)
+        charged = _run_one(url, "import time\ntime.sleep(20)\nprint('survived')", timeout=30, **session)[1]
+        _assert_innocent(innocent.result())
+    assert charged["status"] == "timeout" and "survived" not in charged["stdout"], charged
+    assert "CPU budget" in charged["stderr"], charged
+    fresh = _run_one(url, "print('kept' in globals())", **session)[1]
+    assert fresh["stdout"] == "False\n" and "fresh session" in fresh["stderr"], fresh
+    lo, hi = get(url, "/health")["uid_ranges"]["sessions"]
+    uid = int(_run_one(url, "import os\nprint(os.getuid())", **session)[1]["stdout"])
+    assert lo <= uid < hi
+    assert len(processes_in_uid_range(uid, uid + 1)) == 1  # the burners died with the session
+    delete_session(url, session)
