@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import select
 import socket
+import textwrap
 import time
 import urllib.parse
 
@@ -16,6 +17,7 @@ import pytest
 from sandbox_server import start_local
 from sandbox_server.config import ServerConfig
 from tests.sandbox_server.conftest import (
+    assert_clean,
     delete_session,
     get,
     open_session,
@@ -261,3 +263,192 @@ def test_a_sessions_cpu_budget_counts_all_its_processes(hardened):
     assert lo <= uid < hi
     assert len(processes_in_uid_range(uid, uid + 1)) == 1  # the burners died with the session
     delete_session(url, session)
+
+
+# ------------------------------------------------------------------------------------------- the storm
+# Hostile programs beyond test_hostile's, all in ONE batch with innocent calls between them and a second
+# innocent batch at the same time: each must end with its expected status, every innocent call with its
+# exact result, no worker may be replaced and nothing may be left behind.
+def _py(source: str) -> str:
+    return textwrap.dedent(source).strip()
+
+
+STORM = {
+    "fork_bomb": (
+        _py("""
+            import os
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    pass
+        """),
+        "timeout",
+    ),
+    "thread_bomb": (
+        _py("""
+            import threading, time
+            for _ in range(10000):
+                threading.Thread(target=time.sleep, args=(100,), daemon=True).start()
+        """),
+        "error",
+    ),
+    "busy_threads": (
+        _py("""
+            import threading
+            for _ in range(24):
+                threading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()
+        """),
+        "timeout",
+    ),
+    "fd_exhaustion": (
+        _py("""
+            import os, socket
+            held = []
+            try:
+                while True:
+                    held += [*os.pipe(), socket.socket(), open("/dev/null")]
+            except OSError as e:
+                print("exhausted", e.errno)
+        """),
+        "ok",
+    ),
+    "fill_tmpfs": ("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (15 * 2**20))", "error"),
+    "write_everywhere": (
+        _py("""
+            import os
+            wrote = []
+            for p in ["/", "/usr", "/etc", "/dev", "/dev/shm", "/var/tmp", "/run", "/home", "/work", "/root"]:
+                try:
+                    open(os.path.join(p, "sbx_storm"), "w").write("x")
+                    wrote.append(p)
+                except OSError:
+                    pass
+            print("wrote", wrote)
+        """),
+        "ok",
+    ),
+    "output_flood": (
+        "import sys\nchunk = 'x' * 65535 + '\\n'\nfor _ in range(1600):\n    sys.stdout.write(chunk)",
+        "output_limit",
+    ),
+    "signal_everything": (
+        _py("""
+            import os, signal
+            for target in (-1, 0, 1, 2, 3):
+                for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
+                    try:
+                        os.kill(target, sig)
+                    except OSError:
+                        pass
+            print("still here")
+        """),
+        "ok",
+    ),
+    "trace_and_peek": (  # pid 1 is the call itself (init of its PID namespace)
+        _py("""
+            import ctypes, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            reached = []
+            for pid in range(2, 64):
+                if libc.ptrace(16, pid, 0, 0) == 0:  # PTRACE_ATTACH
+                    reached.append(("ptrace", pid))
+                try:
+                    os.close(os.pidfd_open(pid))
+                    reached.append(("pidfd", pid))
+                except OSError:
+                    pass
+            print("reached", reached)
+        """),
+        "ok",
+    ),
+    "daemonize": (
+        _py("""
+            import os, time
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    for fd in range(64):
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                    time.sleep(10**6)
+                os._exit(0)
+            os.wait()
+            print("daemon started")
+        """),
+        "ok",
+    ),
+    "exec_shell_with_background": (
+        "import os\nos.execv('/bin/sh', ['sh', '-c', 'yes > /dev/null & sleep 1000'])",
+        "timeout",
+    ),
+    "rlimit_games": (
+        _py("""
+            import resource
+            raised = []
+            for r in (resource.RLIMIT_NPROC, resource.RLIMIT_NOFILE, resource.RLIMIT_CPU, resource.RLIMIT_AS):
+                hard = resource.getrlimit(r)[1]
+                try:
+                    resource.setrlimit(r, (hard + 1, hard + 1))
+                    raised.append(r)
+                except (ValueError, OSError):
+                    pass
+            print("raised", raised)
+            x = bytearray(3 * 2**30)
+        """),
+        "memory_limit",
+    ),
+    "snoop_other_calls": (
+        _py("""
+            import os
+            found = [p for p in ("/proc", "/sys", "/dev/shm") if os.path.exists(p)]
+            found += [n for n in os.listdir("/tmp") if "victim" in n]
+            print("found", found)
+        """),
+        "ok",
+    ),
+}
+STORM_STDOUT = {
+    "fd_exhaustion": "exhausted 24\n",
+    "write_everywhere": "wrote []\n",
+    "signal_everything": "still here\n",
+    "trace_and_peek": "reached []\n",
+    "daemonize": "daemon started\n",
+    "snoop_other_calls": "found []\n",
+    "rlimit_games": "raised []\n",
+}
+VICTIM = (
+    "import time\nopen('/tmp/victim_secret', 'w').write('mine')\ntime.sleep(1.5)\n"
+    "print(open('/tmp/victim_secret').read(), sorted(__import__('os').listdir('/tmp')))"
+)
+
+
+def test_a_storm_of_hostile_programs_changes_no_innocent_result(server):
+    url = server.url
+    workers_before = [w["pid"] for w in get(url, "/health")["workers"]]
+    names = sorted(STORM)
+    batch, where = [], {}
+    for i, name in enumerate(names):
+        batch.append(_innocent(i))
+        where[name] = len(batch)
+        batch.append({"code": STORM[name][0], "timeout": 2.0})
+    batch.append({"code": VICTIM, "timeout": 20})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(run_batch, url, [_innocent(100 + i) for i in range(12)])
+        results = run_batch(url, batch)
+        _assert_innocent(other.result(), offset=100)
+    for i in range(len(names)):
+        _assert_innocent([results[2 * i]], offset=i)
+    problems = {}
+    for name in names:
+        result = results[where[name]]
+        expected_stdout = STORM_STDOUT.get(name)
+        if result["status"] != STORM[name][1] or (expected_stdout and result["stdout"] != expected_stdout):
+            problems[name] = result
+    assert not problems, problems
+    victim = results[-1]
+    assert victim["status"] == "ok" and victim["stdout"] == "mine ['victim_secret']\n", victim
+    assert [w["pid"] for w in get(url, "/health")["workers"]] == workers_before, "a worker died"
+    assert_clean(url)
