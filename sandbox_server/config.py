@@ -172,7 +172,8 @@ class ServerConfig:
         default=2048, metadata={"help": "calls waiting for a slot before new requests get 503 + Retry-After"}
     )
     max_sessions: int = dataclasses.field(
-        default=64, metadata={"help": "live sessions; the least recent idle one is evicted"}
+        default=64,
+        metadata={"help": "open sessions; when all are open, POST /sessions answers 503 (none is evicted)"},
     )
     session_ttl: float = dataclasses.field(
         default=600.0, metadata={"help": "idle seconds before a session is closed"}

@@ -428,14 +428,14 @@ class Pool:
         return message
 
     def open_session(self) -> dict:
-        """A new session: ``{"session": id, "token": token}`` (both unguessable). Evicts the least
-        recently used idle session when ``max_sessions`` are open; ``SessionsFull`` if every one has a call
-        in flight."""
+        """A new session: ``{"session": id, "token": token}`` (both unguessable). With ``max_sessions``
+        open, sessions idle past ``session_ttl`` are closed first; if none is, ``SessionsFull``: a client
+        opening sessions never closes another client's (idle is not abandoned: a rollout's session idles
+        while its model generates)."""
         if len(self.sessions) >= self.config.max_sessions:
-            idle = next((s for s in self.sessions.values() if not s.busy), None)  # least recently used first
-            if idle is None:
-                raise SessionsFull(f"all {self.config.max_sessions} sessions are busy; retry later")
-            self._close(idle, "evicted (too many sessions)")
+            self._close_expired()
+        if len(self.sessions) >= self.config.max_sessions:
+            raise SessionsFull(f"all {self.config.max_sessions} sessions are open; retry later")
         worker_set = min(
             (ws for ws in self.worker_sets if "full" in ws.tiers_ready()),
             key=lambda ws: ws.sessions,
@@ -473,13 +473,15 @@ class Pool:
         return True
 
     async def _expire_sessions(self) -> None:
-        ttl = self.config.session_ttl
         while True:
-            await asyncio.sleep(min(ttl / 4, 5.0))
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if not session.busy and now - session.last_used > ttl:
-                    self._close(session, f"closed after {ttl:g} s idle")
+            await asyncio.sleep(min(self.config.session_ttl / 4, 5.0))
+            self._close_expired()
+
+    def _close_expired(self) -> None:
+        ttl, now = self.config.session_ttl, time.monotonic()
+        for session in list(self.sessions.values()):
+            if not session.busy and now - session.last_used > ttl:
+                self._close(session, f"closed after {ttl:g} s idle")
 
     # ------------------------------------------------------------------------------------------ restarts
     def on_worker_exit(self, process: WorkerProcess) -> None:
