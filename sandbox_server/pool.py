@@ -210,7 +210,7 @@ class Session:
 
 
 class SessionsFull(Exception):
-    """Every session slot holds a session with a call in flight; none can be evicted."""
+    """``max_sessions`` sessions are open (none is evicted to make room)."""
 
 
 def _session_not_found(sid: str) -> dict:

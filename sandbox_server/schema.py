@@ -57,7 +57,7 @@ BATCH_RESULTS_KEY = "results"
 
 MAX_SESSION_ID_CHARS = 128
 SESSION_NOT_FOUND = "SessionNotFound"  # error_type: unknown session id, or a wrong or missing token
-SESSION_CLOSED = "SessionClosed"  # error_type: the session was closed, evicted or expired (its owner asked)
+SESSION_CLOSED = "SessionClosed"  # error_type: the session was closed or expired (told to its owner only)
 
 
 class SchemaError(ValueError):
