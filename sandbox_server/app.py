@@ -54,6 +54,11 @@ def _encode(payload, request: web.Request, status: int = 200, headers: dict | No
     return web.Response(text=text, status=status, content_type="application/json", headers=headers)
 
 
+async def _send(response: web.StreamResponse, request: web.Request) -> None:
+    await response.prepare(request)
+    await response.write_eof()
+
+
 def _error(request: web.Request, status: int, message: str, headers: dict | None = None) -> web.Response:
     return _encode({"error": message}, request, status, headers)
 
@@ -138,7 +143,9 @@ class SandboxServer:
     # ---------------------------------------------------------------------------------------- handlers
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        """Authentication, and the JSON/msgpack error answers (400, 401, 413) for every route."""
+        """Authentication, the JSON/msgpack error answers (400, 401, 413) for every route, and the write
+        timeout: an answer the client has not taken within ``write_timeout`` s drops its connection, so a
+        client that never reads cannot hold the answer's memory."""
         self.metrics.http_requests[request.path] += 1
         if self.config.token and request.path != schema.PATH_HEALTH:
             supplied = request.headers.get("Authorization", "")
@@ -146,13 +153,22 @@ class SandboxServer:
                 self.metrics.rejected[401] += 1
                 return _error(request, 401, "missing or wrong bearer token")
         try:
-            return await handler(request)
+            response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejected[413] += 1
-            return _error(request, 413, f"request body larger than {self.config.max_request_bytes} bytes")
+            response = _error(request, 413, f"request body larger than {self.config.max_request_bytes} bytes")
         except _BadRequest as error:
             self.metrics.rejected[400] += 1
-            return _encode(error.body, request, 400)
+            response = _encode(error.body, request, 400)
+        try:  # sent here, under the timeout; aiohttp then finds it sent (prepare, write_eof are idempotent)
+            await asyncio.wait_for(_send(response, request), self.config.write_timeout)
+        except TimeoutError:
+            self.metrics.rejected["write_timeout"] += 1
+            if request.transport is not None:
+                request.transport.abort()
+        except ConnectionError:
+            pass
+        return response
 
     async def _read_payload(self, request: web.Request):
         """The decoded body; a decoding error becomes 400 with the decoder's message."""

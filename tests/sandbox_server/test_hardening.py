@@ -6,6 +6,7 @@ its processes and its background processes stopped between calls.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import select
 import socket
 import textwrap
@@ -29,6 +30,7 @@ from tests.sandbox_server.test_attacks_innocents import _assert_innocent, _innoc
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
+WRITE_TIMEOUT = 1.0
 SESSION_TTL = 2.0
 
 
@@ -41,6 +43,7 @@ def hardened():
         default_timeout=5.0,
         header_timeout=HEADER_TIMEOUT,
         body_timeout=BODY_TIMEOUT,
+        write_timeout=WRITE_TIMEOUT,
         max_sessions=6,
         session_ttl=SESSION_TTL,
         session_cpu_seconds=3,
@@ -124,7 +127,45 @@ def test_a_client_trickling_its_body_gets_400_while_innocent_calls_succeed(harde
     assert answer.startswith(b"HTTP/1.1 400") and b"not received within" in answer, answer[:300]
 
 
-@pytest.mark.parametrize("field", ["header_timeout", "body_timeout"])
+def _write_timeouts(url: str) -> int:
+    return get(url, "/metrics")["http_rejected"].get("write_timeout", 0)
+
+
+def test_a_client_that_never_reads_its_answer_is_disconnected_while_innocent_calls_succeed(hardened):
+    """A batch whose answer (~16 MB) cannot fit the socket buffers, from a client that never reads: the
+    server drops the connection ``write_timeout`` after the answer was ready instead of holding it."""
+    noisy = {"code": "import sys\nprint('x' * 70000)\nprint('y' * 70000, file=sys.stderr)", "timeout": 20}
+    body = json.dumps({"requests": [noisy] * 120}).encode()
+    dropped_before = _write_timeouts(hardened.url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    parts = urllib.parse.urlsplit(hardened.url)
+    sock.connect((parts.hostname, parts.port))
+    sock.sendall(
+        b"POST /run/batch HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, hardened.url, 0)
+        _assert_innocent(innocent.result())
+        deadline = time.monotonic() + 60  # the batch runs, then its answer waits out the write timeout
+        while _write_timeouts(hardened.url) == dropped_before and time.monotonic() < deadline:
+            _assert_innocent(_innocent_batch(hardened.url, 0))
+    received, closed = 0, False
+    sock.settimeout(10)
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += len(chunk)
+        closed = True
+    except ConnectionResetError:
+        closed = True
+    except TimeoutError:
+        pass
+    sock.close()
+    assert closed and 0 < received < 120 * 2 * 65536, (closed, received)
+
+
+@pytest.mark.parametrize("field", ["header_timeout", "body_timeout", "write_timeout"])
 @pytest.mark.parametrize("value", [0.0, float("nan"), 1e9])
 def test_read_timeouts_outside_sane_bounds_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
