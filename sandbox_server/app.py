@@ -54,6 +54,11 @@ def _encode(payload, request: web.Request, status: int = 200, headers: dict | No
     return web.Response(text=text, status=status, content_type="application/json", headers=headers)
 
 
+async def _send(response: web.StreamResponse, request: web.Request) -> None:
+    await response.prepare(request)
+    await response.write_eof()
+
+
 def _error(request: web.Request, status: int, message: str, headers: dict | None = None) -> web.Response:
     return _encode({"error": message}, request, status, headers)
 
@@ -76,7 +81,10 @@ class SandboxServer:
         self.temp_root = tempfile.mkdtemp(prefix=f"sandbox_server-{os.getpid()}-")
         os.chmod(self.temp_root, 0o755)
         self.cgroup_dir, self.cgroup_problem = _create_memory_cgroup(config.total_memory_mb)
-        self.pool = Pool(config, self.temp_root, self.cgroup_dir, self.metrics)
+        # cgroup v1: the freezer and cpuacct hierarchies hold one cgroup per session (stopped between its
+        # calls, its CPU counted over all its processes); on v2 the sessions' memory cgroups do both
+        self.session_cgroup_dirs = _create_session_cgroups()
+        self.pool = Pool(config, self.temp_root, self.cgroup_dir, self.metrics, self.session_cgroup_dirs)
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -107,8 +115,9 @@ class SandboxServer:
         await self.pool.close()  # first, so that open requests get their (killed) answers at once
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.cgroup_dir is not None:
-            _remove_cgroup(self.cgroup_dir)
+        for path in [*self.session_cgroup_dirs.values(), self.cgroup_dir]:  # the freezer first: it thaws
+            if path is not None:
+                _remove_cgroup(path)
         shutil.rmtree(self.temp_root, ignore_errors=True)
 
     def startup_report(self) -> str:
@@ -134,7 +143,9 @@ class SandboxServer:
     # ---------------------------------------------------------------------------------------- handlers
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        """Authentication, and the JSON/msgpack error answers (400, 401, 413) for every route."""
+        """Authentication, the JSON/msgpack error answers (400, 401, 413) for every route, and the write
+        timeout: an answer the client has not taken within ``write_timeout`` s drops its connection, so a
+        client that never reads cannot hold the answer's memory."""
         self.metrics.http_requests[request.path] += 1
         if self.config.token and request.path != schema.PATH_HEALTH:
             supplied = request.headers.get("Authorization", "")
@@ -142,13 +153,22 @@ class SandboxServer:
                 self.metrics.rejected[401] += 1
                 return _error(request, 401, "missing or wrong bearer token")
         try:
-            return await handler(request)
+            response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejected[413] += 1
-            return _error(request, 413, f"request body larger than {self.config.max_request_bytes} bytes")
+            response = _error(request, 413, f"request body larger than {self.config.max_request_bytes} bytes")
         except _BadRequest as error:
             self.metrics.rejected[400] += 1
-            return _encode(error.body, request, 400)
+            response = _encode(error.body, request, 400)
+        try:  # sent here, under the timeout; aiohttp then finds it sent (prepare, write_eof are idempotent)
+            await asyncio.wait_for(_send(response, request), self.config.write_timeout)
+        except TimeoutError:
+            self.metrics.rejected["write_timeout"] += 1
+            if request.transport is not None:
+                request.transport.abort()
+        except ConnectionError:
+            pass
+        return response
 
     async def _read_payload(self, request: web.Request):
         """The decoded body; a decoding error becomes 400 with the decoder's message."""
@@ -237,6 +257,7 @@ class SandboxServer:
                 "uid_ranges": self.pool.uid_ranges(),
                 "temp_root": self.temp_root,
                 "cgroup": self.cgroup_dir,
+                "session_cgroups": self.session_cgroup_dirs,
             },
             request,
         )
@@ -299,8 +320,64 @@ def _create_memory_cgroup(limit_mb: int) -> tuple[str | None, str | None]:
         return None, str(error)
 
 
+SESSION_CONTROLLERS = ("freezer", "cpuacct")
+
+
+def _v1_controller_parent(controller: str) -> str | None:
+    """This process's cgroup directory in the cgroup v1 hierarchy of ``controller``, or None."""
+    mount = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 3 and fields[2] == "cgroup" and controller in fields[3].split(","):
+                mount = fields[1]
+                break
+    if mount is None:
+        return None
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(","):
+                return os.path.join(mount, path.lstrip("/"))
+    return None
+
+
+def _create_session_cgroups() -> dict:
+    """``{controller: directory}``: this server's cgroups in the v1 freezer and cpuacct hierarchies (those
+    that exist and can be made; none without root). The workers make one per session under each."""
+    made = {}
+    if os.geteuid() != 0:
+        return made
+    for controller in SESSION_CONTROLLERS:
+        try:
+            parent = _v1_controller_parent(controller)
+            if parent is not None:
+                path = os.path.join(parent, f"sandbox_server-{os.getpid()}")
+                os.mkdir(path)
+                made[controller] = path
+        except OSError:
+            continue
+    return made
+
+
+def _release(path: str) -> None:
+    """Kill what is left in a cgroup and thaw it (a frozen process dies of SIGKILL only once thawed)."""
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as f:
+        for pid in f.read().split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+    for name, thawed in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+        with contextlib.suppress(OSError), open(os.path.join(path, name), "w") as f:
+            f.write(thawed)
+
+
 def _remove_cgroup(path: str) -> None:
-    """Remove a cgroup and the per-call cgroups under it (their last processes may still be exiting)."""
+    """Remove a cgroup and the per-call cgroups under it (their last processes may still be exiting; frozen
+    session cgroups are thawed and their processes killed)."""
+    with contextlib.suppress(OSError):
+        for child in os.scandir(path):
+            if child.is_dir() and "session" in child.name:
+                _release(child.path)
     for _ in range(50):
         try:
             for child in os.scandir(path):
@@ -331,6 +408,11 @@ def _sweep_dead_servers() -> None:
     Both carry the server's pid in their names; only those of pids that no longer exist are removed.
     """
     places = [(tempfile.gettempdir(), re.compile(r"sandbox_server-(\d+)-\w+"))]
+    for controller in SESSION_CONTROLLERS:  # the freezer first: a frozen process dies only once thawed
+        with contextlib.suppress(OSError):
+            parent = _v1_controller_parent(controller)
+            if parent is not None:
+                places.append((parent, re.compile(r"sandbox_server-(\d+)")))
     with contextlib.suppress(OSError):
         places.append((_memory_cgroup_parent()[0], re.compile(r"sandbox_server-(\d+)")))
     for place, pattern in places:

@@ -75,6 +75,7 @@ SANE_BOUNDS = {
     "session_memory_mb": (64, 1 << 20),
     "header_timeout": (0.1, 3600.0),
     "body_timeout": (0.1, 3600.0),
+    "write_timeout": (0.1, 3600.0),
 }
 
 
@@ -167,12 +168,17 @@ class ServerConfig:
         default=30.0,
         metadata={"help": "seconds a request's body may take to arrive once its headers have (400)"},
     )
+    write_timeout: float = dataclasses.field(
+        default=60.0,
+        metadata={"help": "seconds a client has to take an answer before its connection is dropped"},
+    )
     max_batch: int = dataclasses.field(default=256, metadata={"help": "most requests in one /run/batch"})
     max_queue: int = dataclasses.field(
         default=2048, metadata={"help": "calls waiting for a slot before new requests get 503 + Retry-After"}
     )
     max_sessions: int = dataclasses.field(
-        default=64, metadata={"help": "live sessions; the least recent idle one is evicted"}
+        default=64,
+        metadata={"help": "open sessions; when all are open, POST /sessions answers 503 (none is evicted)"},
     )
     session_ttl: float = dataclasses.field(
         default=600.0, metadata={"help": "idle seconds before a session is closed"}

@@ -189,6 +189,7 @@ class WorkerSandbox:
     # per slot: (cgroup.procs fd, OOM-kill counter fd) of its own memory cgroup (_make_call_cgroups)
     slot_cgroups: list = dataclasses.field(default_factory=list)
     session_cgroups: list = dataclasses.field(default_factory=list)  # the same per session index (full tier)
+    session_controls: list = dataclasses.field(default_factory=list)  # SessionControl per session index
 
     @property
     def seccomp_address(self) -> int | None:
@@ -206,6 +207,7 @@ class WorkerSandbox:
         call_memory_bytes: int = 0,
         sessions: int = 0,
         session_memory_bytes: int = 0,
+        session_cgroup_dirs: dict | None = None,
     ) -> WorkerSandbox:
         mechanisms = Mechanisms()
 
@@ -243,6 +245,15 @@ class WorkerSandbox:
         else:
             why = "off (--call-memory-cgroups 0)" if cgroup_oom_fd is not None else "needs the memory cgroup"
             mechanisms.mark("call_memory_cgroup", why)
+        session_controls = []
+        if sessions:
+            worker_key = name.rsplit(".", 1)[0]
+            memory_dirs = (
+                [f"{cgroup_dir}/{worker_key}-session{i}" for i in range(sessions)] if session_cgroups else []
+            )
+            session_controls = SessionControl.make_all(
+                f"{worker_key}-session", sessions, session_cgroup_dirs or {}, memory_dirs, mechanisms
+            )
         oom_adj_fd = None
         try:  # the OOM killer should pick a call, never the worker: -1000 here, 1000 in each fork
             oom_adj_fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -343,6 +354,7 @@ class WorkerSandbox:
             oom_adj_fd,
         )
         sandbox.slot_cgroups, sandbox.session_cgroups = slot_cgroups, session_cgroups
+        sandbox.session_controls = session_controls
         if seccomp_program is not None:
             sandbox.seccomp_fprog = linux.seccomp_fprog(seccomp_program)
         return sandbox
@@ -609,6 +621,85 @@ class ForkServer:
             cpu_seconds, len(numbers), *_padded(list(numbers), MAX_TARGETS), len(payload)
         )
         return native_spawn.request_fork(self.sock, request, targets[1::2], payload)
+
+
+@dataclasses.dataclass
+class SessionControl:
+    """One session index's freezer and CPU counter: cgroup v1 ``freezer`` and ``cpuacct`` cgroups (which
+    the session process is moved into before it runs any code), or on cgroup v2 its memory cgroup's
+    ``cgroup.freeze`` and ``cpu.stat``. Either covers every process the session starts, detached ones
+    included: none can leave a cgroup (no access to cgroupfs, no privileges)."""
+
+    join_fds: tuple  # cgroup.procs of the v1 cgroups to move the session process into
+    freeze_fd: int | None  # freezer.state (v1) or cgroup.freeze (v2)
+    usage_fd: int | None  # cpuacct.usage (v1, ns) or cpu.stat (v2, usage_usec)
+    v2: bool
+
+    @classmethod
+    def make_all(cls, prefix: str, count: int, v1_dirs: dict, v2_dirs: list, mechanisms) -> list:
+        """One per session index (created before the worker pivots away from /sys), marking the
+        ``session_freezer`` and ``session_cpu_accounting`` mechanisms."""
+        controls = []
+        v2 = not v1_dirs and bool(v2_dirs) and os.path.exists(f"{v2_dirs[0]}/cgroup.freeze")
+        try:
+            for index in range(count):
+                join, freeze, usage = [], None, None
+                if v2:
+                    freeze = os.open(f"{v2_dirs[index]}/cgroup.freeze", os.O_WRONLY)
+                    usage = os.open(f"{v2_dirs[index]}/cpu.stat", os.O_RDONLY)
+                for controller, parent in sorted(v1_dirs.items()):
+                    path = os.path.join(parent, f"{prefix}{index}")
+                    os.makedirs(path, exist_ok=True)
+                    join.append(os.open(f"{path}/cgroup.procs", os.O_WRONLY))
+                    if controller == "freezer":
+                        freeze = os.open(f"{path}/freezer.state", os.O_WRONLY)
+                    else:
+                        usage = os.open(f"{path}/cpuacct.usage", os.O_RDONLY)
+                control = cls(tuple(join), freeze, usage, v2)
+                control.freeze(False)  # a restarted worker's frozen leftovers die of their SIGKILL now
+                controls.append(control)
+        except OSError as error:
+            for control in controls:
+                for fd in (*control.join_fds, control.freeze_fd, control.usage_fd):
+                    if fd is not None:
+                        _close_quietly(fd)
+            mechanisms.mark("session_freezer", error)
+            mechanisms.mark("session_cpu_accounting", error)
+            return []
+        missing = "needs root and a freezer cgroup (v1) or cgroup v2 with per-session memory cgroups"
+        mechanisms.mark(
+            "session_freezer", None if controls and controls[0].freeze_fd is not None else missing
+        )
+        missing = "needs root and a cpuacct cgroup (v1) or cgroup v2 with per-session memory cgroups"
+        mechanisms.mark(
+            "session_cpu_accounting", None if controls and controls[0].usage_fd is not None else missing
+        )
+        return controls
+
+    def join(self, pid: int) -> None:
+        for fd in self.join_fds:
+            os.write(fd, str(pid).encode())
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or resume) every process of the session at once."""
+        if self.freeze_fd is not None:
+            os.write(
+                self.freeze_fd,
+                (b"1" if frozen else b"0") if self.v2 else (b"FROZEN" if frozen else b"THAWED"),
+            )
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time used by all processes ever in the cgroup, exited ones included (None: not counted)."""
+        if self.usage_fd is None:
+            return None
+        text = os.pread(self.usage_fd, 4096, 0).decode()
+        if not self.v2:
+            return int(text) / 1e9
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+        return None
 
 
 def _make_call_cgroups(parent: str, prefix: str, slots: int, limit_bytes: int) -> list:

@@ -83,6 +83,7 @@ class WorkerProcess:
             "temp_root": self.pool.temp_root,
             "uid_base": self.uid_base,
             "cgroup": self.pool.cgroup_dir,
+            "session_cgroups": self.pool.session_cgroup_dirs,
             "session_uid_base": self.pool.session_uid_base if self.tier == "full" else None,
             "config": self.pool.config.worker_payload(),
         }
@@ -209,7 +210,7 @@ class Session:
 
 
 class SessionsFull(Exception):
-    """Every session slot holds a session with a call in flight; none can be evicted."""
+    """``max_sessions`` sessions are open (none is evicted to make room)."""
 
 
 def _session_not_found(sid: str) -> dict:
@@ -230,10 +231,18 @@ class QueuedCall:
 
 
 class Pool:
-    def __init__(self, config: ServerConfig, temp_root: str, cgroup_dir: str | None, metrics: Metrics):
+    def __init__(
+        self,
+        config: ServerConfig,
+        temp_root: str,
+        cgroup_dir: str | None,
+        metrics: Metrics,
+        session_cgroup_dirs: dict | None = None,
+    ):
         self.config = config
         self.temp_root = temp_root
         self.cgroup_dir = cgroup_dir
+        self.session_cgroup_dirs = session_cgroup_dirs or {}  # controller -> the server's v1 cgroup
         self.metrics = metrics
         self.tiers = config.tier_list
         self.first_uid = config.first_uid(os.getpid())
@@ -270,8 +279,9 @@ class Pool:
         self.spawn_background(self._expire_sessions())
 
     def mechanisms(self) -> dict:
-        """What the workers report (they all run the same probes; the first ready one speaks for all)."""
-        for process in self.processes():
+        """What the workers report (they all run the same probes; the first ready one speaks for all, a
+        ``full`` tier one first: only those hold sessions and report the session mechanisms)."""
+        for process in sorted(self.processes(), key=lambda p: p.tier != "full"):
             if process.mechanisms:
                 return process.mechanisms
         return {"active": [], "inactive": {}}
@@ -418,14 +428,14 @@ class Pool:
         return message
 
     def open_session(self) -> dict:
-        """A new session: ``{"session": id, "token": token}`` (both unguessable). Evicts the least
-        recently used idle session when ``max_sessions`` are open; ``SessionsFull`` if every one has a call
-        in flight."""
+        """A new session: ``{"session": id, "token": token}`` (both unguessable). With ``max_sessions``
+        open, sessions idle past ``session_ttl`` are closed first; if none is, ``SessionsFull``: a client
+        opening sessions never closes another client's (idle is not abandoned: a rollout's session idles
+        while its model generates)."""
         if len(self.sessions) >= self.config.max_sessions:
-            idle = next((s for s in self.sessions.values() if not s.busy), None)  # least recently used first
-            if idle is None:
-                raise SessionsFull(f"all {self.config.max_sessions} sessions are busy; retry later")
-            self._close(idle, "evicted (too many sessions)")
+            self._close_expired()
+        if len(self.sessions) >= self.config.max_sessions:
+            raise SessionsFull(f"all {self.config.max_sessions} sessions are open; retry later")
         worker_set = min(
             (ws for ws in self.worker_sets if "full" in ws.tiers_ready()),
             key=lambda ws: ws.sessions,
@@ -463,13 +473,15 @@ class Pool:
         return True
 
     async def _expire_sessions(self) -> None:
-        ttl = self.config.session_ttl
         while True:
-            await asyncio.sleep(min(ttl / 4, 5.0))
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if not session.busy and now - session.last_used > ttl:
-                    self._close(session, f"closed after {ttl:g} s idle")
+            await asyncio.sleep(min(self.config.session_ttl / 4, 5.0))
+            self._close_expired()
+
+    def _close_expired(self) -> None:
+        ttl, now = self.config.session_ttl, time.monotonic()
+        for session in list(self.sessions.values()):
+            if not session.busy and now - session.last_used > ttl:
+                self._close(session, f"closed after {ttl:g} s idle")
 
     # ------------------------------------------------------------------------------------------ restarts
     def on_worker_exit(self, process: WorkerProcess) -> None:

@@ -12,7 +12,7 @@ Sessions are opened with ``POST /sessions`` (no body), answered ``{"session": id
 call in the session names ``session`` and presents its ``session_token``, and ``DELETE /sessions/{id}`` the
 ``X-Session-Token`` header. An unknown id or a wrong or missing token is answered ``invalid_request`` with
 ``error_type`` ``SessionNotFound`` (``/run``: HTTP 404), the same either way, and does not touch the
-session. A call with the right token to a session that was closed, evicted or expired is answered
+session. A call with the right token to a session that was closed or expired is answered
 ``killed`` with ``error_type`` ``SessionClosed`` and the reason in ``stderr``.
 
 Result (the ``/run`` body, or each element of ``{"results": [...]}``, in request order)::
@@ -57,7 +57,7 @@ BATCH_RESULTS_KEY = "results"
 
 MAX_SESSION_ID_CHARS = 128
 SESSION_NOT_FOUND = "SessionNotFound"  # error_type: unknown session id, or a wrong or missing token
-SESSION_CLOSED = "SessionClosed"  # error_type: the session was closed, evicted or expired (its owner asked)
+SESSION_CLOSED = "SessionClosed"  # error_type: the session was closed or expired (told to its owner only)
 
 
 class SchemaError(ValueError):

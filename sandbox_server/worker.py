@@ -54,12 +54,14 @@ from sandbox_server.isolation import (  # noqa: E402
     WORKER_PIDFD,
     CallSandbox,
     ForkServer,
+    SessionControl,
     WorkerSandbox,
     fork_server_unavailable,
 )
 from sandbox_server.output import StreamCapture  # noqa: E402
 
 READ_CHUNK = 1 << 16
+BUDGET_CHECK_S = 0.2  # how often a running session call's CPU (all its processes) is checked
 MAX_RECORD_BYTES = 1 << 16
 MAX_ERROR_TYPE = 200  # characters of an exception type name kept in a record
 
@@ -76,7 +78,7 @@ class Call:
     fork_start: float = 0.0
     fork_end: float = 0.0
     deadline: float = math.inf
-    kill_reason: str | None = None  # "timeout" | "output_limit" | "closed"
+    kill_reason: str | None = None  # "timeout" | "output_limit" | "closed" | "cpu_budget"
     cpu_seconds: float | None = None
     page_faults: int = 0
 
@@ -98,6 +100,8 @@ class Child:
     oom_counter_fd: int | None = None  # OOM-kill counter of the call's own memory cgroup, if it has one
     skipping_record: bool = False  # dropping the rest of an over-long line on the record pipe
     exited: bool = False
+    control: SessionControl | None = None  # a session's freezer and CPU counter (all its processes)
+    cpu_base: float = 0.0  # the counter when the session started
 
 
 class Worker:
@@ -122,6 +126,8 @@ class Worker:
         self.sessions: dict[str, Child] = {}
         self.lost_sessions: dict[str, str] = {}  # session id -> why its process ended between calls
         self.deadlines: list = []  # heap of (deadline, call id, child)
+        self.metered: set[Child] = set()  # sessions with a call running, whose CPU budget is checked
+        self.next_budget_check = 0.0
         self.worker_pidfd = os.pidfd_open(os.getpid())
         # OOM kills seen per counter: the server cgroup's (None) and each call cgroup's (its counter fd)
         counters = [oom_fd for _, oom_fd in sandbox.slot_cgroups + sandbox.session_cgroups]
@@ -150,9 +156,17 @@ class Worker:
         )
         while True:
             timeout = max(0.0, self.deadlines[0][0] - time.monotonic()) if self.deadlines else None
+            if self.metered:
+                wait = max(0.0, self.next_budget_check - time.monotonic())
+                timeout = wait if timeout is None else min(timeout, wait)
             for key, mask in self.selector.select(timeout):
                 key.data(key.fileobj, mask)
             self._expire_deadlines()
+            if self.metered and time.monotonic() >= self.next_budget_check:
+                self.next_budget_check = time.monotonic() + BUDGET_CHECK_S
+                for child in list(self.metered):
+                    if self._over_budget(child):
+                        self._kill(child, "cpu_budget")
 
     def _start_fork_server(self) -> ForkServer | None:
         """The fork server, where the extension is built and the configuration allows it (else None)."""
@@ -340,15 +354,22 @@ class Worker:
                 return
         call.fork_end = time.monotonic()
         self._attach(child, call)
+        if self._over_budget(child):  # used up between calls (only where its processes cannot be stopped)
+            self._kill(child, "cpu_budget")
+            return
+        if child.control is not None:
+            child.control.freeze(False)
+            self.metered.add(child)
         request = runner.encode_control_message(
             {"id": call.id, "code": message["code"], "stdin": message["stdin"]}
         )
         try:
             _write_all(child.control_fd, request)
         except OSError:
-            self._kill(child, "closed")  # the session process is gone; its exit event reports the call
+            self._kill(child, None)  # the session process is gone; its exit event reports the call and why
 
     def _start_session(self, session: str, uid: int | None) -> Child | None:
+        message_uid = uid
         cgroup = None
         if self.sandbox.session_cgroups and self.session_uid_base is not None:
             cgroup = self.sandbox.session_cgroups[uid - self.session_uid_base]
@@ -374,6 +395,16 @@ class Worker:
             os.close(control_r)
         child.session, child.control_fd, child.workdir = session, control_w, workdir
         child.oom_counter_fd = cgroup[1] if cgroup else None
+        controls = self.sandbox.session_controls
+        if controls and self.session_uid_base is not None and message_uid is not None:
+            # before the session runs any code: everything it starts is frozen and counted with it
+            child.control = controls[message_uid - self.session_uid_base]
+            try:
+                child.control.join(child.pid)
+                child.cpu_base = child.control.cpu_seconds() or 0.0
+            except OSError:
+                self._kill(child, "closed")
+                return None
         self.sessions[session] = child
         return child
 
@@ -411,7 +442,13 @@ class Worker:
             record = _take_record(child.record_buffer, child.call.id)
             if record is not None:
                 self._drain(child)  # output written before the record is already in the pipes
+                if self._over_budget(child):  # its exit reports the call
+                    self._kill(child, "cpu_budget")
+                    return
                 call, child.call = child.call, None
+                self.metered.discard(child)
+                if child.control is not None:  # nothing of the session runs until its next call
+                    child.control.freeze(True)
                 self._finish(call, child, record=record, exit_status=None, session_ended=None)
 
     def _read_fd(self, child: Child, fd: int) -> int:
@@ -448,6 +485,7 @@ class Worker:
         _, status, usage = os.wait4(child.pid, 0)
         os.close(pidfd)
         child.exited = True
+        self.metered.discard(child)
         self.sandbox.kill_leftovers(child.pid, child.uid)
         self._drain(child)
         for fd in child.fds:
@@ -481,12 +519,14 @@ class Worker:
             if child.call is not None and child.call.id == call_id and not child.exited:
                 self._kill(child, "timeout")
 
-    def _kill(self, child: Child, reason: str) -> None:
+    def _kill(self, child: Child, reason: str | None) -> None:
         if child.call is not None and child.call.kill_reason is None:
             child.call.kill_reason = reason
         if child.exited:
             return
         signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+        if child.control is not None:
+            child.control.freeze(False)  # a frozen process dies of SIGKILL only once thawed
         if self.sandbox.own_pidns_fd is None:
             try:
                 os.killpg(child.pid, signal.SIGKILL)
@@ -509,9 +549,9 @@ class Worker:
         stderr = call.stderr.text()
         error_type = None
         if call.kill_reason is not None:
-            status = call.kill_reason if call.kill_reason in ("timeout", "output_limit") else "killed"
-            error_type = {"timeout": "Timeout", "output_limit": "OutputLimit"}.get(
-                call.kill_reason, "SessionClosed"
+            status = {"output_limit": "output_limit", "closed": "killed"}.get(call.kill_reason, "timeout")
+            error_type = {"output_limit": "OutputLimit", "closed": "SessionClosed"}.get(
+                call.kill_reason, "Timeout"
             )
         elif record is not None:
             status, error_type = record["status"], wire_text(record["error_type"])
@@ -523,6 +563,11 @@ class Worker:
             status = "ok" if exit_code == 0 else "error"
         if call.kill_reason == "timeout":
             stderr += f"sandbox: killed after the {call.timeout:g} s timeout\n"
+        elif call.kill_reason == "cpu_budget":
+            stderr += (
+                f"sandbox: killed: the session's processes used its {self.config['session_cpu_seconds']} s "
+                "CPU budget\n"
+            )
         elif call.kill_reason == "output_limit":
             stderr += f"sandbox: killed after more than {self.config['output_limit_bytes']} bytes of output\n"
         elif status == "timeout":
@@ -556,6 +601,13 @@ class Worker:
             timings=timings,
             session_ended=session_ended,
         )
+
+    def _over_budget(self, child: Child) -> bool:
+        """Whether a session's processes, all of them, have used its CPU budget."""
+        if child.control is None or child.exited:
+            return False
+        used = child.control.cpu_seconds()
+        return used is not None and used - child.cpu_base >= self.config["session_cpu_seconds"]
 
     def _classify_signal(self, signum: int, counter_fd: int | None) -> tuple[str, str]:
         name = _signal_name(signum)
@@ -726,6 +778,7 @@ def main(argv=None) -> None:
         call_memory_bytes=((config["memory_mb"] + config["tmp_mb"]) << 20) * config["call_memory_cgroups"],
         sessions=config["max_sessions"] if spec["session_uid_base"] is not None else 0,
         session_memory_bytes=(config["session_memory_mb"] + config["tmp_mb"]) << 20,
+        session_cgroup_dirs=spec.get("session_cgroups") or {},
     )
     stdio = runner.make_stdio()
     runner.rehearse()

@@ -184,8 +184,8 @@ def tool_outcome(result: Any) -> str:
     error_type = result.error_type or ""
     if result.status == "internal" and (error_type in _CLIENT_FAILURE_TYPES or error_type.startswith("HTTP")):
         return "unreachable"
-    if result.status == "killed" and error_type == "WorkerDied":  # the server's worker died, not the code
-        return "internal"
+    if result.status == "killed" and error_type in ("WorkerDied", "SessionClosed"):
+        return "internal"  # its worker died, or the server closed the session (idle past its TTL)
     return result.status
 
 

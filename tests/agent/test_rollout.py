@@ -219,6 +219,12 @@ def test_parse_errors_are_fed_back_and_nothing_runs(tokenizer, verifier):
     assert engine.sessions[0].appended == [tool_response_ids(tokenizer, m) for m in messages]
 
 
+def test_a_session_the_server_closed_is_an_infrastructure_outcome():
+    closed = SandboxResult("killed", "", "sandbox: session 'x' was closed\n", None, "SessionClosed", 0)
+    assert tool_outcome(closed) == "internal"
+    assert tool_outcome(SandboxResult("killed", "", "", -9, "SIGKILL", 0.1)) == "killed"  # the code's own
+
+
 def test_sandbox_statuses_and_unreachable_service(tokenizer, verifier):
     results = {
         "boom()": SandboxResult("error", "", "NameError: name 'boom' is not defined\n", 1, "NameError", 0.1),

@@ -20,7 +20,14 @@ import pytest
 from sandbox_server import start_local
 from sandbox_server.config import ServerConfig
 from sandbox_server.pool import STUCK_GRACE_S
-from tests.sandbox_server.conftest import assert_clean, get, open_session, post, run_batch
+from tests.sandbox_server.conftest import (
+    assert_clean,
+    get,
+    open_session,
+    post,
+    processes_in_uid_range,
+    run_batch,
+)
 
 INNOCENTS = 12
 
@@ -232,6 +239,10 @@ def test_configuration_outside_sane_bounds_is_refused(options, field):
 def test_a_sigkilled_server_leaves_nothing_the_next_start_does_not_clean():
     with start_local(workers=1, slots=2, tiers="base,full") as first:
         health = get(first.url, "/health")
+        session = open_session(first.url)  # a session process, frozen between calls where it can be
+        assert run_batch(first.url, [{"code": "import os\nos.getuid()", **session}])[0]["status"] == "ok"
+        session_uids = health["uid_ranges"]["sessions"]
+        assert processes_in_uid_range(*session_uids)
         os.kill(health["server_pid"], signal.SIGKILL)
         first.process.wait(30)
         temp_root, cgroup = health["temp_root"], health["cgroup"]
@@ -240,6 +251,12 @@ def test_a_sigkilled_server_leaves_nothing_the_next_start_does_not_clean():
         with start_local(workers=1, slots=2, tiers="base,full"):
             assert not os.path.exists(temp_root)
             assert cgroup is None or not os.path.exists(cgroup)
+            for path in health["session_cgroups"].values():  # freezer and cpuacct (cgroup v1)
+                assert not os.path.exists(path), path
+            deadline = time.monotonic() + 20  # thawed by the sweep, they die of their SIGKILL
+            while processes_in_uid_range(*session_uids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not processes_in_uid_range(*session_uids)
 
 
 def test_io_uring_is_denied_and_the_worker_configuration_is_not_visible(server):

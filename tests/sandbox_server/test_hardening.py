@@ -6,8 +6,10 @@ its processes and its background processes stopped between calls.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import select
 import socket
+import textwrap
 import time
 import urllib.parse
 
@@ -16,6 +18,7 @@ import pytest
 from sandbox_server import start_local
 from sandbox_server.config import ServerConfig
 from tests.sandbox_server.conftest import (
+    assert_clean,
     delete_session,
     get,
     open_session,
@@ -27,6 +30,7 @@ from tests.sandbox_server.test_attacks_innocents import _assert_innocent, _innoc
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
+WRITE_TIMEOUT = 1.0
 SESSION_TTL = 2.0
 
 
@@ -39,6 +43,7 @@ def hardened():
         default_timeout=5.0,
         header_timeout=HEADER_TIMEOUT,
         body_timeout=BODY_TIMEOUT,
+        write_timeout=WRITE_TIMEOUT,
         max_sessions=6,
         session_ttl=SESSION_TTL,
         session_cpu_seconds=3,
@@ -122,7 +127,45 @@ def test_a_client_trickling_its_body_gets_400_while_innocent_calls_succeed(harde
     assert answer.startswith(b"HTTP/1.1 400") and b"not received within" in answer, answer[:300]
 
 
-@pytest.mark.parametrize("field", ["header_timeout", "body_timeout"])
+def _write_timeouts(url: str) -> int:
+    return get(url, "/metrics")["http_rejected"].get("write_timeout", 0)
+
+
+def test_a_client_that_never_reads_its_answer_is_disconnected_while_innocent_calls_succeed(hardened):
+    """A batch whose answer (~16 MB) cannot fit the socket buffers, from a client that never reads: the
+    server drops the connection ``write_timeout`` after the answer was ready instead of holding it."""
+    noisy = {"code": "import sys\nprint('x' * 70000)\nprint('y' * 70000, file=sys.stderr)", "timeout": 20}
+    body = json.dumps({"requests": [noisy] * 120}).encode()
+    dropped_before = _write_timeouts(hardened.url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    parts = urllib.parse.urlsplit(hardened.url)
+    sock.connect((parts.hostname, parts.port))
+    sock.sendall(
+        b"POST /run/batch HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, hardened.url, 0)
+        _assert_innocent(innocent.result())
+        deadline = time.monotonic() + 60  # the batch runs, then its answer waits out the write timeout
+        while _write_timeouts(hardened.url) == dropped_before and time.monotonic() < deadline:
+            _assert_innocent(_innocent_batch(hardened.url, 0))
+    received, closed = 0, False
+    sock.settimeout(10)
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += len(chunk)
+        closed = True
+    except ConnectionResetError:
+        closed = True
+    except TimeoutError:
+        pass
+    sock.close()
+    assert closed and 0 < received < 120 * 2 * 65536, (closed, received)
+
+
+@pytest.mark.parametrize("field", ["header_timeout", "body_timeout", "write_timeout"])
 @pytest.mark.parametrize("value", [0.0, float("nan"), 1e9])
 def test_read_timeouts_outside_sane_bounds_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
@@ -186,3 +229,267 @@ def test_an_idle_session_expires_and_its_processes_are_gone(hardened):
     expired = _run_one(url, "print(1)", **session)[1]
     assert (expired["status"], expired["error_type"]) == ("killed", "SessionClosed"), expired
     assert f"closed after {SESSION_TTL:g} s idle" in expired["stderr"]
+
+
+# ------------------------------------------------------------------------------ a session's CPU and idling
+STAMPER = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:  # a detached grandchild, writing a time stamp every 20 ms
+        with open("/tmp/stamps", "a") as f:
+            while True:
+                f.write(f"{time.monotonic()}\\n")
+                f.flush()
+                time.sleep(0.02)
+    os._exit(0)
+os.wait()
+time.sleep(0.3)
+print("stamping")
+"""
+LONGEST_GAP = """
+stamps = [float(x) for x in open("/tmp/stamps").read().split()]
+print(round(max(b - a for a, b in zip(stamps, stamps[1:])), 1))
+"""
+BURNERS = """
+import os
+for _ in range(2):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            pass
+print("burning")
+"""
+
+
+def _require(url: str, mechanism: str) -> None:
+    if mechanism not in get(url, "/health")["mechanisms"]["active"]:
+        pytest.skip(f"{mechanism} is not available here (needs root and the cgroup controller)")
+
+
+def test_a_sessions_background_processes_are_stopped_between_its_calls(hardened):
+    url = hardened.url
+    _require(url, "session_freezer")
+    session = open_session(url)
+    assert _run_one(url, STAMPER, **session)[1]["stdout"] == "stamping\n"
+    idle = 1.5  # below the session TTL
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, url, 0)
+        time.sleep(idle)
+        _assert_innocent(innocent.result())
+    result = _run_one(url, LONGEST_GAP, **session)[1]
+    assert result["status"] == "ok", result
+    assert float(result["stdout"]) >= 1.0, result  # no stamp while the session was idle
+    delete_session(url, session)
+
+
+def test_a_sessions_cpu_budget_counts_all_its_processes(hardened):
+    """Two detached busy processes, each far under the 3 s budget on its own: together they use it up
+    during the next call, which is killed (``timeout``) with the whole session; innocent calls meanwhile
+    are fine, and the session's next call starts afresh."""
+    url = hardened.url
+    _require(url, "session_cpu_accounting")
+    session = open_session(url)
+    assert _run_one(url, "kept = 1\n" + BURNERS, **session)[1]["stdout"] == "burning\n"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, url, 0)
+        charged = _run_one(url, "import time\ntime.sleep(20)\nprint('survived')", timeout=30, **session)[1]
+        _assert_innocent(innocent.result())
+    assert charged["status"] == "timeout" and "survived" not in charged["stdout"], charged
+    assert "CPU budget" in charged["stderr"], charged
+    fresh = _run_one(url, "print('kept' in globals())", **session)[1]
+    assert fresh["stdout"] == "False\n" and "fresh session" in fresh["stderr"], fresh
+    lo, hi = get(url, "/health")["uid_ranges"]["sessions"]
+    uid = int(_run_one(url, "import os\nprint(os.getuid())", **session)[1]["stdout"])
+    assert lo <= uid < hi
+    assert len(processes_in_uid_range(uid, uid + 1)) == 1  # the burners died with the session
+    delete_session(url, session)
+
+
+# ------------------------------------------------------------------------------------------- the storm
+# Hostile programs beyond test_hostile's, all in ONE batch with innocent calls between them and a second
+# innocent batch at the same time: each must end with its expected status, every innocent call with its
+# exact result, no worker may be replaced and nothing may be left behind.
+def _py(source: str) -> str:
+    return textwrap.dedent(source).strip()
+
+
+STORM = {
+    "fork_bomb": (
+        _py("""
+            import os
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    pass
+        """),
+        "timeout",
+    ),
+    "thread_bomb": (
+        _py("""
+            import threading, time
+            for _ in range(10000):
+                threading.Thread(target=time.sleep, args=(100,), daemon=True).start()
+        """),
+        "error",
+    ),
+    "busy_threads": (
+        _py("""
+            import threading
+            for _ in range(24):
+                threading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()
+        """),
+        "timeout",
+    ),
+    "fd_exhaustion": (
+        _py("""
+            import os, socket
+            held = []
+            try:
+                while True:
+                    held += [*os.pipe(), socket.socket(), open("/dev/null")]
+            except OSError as e:
+                print("exhausted", e.errno)
+        """),
+        "ok",
+    ),
+    "fill_tmpfs": ("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (15 * 2**20))", "error"),
+    "write_everywhere": (
+        _py("""
+            import os
+            wrote = []
+            for p in ["/", "/usr", "/etc", "/dev", "/dev/shm", "/var/tmp", "/run", "/home", "/work", "/root"]:
+                try:
+                    open(os.path.join(p, "sbx_storm"), "w").write("x")
+                    wrote.append(p)
+                except OSError:
+                    pass
+            print("wrote", wrote)
+        """),
+        "ok",
+    ),
+    "output_flood": (
+        "import sys\nchunk = 'x' * 65535 + '\\n'\nfor _ in range(1600):\n    sys.stdout.write(chunk)",
+        "output_limit",
+    ),
+    "signal_everything": (
+        _py("""
+            import os, signal
+            for target in (-1, 0, 1, 2, 3):
+                for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
+                    try:
+                        os.kill(target, sig)
+                    except OSError:
+                        pass
+            print("still here")
+        """),
+        "ok",
+    ),
+    "trace_and_peek": (  # pid 1 is the call itself (init of its PID namespace)
+        _py("""
+            import ctypes, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            reached = []
+            for pid in range(2, 64):
+                if libc.ptrace(16, pid, 0, 0) == 0:  # PTRACE_ATTACH
+                    reached.append(("ptrace", pid))
+                try:
+                    os.close(os.pidfd_open(pid))
+                    reached.append(("pidfd", pid))
+                except OSError:
+                    pass
+            print("reached", reached)
+        """),
+        "ok",
+    ),
+    "daemonize": (
+        _py("""
+            import os, time
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    for fd in range(64):
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                    time.sleep(10**6)
+                os._exit(0)
+            os.wait()
+            print("daemon started")
+        """),
+        "ok",
+    ),
+    "exec_shell_with_background": (
+        "import os\nos.execv('/bin/sh', ['sh', '-c', 'yes > /dev/null & sleep 1000'])",
+        "timeout",
+    ),
+    "rlimit_games": (
+        _py("""
+            import resource
+            raised = []
+            for r in (resource.RLIMIT_NPROC, resource.RLIMIT_NOFILE, resource.RLIMIT_CPU, resource.RLIMIT_AS):
+                hard = resource.getrlimit(r)[1]
+                try:
+                    resource.setrlimit(r, (hard + 1, hard + 1))
+                    raised.append(r)
+                except (ValueError, OSError):
+                    pass
+            print("raised", raised)
+            x = bytearray(3 * 2**30)
+        """),
+        "memory_limit",
+    ),
+    "snoop_other_calls": (
+        _py("""
+            import os
+            found = [p for p in ("/proc", "/sys", "/dev/shm") if os.path.exists(p)]
+            found += [n for n in os.listdir("/tmp") if "victim" in n]
+            print("found", found)
+        """),
+        "ok",
+    ),
+}
+STORM_STDOUT = {
+    "fd_exhaustion": "exhausted 24\n",
+    "write_everywhere": "wrote []\n",
+    "signal_everything": "still here\n",
+    "trace_and_peek": "reached []\n",
+    "daemonize": "daemon started\n",
+    "snoop_other_calls": "found []\n",
+    "rlimit_games": "raised []\n",
+}
+VICTIM = (
+    "import time\nopen('/tmp/victim_secret', 'w').write('mine')\ntime.sleep(1.5)\n"
+    "print(open('/tmp/victim_secret').read(), sorted(__import__('os').listdir('/tmp')))"
+)
+
+
+def test_a_storm_of_hostile_programs_changes_no_innocent_result(server):
+    url = server.url
+    workers_before = [w["pid"] for w in get(url, "/health")["workers"]]
+    names = sorted(STORM)
+    batch, where = [], {}
+    for i, name in enumerate(names):
+        batch.append(_innocent(i))
+        where[name] = len(batch)
+        batch.append({"code": STORM[name][0], "timeout": 2.0})
+    batch.append({"code": VICTIM, "timeout": 20})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(run_batch, url, [_innocent(100 + i) for i in range(12)])
+        results = run_batch(url, batch)
+        _assert_innocent(other.result(), offset=100)
+    for i in range(len(names)):
+        _assert_innocent([results[2 * i]], offset=i)
+    problems = {}
+    for name in names:
+        result = results[where[name]]
+        expected_stdout = STORM_STDOUT.get(name)
+        if result["status"] != STORM[name][1] or (expected_stdout and result["stdout"] != expected_stdout):
+            problems[name] = result
+    assert not problems, problems
+    victim = results[-1]
+    assert victim["status"] == "ok" and victim["stdout"] == "mine ['victim_secret']\n", victim
+    assert [w["pid"] for w in get(url, "/health")["workers"]] == workers_before, "a worker died"
+    assert_clean(url)

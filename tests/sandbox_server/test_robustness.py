@@ -134,20 +134,21 @@ def test_memory_cgroup_stops_what_rlimits_allow(small_server):
     assert_clean(small_server.url)
 
 
-def test_session_ttl_and_eviction(small_server):
+def test_sessions_are_never_evicted_and_expire_when_idle(small_server):
     s1, s2 = (open_session(small_server.url, AUTH) for _ in range(2))
     assert _run(small_server, "a = 1", **s1)[1]["status"] == "ok"
     assert _run(small_server, "b = 2", **s2)[1]["status"] == "ok"
-    # A third session evicts the least recently used one (s1) because max_sessions is 2.
-    s3 = open_session(small_server.url, AUTH)
-    assert _run(small_server, "c = 3", **s3)[1]["status"] == "ok"
-    result = _run(small_server, "print('a' in globals())", **s1)[1]
-    assert (result["status"], result["error_type"]) == ("killed", "SessionClosed"), result
-    assert "evicted (too many sessions)" in result["stderr"] and result["stdout"] == ""
+    # max_sessions is 2: a third is refused (503), and neither open session loses its state.
+    status, body, headers = post(small_server.url, b"", path="/sessions", headers=AUTH)
+    assert status == 503 and "Retry-After" in headers and "sessions are open" in body["error"], body
+    assert _run(small_server, "print(a)", **s1)[1]["stdout"] == "1\n"
     time.sleep(1.6)  # > session_ttl plus one expiry sweep (every ttl / 4)
-    result = _run(small_server, "print('c' in globals())", **s3)[1]
-    assert result["error_type"] == "SessionClosed" and "idle" in result["stderr"], result
+    result = _run(small_server, "print(b)", **s2)[1]
+    assert (result["status"], result["error_type"]) == ("killed", "SessionClosed"), result
+    assert "idle" in result["stderr"] and result["stdout"] == ""
     assert _metrics(small_server)["sessions"] == 0
+    s3 = open_session(small_server.url, AUTH)  # room again
+    assert _run(small_server, "print(3)", **s3)[1]["stdout"] == "3\n"
 
 
 def test_shutdown_answers_open_calls_and_cleans_up():

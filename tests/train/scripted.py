@@ -52,6 +52,18 @@ def tiny_rl_config(workdir: str):
     return c
 
 
+# Produced by main's code before policy versions, partial rollouts and off-policy steps existed (commit
+# 68a3a72), in the session that added them: ``train_rl(tiny_rl_config(d), rollout_fn=make_scripted_rollout(),
+# max_steps=2)`` on the CPU backend (the second step's numbers depend on the parameters the first step's
+# update produced). The default run must keep them (``tests/train/test_colocate.py``).
+MAIN_HISTORY = [
+    {"loss": 0.03923498094081879, "grad_norm": 0.01573694869875908, "reward": 0.75, "selected": 4.0,
+     "entropy": 5.537577152252197, "approx_kl": 3.999556064605713, "tokens": 62.0},
+    {"loss": 0.40422937273979187, "grad_norm": 0.016745366156101227, "reward": 0.5, "selected": 4.0,
+     "entropy": 5.537692546844482, "approx_kl": 3.980048179626465, "tokens": 43.0},
+]
+
+
 def _trajectory_logprobs(params, model_config, prompt, response) -> np.ndarray:
     tokens = np.array([prompt + response], np.int32)
     logits, _ = models.forward(params, model_config, tokens)

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rstar2jax import models
 from rstar2jax.train import colocate, memory_plan, train_rl
 from rstar2jax.train.runner import dry_run, model_config_from
-from tests.train.scripted import make_scripted_rollout, tiny_rl_config
+from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
 
 TIMING = ("time/", "throughput/")
 
@@ -56,7 +56,10 @@ def _metrics(history):
 
 
 def test_rl_with_optimizer_offloaded_matches_on_device_run(tmp_path):
-    """Parking the AdamW moments in host memory during rollout changes no number of the run."""
+    """Parking the AdamW moments in host memory during rollout changes no number of the run. On the CPU the
+    on-device run is the default config's, synchronous and on-policy: it keeps the numbers main's code gave
+    before rollouts could cross an update (``MAIN_HISTORY``; within 1e-6, equal on the machine that made
+    them), with no policy lag."""
     histories = []
     for offload in ("device", "host"):
         config = tiny_rl_config(str(tmp_path / f"offload_{offload}"))
@@ -64,6 +67,11 @@ def test_rl_with_optimizer_offloaded_matches_on_device_run(tmp_path):
         histories.append(_metrics(train_rl(config, rollout_fn=make_scripted_rollout(), max_steps=2)))
     assert len(histories[0]) == 2
     assert histories[0] == histories[1]
+    if jax.default_backend() == "cpu":  # "auto" (the default) keeps the moments on the device there
+        for record, expected in zip(histories[0], MAIN_HISTORY, strict=True):
+            assert {k: record[k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=0)
+            assert record["rollout/policy_lag_mean"] == record["rollout/policy_lag_max"] == 0.0
+            assert not any(k.startswith("rollout/partial") for k in record)
 
 
 def test_memory_plan_adds_up_and_fails_when_too_small(tmp_path):
