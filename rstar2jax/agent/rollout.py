@@ -220,6 +220,8 @@ class _Conversation:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # None once a segment came without versions (an engine that does not record them).
     policy_versions: list[int] | None = dataclasses.field(default_factory=list)
+    # None once a segment came without entropies (a scripted engine, say).
+    entropies: list[float] | None = dataclasses.field(default_factory=list)
     model_text: list[str] = dataclasses.field(default_factory=list)
     tool_outcomes: list[str] = dataclasses.field(default_factory=list)
     num_turns: int = 1
@@ -236,6 +238,11 @@ class _Conversation:
             self.policy_versions += versions
         else:
             self.policy_versions = None
+        entropies = getattr(segment, "entropies", [])
+        if self.entropies is not None and len(entropies) == len(segment.tokens):
+            self.entropies += entropies
+        else:
+            self.entropies = None
         self.model_text.append(text)
 
     def add_inserted(self, token_ids: Sequence[int]) -> None:
@@ -244,6 +251,8 @@ class _Conversation:
         self.logprobs += [0.0] * len(token_ids)
         if self.policy_versions is not None:
             self.policy_versions += [NO_POLICY_VERSION] * len(token_ids)
+        if self.entropies is not None:
+            self.entropies += [0.0] * len(token_ids)
 
 
 @dataclasses.dataclass(eq=False)
@@ -408,6 +417,7 @@ class _Rollout:
             reward=reward,
             timings=dict(conversation.clock.seconds),
             policy_versions=conversation.policy_versions,
+            entropies=conversation.entropies,
         )
 
     async def execute(self, call: ToolCall | ToolCallError, session: str | None = None) -> tuple[str, str]:

@@ -63,6 +63,11 @@ class Trajectory:
         ``NO_POLICY_VERSION`` (-1) where ``loss_mask`` is 0; None when the rollout did not record them (the
         trainer then tags the sampled tokens with the version of the parameters it rolled out with). Tokens
         of one trajectory can carry several versions (a partial rollout resumed after an update).
+      entropies: per response token, the entropy (nats) of the policy distribution the token was sampled
+        from, before temperature / top-p (the engine computes it from the same logits as the log-prob, so
+        it costs no extra pass over the vocabulary); 0.0 where ``loss_mask`` is 0; None when the rollout
+        did not record them. High-entropy "forking" tokens are the paper's section 5 analysis
+        (``rstar2jax.eval`` has the tools).
     """
 
     problem_id: str
@@ -80,6 +85,7 @@ class Trajectory:
     num_answer_closes: int | None = None
     num_answer_pairs: int | None = None
     policy_versions: list[int] | None = None
+    entropies: list[float] | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -88,10 +94,10 @@ class Trajectory:
                 f"response_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) "
                 "must have the same length"
             )
-        if self.policy_versions is not None and len(self.policy_versions) != n:
-            raise ValueError(
-                f"policy_versions ({len(self.policy_versions)}) must have one entry per response token ({n})"
-            )
+        for name in ("policy_versions", "entropies"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"{name} ({len(values)}) must have one entry per response token ({n})")
 
     @property
     def num_tool_calls(self) -> int:

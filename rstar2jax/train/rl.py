@@ -430,6 +430,8 @@ def rollout_metrics(
 
     ``scored``: the groups' :func:`score_groups` when the caller has it (default: computed here). The
     tool-error ratios are ``data.trajectory.tool_error_ratios``'s (NaN without calls; TensorBoard skips NaN).
+    ``entropy_mean``: the mean sampling entropy (nats) over the sampled response tokens of the trajectories
+    that recorded it (``Trajectory.entropies``); absent when none did.
     """
     flat = [t for g in groups for t in g]
     if not flat:
@@ -454,6 +456,13 @@ def rollout_metrics(
         "truncation_rate": float(np.mean([t.truncated for t in flat])),
         "num_trajectories": float(len(flat)),
     }
+    sampled_entropies = [
+        np.asarray(t.entropies, np.float64)[np.asarray(t.loss_mask, bool)]
+        for t in flat
+        if t.entropies is not None
+    ]
+    if sum(e.size for e in sampled_entropies):
+        metrics["entropy_mean"] = float(np.concatenate(sampled_entropies).mean())
     phases = collections.defaultdict(float)
     for t in flat:
         for phase, seconds in t.timings.items():

@@ -76,6 +76,14 @@ def check_record(t, params, model_config, budget=BUDGET):
     recomputed = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[0, len(t.prompt_ids) - 1:]
     sampled = np.array(t.loss_mask, bool)
     np.testing.assert_allclose(np.array(t.logprobs)[sampled], recomputed[sampled], atol=2e-4)
+    # Entropies: the raw policy distribution's at each sampled token, 0 on inserted tokens.
+    step_logits = np.asarray(logits[0, len(t.prompt_ids) - 1:-1], np.float64)
+    top = step_logits.max(axis=-1, keepdims=True)
+    logp = step_logits - top - np.log(np.exp(step_logits - top).sum(axis=-1, keepdims=True))
+    expected = -np.sum(np.exp(logp) * logp, axis=-1)
+    entropies = np.array(t.entropies)
+    assert entropies.shape == sampled.shape and (entropies[~sampled] == 0.0).all()
+    np.testing.assert_allclose(entropies[sampled], expected[sampled], atol=2e-4)
 
 
 def test_random_model_batch_with_real_sandbox_finishes(problems, policy, server, verifier):

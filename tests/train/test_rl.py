@@ -270,3 +270,15 @@ def test_format_penalty_rule_changes_release_selection(rule, kept_length):
     if rule == "release":
         with pytest.raises(ValueError, match="format_penalty='release' needs num_answer_pairs"):
             select_and_build_batch(jax.random.PRNGKey(0), [group], config, num_rows=2)
+
+
+def test_rollout_metrics_report_the_mean_entropy_of_sampled_tokens():
+    def traj(entropies, mask):
+        n = len(mask)
+        return Trajectory("p", [1], list(range(n)), mask, [0.0] * n, entropies=entropies)
+
+    groups = [[traj([1.0, 0.0, 3.0], [1, 0, 1]), traj(None, [1, 1])], [traj([2.0, 5.0], [1, 1])]]
+    assert rollout_metrics(groups)["entropy_mean"] == pytest.approx((1 + 3 + 2 + 5) / 4)
+    assert "entropy_mean" not in rollout_metrics([[traj(None, [1])]])
+    with pytest.raises(ValueError, match="entropies"):
+        traj([1.0], [1, 1])
