@@ -149,7 +149,8 @@ class SandboxServer:
         self.metrics.http_requests[request.path] += 1
         if self.config.token and request.path != schema.PATH_HEALTH:
             supplied = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {self.config.token}".encode()):
+            expected = f"Bearer {self.config.token}".encode()
+            if not hmac.compare_digest(supplied.encode("utf-8", "surrogatepass"), expected):
                 self.metrics.rejected[401] += 1
                 return _error(request, 401, "missing or wrong bearer token")
         try:
@@ -184,14 +185,20 @@ class SandboxServer:
             raise _BadRequest(f"malformed {kind}: {error}") from error
 
     def _validate(self, obj) -> dict:
+        """``schema.validate_run_request``; any failure of it is a ``SchemaError`` for this request alone."""
         c = self.config
-        return schema.validate_run_request(
-            obj,
-            default_timeout=c.default_timeout,
-            max_timeout=c.max_timeout,
-            max_code_chars=c.max_code_chars,
-            max_stdin_chars=c.max_stdin_chars,
-        )
+        try:
+            return schema.validate_run_request(
+                obj,
+                default_timeout=c.default_timeout,
+                max_timeout=c.max_timeout,
+                max_code_chars=c.max_code_chars,
+                max_stdin_chars=c.max_stdin_chars,
+            )
+        except schema.SchemaError:
+            raise
+        except Exception as error:  # defence in depth: one odd item must not fail its whole batch
+            raise schema.SchemaError(f"invalid request ({type(error).__name__}: {error})") from error
 
     def _busy(self, request: web.Request, error: QueueFull) -> web.Response:
         self.metrics.rejected[503] += 1

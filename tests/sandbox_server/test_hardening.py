@@ -195,6 +195,7 @@ def test_a_session_answers_only_its_token_and_strangers_learn_nothing(hardened):
         {"session": sid, "session_token": stranger["session_token"]},  # another session's token
         {"session": sid, "session_token": owner["session_token"][:-1] + "x"},  # nearly right
         {"session": sid + "x", "session_token": owner["session_token"]},  # a guessed id
+        {"session": sid, "session_token": "é\ud800" + owner["session_token"][2:]},  # not even ASCII
     ]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         innocent = pool.submit(_innocent_batch, url, 0)
@@ -202,7 +203,8 @@ def test_a_session_answers_only_its_token_and_strangers_learn_nothing(hardened):
             _assert_not_found(*_run_one(url, "print(secret)", **fields))
             batch = run_batch(url, [{"code": "print(secret)", **fields}])[0]
             assert batch["error_type"] == "SessionNotFound" and "owner data" not in str(batch), batch
-            wrong = {"session": fields["session"], "session_token": fields.get("session_token") or "x"}
+            token = (fields.get("session_token") or "x").encode("utf-8", "surrogatepass").decode("latin-1")
+            wrong = {"session": fields["session"], "session_token": token}  # a header carries raw bytes
             assert delete_session(url, wrong)[0] == 404
         _assert_innocent(innocent.result())
     mine = _run_one(url, "print(secret)", **owner)[1]
