@@ -115,7 +115,10 @@ class SandboxServer:
         await self.pool.close()  # first, so that open requests get their (killed) answers at once
         if self.runner is not None:
             await self.runner.cleanup()
-        for path in [*self.session_cgroup_dirs.values(), self.cgroup_dir]:  # the freezer first: it thaws
+        for path in [
+            *dict.fromkeys(self.session_cgroup_dirs.values()),
+            self.cgroup_dir,
+        ]:  # freezer first: thaws
             if path is not None:
                 _remove_cgroup(path)
         shutil.rmtree(self.temp_root, ignore_errors=True)
@@ -327,7 +330,7 @@ def _create_memory_cgroup(limit_mb: int) -> tuple[str | None, str | None]:
         return None, str(error)
 
 
-SESSION_CONTROLLERS = ("freezer", "cpuacct")
+SESSION_CONTROLLERS = ("freezer", "cpuacct", "cpu")  # cpu: also one cgroup per call slot
 
 
 def _v1_controller_parent(controller: str) -> str | None:
@@ -360,7 +363,8 @@ def _create_session_cgroups() -> dict:
             parent = _v1_controller_parent(controller)
             if parent is not None:
                 path = os.path.join(parent, f"sandbox_server-{os.getpid()}")
-                os.mkdir(path)
+                if path not in made.values():  # "cpu,cpuacct" is often one hierarchy
+                    os.mkdir(path)
                 made[controller] = path
         except OSError:
             continue
