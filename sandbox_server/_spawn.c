@@ -71,6 +71,7 @@ struct __attribute__((packed)) wire_plan {
     int32_t new_pid_namespace; /* clone the call as init of a fresh PID namespace */
     int32_t netns_fd;          /* -1: none; a descriptor the fork server inherited from the worker */
     int32_t cgroup_fd;         /* -1: none; cgroup.procs of the call's memory cgroup (inherited) */
+    int32_t cpu_cgroup_fd;     /* -1: none; cgroup.procs of the call's cpu cgroup (inherited) */
     int32_t uid;               /* -1: keep the uid */
     uint64_t seccomp_address;  /* 0: none; a sock_fprog in the (inherited) memory of the worker */
     int32_t worker_pidfd;      /* the target number the worker's pidfd arrives at */
@@ -142,6 +143,8 @@ static void set_up_call(const struct fork_request *request, const int *sources) 
 
     /* First, so that everything the call makes resident is charged to its own memory cgroup. */
     if (plan->cgroup_fd >= 0 && write(plan->cgroup_fd, "0", 1) != 1) fail(err, "join the memory cgroup");
+    /* Before any process of the call exists but this one: all of them share the slot's CPU weight. */
+    if (plan->cpu_cgroup_fd >= 0 && write(plan->cpu_cgroup_fd, "0", 1) != 1) fail(err, "join the cpu cgroup");
     if (setsid() < 0) fail(err, "setsid");
     if (plan->unshare_flags && unshare(plan->unshare_flags) != 0) fail(err, "unshare");
     if (plan->netns_fd >= 0 && setns(plan->netns_fd, CLONE_NEWNET) != 0) fail(err, "setns(network)");

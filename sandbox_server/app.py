@@ -115,7 +115,10 @@ class SandboxServer:
         await self.pool.close()  # first, so that open requests get their (killed) answers at once
         if self.runner is not None:
             await self.runner.cleanup()
-        for path in [*self.session_cgroup_dirs.values(), self.cgroup_dir]:  # the freezer first: it thaws
+        for path in [
+            *dict.fromkeys(self.session_cgroup_dirs.values()),
+            self.cgroup_dir,
+        ]:  # freezer first: thaws
             if path is not None:
                 _remove_cgroup(path)
         shutil.rmtree(self.temp_root, ignore_errors=True)
@@ -149,7 +152,8 @@ class SandboxServer:
         self.metrics.http_requests[request.path] += 1
         if self.config.token and request.path != schema.PATH_HEALTH:
             supplied = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {self.config.token}".encode()):
+            expected = f"Bearer {self.config.token}".encode()
+            if not hmac.compare_digest(supplied.encode("utf-8", "surrogatepass"), expected):
                 self.metrics.rejected[401] += 1
                 return _error(request, 401, "missing or wrong bearer token")
         try:
@@ -184,14 +188,20 @@ class SandboxServer:
             raise _BadRequest(f"malformed {kind}: {error}") from error
 
     def _validate(self, obj) -> dict:
+        """``schema.validate_run_request``; any failure of it is a ``SchemaError`` for this request alone."""
         c = self.config
-        return schema.validate_run_request(
-            obj,
-            default_timeout=c.default_timeout,
-            max_timeout=c.max_timeout,
-            max_code_chars=c.max_code_chars,
-            max_stdin_chars=c.max_stdin_chars,
-        )
+        try:
+            return schema.validate_run_request(
+                obj,
+                default_timeout=c.default_timeout,
+                max_timeout=c.max_timeout,
+                max_code_chars=c.max_code_chars,
+                max_stdin_chars=c.max_stdin_chars,
+            )
+        except schema.SchemaError:
+            raise
+        except Exception as error:  # defence in depth: one odd item must not fail its whole batch
+            raise schema.SchemaError(f"invalid request ({type(error).__name__}: {error})") from error
 
     def _busy(self, request: web.Request, error: QueueFull) -> web.Response:
         self.metrics.rejected[503] += 1
@@ -320,7 +330,7 @@ def _create_memory_cgroup(limit_mb: int) -> tuple[str | None, str | None]:
         return None, str(error)
 
 
-SESSION_CONTROLLERS = ("freezer", "cpuacct")
+SESSION_CONTROLLERS = ("freezer", "cpuacct", "cpu")  # cpu: also one cgroup per call slot
 
 
 def _v1_controller_parent(controller: str) -> str | None:
@@ -353,7 +363,8 @@ def _create_session_cgroups() -> dict:
             parent = _v1_controller_parent(controller)
             if parent is not None:
                 path = os.path.join(parent, f"sandbox_server-{os.getpid()}")
-                os.mkdir(path)
+                if path not in made.values():  # "cpu,cpuacct" is often one hierarchy
+                    os.mkdir(path)
                 made[controller] = path
         except OSError:
             continue

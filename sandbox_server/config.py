@@ -198,6 +198,14 @@ class ServerConfig:
             "0: calls share the server's cgroup"
         },
     )
+    call_cpu_cgroups: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "1: each call slot (and session) is its own cpu cgroup with an equal weight, so a call's "
+            "many processes or threads get one call's share of the CPU, not one each (needs root and a "
+            "cgroup v1 cpu hierarchy; costs each call a second cgroup migration); 0: CPU shared per thread"
+        },
+    )
     uid_base: int = dataclasses.field(
         default=0,
         metadata={
@@ -228,6 +236,8 @@ class ServerConfig:
             raise ValueError(f"tiers must be a subset of {TIERS} that includes 'full', got {self.tiers!r}")
         if self.uid_base < 0 or self.uid_base + self.uid_count >= 2**31:
             raise ValueError(f"uid_base must be 0 (automatic) or leave room for {self.uid_count} uids")
+        if self.call_cpu_cgroups not in (0, 1):
+            raise ValueError(f"call_cpu_cgroups must be 0 or 1, got {self.call_cpu_cgroups!r}")
         if self.call_memory_cgroups not in (0, 1):
             raise ValueError(f"call_memory_cgroups must be 0 or 1, got {self.call_memory_cgroups!r}")
         if self.call_setup not in ("auto", "python"):

@@ -59,7 +59,7 @@ CHILD_FD_END = 6  # a child keeps fds 0..5 through setup (0-2 stdio, 3 record, 4
 # The packed forms of a call's plan and of a fork request; _spawn.c's struct wire_plan / fork_request.
 MAX_TARGETS = MAX_LIMITS = 8
 TMPFS_OPTIONS_SIZE, WORKDIR_SIZE = 256, 4096  # with the terminating NUL
-WIRE_PLAN = struct.Struct(f"=iiiiiQiii8i8q{TMPFS_OPTIONS_SIZE}s{WORKDIR_SIZE}s")
+WIRE_PLAN = struct.Struct(f"=iiiiiiQiii8i8q{TMPFS_OPTIONS_SIZE}s{WORKDIR_SIZE}s")
 REQUEST_TAIL = struct.Struct("=qi8iq")  # cpu_seconds, n_targets, targets, payload size
 if native_spawn is not None and getattr(native_spawn, "WIRE_PLAN_SIZE", None) != WIRE_PLAN.size:
     # A build from older sources (a checkout updated without `pip install -e .`) would misread every plan.
@@ -190,6 +190,7 @@ class WorkerSandbox:
     slot_cgroups: list = dataclasses.field(default_factory=list)
     session_cgroups: list = dataclasses.field(default_factory=list)  # the same per session index (full tier)
     session_controls: list = dataclasses.field(default_factory=list)  # SessionControl per session index
+    slot_cpu_fds: list = dataclasses.field(default_factory=list)  # per slot: cgroup.procs of its cpu cgroup
 
     @property
     def seccomp_address(self) -> int | None:
@@ -208,6 +209,7 @@ class WorkerSandbox:
         sessions: int = 0,
         session_memory_bytes: int = 0,
         session_cgroup_dirs: dict | None = None,
+        call_cpu_cgroups: bool = False,
     ) -> WorkerSandbox:
         mechanisms = Mechanisms()
 
@@ -245,6 +247,26 @@ class WorkerSandbox:
         else:
             why = "off (--call-memory-cgroups 0)" if cgroup_oom_fd is not None else "needs the memory cgroup"
             mechanisms.mark("call_memory_cgroup", why)
+        slot_cpu_fds = []
+        cpu_parent = (session_cgroup_dirs or {}).get("cpu")
+        if not call_cpu_cgroups:
+            mechanisms.mark("call_cpu_cgroup", "off (--call-cpu-cgroups 0)")
+        elif cpu_parent is None:
+            mechanisms.mark("call_cpu_cgroup", "needs root and a cpu cgroup (v1)")
+        else:
+            try:
+                worker_key = name.rsplit(".", 1)[0]
+                for slot in range(slots):
+                    os.makedirs(f"{cpu_parent}/{worker_key}-s{slot}", exist_ok=True)
+                    slot_cpu_fds.append(
+                        os.open(f"{cpu_parent}/{worker_key}-s{slot}/cgroup.procs", os.O_WRONLY)
+                    )
+                mechanisms.mark("call_cpu_cgroup")
+            except OSError as error:
+                for fd in slot_cpu_fds:
+                    _close_quietly(fd)
+                slot_cpu_fds = []
+                mechanisms.mark("call_cpu_cgroup", error)
         session_controls = []
         if sessions:
             worker_key = name.rsplit(".", 1)[0]
@@ -355,6 +377,7 @@ class WorkerSandbox:
         )
         sandbox.slot_cgroups, sandbox.session_cgroups = slot_cgroups, session_cgroups
         sandbox.session_controls = session_controls
+        sandbox.slot_cpu_fds = slot_cpu_fds
         if seccomp_program is not None:
             sandbox.seccomp_fprog = linux.seccomp_fprog(seccomp_program)
         return sandbox
@@ -414,6 +437,7 @@ class CallSandbox:
     unshare_flags: int
     netns_fd: int | None  # join this (per-slot) network namespace
     cgroup_fd: int | None  # cgroup.procs of the call's own memory cgroup, joined first ("0" written to it)
+    cpu_cgroup_fd: int | None  # cgroup.procs of the call's cpu cgroup (one CPU weight for all its processes)
     tmpfs_options: bytes | None  # mount a private tmpfs on /tmp with these options
     workdir: str  # the call's working directory (/tmp, or a host directory in degraded mode)
     limits: tuple  # ((resource, value), ...) applied with soft = hard; CPU time comes per call
@@ -433,6 +457,7 @@ class CallSandbox:
         memory_mb,
         native,
         cgroup_fd=None,
+        cpu_cgroup_fd=None,
     ):
         mechanisms = sandbox.mechanisms
         flags = linux.CLONE_NEWNET if fresh_netns else 0
@@ -462,6 +487,7 @@ class CallSandbox:
                 sandbox.own_pidns_fd is not None,
                 _or(netns_fd, -1),
                 _or(cgroup_fd, -1),
+                _or(cpu_cgroup_fd, -1),
                 _or(uid, -1),
                 _or(sandbox.seccomp_address, 0),
                 WORKER_PIDFD,
@@ -473,7 +499,18 @@ class CallSandbox:
                 os.fsencode(workdir),
             )
         seccomp = sandbox.seccomp_address
-        return cls(uid, flags, netns_fd, cgroup_fd, tmpfs_options, workdir, limits, seccomp, native_plan)
+        return cls(
+            uid,
+            flags,
+            netns_fd,
+            cgroup_fd,
+            cpu_cgroup_fd,
+            tmpfs_options,
+            workdir,
+            limits,
+            seccomp,
+            native_plan,
+        )
 
     def fork(self, sandbox: WorkerSandbox, targets: tuple, cpu_seconds: int) -> int:
         """Fork the call from this process and set it up in Python: its pid here; 0 in the isolated child.
@@ -512,6 +549,8 @@ class CallSandbox:
         """Namespace and mount steps; run before the inherited file descriptors are closed."""
         if self.cgroup_fd is not None:  # first: everything the call makes resident is charged to it
             os.write(self.cgroup_fd, b"0")
+        if self.cpu_cgroup_fd is not None:  # before it starts any process: they all share its CPU weight
+            os.write(self.cpu_cgroup_fd, b"0")
         os.setsid()
         if self.unshare_flags:
             linux.unshare(self.unshare_flags)
@@ -653,7 +692,7 @@ class SessionControl:
                     join.append(os.open(f"{path}/cgroup.procs", os.O_WRONLY))
                     if controller == "freezer":
                         freeze = os.open(f"{path}/freezer.state", os.O_WRONLY)
-                    else:
+                    elif controller == "cpuacct":
                         usage = os.open(f"{path}/cpuacct.usage", os.O_RDONLY)
                 control = cls(tuple(join), freeze, usage, v2)
                 control.freeze(False)  # a restarted worker's frozen leftovers die of their SIGKILL now

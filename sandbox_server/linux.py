@@ -151,6 +151,9 @@ _DENIED_SYSCALLS = {
     "mq_timedreceive": (243, 183),
     "mq_notify": (244, 184),
     "mq_getsetattr": (245, 185),
+    # a new session is a new scheduling group (autogroup): a call's processes share one unless it can make
+    # more, and a process of its own session cannot escape a process-group kill where there is no PID ns
+    "setsid": (112, 157),
 }
 _CLONE = {"x86_64": 56, "aarch64": 220}
 _CLONE3 = 435

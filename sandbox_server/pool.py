@@ -37,6 +37,11 @@ WORKER_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _same_token(expected: str, supplied: str) -> bool:
+    """Constant-time comparison; a supplied token may hold any characters, lone surrogates included."""
+    return hmac.compare_digest(expected.encode(), supplied.encode("utf-8", "surrogatepass"))
+
+
 def _fresh_note(sid: str, reason: str) -> str:
     return f"sandbox: note: session {sid!r} was {reason}; this call started a fresh session\n"
 
@@ -370,7 +375,7 @@ class Pool:
     def _owned(self, sid: str, token: str | None) -> Session | None:
         """The session ``sid`` if ``token`` is its token (compared in constant time), else None."""
         session = self.sessions.get(sid)
-        if session is None or token is None or not hmac.compare_digest(session.token, token):
+        if session is None or token is None or not _same_token(session.token, token):
             return None
         return session
 
@@ -379,7 +384,7 @@ class Pool:
         session = self._owned(sid, token)
         if session is None:
             tomb = self.tombstones.get(sid)
-            if tomb is not None and token is not None and hmac.compare_digest(tomb[0], token):
+            if tomb is not None and token is not None and _same_token(tomb[0], token):
                 return _internal(
                     f"session {sid!r} was {tomb[1]}; its state is lost (open a new session)",
                     "killed",

@@ -98,7 +98,7 @@ def validate_run_request(
         timeout = default_timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise SchemaError(f"'timeout' must be a number of seconds, got {type(timeout).__name__}")
-    if not math.isfinite(timeout) or timeout <= 0 or timeout > max_timeout:
+    if not _finite(timeout) or timeout <= 0 or timeout > max_timeout:
         raise SchemaError(f"'timeout' must be in (0, {max_timeout}] seconds, got {timeout}")
     session, token = obj.get("session"), obj.get("session_token")
     for name, value in (("session", session), ("session_token", token)):
@@ -116,6 +116,14 @@ def validate_run_request(
         "session": session,
         "session_token": token,
     }
+
+
+def _finite(number: int | float) -> bool:
+    """Whether ``number`` is finite; a JSON integer too large for a float is not (no OverflowError)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def validate_batch_request(obj: Any, *, max_batch: int) -> list:

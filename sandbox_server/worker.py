@@ -243,7 +243,9 @@ class Worker:
             os.chown(workdir, uid, uid)
         return workdir
 
-    def _plan(self, *, uid, netns_fd, fresh_netns, workdir, memory_mb, cgroup_fd=None) -> CallSandbox:
+    def _plan(
+        self, *, uid, netns_fd, fresh_netns, workdir, memory_mb, cgroup_fd=None, cpu_cgroup_fd=None
+    ) -> CallSandbox:
         return CallSandbox.plan(
             self.sandbox,
             self.config,
@@ -254,6 +256,7 @@ class Worker:
             memory_mb=memory_mb,
             native=self.native_unavailable is None,
             cgroup_fd=cgroup_fd,
+            cpu_cgroup_fd=cpu_cgroup_fd,
         )
 
     def _slot_plan(self, slot: int, workdir: str | None) -> CallSandbox:
@@ -270,6 +273,7 @@ class Worker:
             workdir=workdir,
             memory_mb=self.config["memory_mb"],
             cgroup_fd=cgroups[slot][0] if cgroups else None,
+            cpu_cgroup_fd=self.sandbox.slot_cpu_fds[slot] if self.sandbox.slot_cpu_fds else None,
         )
         if workdir is None:
             self.slot_plans[slot] = plan
@@ -779,6 +783,7 @@ def main(argv=None) -> None:
         sessions=config["max_sessions"] if spec["session_uid_base"] is not None else 0,
         session_memory_bytes=(config["session_memory_mb"] + config["tmp_mb"]) << 20,
         session_cgroup_dirs=spec.get("session_cgroups") or {},
+        call_cpu_cgroups=bool(config["call_cpu_cgroups"]),
     )
     stdio = runner.make_stdio()
     runner.rehearse()

@@ -202,6 +202,7 @@ def test_a_stopped_worker_fails_only_its_own_calls():
         (msgpack.packb({1: "a", "code": "print(1)"}), "application/msgpack", None),
         (b"\x81\x81\x01\x02\x03", "application/msgpack", "malformed msgpack"),  # a map used as a key
         (json.dumps({"requests": "x"}).encode(), "application/json", "must be a list"),
+        (b'{"code": "1", "timeout": 1' + b"0" * 400 + b"}", "application/json", "'timeout' must be in"),
     ],
 )
 def test_bad_bodies_get_400_with_a_message(server, body, content_type, message):
@@ -209,6 +210,16 @@ def test_bad_bodies_get_400_with_a_message(server, body, content_type, message):
     status, answer, _ = post(server.url, body, path=path, content_type=content_type)
     assert status == 400, answer
     assert message is None or message in answer["error"], answer
+
+
+def test_an_unrepresentable_number_fails_only_its_own_item(server):
+    huge = b"1" + b"0" * 400  # a JSON integer beyond any float
+    body = b'{"requests": [{"code": "print(1)"}, {"code": "1", "timeout": %s}, {"code": "print(2)"}]}' % huge
+    status, answer, _ = post(server.url, body, path="/run/batch")
+    assert status == 200, answer
+    first, bad, last = answer["results"]
+    assert first["stdout"] == "1\n" and last["stdout"] == "2\n", answer
+    assert bad["status"] == "invalid_request" and "'timeout' must be in" in bad["stderr"], bad
 
 
 def test_metrics_stay_valid_json_whatever_a_call_reports(server):

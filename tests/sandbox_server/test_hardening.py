@@ -6,7 +6,9 @@ its processes and its background processes stopped between calls.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
 import select
 import socket
 import textwrap
@@ -47,6 +49,7 @@ def hardened():
         max_sessions=6,
         session_ttl=SESSION_TTL,
         session_cpu_seconds=3,
+        call_cpu_cgroups=1,
     ) as running:
         yield running
 
@@ -195,6 +198,7 @@ def test_a_session_answers_only_its_token_and_strangers_learn_nothing(hardened):
         {"session": sid, "session_token": stranger["session_token"]},  # another session's token
         {"session": sid, "session_token": owner["session_token"][:-1] + "x"},  # nearly right
         {"session": sid + "x", "session_token": owner["session_token"]},  # a guessed id
+        {"session": sid, "session_token": "é\ud800" + owner["session_token"][2:]},  # not even ASCII
     ]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         innocent = pool.submit(_innocent_batch, url, 0)
@@ -202,7 +206,8 @@ def test_a_session_answers_only_its_token_and_strangers_learn_nothing(hardened):
             _assert_not_found(*_run_one(url, "print(secret)", **fields))
             batch = run_batch(url, [{"code": "print(secret)", **fields}])[0]
             assert batch["error_type"] == "SessionNotFound" and "owner data" not in str(batch), batch
-            wrong = {"session": fields["session"], "session_token": fields.get("session_token") or "x"}
+            token = (fields.get("session_token") or "x").encode("utf-8", "surrogatepass").decode("latin-1")
+            wrong = {"session": fields["session"], "session_token": token}  # a header carries raw bytes
             assert delete_session(url, wrong)[0] == 404
         _assert_innocent(innocent.result())
     mine = _run_one(url, "print(secret)", **owner)[1]
@@ -235,8 +240,7 @@ def test_an_idle_session_expires_and_its_processes_are_gone(hardened):
 STAMPER = """
 import os, time
 if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:  # a detached grandchild, writing a time stamp every 20 ms
+    if os.fork() == 0:  # an orphaned grandchild, writing a time stamp every 20 ms
         with open("/tmp/stamps", "a") as f:
             while True:
                 f.write(f"{time.monotonic()}\\n")
@@ -255,7 +259,6 @@ BURNERS = """
 import os
 for _ in range(2):
     if os.fork() == 0:
-        os.setsid()
         while True:
             pass
 print("burning")
@@ -407,7 +410,6 @@ STORM = {
         _py("""
             import os, time
             if os.fork() == 0:
-                os.setsid()
                 if os.fork() == 0:
                     for fd in range(64):
                         try:
@@ -418,6 +420,20 @@ STORM = {
                 os._exit(0)
             os.wait()
             print("daemon started")
+        """),
+        "ok",
+    ),
+    "new_session": (  # denied: it would be a scheduling group of its own, outside its call's CPU share
+        _py("""
+            import os
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.setsid()
+                    os._exit(0)
+                except PermissionError:
+                    os._exit(1)
+            print("setsid denied" if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1 else "allowed")
         """),
         "ok",
     ),
@@ -458,6 +474,7 @@ STORM_STDOUT = {
     "trace_and_peek": "reached []\n",
     "daemonize": "daemon started\n",
     "snoop_other_calls": "found []\n",
+    "new_session": "setsid denied\n",
     "rlimit_games": "raised []\n",
 }
 VICTIM = (
@@ -493,3 +510,52 @@ def test_a_storm_of_hostile_programs_changes_no_innocent_result(server):
     assert victim["status"] == "ok" and victim["stdout"] == "mine ['victim_secret']\n", victim
     assert [w["pid"] for w in get(url, "/health")["workers"]] == workers_before, "a worker died"
     assert_clean(url)
+
+
+# ------------------------------------------------------------------------------------- CPU between calls
+HOG = """
+import os, time
+for _ in range(12):
+    if os.fork() == 0:
+        while True:
+            pass
+time.sleep(100)
+"""
+
+
+def _cpu_cgroup(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "cpu" in controllers.split(","):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def test_each_call_is_one_cpu_cgroup_whatever_it_starts(hardened):
+    """With --call-cpu-cgroups 1 every process of a call is in its slot's cpu cgroup (equal weights), so
+    two hogs of 13 busy processes each weigh two calls, not 26 processes, against the innocent calls."""
+    url = hardened.url
+    _require(url, "call_cpu_cgroup")
+    health = get(url, "/health")
+    lo, hi = health["uid_ranges"]["calls"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hogs = pool.submit(run_batch, url, [{"code": HOG, "timeout": 3.0}] * 2)
+        by_uid: dict = {}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pids = processes_in_uid_range(lo, hi)
+            if len(pids) >= 26:  # both hogs and all their processes
+                for pid in pids:
+                    with contextlib.suppress(OSError):
+                        by_uid.setdefault(os.stat(f"/proc/{pid}").st_uid, set()).add(_cpu_cgroup(pid))
+                break
+            time.sleep(0.05)
+        _assert_innocent(_innocent_batch(url, 0))
+        assert [r["status"] for r in hogs.result()] == ["timeout", "timeout"]
+    groups = [next(iter(paths)) for paths in by_uid.values() if len(paths) == 1]
+    assert len(by_uid) == 2 and len(groups) == 2 and len(set(groups)) == 2, by_uid
+    assert all(f"sandbox_server-{health['server_pid']}/" in group for group in groups), groups

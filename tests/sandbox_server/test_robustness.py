@@ -52,6 +52,9 @@ def test_token_required_except_health(small_server):
     assert status == 401 and "bearer token" in body["error"]
     status, body, _ = post(small_server.url, {"code": "print(1)"}, headers={"Authorization": "Bearer wrong"})
     assert status == 401
+    not_utf8 = "Bearer \xff\xfe".encode("latin-1").decode("latin-1")  # raw bytes that are not UTF-8
+    status, body, _ = post(small_server.url, {"code": "print(1)"}, headers={"Authorization": not_utf8})
+    assert status == 401, body
     assert get(small_server.url, "/health")["status"] == "ok"
     status, body, _ = _run(small_server, "print(1)")
     assert status == 200 and body["stdout"] == "1\n"

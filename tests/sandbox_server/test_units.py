@@ -80,6 +80,7 @@ def test_validate_request_normalises():
         ({"code": "x", "session": "s" * 200}, "longer than"),
         ({"code": "x", "session": "s", "session_token": 5}, "'session_token' must be a non-empty string"),
         ({"code": "x", "session_token": "t"}, "without a 'session'"),
+        ({"code": "x", "timeout": 10**400}, "'timeout' must be in"),  # a JSON integer past float range
         ({"code": "x", "extra": 1}, "unknown request field"),
     ],
 )
