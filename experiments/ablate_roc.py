@@ -22,6 +22,7 @@ import contextlib
 import json
 import pathlib
 import time
+from collections.abc import Sequence
 
 from absl import flags
 
@@ -47,16 +48,19 @@ CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
 LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO"}
 
 
-def main(argv):
-    del argv
-    config = _CONFIG.value
-    if _DEMO_WORKDIR.value:
-        config.workdir = _DEMO_WORKDIR.value
-    if _PRINT_CONFIG.value:
-        from experiments.configs.demo import FIELD_HELP
-
-        _launch.print_config(config, FIELD_HELP)
-        return
+def run_ablation(
+    config,
+    out: str | pathlib.Path,
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    modes: Sequence[str] = ("paper", "uniform"),
+    evaluate: bool = True,
+    compile_cache: str = "",
+) -> dict:
+    """Trains the demo's RL recipe (``config``: the demo config) from its SFT policy once per (seed, mode),
+    writes ``ablation.png`` and ``ablation.json`` under ``out`` and returns that summary (also used by
+    ``notebooks/roc_ablation.ipynb``). The SFT policy is made first when ``config.workdir`` has none; finished
+    runs are skipped, interrupted ones resume."""
     from experiments import demo_recipe as recipe
     from rstar2jax import train
     from rstar2jax.eval import report
@@ -65,25 +69,25 @@ def main(argv):
 
     paths = recipe.DemoPaths(config.workdir)
     train.validate(recipe.sft_run_config(config, paths), "sft", check_paths=False)
-    for mode in _MODES.value:  # every run's config is checked before the first starts
+    for mode in modes:  # every run's config is checked before the first starts
         train.validate(recipe.rl_run_config(config, paths, roc_mode=mode), "rl", check_paths=False)
-    out = pathlib.Path(_WORKDIR.value)
+    out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [f"{mode}-seed{seed}" for seed in map(int, _SEEDS.value) for mode in _MODES.value]
+    names = [f"{mode}-seed{seed}" for seed in seeds for mode in modes]
     _launch.announce(
         "RoC ablation", out, runs={"sft": paths.sft_run, **{n: out / n for n in names}}, config=config.rl
     )
-    recipe.configure_compile_cache(_COMPILE_CACHE.value)
+    recipe.configure_compile_cache(compile_cache)
     timer = recipe.PhaseTimer()
-    runs: dict[str, list[list[dict]]] = {LABELS.get(m, m): [] for m in _MODES.value}
-    evaluations: dict[str, list[dict]] = {LABELS.get(m, m): [] for m in _MODES.value}
-    metrics_files: dict[str, list[str]] = {LABELS.get(m, m): [] for m in _MODES.value}
+    runs: dict[str, list[list[dict]]] = {LABELS.get(m, m): [] for m in modes}
+    evaluations: dict[str, list[dict]] = {LABELS.get(m, m): [] for m in modes}
+    metrics_files: dict[str, list[str]] = {LABELS.get(m, m): [] for m in modes}
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(start_local(workers=config.sandbox_workers))
         recipe.prepare_policy(config, paths, server.url, timer)
         prompt = policy_lib.prompt_from_config(config)
-        for seed in map(int, _SEEDS.value):
-            for mode in _MODES.value:
+        for seed in seeds:
+            for mode in modes:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
                 rl_config = recipe.rl_run_config(
                     config, paths, workdir=out / name, seed=seed, roc_mode=mode
@@ -98,7 +102,7 @@ def main(argv):
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))
-                if _EVAL.value:
+                if evaluate:
                     evaluation = recipe.evaluate_saved(
                         config, out / name / "eval.json", policy, paths.eval_problems, rollout_fn, timer
                     )
@@ -110,7 +114,7 @@ def main(argv):
         "curves": {key: report.aggregate_runs(runs, key) for key in CURVES},
         "final_eval": evaluations,
         "metrics_files": metrics_files,
-        "seeds": [int(s) for s in _SEEDS.value],
+        "seeds": [int(s) for s in seeds],
         "seconds": timer.total(),
     }
     (out / "ablation.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
@@ -125,6 +129,27 @@ def main(argv):
         print(f"{label}: last step (mean over seeds) {line}")
     print(
         f"plot: {plot}\nsummary: {out / 'ablation.json'}\n{time.strftime('%H:%M:%S')}, {timer.total():.0f}s"
+    )
+    return summary
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    if _DEMO_WORKDIR.value:
+        config.workdir = _DEMO_WORKDIR.value
+    if _PRINT_CONFIG.value:
+        from experiments.configs.demo import FIELD_HELP
+
+        _launch.print_config(config, FIELD_HELP)
+        return
+    run_ablation(
+        config,
+        _WORKDIR.value,
+        seeds=[int(s) for s in _SEEDS.value],
+        modes=_MODES.value,
+        evaluate=_EVAL.value,
+        compile_cache=_COMPILE_CACHE.value,
     )
 
 

@@ -1,4 +1,8 @@
-"""Executes every ``notebooks/*.ipynb`` top to bottom in a fresh kernel; a cell that raises fails its test.
+"""Executes every ``notebooks/*.ipynb`` top to bottom in a fresh kernel; a cell that raises fails its test,
+and so does a notebook that draws fewer figures (``image/png`` outputs) than :data:`MIN_FIGURES` expects.
+Notebooks are committed without outputs. The notebooks in :data:`SLOW` (more than about a minute on a
+2-core CPU) run with ``-m slow``, which ``.ci/run`` includes:
+``python -m pytest -q -m slow tests/test_notebooks.py``.
 
 The kernel is ipykernel's built-in ``python3`` spec, which runs ``sys.executable``: the interpreter running
 pytest, so the notebooks see the same installed rstar2jax whatever kernelspecs the machine has.
@@ -17,6 +21,17 @@ from traitlets import default
 NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
+SLOW_CELL_TIMEOUT_S = 900  # the tiny ablation's training cell
+
+#: Notebook -> the fewest figures (image/png outputs) a run must draw. Every notebook needs an entry.
+MIN_FIGURES = {
+    "quickstart.ipynb": 0,
+    "roc_ablation.ipynb": 1,  # accuracy, tool-error ratio in correct trajectories, response length per step
+    "rollout_to_update.ipynb": 1,  # the change of the trained tokens' log-probs after one rl_step
+    "token_entropy.ipynb": 2,  # the entropy distribution; entropy before and after RL
+}
+#: Notebooks that take more than about a minute on a 2-core CPU: marked slow.
+SLOW = {"roc_ablation.ipynb", "rollout_to_update.ipynb", "token_entropy.ipynb"}
 
 # Appended to each notebook: prints the kernel's interpreter, which must be the one running the tests.
 _INTERPRETER_PROBE = "import sys; print(sys.executable)"
@@ -37,7 +52,40 @@ def test_notebooks_folder_is_not_empty():
     assert NOTEBOOKS, f"no notebooks found in {NOTEBOOKS_DIR}"
 
 
+def count_figures(notebook) -> int:
+    """The ``image/png`` outputs of an executed notebook's code cells."""
+    return sum(
+        "image/png" in output.get("data", {})
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+    )
+
+
+def test_every_notebook_has_a_figure_count():
+    missing = sorted(p.name for p in NOTEBOOKS if p.name not in MIN_FIGURES)
+    assert not missing, f"add {missing} to MIN_FIGURES (the fewest image/png outputs each must produce)"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+def test_committed_notebook_has_no_outputs(path: pathlib.Path):
+    notebook = nbformat.read(path, as_version=4)
+    dirty = [
+        index
+        for index, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
+    assert not dirty, (
+        f"{path.name}: code cells {dirty} have outputs or execution counts; clear them before committing "
+        "(Jupyter: Clear All Outputs, or jupyter nbconvert --clear-output --inplace)"
+    )
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p for p in NOTEBOOKS],
+    ids=lambda path: path.name,
+)
 def test_notebook_runs(path: pathlib.Path):
     notebook = nbformat.read(path, as_version=4)
     notebook.cells.append(nbformat.v4.new_code_cell(_INTERPRETER_PROBE))
@@ -45,7 +93,7 @@ def test_notebook_runs(path: pathlib.Path):
         notebook,
         kernel_name="python3",
         kernel_manager_class=_TestKernelManager,
-        timeout=CELL_TIMEOUT_S,
+        timeout=SLOW_CELL_TIMEOUT_S if path.name in SLOW else CELL_TIMEOUT_S,
         resources={"metadata": {"path": str(path.parent)}},  # the kernel's working directory
     )
     # A failing cell raises CellExecutionError, whose message holds the cell's source and traceback.
@@ -55,3 +103,19 @@ def test_notebook_runs(path: pathlib.Path):
     assert probe_output.strip() == sys.executable, (
         f"the kernel ran {probe_output.strip()!r}, not the test interpreter {sys.executable!r}"
     )
+    figures = count_figures(notebook)
+    expected = MIN_FIGURES.get(path.name, 0)
+    assert figures >= expected, (
+        f"{path.name} drew {figures} figure(s) (image/png outputs), expected at least {expected}"
+    )
+
+
+def test_count_figures_counts_png_outputs_of_code_cells_only():
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("plot()"), nbformat.v4.new_code_cell("print(1)")]
+    )
+    assert count_figures(notebook) == 0
+    png = nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})
+    notebook.cells[0].outputs = [png, nbformat.v4.new_output("stream", text="1\n")]
+    notebook.cells[1].outputs = [nbformat.v4.new_output("display_data", data={"text/html": "<b>x</b>"})]
+    assert count_figures(notebook) == 1

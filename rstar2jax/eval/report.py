@@ -285,3 +285,39 @@ def plot_ablation(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(os.fspath(path), dpi=120)
     return path
+
+
+def selection_rows(
+    selection, group: int, columns: Mapping[str, Sequence[Any]]
+) -> list[dict[str, Any]]:
+    """One row per rollout of ``group`` in an ``algo.roc_select`` result: its index, the ``columns``
+    (name -> that group's per-rollout values, e.g. reward, p_err, p_format, p_total) and ``kept``
+    (True when RoC kept it). The notebooks' table of kept and dropped trajectories."""
+    indices = np.asarray(selection.indices[group])
+    kept = set(indices[np.asarray(selection.mask[group])].tolist())
+    sizes = {name: len(values) for name, values in columns.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"selection_rows: columns differ in length: {sizes}")
+    size = next(iter(sizes.values()), 0)
+    return [
+        {"rollout": i, **{name: values[i] for name, values in columns.items()}, "kept": i in kept}
+        for i in range(size)
+    ]
+
+
+def html_table(rows: Sequence[Mapping[str, Any]], *, dim: str = "kept") -> str:
+    """``rows`` (dicts with the same keys) as an HTML table; rows whose ``dim`` column is False are greyed
+    (dropped rollouts). Floats print with 3 decimals."""
+    if not rows:
+        return "<p>(no rows)</p>"
+    keys = list(rows[0])
+    cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    head = "".join(f"<th>{k}</th>" for k in keys)
+    body = "".join(
+        "<tr style='color:#999'>" * (dim in row and not row[dim])
+        + "<tr>" * (dim not in row or bool(row[dim]))
+        + "".join(f"<td>{cell(row[k])}</td>" for k in keys)
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

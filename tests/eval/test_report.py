@@ -3,15 +3,19 @@
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from rstar2jax import algo
 from rstar2jax.eval.report import (
     DEFAULT_PLOTS,
     aggregate_runs,
+    html_table,
     plot_ablation,
     read_metrics,
+    selection_rows,
     series,
     write_report,
 )
@@ -122,3 +126,22 @@ def test_ablation_mean_and_spread(tmp_path):
         _assert_real_png(path)
     with pytest.raises(ValueError, match="spread"):
         plot_ablation(runs, tmp_path / "x.png", spread="iqr")
+
+
+def test_selection_rows_mark_what_roc_kept_and_the_table_greys_the_rest():
+    rewards = np.array([[1, 1, 0, 0, 1, 0]], np.float32)
+    p_total = np.array([[0.0, 0.9, 0.5, 0.5, 0.0, 1.0]], np.float32)
+    selection = algo.roc_select(
+        jax.random.key(0), rewards, p_total, np.ones_like(rewards, bool), keep=4, mode="paper"
+    )
+    rows = selection_rows(selection, 0, {"reward": rewards[0].tolist(), "p_total": p_total[0].tolist()})
+    kept = np.asarray(selection.indices[0])[np.asarray(selection.mask[0])]
+    assert [r["rollout"] for r in rows] == list(range(6))
+    assert sorted(r["rollout"] for r in rows if r["kept"]) == sorted(kept.tolist())
+    assert sum(r["kept"] for r in rows) == int(selection.num_kept[0]) == len(kept) > 0
+    assert rows[1]["p_total"] == pytest.approx(0.9)
+    table = html_table(rows)
+    assert table.count("<tr style='color:#999'>") == 6 - len(kept) and table.count("<td>") == 6 * 4
+    assert "<th>p_total</th>" in table and "0.900" in table
+    with pytest.raises(ValueError, match="differ in length"):
+        selection_rows(selection, 0, {"reward": [1.0], "p_total": [0.0, 1.0]})
