@@ -70,8 +70,8 @@ struct __attribute__((packed)) wire_plan {
     int32_t unshare_flags;
     int32_t new_pid_namespace; /* clone the call as init of a fresh PID namespace */
     int32_t netns_fd;          /* -1: none; a descriptor the fork server inherited from the worker */
-    int32_t cgroup_fd;         /* -1: none; cgroup.procs of the call's memory cgroup (inherited) */
-    int32_t cpu_cgroup_fd;     /* -1: none; cgroup.procs of the call's cpu cgroup (inherited) */
+    int32_t cgroup_fd;         /* -1: none; tasks (v1) or cgroup.procs of the call's memory cgroup (inherited) */
+    int32_t cpu_cgroup_fd;     /* -1: none; tasks (v1) of the call's cpu cgroup (inherited) */
     int32_t uid;               /* -1: keep the uid */
     uint64_t seccomp_address;  /* 0: none; a sock_fprog in the (inherited) memory of the worker */
     int32_t worker_pidfd;      /* the target number the worker's pidfd arrives at */

@@ -178,12 +178,17 @@ class _SockFprog(ctypes.Structure):
 
 
 def seccomp_filter() -> ctypes.Array | None:
-    """The BPF program (built once, installed per call by ``install_seccomp``); None on unknown machines."""
+    """The BPF program (built once, installed per call by ``install_seccomp``); None on unknown machines.
+
+    After the architecture and x32 checks the syscall number is located by a binary search over the sorted
+    ranges of ``_DENIED_SYSCALLS`` (plus clone and clone3), not by one comparison per denied call: the
+    kernel walks the program once per syscall number when it is installed (to cache the numbers it always
+    allows), so with a linear list that walk cost every call ~0.05 ms more CPU. The decisions are those
+    of ``seccomp_action``."""
     if _AUDIT_ARCH is None:
         return None
     ld_w_abs, jeq_k, jge_k, and_k, ret_k = 0x20, 0x15, 0x35, 0x54, 0x06
     column = 0 if platform.machine() == "x86_64" else 1
-    denied = sorted({numbers[column] for numbers in _DENIED_SYSCALLS.values()})
     clone = _CLONE[platform.machine()]
 
     def op(code, k, jt=0, jf=0):
@@ -197,20 +202,62 @@ def seccomp_filter() -> ctypes.Array | None:
     ]
     if column == 0:
         program += [op(jge_k, _X32_SYSCALL_BIT, jf=1), op(ret_k, _RET_EPERM)]
-    for number in denied:
-        program += [op(jeq_k, number, jf=1), op(ret_k, _RET_EPERM)]
-    program += [
-        op(jeq_k, _CLONE3, jf=1),
-        op(ret_k, _RET_ENOSYS),
-        op(jeq_k, clone, jf=5),
-        op(ld_w_abs, 16),  # low 32 bits of seccomp_data.args[0]: the clone flags
-        op(and_k, _CLONE_NAMESPACE_FLAGS),
-        op(jeq_k, 0, jf=1),
-        op(ret_k, _RET_ALLOW),
-        op(ret_k, _RET_EPERM),
-        op(ret_k, _RET_ALLOW),
-    ]
+    actions = {
+        "allow": [op(ret_k, _RET_ALLOW)],
+        "eperm": [op(ret_k, _RET_EPERM)],
+        "enosys": [op(ret_k, _RET_ENOSYS)],
+        "clone": [
+            op(ld_w_abs, 16),  # low 32 bits of seccomp_data.args[0]: the clone flags
+            op(and_k, _CLONE_NAMESPACE_FLAGS),
+            op(jeq_k, 0, jf=1),
+            op(ret_k, _RET_ALLOW),
+            op(ret_k, _RET_EPERM),
+        ],
+    }
+
+    def search(segments):  # [(first number, action)], sorted: jge on the middle start, left half inline
+        if len(segments) == 1:
+            return actions[segments[0][1]]
+        middle = len(segments) // 2
+        left, right = search(segments[:middle]), search(segments[middle:])
+        if len(left) > 255:
+            raise ValueError("seccomp filter: a jump longer than cBPF allows")
+        return [op(jge_k, segments[middle][0], jt=len(left)), *left, *right]
+
+    program += search(_segments(column, clone))
     return (_SockFilter * len(program))(*program)
+
+
+def _segments(column: int, clone: int) -> list:
+    """The syscall numbers as ``[(first number, action)]``, sorted: each action holds up to the next
+    segment's first number; neighbouring numbers with the same action share one segment."""
+    special = {numbers[column]: "eperm" for numbers in _DENIED_SYSCALLS.values()}
+    special.update({_CLONE3: "enosys", clone: "clone"})
+    segments = [(0, "allow")]
+    for number in sorted(special):
+        for start, action in ((number, special[number]), (number + 1, special.get(number + 1, "allow"))):
+            if segments[-1][0] == start:
+                segments[-1] = (start, action)
+            elif segments[-1][1] != action:
+                segments.append((start, action))
+    return segments
+
+
+def seccomp_action(number: int, clone_flags: int = 0, arch: int | None = None) -> str:
+    """What ``seccomp_filter`` decides for a syscall (the reference its tests check the program against):
+    ``"allow"``, ``"eperm"`` or ``"enosys"``."""
+    column = 0 if platform.machine() == "x86_64" else 1
+    if arch is not None and arch != _AUDIT_ARCH:
+        return "eperm"
+    if column == 0 and number >= _X32_SYSCALL_BIT:
+        return "eperm"
+    if number in {numbers[column] for numbers in _DENIED_SYSCALLS.values()}:
+        return "eperm"
+    if number == _CLONE3:
+        return "enosys"
+    if number == _CLONE[platform.machine()] and clone_flags & 0xFFFFFFFF & _CLONE_NAMESPACE_FLAGS:
+        return "eperm"
+    return "allow"
 
 
 def seccomp_fprog(program: ctypes.Array) -> _SockFprog:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import platform
 import subprocess
 import sys
 
 import pytest
 
-from sandbox_server import schema
+from sandbox_server import linux, schema
 from sandbox_server.config import ServerConfig, build_arg_parser, choose_tier
 from sandbox_server.framing import encode_frame, split_frames
 from sandbox_server.metrics import Metrics
@@ -286,3 +287,44 @@ def test_rehearsal_leaves_the_process_as_it_was():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert (run.stdout, run.stderr) == ("before\nafter\nTrue False\n", "")
+
+
+def _run_cbpf(program, nr: int, arch: int, arg0: int) -> int:
+    """A classic-BPF interpreter for the instructions ``linux.seccomp_filter`` uses (ld abs, jeq/jge/and
+    with a constant, ret), over a ``seccomp_data`` of (nr, arch, args[0])."""
+    words = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF, 20: arg0 >> 32}
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc].code, program[pc].jt, program[pc].jf, program[pc].k
+        pc += 1
+        if code == 0x20:
+            acc = words[k]
+        elif code == 0x54:
+            acc &= k
+        elif code in (0x15, 0x35):
+            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected BPF instruction {code:#x}")
+
+
+@pytest.mark.skipif(linux.seccomp_filter() is None, reason="no syscall table for this machine")
+def test_seccomp_filter_decides_every_syscall_as_specified():
+    program = linux.seccomp_filter()
+    arch = linux._AUDIT_ARCH
+    codes = {"allow": linux._RET_ALLOW, "eperm": linux._RET_EPERM, "enosys": linux._RET_ENOSYS}
+    clone = linux._CLONE[platform.machine()]
+    numbers = [*range(1024), linux._X32_SYSCALL_BIT, linux._X32_SYSCALL_BIT + 1, 0xFFFFFFFF]
+    for nr in numbers:
+        for flags in (0, 0x11, linux.CLONE_NEWNET, linux.CLONE_NEWNS | 0x11, 1 << 28, 1 << 40):
+            expected = codes[linux.seccomp_action(nr, flags)]
+            assert _run_cbpf(program, nr, arch, flags) == expected, (nr, hex(flags))
+        assert _run_cbpf(program, nr, arch ^ 1, 0) == linux._RET_EPERM
+    # the reference itself: every listed call denied, namespaces denied to clone, clone3 unavailable
+    column = 0 if platform.machine() == "x86_64" else 1
+    assert all(linux.seccomp_action(n[column]) == "eperm" for n in linux._DENIED_SYSCALLS.values())
+    assert linux.seccomp_action(clone, 0x10000000) == "eperm"  # CLONE_NEWUSER
+    assert linux.seccomp_action(clone, 0x11) == "allow"
+    assert linux.seccomp_action(linux._CLONE3) == "enosys"
+    assert linux.seccomp_action(0) == "allow"  # read
