@@ -16,6 +16,8 @@ from traitlets import default
 
 NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+# Notebooks that train or roll out for minutes: run with `pytest -m slow tests/test_notebooks.py`.
+SLOW_NOTEBOOKS = {"token_entropy.ipynb"}
 CELL_TIMEOUT_S = 300
 
 # Appended to each notebook: prints the kernel's interpreter, which must be the one running the tests.
@@ -37,7 +39,11 @@ def test_notebooks_folder_is_not_empty():
     assert NOTEBOOKS, f"no notebooks found in {NOTEBOOKS_DIR}"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_NOTEBOOKS else p for p in NOTEBOOKS],
+    ids=lambda path: path.name,
+)
 def test_notebook_runs(path: pathlib.Path):
     notebook = nbformat.read(path, as_version=4)
     notebook.cells.append(nbformat.v4.new_code_cell(_INTERPRETER_PROBE))
