@@ -13,6 +13,10 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+# About a minute in all (it trains): left out of the default run to keep it under 15 minutes on 2 cores;
+# CI runs it in its slow stage (`.ci/run`: python -m pytest -m slow).
+pytestmark = pytest.mark.slow
+
 # A few problems and steps of everything; the recipe (model shape, prompt, stages) is the demo's own.
 SHORT = [
     "--config.task.num_train=40",

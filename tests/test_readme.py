@@ -72,7 +72,8 @@ COVERED_ELSEWHERE = {
         ["--config=experiments/configs/paper_qwen3_14b.py", "--dry_run"],
     ),
     "python -m experiments.demo": (".ci/main", ["python -m experiments.demo"]),  # the main job
-    # The demo's phases with the training launchers, SFT -> RL by --config.model.path (the demo's test).
+    # The demo's phases with the training launchers, SFT -> RL by --config.model.path (the demo's test, slow:
+    # CI's slow stage runs it).
     "python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2": (
         "tests/test_demo.py",
         ["experiments.train_rl", "--config.model.path="],
