@@ -72,6 +72,7 @@ COVERED_ELSEWHERE = {
         ["--config=experiments/configs/paper_qwen3_14b.py", "--dry_run"],
     ),
     "python -m experiments.demo": (".ci/main", ["python -m experiments.demo"]),  # the main job
+    "python -m pytest -m slow": (".ci/run", ["python -m pytest -q -m slow"]),  # CI's slow stage
     # The demo's phases with the training launchers, SFT -> RL by --config.model.path (the demo's test, slow:
     # CI's slow stage runs it).
     "python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2": (
