@@ -11,7 +11,6 @@ import json
 import os
 import select
 import socket
-import textwrap
 import time
 import urllib.parse
 
@@ -30,6 +29,7 @@ from tests.sandbox_server.conftest import (
     run_batch,
 )
 from tests.sandbox_server.test_attacks_innocents import _assert_innocent, _innocent
+from tests.sandbox_server.test_hostile import FORK_BOMB, _py
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
@@ -314,20 +314,9 @@ def test_a_sessions_cpu_budget_counts_all_its_processes(hardened):
 # Hostile programs beyond test_hostile's, all in ONE batch with innocent calls between them and a second
 # innocent batch at the same time: each must end with its expected status, every innocent call with its
 # exact result, no worker may be replaced and nothing may be left behind.
-def _py(source: str) -> str:
-    return textwrap.dedent(source).strip()
-
-
 STORM = {
     "fork_bomb": (
-        _py("""
-            import os
-            while True:
-                try:
-                    os.fork()
-                except OSError:
-                    pass
-        """),
+        FORK_BOMB,
         "timeout",
     ),
     "thread_bomb": (

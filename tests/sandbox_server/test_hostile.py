@@ -41,6 +41,17 @@ def _py(source: str) -> str:
     return textwrap.dedent(source).strip()
 
 
+#: Forks until the pid limit and keeps trying (here and in test_hardening's storm).
+FORK_BOMB = _py("""
+    import os
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            pass
+""")
+
+
 def _stdout_has(text: str):
     return lambda result: text in result["stdout"]
 
@@ -88,14 +99,7 @@ HOSTILE = {
         check=_stdout_has("raise refused"),
     ),
     "fork_bomb": Hostile(
-        _py("""
-            import os
-            while True:
-                try:
-                    os.fork()
-                except OSError:
-                    pass
-        """),
+        FORK_BOMB,
         "timeout",
         SHORT,
     ),
