@@ -249,10 +249,15 @@ if os.fork() == 0:
                 time.sleep(0.02)
     os._exit(0)
 os.wait()
-time.sleep(0.3)
+while not os.path.exists("/tmp/stamps") or len(open("/tmp/stamps").read().split()) < 3:
+    time.sleep(0.02)  # the grandchild is stamping before the call ends (it may start late on a busy machine)
 print("stamping")
 """
 LONGEST_GAP = """
+import time
+start = time.monotonic()
+while float(open("/tmp/stamps").read().split()[-1]) < start:
+    time.sleep(0.01)  # a stamp written after the thaw: else the idle gap is not in the file yet
 stamps = [float(x) for x in open("/tmp/stamps").read().split()]
 print(round(max(b - a for a, b in zip(stamps, stamps[1:])), 1))
 """
