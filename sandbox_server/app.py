@@ -165,7 +165,8 @@ class SandboxServer:
             self.metrics.rejected[400] += 1
             response = _encode(error.body, request, 400)
         try:  # sent here, under the timeout; aiohttp then finds it sent (prepare, write_eof are idempotent)
-            await asyncio.wait_for(_send(response, request), self.config.write_timeout)
+            async with asyncio.timeout(self.config.write_timeout):  # not wait_for: no task per request
+                await _send(response, request)
         except TimeoutError:
             self.metrics.rejected["write_timeout"] += 1
             if request.transport is not None:
@@ -177,7 +178,11 @@ class SandboxServer:
     async def _read_payload(self, request: web.Request):
         """The decoded body; a decoding error becomes 400 with the decoder's message."""
         try:
-            body = await asyncio.wait_for(request.read(), self.config.body_timeout)
+            if request.content.is_eof():  # all of it arrived with the head (the usual small call)
+                body = await request.read()
+            else:
+                async with asyncio.timeout(self.config.body_timeout):
+                    body = await request.read()
         except TimeoutError as error:
             raise _BadRequest(f"request body not received within {self.config.body_timeout:g} s") from error
         try:

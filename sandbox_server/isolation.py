@@ -192,6 +192,15 @@ class WorkerSandbox:
     session_controls: list = dataclasses.field(default_factory=list)  # SessionControl per session index
     slot_cpu_fds: list = dataclasses.field(default_factory=list)  # per slot: join_file of its cpu cgroup
 
+    def worker_only_fds(self) -> list:
+        """Descriptors only the worker reads (OOM-kill counters; a session's freezer, CPU counter and the
+        cgroups it is moved into by the worker): the fork server closes them, so no call inherits them
+        (each inherited descriptor costs every call a close)."""
+        fds = [self.cgroup_oom_fd, *(oom for _, oom in self.slot_cgroups + self.session_cgroups)]
+        for control in self.session_controls:
+            fds += [*control.join_fds, control.freeze_fd, control.usage_fd]
+        return [fd for fd in dict.fromkeys(fds) if fd is not None]
+
     @property
     def seccomp_address(self) -> int | None:
         return None if self.seccomp_fprog is None else ctypes.addressof(self.seccomp_fprog)

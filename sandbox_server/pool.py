@@ -31,6 +31,7 @@ from sandbox_server.metrics import Metrics
 
 WORKER_START_TIMEOUT_S = 120.0
 STUCK_GRACE_S = 10.0  # beyond a call's timeout, before its silent worker is declared stuck
+WATCHDOG_PERIOD_S = 1.0  # how often each worker's overdue calls are looked for
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 TOMBSTONES_KEPT = 4096
 WORKER_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
@@ -69,7 +70,7 @@ class WorkerProcess:
         self.uid_base = pool.first_uid + (index * len(pool.tiers) + tier_position) * pool.config.slots
         self.process: subprocess.Popen | None = None
         self.writer: asyncio.StreamWriter | None = None
-        self.pending: dict[int, asyncio.Future] = {}
+        self.pending: dict[int, tuple[asyncio.Future, float]] = {}  # call id -> (result, stuck after)
         self.ready = False
         self.pid: int | None = None
         self.mechanisms: dict = {}
@@ -118,24 +119,29 @@ class WorkerProcess:
         self.fork_server_pid, self.huge_page_mib = hello["fork_server_pid"], hello["huge_page_mib"]
         self.ready = True
         self.pool.spawn_background(self._read_results(reader))
+        self.pool.spawn_background(self._watch())
 
     def send(self, message: dict) -> asyncio.Future:
         """Hand a call to the worker; the future gets its result frame. A worker that has not answered
         ``STUCK_GRACE_S`` after the call's timeout (stopped, wedged) is killed: its running calls are
         answered ``killed``/``WorkerDied`` and it is restarted, while other workers' calls, finished ones of
         the same batch included, are unaffected."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.pending[message["id"]] = future
+        future = asyncio.get_running_loop().create_future()
+        self.pending[message["id"]] = (future, time.monotonic() + message["timeout"] + STUCK_GRACE_S)
         self.writer.write(encode_frame(message))
-        watchdog = loop.call_later(message["timeout"] + STUCK_GRACE_S, self._stuck, future)
-        future.add_done_callback(lambda _: watchdog.cancel())
         return future
 
-    def _stuck(self, future: asyncio.Future) -> None:
-        if not future.done() and self.process is not None and self.process.poll() is None:
-            print(f"sandbox_server: worker {self.name} did not answer in time; killing it", file=sys.stderr)
-            self.process.send_signal(signal.SIGKILL)  # _read_results answers its calls and restarts it
+    async def _watch(self) -> None:
+        """Kill the worker once a call of it is overdue (one periodic check, not a timer per call: the
+        deadline needs no more precision than a second on top of ``STUCK_GRACE_S``)."""
+        process = self.process
+        while self.process is process and process.poll() is None:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            now = time.monotonic()
+            if any(deadline < now for _, deadline in self.pending.values()) and process.poll() is None:
+                print(f"sandbox_server: worker {self.name} did not answer in time; killing it", file=sys.stderr)
+                process.send_signal(signal.SIGKILL)  # _read_results answers its calls and restarts it
+                return
 
     def notify(self, message: dict) -> None:
         if self.ready:
@@ -146,7 +152,7 @@ class WorkerProcess:
             while True:
                 message = await read_frame(reader)
                 message["returned"] = time.monotonic()
-                future = self.pending.pop(message["id"], None)
+                future, _ = self.pending.pop(message["id"], (None, None))
                 if future is not None and not future.done():
                     future.set_result(message)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
@@ -154,7 +160,7 @@ class WorkerProcess:
         finally:
             self.ready = False
             pending, self.pending = self.pending, {}
-            for future in pending.values():
+            for future, _ in pending.values():
                 if not future.done():
                     future.set_result(_internal("its worker died; it was replaced", "killed", "WorkerDied"))
             await self._reap()

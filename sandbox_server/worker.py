@@ -173,7 +173,11 @@ class Worker:
         if self.native_unavailable is not None:
             return None
         self.huge_page_bytes = ForkServer.collapse_heap()
-        started = ForkServer.start(self.sandbox, self.worker_pidfd, (self.channel, self.selector.fileno()))
+        started = ForkServer.start(
+            self.sandbox,
+            self.worker_pidfd,
+            (self.channel, self.selector.fileno(), *self.sandbox.worker_only_fds()),
+        )
         if isinstance(started, bytes):  # in a call the server forked, isolated
             self._enter_call(unpack(started))
         self.selector.register(started.pidfd, selectors.EVENT_READ, self._on_fork_server_exit)
