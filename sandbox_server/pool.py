@@ -139,7 +139,9 @@ class WorkerProcess:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             now = time.monotonic()
             if any(deadline < now for _, deadline in self.pending.values()) and process.poll() is None:
-                print(f"sandbox_server: worker {self.name} did not answer in time; killing it", file=sys.stderr)
+                print(
+                    f"sandbox_server: worker {self.name} did not answer in time; killing it", file=sys.stderr
+                )
                 process.send_signal(signal.SIGKILL)  # _read_results answers its calls and restarts it
                 return
 
