@@ -105,7 +105,11 @@ class SandboxServer:
         # aiohttp closes a connection that has not delivered a complete request head within
         # keepalive_timeout of connecting (or of the previous answer): a header read timeout, so a client
         # trickling header bytes (slowloris) is disconnected. Tested in test_hardening.
-        self.runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.config.header_timeout)
+        # auto_decompress=False: aiohttp would inflate a compressed body as it arrives, before any size
+        # check, so a 1 MB gzip body of zeros held ~300 MB; compressed bodies are refused (415) instead.
+        self.runner = web.AppRunner(
+            app, access_log=None, keepalive_timeout=self.config.header_timeout, auto_decompress=False
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
         await site.start()
@@ -156,6 +160,12 @@ class SandboxServer:
             if not hmac.compare_digest(supplied.encode("utf-8", "surrogatepass"), expected):
                 self.metrics.rejected[401] += 1
                 return _error(request, 401, "missing or wrong bearer token")
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":
+            self.metrics.rejected[415] += 1
+            return _error(
+                request, 415, f"compressed request bodies are not accepted (Content-Encoding: {encoding})"
+            )
         try:
             response = await handler(request)
         except web.HTTPRequestEntityTooLarge:

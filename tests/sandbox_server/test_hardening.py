@@ -13,6 +13,7 @@ import select
 import socket
 import time
 import urllib.parse
+import zlib
 
 import pytest
 
@@ -129,6 +130,34 @@ def test_a_client_trickling_its_body_gets_400_while_innocent_calls_succeed(harde
     sock.close()
     assert answer is not None, "a slow body sender kept its connection"
     assert answer.startswith(b"HTTP/1.1 400") and b"not received within" in answer, answer[:300]
+
+
+def _peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def test_a_compressed_body_is_refused_unread_while_innocent_calls_succeed(hardened):
+    """A gzip bomb (1 MiB on the wire, 1 GiB inflated) answers 415 at once; the front end never inflates
+    it (aiohttp would have, before any size check: its peak memory grew by ~300 MB)."""
+    pid = get(hardened.url, "/health")["server_pid"]
+    peak_before = _peak_rss_mib(pid)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing
+    bomb = b"".join(deflate.compress(bytes(1 << 20)) for _ in range(1024)) + deflate.flush()
+    sock = _connect(hardened.url)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        innocent = pool.submit(_innocent_batch, hardened.url, 0)
+        sock.sendall(
+            b"POST /run HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: gzip\r\nContent-Length: " + str(len(bomb)).encode() + b"\r\n\r\n" + bomb
+        )
+        sock.settimeout(30)
+        answer = sock.recv(4096)
+        _assert_innocent(innocent.result())
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 415") and b"Content-Encoding: gzip" in answer, answer[:300]
+    assert _peak_rss_mib(pid) - peak_before < 64, (peak_before, _peak_rss_mib(pid))
+    assert _run_one(hardened.url, "print(6 * 7)")[1]["stdout"] == "42\n"
 
 
 def _write_timeouts(url: str) -> int:
