@@ -71,12 +71,17 @@ class _BadRequest(Exception):
         self.body = dict(result or {}, error=message)
 
 
+class _BodyBudgetFull(Exception):
+    """Answered with 503 + Retry-After: request bodies already being read use the in-flight budget."""
+
+
 class SandboxServer:
     """Owns the worker pool, the memory cgroup, the temporary root and the HTTP site."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics()
+        self.body_bytes_in_flight = 0  # of the requests whose bodies are being read and decoded
         _sweep_dead_servers()  # what a server killed with SIGKILL left behind
         self.temp_root = tempfile.mkdtemp(prefix=f"sandbox_server-{os.getpid()}-")
         os.chmod(self.temp_root, 0o755)
@@ -174,6 +179,13 @@ class SandboxServer:
         except _BadRequest as error:
             self.metrics.rejected[400] += 1
             response = _encode(error.body, request, 400)
+        except _BodyBudgetFull as error:
+            self.metrics.rejected[503] += 1
+            message = (
+                f"sandbox busy: {error} bytes of request bodies are being received "
+                f"(--max-body-bytes-in-flight {self.config.max_body_bytes_in_flight})"
+            )
+            response = _error(request, 503, message, {"Retry-After": "1"})
         try:  # sent here, under the timeout; aiohttp then finds it sent (prepare, write_eof are idempotent)
             async with asyncio.timeout(self.config.write_timeout):  # not wait_for: no task per request
                 await _send(response, request)
@@ -186,7 +198,20 @@ class SandboxServer:
         return response
 
     async def _read_payload(self, request: web.Request):
-        """The decoded body; a decoding error becomes 400 with the decoder's message."""
+        """The decoded body; a decoding error becomes 400 with the decoder's message, a body beyond the
+        ``max_body_bytes_in_flight`` budget (all bodies being read at once) ``_BodyBudgetFull``."""
+        size = request.content_length
+        size = self.config.max_request_bytes if size is None else min(size, self.config.max_request_bytes)
+        in_flight = self.body_bytes_in_flight
+        if in_flight and in_flight + size > self.config.max_body_bytes_in_flight:
+            raise _BodyBudgetFull(in_flight)
+        self.body_bytes_in_flight += size
+        try:
+            return await self._read_and_decode(request)
+        finally:
+            self.body_bytes_in_flight -= size
+
+    async def _read_and_decode(self, request: web.Request):
         try:
             if request.content.is_eof():  # all of it arrived with the head (the usual small call)
                 body = await request.read()

@@ -67,6 +67,7 @@ SANE_BOUNDS = {
     "max_output_bytes": (256, 1 << 30),
     "output_limit_bytes": (256, 1 << 34),
     "max_request_bytes": (1024, 1 << 34),
+    "max_body_bytes_in_flight": (1024, 1 << 36),
     "max_batch": (1, 1 << 16),
     "max_queue": (1, 1 << 24),
     "max_sessions": (1, 1 << 16),
@@ -155,6 +156,14 @@ class ServerConfig:
     )
     max_request_bytes: int = dataclasses.field(
         default=32 << 20, metadata={"help": "largest request body (413)"}
+    )
+    max_body_bytes_in_flight: int = dataclasses.field(
+        default=256 << 20,
+        metadata={
+            "help": "request bodies being received and decoded at once, in bytes (by Content-Length, else "
+            "max_request_bytes each); a request beyond it gets 503 + Retry-After, so many large bodies at "
+            "once cannot run the front end out of memory"
+        },
     )
     header_timeout: float = dataclasses.field(
         default=60.0,
@@ -249,6 +258,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and low <= value <= high):
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+        if self.max_body_bytes_in_flight < self.max_request_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be >= max_request_bytes "
+                f"({self.max_request_bytes})"
+            )
         if self.output_limit_bytes < self.max_output_bytes:
             raise ValueError(
                 f"output_limit_bytes ({self.output_limit_bytes}) must be >= max_output_bytes "

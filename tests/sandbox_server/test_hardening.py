@@ -160,6 +160,36 @@ def test_a_compressed_body_is_refused_unread_while_innocent_calls_succeed(harden
     assert _run_one(hardened.url, "print(6 * 7)")[1]["stdout"] == "42\n"
 
 
+def test_large_bodies_beyond_the_in_flight_budget_get_503_while_innocent_calls_succeed():
+    """Bodies being received count against ``max_body_bytes_in_flight`` by their Content-Length: two
+    half-sent 3 MiB bodies hold 6 of the 8 MiB, so a third gets 503 + Retry-After at once (many large
+    bodies at once held ~30 MB of front-end memory each); once they are done, a large body fits again."""
+    with start_local(workers=1, slots=4, max_request_bytes=4 << 20, max_body_bytes_in_flight=8 << 20) as srv:
+        body = json.dumps({"code": "print(1)" + " " * (3 << 20)}).encode()
+        head = (
+            b"POST /run HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        held = [_connect(srv.url) for _ in range(2)]
+        for sock in held:
+            sock.sendall(head + body[: len(body) // 2])
+        time.sleep(0.5)  # both handlers are reading their bodies
+        refused = _connect(srv.url)
+        refused.sendall(head + body)
+        refused.settimeout(30)
+        answer = refused.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer[:300]
+        assert b"max-body-bytes-in-flight" in answer, answer[:400]
+        _assert_innocent(_innocent_batch(srv.url, 0))  # small bodies still fit beside them
+        for sock in held:
+            sock.sendall(body[len(body) // 2 :])
+            sock.settimeout(30)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 400"), "the code is over max_code_chars"
+            sock.close()
+        status, result = _run_one(srv.url, "print(1)" + " " * (3 << 20))
+        assert status == 400 and "code" in result["error"], result  # admitted again: read, then refused
+
+
 def _write_timeouts(url: str) -> int:
     return get(url, "/metrics")["http_rejected"].get("write_timeout", 0)
 
@@ -203,6 +233,11 @@ def test_a_client_that_never_reads_its_answer_is_disconnected_while_innocent_cal
 def test_read_timeouts_outside_sane_bounds_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
+
+
+def test_a_body_budget_smaller_than_one_body_is_refused():
+    with pytest.raises(ValueError, match="max_body_bytes_in_flight"):
+        ServerConfig(max_request_bytes=64 << 20, max_body_bytes_in_flight=32 << 20)
 
 
 # ------------------------------------------------------------------------------------ session ownership
