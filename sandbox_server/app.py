@@ -319,6 +319,7 @@ class SandboxServer:
             inflight=sum(ws.inflight for ws in self.pool.worker_sets),
             free_slots=self.pool.free_slots(),
             sessions=len(self.pool.sessions),
+            body_bytes_in_flight=self.body_bytes_in_flight,
         )
         return _encode(snapshot, request)
 

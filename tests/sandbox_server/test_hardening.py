@@ -173,7 +173,10 @@ def test_large_bodies_beyond_the_in_flight_budget_get_503_while_innocent_calls_s
         held = [_connect(srv.url) for _ in range(2)]
         for sock in held:
             sock.sendall(head + body[: len(body) // 2])
-        time.sleep(0.5)  # both handlers are reading their bodies
+        deadline = time.monotonic() + 30  # until both handlers are reading their bodies
+        while get(srv.url, "/metrics")["body_bytes_in_flight"] < 2 * len(body):
+            assert time.monotonic() < deadline, get(srv.url, "/metrics")
+            time.sleep(0.05)
         refused = _connect(srv.url)
         refused.sendall(head + body)
         refused.settimeout(30)
