@@ -24,7 +24,7 @@ from sandbox_server.metrics import Metrics
 from sandbox_server.pool import Pool, QueueFull, SessionsFull
 
 
-def _decode_body(body: bytes, content_type: str):
+def _decode_body(body: bytes | bytearray, content_type: str):
     if content_type == schema.CONTENT_TYPE_MSGPACK:
         return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass", max_array_len=1 << 20)
     return json.loads(body)
@@ -198,33 +198,42 @@ class SandboxServer:
         return response
 
     async def _read_payload(self, request: web.Request):
-        """The decoded body; a decoding error becomes 400 with the decoder's message, a body beyond the
-        ``max_body_bytes_in_flight`` budget (all bodies being read at once) ``_BodyBudgetFull``."""
-        size = request.content_length
-        size = self.config.max_request_bytes if size is None else min(size, self.config.max_request_bytes)
-        in_flight = self.body_bytes_in_flight
-        if in_flight and in_flight + size > self.config.max_body_bytes_in_flight:
-            raise _BodyBudgetFull(in_flight)
-        self.body_bytes_in_flight += size
-        try:
-            return await self._read_and_decode(request)
-        finally:
-            self.body_bytes_in_flight -= size
+        """The decoded body; a decoding error becomes 400 with the decoder's message.
 
-    async def _read_and_decode(self, request: web.Request):
+        The bytes received count against ``max_body_bytes_in_flight`` (all bodies being received and
+        decoded at once) until the body is decoded; a body that would take the total past it, unless it is
+        the only one, ends with ``_BodyBudgetFull`` (503). What was actually received counts, not what
+        Content-Length claims: a client that announces a large body and sends nothing holds no budget."""
+        received = 0
         try:
-            if request.content.is_eof():  # all of it arrived with the head (the usual small call)
-                body = await request.read()
-            else:
-                async with asyncio.timeout(self.config.body_timeout):
-                    body = await request.read()
+            # no timer for a body that arrived with the head (the usual small call): nothing to wait for
+            now = asyncio.get_running_loop().time()
+            deadline = None if request.content.is_eof() else now + self.config.body_timeout
+            async with asyncio.timeout_at(deadline):
+                body = bytearray()  # not a list of chunks joined at the end: that holds the body twice
+                while chunk := await request.content.readany():
+                    received += len(chunk)
+                    self.body_bytes_in_flight += len(chunk)
+                    if received > self.config.max_request_bytes:
+                        raise web.HTTPRequestEntityTooLarge(
+                            max_size=self.config.max_request_bytes, actual_size=received
+                        )
+                    if self.body_bytes_in_flight > max(received, self.config.max_body_bytes_in_flight):
+                        raise _BodyBudgetFull(self.body_bytes_in_flight - received)
+                    body += chunk
+            return self._decode(body, request.content_type)
         except TimeoutError as error:
             raise _BadRequest(f"request body not received within {self.config.body_timeout:g} s") from error
+        finally:
+            self.body_bytes_in_flight -= received
+
+    @staticmethod
+    def _decode(body: bytearray, content_type: str):
         try:
-            return _decode_body(body, request.content_type)
+            return _decode_body(body, content_type)
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as error:
             # malformed, nested too deep, or a map whose keys cannot be keys (mixed or unhashable)
-            kind = "msgpack" if request.content_type == schema.CONTENT_TYPE_MSGPACK else "JSON"
+            kind = "msgpack" if content_type == schema.CONTENT_TYPE_MSGPACK else "JSON"
             raise _BadRequest(f"malformed {kind}: {error}") from error
 
     def _validate(self, obj) -> dict:

@@ -160,9 +160,9 @@ class ServerConfig:
     max_body_bytes_in_flight: int = dataclasses.field(
         default=256 << 20,
         metadata={
-            "help": "request bodies being received and decoded at once, in bytes (by Content-Length, else "
-            "max_request_bytes each); a request beyond it gets 503 + Retry-After, so many large bodies at "
-            "once cannot run the front end out of memory"
+            "help": "bytes of request bodies received and not yet decoded, all requests together; a "
+            "request whose body would take them past it (unless it is the only one) gets 503 + "
+            "Retry-After, so many large bodies at once cannot run the front end out of memory"
         },
     )
     header_timeout: float = dataclasses.field(

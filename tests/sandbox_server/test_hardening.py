@@ -160,21 +160,31 @@ def test_a_compressed_body_is_refused_unread_while_innocent_calls_succeed(harden
     assert _run_one(hardened.url, "print(6 * 7)")[1]["stdout"] == "42\n"
 
 
+def _body_bytes_in_flight(url: str) -> int:
+    return get(url, "/metrics")["body_bytes_in_flight"]
+
+
 def test_large_bodies_beyond_the_in_flight_budget_get_503_while_innocent_calls_succeed():
-    """Bodies being received count against ``max_body_bytes_in_flight`` by their Content-Length: two
-    half-sent 3 MiB bodies hold 6 of the 8 MiB, so a third gets 503 + Retry-After at once (many large
-    bodies at once held ~30 MB of front-end memory each); once they are done, a large body fits again."""
+    """The bytes of bodies being received count against ``max_body_bytes_in_flight``: with two 3.5 MiB
+    bodies 3 MiB in, a third gets 503 + Retry-After once it would pass 8 MiB (many large bodies at once
+    held ~30 MB of front-end memory each), while small calls still fit. Bodies announced by Content-Length
+    but not sent hold nothing, so they cannot lock others out."""
     with start_local(workers=1, slots=4, max_request_bytes=4 << 20, max_body_bytes_in_flight=8 << 20) as srv:
-        body = json.dumps({"code": "print(1)" + " " * (3 << 20)}).encode()
+        body = json.dumps({"code": "print(1)" + " " * (7 << 19)}).encode()
         head = (
             b"POST /run HTTP/1.1\r\nHost: sandbox\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
         )
+        announced = [_connect(srv.url) for _ in range(4)]
+        for sock in announced:
+            sock.sendall(head)
+        _assert_innocent(_innocent_batch(srv.url, 0))
+        assert _body_bytes_in_flight(srv.url) == 0
         held = [_connect(srv.url) for _ in range(2)]
         for sock in held:
-            sock.sendall(head + body[: len(body) // 2])
-        deadline = time.monotonic() + 30  # until both handlers are reading their bodies
-        while get(srv.url, "/metrics")["body_bytes_in_flight"] < 2 * len(body):
+            sock.sendall(head + body[: 3 << 20])
+        deadline = time.monotonic() + 30  # until both handlers have received their 3 MiB
+        while _body_bytes_in_flight(srv.url) < 2 * (3 << 20):
             assert time.monotonic() < deadline, get(srv.url, "/metrics")
             time.sleep(0.05)
         refused = _connect(srv.url)
@@ -183,14 +193,18 @@ def test_large_bodies_beyond_the_in_flight_budget_get_503_while_innocent_calls_s
         answer = refused.recv(4096)
         assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer[:300]
         assert b"max-body-bytes-in-flight" in answer, answer[:400]
-        _assert_innocent(_innocent_batch(srv.url, 0))  # small bodies still fit beside them
+        _assert_innocent(_innocent_batch(srv.url, 8), offset=8)  # small bodies still fit beside them
         for sock in held:
-            sock.sendall(body[len(body) // 2 :])
+            sock.sendall(body[3 << 20 :])
             sock.settimeout(30)
             assert sock.recv(4096).startswith(b"HTTP/1.1 400"), "the code is over max_code_chars"
             sock.close()
-        status, result = _run_one(srv.url, "print(1)" + " " * (3 << 20))
+        status, result = _run_one(srv.url, "print(1)" + " " * (7 << 19))
         assert status == 400 and "code" in result["error"], result  # admitted again: read, then refused
+        status, result = _run_one(srv.url, "print(1)" + " " * (5 << 20))
+        assert status == 413, result  # one body over --max-request-bytes
+        for sock in announced:
+            sock.close()
 
 
 def _write_timeouts(url: str) -> int:
