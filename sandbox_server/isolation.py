@@ -121,6 +121,7 @@ def _python_paths() -> list[str]:
 # bound back over each call's /tmp.
 PYTHON_STASH = "/.python"
 PYTHON_UNDER_TMP = tuple(p for p in _python_paths() if p.startswith(SANDBOX_TMP + "/"))
+PYTHON_UNDER_TMP_UNAVAILABLE = "a Python installed under /tmp needs its bind mounts"  # no fork server
 
 
 def _bind_readonly(source: str, target: str) -> None:
@@ -602,7 +603,7 @@ def fork_server_unavailable(sandbox: WorkerSandbox, call_setup: str) -> str | No
     if native_spawn is None:
         return NATIVE_UNAVAILABLE
     if PYTHON_UNDER_TMP and "private_tmpfs" in sandbox.mechanisms:
-        return "a Python installed under /tmp needs its bind mounts"
+        return PYTHON_UNDER_TMP_UNAVAILABLE
     return None
 
 

@@ -396,9 +396,9 @@ def test_fork_servers_keep_their_huge_pages_across_calls(server):
     """Each fork server re-collapses the windows its worker collapsed (``huge_page_mib``) and then writes to
     none of them: a write into a huge page shared with its calls would split its own mapping of it, and
     every later fork would copy 512 page-table entries for it."""
-    if isolation.native_spawn is None or not collapse_expected():
-        pytest.skip("no fork server, or no MADV_COLLAPSE here")
     base = [w for w in get(server.url, "/health")["workers"] if w["tier"] == "base"]
+    if any(w["fork_server_pid"] is None for w in base) or not collapse_expected():
+        pytest.skip(f"no fork server ({base[0]['call_setup']}), or no MADV_COLLAPSE here")
     for _ in range(40):
         assert run_code(server.url, "x = [str(i) for i in range(100)]")["status"] == "ok"
     kept = [_huge_page_bytes(w["fork_server_pid"]) >> 20 for w in base]
@@ -443,8 +443,13 @@ ISOLATION_PROBE = _py("""
 def test_both_call_setups_isolate_alike(server):
     """The compiled set-up (``sandbox_server._spawn``, the default where it is built) and the Python steps
     leave a call in the same state; a few hostile programs are contained by both."""
-    expected = "native" if isolation.native_spawn is not None else f"python: {isolation.NATIVE_UNAVAILABLE}"
-    workers = get(server.url, "/health")["workers"]
+    health = get(server.url, "/health")
+    expected = "native"
+    if isolation.native_spawn is None:
+        expected = f"python: {isolation.NATIVE_UNAVAILABLE}"
+    elif isolation.PYTHON_UNDER_TMP and "private_tmpfs" in health["mechanisms"]["active"]:
+        expected = f"python: {isolation.PYTHON_UNDER_TMP_UNAVAILABLE}"  # e.g. a checkout cloned under /tmp
+    workers = health["workers"]
     assert {w["call_setup"] for w in workers} == {expected}
     if expected == "native" and collapse_expected():  # sympy's heap is tens of MiB: some of it collapses
         assert all(w["huge_page_mib"] > 0 for w in workers if w["tier"] == "full"), workers
