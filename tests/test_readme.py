@@ -263,7 +263,15 @@ RUN_WITH = {
 }
 
 
-@pytest.mark.parametrize("command", sorted(RUN_WITH))
+# Slow (CI's slow stage runs it): from-scratch RL on the tiny config, whose launcher and config the default
+# run already exercise through the SFT command's RL half.
+SLOW_COMMANDS = {"python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1"}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_COMMANDS else c for c in sorted(RUN_WITH)],
+)
 def test_readme_command_runs(command, tmp_path, compile_cache_env, tiny_model_folder):
     assert command in COMMANDS, f"not in the README any more: {command}"
     RUN_WITH[command](command, tmp_path, compile_cache_env, tiny_model_folder)
