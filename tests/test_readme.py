@@ -263,9 +263,13 @@ RUN_WITH = {
 }
 
 
-# Slow (CI's slow stage runs it): from-scratch RL on the tiny config, whose launcher and config the default
-# run already exercise through the SFT command's RL half.
-SLOW_COMMANDS = {"python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1"}
+# Slow (CI's slow stage runs them): from-scratch RL on the tiny config, whose launcher and config the default
+# run already exercise through the SFT command's RL half; the server launcher with the README's client
+# blocks, whose server tests/serve/test_server.py exercises by default.
+SLOW_COMMANDS = {
+    "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1",
+    "python -m experiments.serve --model=DIR --host=127.0.0.1 --port=8000",
+}
 
 
 @pytest.mark.parametrize(
