@@ -24,10 +24,16 @@ from sandbox_server.metrics import Metrics
 from sandbox_server.pool import Pool, QueueFull, SessionsFull
 
 
-def _decode_body(body: bytes | bytearray, content_type: str):
-    if content_type == schema.CONTENT_TYPE_MSGPACK:
-        return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass", max_array_len=1 << 20)
-    return json.loads(body)
+def _decode_body(body: bytearray, content_type: str):
+    """The request object; a body that does not decode is ``_BadRequest`` (400) with the decoder's message."""
+    try:
+        if content_type == schema.CONTENT_TYPE_MSGPACK:
+            return msgpack.unpackb(body, raw=False, unicode_errors="surrogatepass", max_array_len=1 << 20)
+        return json.loads(body)
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as error:
+        # malformed, nested too deep, or a map whose keys cannot be keys (mixed or unhashable)
+        kind = "msgpack" if content_type == schema.CONTENT_TYPE_MSGPACK else "JSON"
+        raise _BadRequest(f"malformed {kind}: {error}") from error
 
 
 def _finite(value):
@@ -207,8 +213,8 @@ class SandboxServer:
         received = 0
         try:
             # no timer for a body that arrived with the head (the usual small call): nothing to wait for
-            now = asyncio.get_running_loop().time()
-            deadline = None if request.content.is_eof() else now + self.config.body_timeout
+            loop = asyncio.get_running_loop()
+            deadline = None if request.content.is_eof() else loop.time() + self.config.body_timeout
             async with asyncio.timeout_at(deadline):
                 body = bytearray()  # not a list of chunks joined at the end: that holds the body twice
                 while chunk := await request.content.readany():
@@ -221,20 +227,11 @@ class SandboxServer:
                     if self.body_bytes_in_flight > max(received, self.config.max_body_bytes_in_flight):
                         raise _BodyBudgetFull(self.body_bytes_in_flight - received)
                     body += chunk
-            return self._decode(body, request.content_type)
+            return _decode_body(body, request.content_type)
         except TimeoutError as error:
             raise _BadRequest(f"request body not received within {self.config.body_timeout:g} s") from error
         finally:
             self.body_bytes_in_flight -= received
-
-    @staticmethod
-    def _decode(body: bytearray, content_type: str):
-        try:
-            return _decode_body(body, content_type)
-        except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as error:
-            # malformed, nested too deep, or a map whose keys cannot be keys (mixed or unhashable)
-            kind = "msgpack" if content_type == schema.CONTENT_TYPE_MSGPACK else "JSON"
-            raise _BadRequest(f"malformed {kind}: {error}") from error
 
     def _validate(self, obj) -> dict:
         """``schema.validate_run_request``; any failure of it is a ``SchemaError`` for this request alone."""
