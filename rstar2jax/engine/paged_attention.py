@@ -31,6 +31,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rstar2jax.models.platform import accelerator
+
 ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
 NULL_PAGE = 0
 
@@ -71,9 +73,7 @@ def resolve_attention(impl: str) -> str:
         raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
     if impl != "auto":
         return impl
-    device = jax.devices()[0]
-    is_cuda = device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
-    return "pallas_gpu" if is_cuda else "jnp"
+    return "pallas_gpu" if accelerator() == "cuda" else "jnp"
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+from rstar2jax.models.platform import accelerator
 
 DEFAULT_BLOCK_SIZE = 512
 # Masked scores: finite, so a block whose scores are all masked gives exp(masked - max) = 1 rather than NaN;
@@ -264,8 +265,7 @@ def resolve_implementation(implementation: str) -> str:
         raise ValueError(f"attention implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
     if implementation != "auto":
         return implementation
-    device = jax.devices()[0]
-    if device.platform == "gpu" and "nvidia" in device.device_kind.lower() and _tokamax_available():
+    if accelerator() == "cuda" and _tokamax_available():
         return "tokamax"
     return "blockwise"
 
