@@ -243,9 +243,12 @@ class PromptConfig:
         values = {n: record[n] for n in names} | {"tools": tuple(tools), "chat_template_kwargs": dict(kwargs)}
         try:
             cfg = cls(**values)
-            cfg.tool_names  # noqa: B018 - every schema names its function
-        except (TypeError, KeyError) as error:
+        except TypeError as error:
             raise ValueError(f"{where}: {error}") from None
+        for tool in tools:
+            function = tool.get("function", tool)
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise ValueError(f"{where}: a tool schema names no function: {tool!r}")
         return cfg
 
     def save_pretrained(self, folder: str | os.PathLike) -> str:
