@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from tests.conftest import REPO_ROOT
 
 
@@ -138,6 +139,9 @@ def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
     lr = [r["learning_rate"] for r in records]  # 3 warm-up steps (25% of 9), then cosine decay to 0
     np.testing.assert_allclose(lr[:3], [0.01 / 3, 0.02 / 3, 0.01], rtol=1e-5)
     assert lr[3] == lr[2] and all(a > b for a, b in zip(lr[3:], lr[4:], strict=False)) and lr[-1] < 0.001
+    # The exported policy records the config's conversation format (pre-tokenised data name no opener).
+    assert load_prompt_config(run / "policy") == PromptConfig()
+    assert f"compilation cache: {compile_cache_env['JAX_COMPILATION_CACHE_DIR']} " in first.stdout
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path, compile_cache_env):
