@@ -61,7 +61,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        fail(f"{e} (--help lists the flags, --print_config the config fields)")
+        fields = ", --print_config the config fields" if "print_config" in flags.FLAGS else ""
+        fail(f"{e} (--help lists the flags{fields})")
     except (AttributeError, KeyError) as e:  # an override naming no config field (ml_collections)
         _unknown_field(argv, e)
     return []  # not reached
@@ -186,12 +187,13 @@ def compilation_cache_line() -> str:
 def run(main: Callable[[list[str]], None]) -> None:
     """``absl.app.run(main)``: config errors (at parse time and in ``main``) reported in one line with exit 2,
     interruptions in one line with exit 130; JAX's persistent compilation cache turned on first
-    (``--compilation_cache_dir``, defined here for every launcher)."""
-    from rstar2jax.train import ConfigError, Interrupted
-
+    (``--compilation_cache_dir``, defined here for every launcher). The library loads after the flags are
+    parsed, so ``--help`` and flag errors answer at once."""
     _define_compilation_cache_flag()
 
     def guarded(argv):
+        from rstar2jax.train import ConfigError, Interrupted
+
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
         enable_compilation_cache(flags.FLAGS[COMPILATION_CACHE_FLAG].value)

@@ -75,16 +75,17 @@ def load_datasets(names: list[str], limit: int | None) -> dict:
 
 def main(argv):
     del argv
-    from rstar2jax.agent.sandbox_client import SandboxClient
-    from rstar2jax.reward import AnswerVerifier
-    from rstar2jax.serve.evaluation import EvalProtocol, evaluate_to_files, format_summary
-
     workdir = pathlib.Path(_WORKDIR.value)
     if workdir.exists() and not workdir.is_dir():
         _launch.fail(f"--workdir={workdir}: exists and is not a folder")
     if not _TOP_P.value > 0:
         _launch.fail(f"--top_p={_TOP_P.value}: must be in (0, 1]")
-    datasets = load_datasets(_DATASETS.value, _LIMIT.value)
+    datasets = load_datasets(_DATASETS.value, _LIMIT.value)  # before the heavy imports: a bad name fails fast
+
+    from rstar2jax.agent.sandbox_client import SandboxClient
+    from rstar2jax.reward import AnswerVerifier
+    from rstar2jax.serve.evaluation import EvalProtocol, evaluate_to_files, format_summary
+
     protocol = EvalProtocol(
         samples=_SAMPLES.value,
         temperature=_TEMPERATURE.value,

@@ -30,7 +30,6 @@ import numpy as np
 
 from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
-from rstar2jax.data.tokenizer import load_tokenizer
 
 #: The run-config file a training run writes into its work folder (``rstar2jax.train.runner``).
 RUN_CONFIG_FILE = "run_config.json"
@@ -174,6 +173,8 @@ def load_policy(
         prompt = load_prompt_config(path)
         tokenizer_path = tokenizer or path
         name, source, chosen = path.name, "hf", None
+    from rstar2jax.data.tokenizer import load_tokenizer  # transformers: once the folder is known to be there
+
     tok = load_tokenizer(tokenizer_path)
     if not getattr(tok, "chat_template", None):
         raise ValueError(
