@@ -155,10 +155,11 @@ def enable_compilation_cache(folder: str) -> str | None:
     import jax
 
     def update(name: str, value) -> bool:
-        known = name in jax.config.values
-        if known:
+        try:
             jax.config.update(name, value)
-        return known
+        except AttributeError:  # "Unrecognized config option": not in this JAX
+            return False
+        return True
 
     folder = os.path.abspath(os.path.expanduser(folder)) if folder else ""
     if folder and not update("jax_compilation_cache_dir", folder):
