@@ -146,20 +146,23 @@ def test_chat_interactive_exits_cleanly_at_end_of_input(launch, tiny_policy_dir,
 
 
 def test_chat_format_flags_override_a_plain_folders_format(launch, plain_policy_dir, sandbox_url):
-    """A plain folder records no format: the plain one (no opener); the flags replace its fields."""
-    base = [f"--model={plain_policy_dir}", f"--sandbox_url={sandbox_url}", "--compilation_cache_dir="]
-    plain = launch("experiments.chat", *base, stdin="")
-    flagged = launch("experiments.chat", *base, "--assistant_opener=<think>", "--system_prompt=S", stdin="")
-    for result in (plain, flagged):
-        assert result.returncode == 0 and result.stdout.rstrip().endswith("bye"), result.stderr[-3000:]
-        assert "compilation cache: off" in result.stdout
-    system = len(PROMPTS["plain"]().system_prompt)  # the paper's instructions, nothing appended
-    line = f"plain (the policy folder records none); system prompt {system} characters; assistant opener ''"
-    assert line in plain.stdout
+    """A plain folder records no format (``prompt_format`` gives it the plain one, tested in test_format.py);
+    the flags replace the fields of the format in use."""
+    result = launch(
+        "experiments.chat",
+        f"--model={plain_policy_dir}",
+        f"--sandbox_url={sandbox_url}",
+        "--compilation_cache_dir=",
+        "--assistant_opener=<think>",
+        "--system_prompt=S",
+        stdin="",
+    )
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("bye"), result.stderr[-3000:]
+    assert "compilation cache: off" in result.stdout
     assert (
         "prompt format: plain (the policy folder records none) and --system_prompt, --assistant_opener; "
         "system prompt 1 characters; assistant opener '<think>'"
-    ) in flagged.stdout
+    ) in result.stdout
 
 
 def test_launchers_answer_bad_input_with_one_line_and_exit_2(tmp_path, compile_cache_env, tiny_policy_dir):
