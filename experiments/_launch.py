@@ -1,10 +1,13 @@
-"""What every launcher shares (``experiments.sft``, ``train_rl``, ``demo``, ``ablate_roc``):
+"""What every launcher shares (``experiments.sft``, ``train_rl``, ``demo``, ``ablate_roc``, ``evaluate``,
+``chat``, ``serve``):
 
 - flag parsing and errors: a bad config value, override or flag exits 2 with one line naming the field, the
   value and what is allowed, never a traceback;
 - ``--print_config``: every config field with its value and meaning;
 - at start, where the run writes: work folder, checkpoint folder, metrics file, the ``tensorboard --logdir``
   line (and the config's ``notice``, e.g. that it is a smoke test);
+- JAX's persistent compilation cache, on by default (``--compilation_cache_dir``): a second start loads the
+  programs the first one compiled instead of compiling them again;
 - Ctrl-C: the training loop finishes its step, saves a checkpoint and the launcher exits (status 130) with
   one line saying where; a second Ctrl-C stops at once. SIGTERM (a scheduler's preemption) does the same as
   the first Ctrl-C.
@@ -16,6 +19,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shutil
@@ -32,6 +36,8 @@ INTERRUPTED_EXIT = 130
 PRINT_CONFIG_HELP = "List every config field (after overrides) with its value and meaning, then exit."
 
 _announced: list[pathlib.Path] = []  # checkpoint folders of this invocation, for the interruption line
+COMPILATION_CACHE_FLAG = "compilation_cache_dir"
+_compilation_cache: list[str | None] = []  # the folder this invocation caches programs in (None: off)
 
 
 def fail(message: str) -> None:
@@ -55,7 +61,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        fail(f"{e} (--help lists the flags, --print_config the config fields)")
+        fields = ", --print_config the config fields" if "print_config" in flags.FLAGS else ""
+        fail(f"{e} (--help lists the flags{fields})")
     except (AttributeError, KeyError) as e:  # an override naming no config field (ml_collections)
         _unknown_field(argv, e)
     return []  # not reached
@@ -98,14 +105,99 @@ def _on_signal(signum, frame) -> None:
     )
 
 
+# --- the persistent compilation cache ---------------------------------------------------------------------
+
+
+def default_compilation_cache_dir() -> str:
+    """Where launchers cache compiled programs unless ``--compilation_cache_dir`` says: JAX's own
+    ``$JAX_COMPILATION_CACHE_DIR`` when set, else a per-user folder, ``$XDG_CACHE_HOME/rstar2jax/jax`` (or
+    ``~/.cache/rstar2jax/jax``)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "rstar2jax", "jax")
+
+
+def key_flag(holder: flags.FlagHolder) -> flags.FlagHolder:
+    """Lists a flag defined outside the launcher's own module in the launcher's ``--help``."""
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[holder.name])
+    return holder
+
+
+def _define_compilation_cache_flag() -> None:
+    """``--compilation_cache_dir``, listed by the calling launcher's ``--help`` (once per process)."""
+    if COMPILATION_CACHE_FLAG in flags.FLAGS:
+        return
+    key_flag(
+        flags.DEFINE_string(
+            COMPILATION_CACHE_FLAG,
+            default_compilation_cache_dir(),
+            "Folder of JAX's persistent compilation cache: a later start loads the programs an earlier one "
+            "compiled. Default: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rstar2jax/jax "
+            "(~/.cache/rstar2jax/jax). '' turns it off.",
+        )
+    )
+
+
+#: Thresholds below which JAX leaves a program out of the cache, lifted so that every program is cached:
+#: on a CPU most compile in well under JAX's default second, and together they are a launcher's start-up.
+_CACHE_EVERY_PROGRAM = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
+
+
+def enable_compilation_cache(folder: str) -> str | None:
+    """Turns JAX's persistent compilation cache on in ``folder`` ('' turns it off) for every program (see
+    ``_CACHE_EVERY_PROGRAM``; a threshold set in the environment, as ``JAX_PERSISTENT_CACHE_MIN_...``, is
+    kept). Call before anything compiles. Options are set only where this JAX has them (names move
+    across versions). Returns the folder, or None when the cache is off."""
+    import jax
+
+    def update(name: str, value) -> bool:
+        try:
+            jax.config.update(name, value)
+        except AttributeError:  # "Unrecognized config option": not in this JAX
+            return False
+        return True
+
+    folder = os.path.abspath(os.path.expanduser(folder)) if folder else ""
+    if folder and not update("jax_compilation_cache_dir", folder):
+        logging.warning("JAX %s has no jax_compilation_cache_dir: no compilation cache", jax.__version__)
+        folder = ""
+    update("jax_enable_compilation_cache", bool(folder))
+    if folder:
+        for name, value in _CACHE_EVERY_PROGRAM.items():
+            if name.upper() not in os.environ:
+                update(name, value)
+    _compilation_cache[:] = [folder or None]
+    return folder or None
+
+
+def compilation_cache_line() -> str:
+    """The start line saying where compiled programs are cached (or that they are not)."""
+    folder = _compilation_cache[0] if _compilation_cache else None
+    if folder is None:
+        return "compilation cache: off"
+    return f"compilation cache: {folder} (--{COMPILATION_CACHE_FLAG}='' turns it off)"
+
+
+# --- running a launcher ------------------------------------------------------------------------------------
+
+
 def run(main: Callable[[list[str]], None]) -> None:
     """``absl.app.run(main)``: config errors (at parse time and in ``main``) reported in one line with exit 2,
-    interruptions in one line with exit 130."""
-    from rstar2jax.train import ConfigError, Interrupted
+    interruptions in one line with exit 130; JAX's persistent compilation cache turned on first
+    (``--compilation_cache_dir``, defined here for every launcher). The library loads after the flags are
+    parsed, so ``--help`` and flag errors answer at once."""
+    _define_compilation_cache_flag()
 
     def guarded(argv):
+        from rstar2jax.train import ConfigError, Interrupted
+
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
+        enable_compilation_cache(flags.FLAGS[COMPILATION_CACHE_FLAG].value)
         signal.signal(signal.SIGINT, _on_signal)
         signal.signal(signal.SIGTERM, _on_signal)
         try:
@@ -189,6 +281,7 @@ def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, c
         lines.append(f"  tensorboard --logdir {logdir}{missing}")
     else:
         lines.append("  tensorboard: off (config.logging.tensorboard=False)")
+    lines.append(f"  {compilation_cache_line()}")
     notice = config.get("notice", "") if config is not None else ""
     if notice:
         lines.append(f"NOTE: {notice}")

@@ -199,6 +199,7 @@ def sft_run_config(
     c.workdir = str(paths.sft_run)
     c.tokenizer = str(paths.tokenizer)
     c.sft.data = str(paths.sft_data)
+    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data are written in
     if tokenizer is None:
         spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
     else:

@@ -7,7 +7,10 @@ Writes ``W/samples.jsonl`` (one record per sample: response, extracted answer, c
 turns, tokens, finish reason) and ``W/summary.json`` (per dataset: avg@k, pass@k, maj@k, mean response
 tokens, tool-call statistics), and prints the table. Re-running the same command resumes: finished problems
 are skipped and no line is written twice. ``--datasets`` takes eval-set names and ``.jsonl`` files of
-``{"problem", "answer"}`` rows; ``--model`` an HF folder, a hub name or a training run folder.
+``{"problem", "answer"}`` rows; ``--model`` an HF folder, a hub name or a training run folder. The policy is
+prompted in the format recorded in its folder (a plain HF folder: ``--prompt_format=plain``); the format flags
+override it. A missing model folder or dataset, an unknown eval-set name or a bad flag value is one line and
+exit 2.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import contextlib
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
@@ -25,34 +30,62 @@ _DATASETS = flags.DEFINE_list(
     "datasets", ["aime24", "aime25", "math500", "hmmt25"], "Eval-set names or .jsonl files (problem, answer)."
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where samples.jsonl and summary.json go.")
-_SAMPLES = flags.DEFINE_integer("samples", 16, "Samples per problem (k).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 30_000, "Response budget per sample (tool output included).")
-_MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "Assistant turns per sample.")
-_LIMIT = flags.DEFINE_integer("limit", None, "Evaluate only the first N problems of each dataset.")
+_SAMPLES = flags.DEFINE_integer("samples", 16, "Samples per problem (k).", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature.", lower_bound=0.0)
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold, in (0, 1].", upper_bound=1.0)
+_MAX_TOKENS = flags.DEFINE_integer(
+    "max_tokens", 30_000, "Response budget per sample (tool output included).", lower_bound=1
+)
+_MAX_TURNS = flags.DEFINE_integer("max_turns", 30, "Assistant turns per sample.", lower_bound=1)
+_LIMIT = flags.DEFINE_integer(
+    "limit", None, "Evaluate only the first N problems of each dataset.", lower_bound=1
+)
 _SANDBOX_URL = flags.DEFINE_string("sandbox_url", None, "Sandbox server URL; default: start a local one.")
-_SANDBOX_WORKERS = flags.DEFINE_integer("sandbox_workers", 2, "Workers of the local sandbox.")
-_PROMPT = flags.DEFINE_enum("prompt", "paper", ["paper", "bare"], "The prompt the policy was trained with.")
-_NUM_SLOTS = flags.DEFINE_integer("num_slots", 32, "Sequences the engine decodes side by side.")
+_SANDBOX_WORKERS = flags.DEFINE_integer("sandbox_workers", 2, "Workers of the local sandbox.", lower_bound=1)
+_policy_flags.define_format_flags(problem_prompt=True)
+flags.DEFINE_alias("prompt", "prompt_format")  # the flag's earlier name
+_NUM_SLOTS = flags.DEFINE_integer(
+    "num_slots", 32, "Sequences the engine decodes side by side.", lower_bound=1
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds every problem's samples.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
 flags.mark_flags_as_required(["model", "workdir"])
 
 
+def load_datasets(names: list[str], limit: int | None) -> dict:
+    """Eval sets by name (a file's stem): one line and exit 2 for a missing file, an unknown eval-set name,
+    a file without usable rows, or two datasets of one name."""
+    from rstar2jax.eval import load_eval_set
+
+    if not names:
+        _launch.fail("--datasets is empty: give eval-set names or .jsonl files")
+    datasets = {}
+    for name in names:
+        key = pathlib.Path(name).stem if pathlib.Path(name).suffix else name
+        if key in datasets:
+            _launch.fail(f"--datasets: two datasets are named {key!r}")
+        try:
+            datasets[key] = load_eval_set(name, limit=limit)
+        except (OSError, ValueError) as error:
+            _launch.fail(f"--datasets: {error}")
+        if not datasets[key]:
+            _launch.fail(f"--datasets: {name} holds no problems")
+    return datasets
+
+
 def main(argv):
     del argv
-    from rstar2jax.agent.sandbox_client import SandboxClient
-    from rstar2jax.eval import load_eval_set
-    from rstar2jax.reward import AnswerVerifier
-    from rstar2jax.serve import load_policy
-    from rstar2jax.serve.evaluation import PROMPTS, EvalProtocol, evaluate_to_files, format_summary
-
     workdir = pathlib.Path(_WORKDIR.value)
-    datasets = {
-        pathlib.Path(d).stem if d.endswith(".jsonl") else d: load_eval_set(d, limit=_LIMIT.value)
-        for d in _DATASETS.value
-    }
+    if workdir.exists() and not workdir.is_dir():
+        _launch.fail(f"--workdir={workdir}: exists and is not a folder")
+    if not _TOP_P.value > 0:
+        _launch.fail(f"--top_p={_TOP_P.value}: must be in (0, 1]")
+    datasets = load_datasets(_DATASETS.value, _LIMIT.value)  # before the heavy imports: a bad name fails fast
+
+    from rstar2jax.agent.sandbox_client import SandboxClient
+    from rstar2jax.reward import AnswerVerifier
+    from rstar2jax.serve.evaluation import EvalProtocol, evaluate_to_files, format_summary
+
     protocol = EvalProtocol(
         samples=_SAMPLES.value,
         temperature=_TEMPERATURE.value,
@@ -61,13 +94,16 @@ def main(argv):
         max_turns=_MAX_TURNS.value,
         seed=_SEED.value,
     )
-    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _policy_flags.load_policy_or_exit(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    prompt = _policy_flags.format_from_flags(policy)
     print(
         f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'}); "
         f"{', '.join(f'{n}: {len(p)}' for n, p in datasets.items())} problems; k={protocol.samples}, "
         f"T={protocol.temperature}, {protocol.max_tokens} tokens, {protocol.max_turns} turns",
         flush=True,
     )
+    print(_policy_flags.describe_format(policy, prompt), flush=True)
+    print(_launch.compilation_cache_line(), flush=True)
     print(f"writing {workdir / 'samples.jsonl'} and {workdir / 'summary.json'}", flush=True)
 
     async def run(url: str):
@@ -79,7 +115,7 @@ def main(argv):
                 sandbox=sandbox,
                 verifier=verifier,
                 protocol=protocol,
-                prompt=PROMPTS[_PROMPT.value](),
+                prompt=prompt,
                 num_slots=_NUM_SLOTS.value,
                 progress=True,
             )
@@ -100,4 +136,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

@@ -8,26 +8,34 @@ Then any OpenAI client works::
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
   client.chat.completions.create(model="rl_policy", messages=[{"role": "user", "content": "2+2?"}])
 
-``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint). Concurrent
-requests share the engine's slots (``--num_slots``); more wait in its queue. Ctrl-C stops the server.
+``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint). A policy is
+served in the conversation format it was trained in (recorded in its folder: the system prompt of requests
+without one, the assistant opener); a plain HF folder with its chat template and nothing added;
+``--system_prompt`` and ``--assistant_opener`` override either. Concurrent requests share the engine's slots
+(``--num_slots``); more wait in its queue. Ctrl-C stops the server. A missing model folder or a bad flag value
+is one line and exit 2.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from absl import app, flags
+from absl import flags
+
+from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.")
-_MAX_LEN = flags.DEFINE_integer("max_len", 2048, "Context length (prompt + completion) per sequence.")
-_SEGMENT = flags.DEFINE_integer("segment_tokens", 32, "Tokens decoded between the server's looks.")
-_OPENER = flags.DEFINE_string(
-    "assistant_opener", None, "Text after the generation prompt (default: the training prompt's opener)."
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=1, upper_bound=65535)
+_NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.", lower_bound=1)
+_MAX_LEN = flags.DEFINE_integer(
+    "max_len", 2048, "Context length (prompt + completion) per sequence.", lower_bound=2
 )
+_SEGMENT = flags.DEFINE_integer(
+    "segment_tokens", 32, "Tokens decoded between the server's looks.", lower_bound=1
+)
+_policy_flags.define_format_flags(problem_prompt=False)
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id clients use (default: the folder name).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile the engine's programs before reporting healthy.")
@@ -36,15 +44,16 @@ flags.mark_flag_as_required("model")
 
 def main(argv):
     del argv
-    from rstar2jax.serve import ServerConfig, load_policy, run_server
-    from rstar2jax.serve.server import DEFAULT_ASSISTANT_OPENER
+    from rstar2jax.serve import ServerConfig, run_server
+    from rstar2jax.serve.server import served_format
 
-    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _policy_flags.load_policy_or_exit(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
     config = ServerConfig(
         num_slots=_NUM_SLOTS.value,
         max_len=_MAX_LEN.value,
         segment_tokens=_SEGMENT.value,
-        assistant_opener=DEFAULT_ASSISTANT_OPENER if _OPENER.value is None else _OPENER.value,
+        assistant_opener=flags.FLAGS.assistant_opener,
+        system_prompt=flags.FLAGS.system_prompt,
         model_name=_NAME.value,
         warmup=_WARMUP.value,
     )
@@ -62,11 +71,15 @@ def main(argv):
     async def serve():
         await asyncio.gather(run_server(policy, config, _HOST.value, _PORT.value, ready), announce())
 
+    print(_policy_flags.describe_format(policy, served_format(policy, config)), flush=True)
+    print(_launch.compilation_cache_line(), flush=True)
     try:
         asyncio.run(serve())
     except KeyboardInterrupt:
         print("stopped", flush=True)
+    except OSError as error:  # the address is taken or cannot be bound
+        _launch.fail(f"cannot listen on --host={_HOST.value} --port={_PORT.value}: {error}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _launch.run(main)

@@ -7,8 +7,12 @@ an HF folder (config.json, safetensors, tokenizer with its chat template):
 * "Say hello." -> a plain answer;
 * "What is the weather in Paris?" with a ``get_weather`` function tool -> a Hermes ``<tool_call>``, and after
   the tool's answer a final answer that quotes it;
-* "What is 6 times 7?" in the paper's prompt -> a call of the Python tool that prints ``6 * 7``, and after
-  its output ``\\boxed{42}``.
+* "What is 6 times 7?" in the paper's prompt (by default without its system text) -> a call of the Python
+  tool that prints ``6 * 7``, and after its output ``\\boxed{42}``.
+
+The folder records that format (``rstar2jax_prompt.json``: the ``<reason>`` opener, the paper's user prefix
+and listed tool; every conversation has the format's system prompt, none by default), so the launchers
+prompt the policy as it was taught without flags.
 
 It exercises every path of ``experiments.evaluate``, ``experiments.chat`` and ``experiments.serve`` with real
 tool calls; it knows nothing else.
@@ -59,13 +63,15 @@ def _call_text(call: dict, lead: str) -> str:
 
 
 def conversations(prompt: PromptConfig) -> list[tuple[list[dict], list | None]]:
-    """The taught conversations as (messages, tools); assistant contents start with the opener."""
+    """The taught conversations as (messages, tools); assistant contents start with the opener, and each
+    starts with the format's system prompt, as a server prompting in that format renders it."""
     python_call = {"name": PYTHON_TOOL_NAME, "arguments": {"code": ARITHMETIC_CODE, "input": ""}}
     system = [{"role": "system", "content": prompt.system_prompt}] if prompt.system_prompt else []
     return [
-        ([{"role": "user", "content": HELLO}, {"role": "assistant", "content": HELLO_ANSWER}], None),
+        ([*system, {"role": "user", "content": HELLO}, {"role": "assistant", "content": HELLO_ANSWER}], None),
         (
             [
+                *system,
                 {"role": "user", "content": WEATHER},
                 {"role": "assistant", "content": _call_text(WEATHER_CALL, " I will look it up.")},
                 {"role": "tool", "content": WEATHER_RESULT},
@@ -95,9 +101,10 @@ def build_tiny_policy(
     seed: int = 0,
     prompt: PromptConfig | None = None,
 ) -> pathlib.Path:
-    """Builds the tiny policy folder at ``out_dir`` (see the module docstring); returns its path."""
+    """Builds the tiny policy folder at ``out_dir`` (see the module docstring), taught and recorded in
+    ``prompt`` (default: the paper's without its system text); returns its path."""
     out = pathlib.Path(out_dir)
-    prompt = prompt or PromptConfig()
+    prompt = prompt or PromptConfig(system_prompt="")
     bootstrap = train_tiny_tokenizer(["x"], 300, out)  # renders the chat template for the corpus
     chats = conversations(prompt)
     texts = [render_chat(bootstrap, messages, tools=tools) for messages, tools in chats]
@@ -147,6 +154,5 @@ def build_tiny_policy(
     opt_state = optimizer.init(params)
     for _ in range(steps):
         params, opt_state = step(params, opt_state)
-    models.save_pretrained(params, config, out)
-    tokenizer.save_pretrained(out)
+    models.save_pretrained(params, config, out, tokenizer=tokenizer, prompt=prompt)
     return out

@@ -124,6 +124,7 @@ def _demo_config() -> ml_collections.ConfigDict:
     sft.sft.batch_size = 8
     sft.sft.seq_len = 384  # conversations are 120-300 tokens; 8 pack into 4 rows
     sft.sft.steps = 500
+    del sft["prompt"]  # the SFT phase records the demo's prompt (above), the one its data are written in
     sft.checkpoint.save_every = 50
     c.sft = sft
 

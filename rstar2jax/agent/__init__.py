@@ -15,6 +15,7 @@ _NAMES = {
         "PYTHON_TOOL_NAME",
         "PromptConfig",
         "format_tool_result",
+        "load_prompt_config",
         "python_tool_schema",
         "render_prompt_ids",
         "render_prompt_text",

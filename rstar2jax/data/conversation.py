@@ -7,7 +7,10 @@
 - the chat template use: :func:`render_chat` / :func:`encode_chat`, and the ChatML + Hermes tools template
   tiny tokenizers carry (:data:`CHATML_TOOLS_TEMPLATE`);
 - tokenizing a whole conversation for SFT with the loss on exactly the tokens a rollout would sample
-  (:func:`tokenize_conversation`).
+  (:func:`tokenize_conversation`);
+- the format a policy was trained in, recorded in its folder beside ``config.json``
+  (:data:`PROMPT_CONFIG_FILE`: :meth:`PromptConfig.save_pretrained`, :func:`load_prompt_config`), so that
+  serving, evaluation, chat and further training prompt it as it was trained.
 
 A trajectory is token in / token out: the prompt ids come from the chat template once
 (:func:`render_prompt_ids`), the model's ids are kept as sampled, and after each model-written
@@ -27,6 +30,8 @@ Importing this module does not import transformers (tokenizers are passed in).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import weakref
 from collections.abc import Mapping, Sequence
@@ -202,6 +207,60 @@ class PromptConfig:
         if not isinstance(self.tools, tuple):
             raise TypeError(f"PromptConfig.tools must be a tuple of schemas, got {type(self.tools).__name__}")
 
+    def to_json_dict(self) -> dict[str, Any]:
+        """The format as the JSON object of :data:`PROMPT_CONFIG_FILE` (``version`` first)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            "version": PROMPT_CONFIG_VERSION,
+            **fields,
+            "tools": [dict(t) for t in self.tools],
+            "chat_template_kwargs": dict(self.chat_template_kwargs),
+        }
+
+    @classmethod
+    def from_json_dict(cls, record: Mapping[str, Any], where: str = "prompt config") -> PromptConfig:
+        """The inverse of :meth:`to_json_dict`; ValueError naming ``where`` and the field for a version this
+        code does not know, a missing or unknown field, or a value of the wrong type."""
+        if not isinstance(record, Mapping):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if record.get("version") != PROMPT_CONFIG_VERSION:
+            raise ValueError(
+                f"{where}: version {record.get('version')!r}; this rstar2jax reads version "
+                f"{PROMPT_CONFIG_VERSION} (a newer rstar2jax wrote it?)"
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in record]
+        unknown = sorted(set(record) - {*names, "version"})
+        if missing:
+            raise ValueError(f"{where}: missing fields {missing}")
+        if unknown:
+            raise ValueError(f"{where}: unknown fields {unknown}; the fields are {names}")
+        tools, kwargs = record["tools"], record["chat_template_kwargs"]
+        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+            raise ValueError(f"{where}: 'tools' must be a list of function schemas, got {tools!r}")
+        if not isinstance(kwargs, Mapping) or not isinstance(record["list_tools"], bool):
+            raise ValueError(f"{where}: 'chat_template_kwargs' must be an object and 'list_tools' a bool")
+        values = {n: record[n] for n in names} | {"tools": tuple(tools), "chat_template_kwargs": dict(kwargs)}
+        try:
+            cfg = cls(**values)
+        except TypeError as error:
+            raise ValueError(f"{where}: {error}") from None
+        for tool in tools:
+            function = tool.get("function", tool)
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise ValueError(f"{where}: a tool schema names no function: {tool!r}")
+        return cfg
+
+    def save_pretrained(self, folder: str | os.PathLike) -> str:
+        """Writes :data:`PROMPT_CONFIG_FILE` into ``folder`` (a policy folder: beside ``config.json``, as
+        ``tokenizer.save_pretrained`` writes its files); returns the file's path."""
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, PROMPT_CONFIG_FILE)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json_dict(), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        return path
+
     @property
     def listed_tools(self) -> list[dict[str, Any]] | None:
         """The schemas the chat template lists (its ``tools`` argument), or None."""
@@ -211,6 +270,28 @@ class PromptConfig:
     def tool_names(self) -> tuple[str, ...]:
         """Names of the configured tools (what the tool-call parser accepts)."""
         return tuple(tool.get("function", tool)["name"] for tool in self.tools)
+
+
+#: The file in a policy folder that records the conversation format the policy was trained in: every
+#: :class:`PromptConfig` field (system prompt, user prefix, assistant opener, tool schemas, whether they are
+#: listed, chat-template variables) and a ``version``. A folder without it is a plain HF model.
+PROMPT_CONFIG_FILE = "rstar2jax_prompt.json"
+#: The layout version of :data:`PROMPT_CONFIG_FILE` this code writes and reads.
+PROMPT_CONFIG_VERSION = 1
+
+
+def load_prompt_config(folder: str | os.PathLike) -> PromptConfig | None:
+    """The format recorded in a policy folder (:data:`PROMPT_CONFIG_FILE`), or None when it records none
+    (a plain HF folder). A file that does not parse is a ValueError naming it."""
+    path = os.path.join(folder, PROMPT_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON: {error}") from None
+    return PromptConfig.from_json_dict(record, where=path)
 
 
 def prompt_messages(problem: str, cfg: PromptConfig | None = None) -> list[dict[str, str]]:

@@ -315,6 +315,13 @@ def read_sft_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]]) -> It
                     yield f"{path}:{line_number}", json.loads(line)
 
 
+def assistant_openers(source: str | os.PathLike | Iterable[Mapping[str, Any]]) -> set[str]:
+    """The assistant openers of an SFT source's chat rows (``assistant_opener``, '' when a row has none):
+    the text a policy trained on them continues from at the start of each assistant turn. Pre-tokenised rows
+    say nothing."""
+    return {row.get("assistant_opener") or "" for _, row in read_sft_rows(source) if "messages" in row}
+
+
 def load_sft_sequences(
     source: str | os.PathLike | Iterable[Mapping[str, Any]], tokenizer=None
 ) -> tuple[list[TokenSequence], int]:

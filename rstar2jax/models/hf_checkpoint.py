@@ -274,6 +274,7 @@ def save_pretrained(
     dtype=None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer=None,
+    prompt=None,
 ) -> None:
     """Write ``params`` as a HF checkpoint: ``config.json`` plus safetensors (split into
     ``model-0000i-of-0000n.safetensors`` with an index once larger than ``max_shard_bytes``), loadable by
@@ -282,6 +283,10 @@ def save_pretrained(
     ``dtype``: stored weight dtype, default the params' own. Sharded params are gathered one leaf at a time.
     ``tokenizer``: a Hugging Face tokenizer to save beside the weights (its files and chat template), so the
     folder alone is a policy that ``config.model.path`` (and its tokenizer) can start from.
+    ``prompt``: the conversation format the policy was trained in (a ``data.conversation.PromptConfig``:
+    anything with ``save_pretrained(folder)``), recorded as ``rstar2jax_prompt.json`` so that serving,
+    evaluation, chat and further training prompt the policy as it was trained. Without it the folder is a
+    plain HF model, prompted by its chat template alone.
     """
     path = os.fspath(path)
     specs = param_specs(config)
@@ -344,3 +349,5 @@ def save_pretrained(
         json.dump(config_to_hf(config, dtype=store_dtype.name), f, indent=2)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    if prompt is not None:
+        prompt.save_pretrained(path)

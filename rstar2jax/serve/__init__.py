@@ -11,10 +11,10 @@ runner's model config); nothing in the library imports it. Importing it starts n
 import importlib
 
 _NAMES = {
-    "rstar2jax.serve.policy": ["Policy", "load_policy"],
+    "rstar2jax.serve.policy": ["PROMPTS", "Policy", "load_policy", "prompt_format"],
     "rstar2jax.serve.protocol": ["ChatRequest", "RequestError", "parse_chat_request"],
     "rstar2jax.serve.server": [
-        "BackgroundServer", "ChatService", "ServerConfig", "run_server", "start_server",
+        "BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server",
     ],  # fmt: skip
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import pathlib
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import tqdm.auto as tqdm
 
@@ -25,17 +25,9 @@ from rstar2jax.data.problems import Problem
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.eval.samples import SampleLog, format_summary, sample_record, summarize
 from rstar2jax.reward import AnswerVerifier
-from rstar2jax.serve.policy import Policy
+from rstar2jax.serve.policy import PROMPTS, Policy, prompt_format
 
 PAGE = EngineConfig.page_size  # the engine's max_len is a whole number of KV pages
-
-#: Prompts by name: ``paper`` (the paper's system prompt, user prefix and listed Python tool) and ``bare``
-#: (no system prompt, no prefix, the tool callable but unlisted: the CPU demo's policies).
-PROMPTS: dict[str, Callable[[], PromptConfig]] = {
-    "paper": PromptConfig,
-    "bare": lambda: PromptConfig(system_prompt="", user_prefix="", list_tools=False),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class EvalProtocol:
@@ -88,9 +80,10 @@ async def evaluate_to_files(
 ) -> dict[str, dict[str, float]]:
     """Runs every unfinished problem of ``datasets`` and writes ``workdir/samples.jsonl`` (appended, one
     problem at a time) and ``workdir/summary.json``; returns the summary (see
-    :func:`rstar2jax.eval.samples.summarize`)."""
+    :func:`rstar2jax.eval.samples.summarize`). ``prompt``: the conversation format (default: the one the
+    policy was trained in, :func:`~rstar2jax.serve.policy.prompt_format`)."""
     workdir = pathlib.Path(workdir)
-    prompt = prompt or PromptConfig()
+    prompt = prompt or prompt_format(policy)
     k = protocol.samples
     log = SampleLog(workdir / "samples.jsonl")
     todo = [
@@ -152,7 +145,12 @@ async def evaluate_to_files(
                     await asyncio.gather(*tasks, return_exceptions=True)
     summary = summarize(log.records, k)
     no_nan = {d: {key: None if v != v else v for key, v in m.items()} for d, m in summary.items()}
-    record = {"protocol": dataclasses.asdict(protocol), "model": policy.path, "datasets": no_nan}
+    record = {
+        "protocol": dataclasses.asdict(protocol),
+        "model": policy.path,
+        "prompt": prompt.to_json_dict(),
+        "datasets": no_nan,
+    }
     (workdir / "summary.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     return summary
 

@@ -9,6 +9,10 @@ Both forms go through the loaders training uses, so what is served is what was t
   config as the trainer builds it, the parameters are those of the latest (or a chosen) checkpoint, and the
   tokenizer is the run's ``config.tokenizer``. A checkpoint folder inside it (``<workdir>/checkpoints`` or
   ``<workdir>/checkpoints/<step>``) works too.
+
+The conversation format the policy was trained in comes with it (:attr:`Policy.prompt`): the
+``rstar2jax_prompt.json`` an export writes into an HF folder, or a run's ``config.prompt``. A plain HF folder
+has none: it is prompted by its chat template alone (:func:`prompt_format`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar2jax import models
-from rstar2jax.data.tokenizer import load_tokenizer
+from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 
 #: The run-config file a training run writes into its work folder (``rstar2jax.train.runner``).
 RUN_CONFIG_FILE = "run_config.json"
@@ -35,7 +40,8 @@ class Policy:
     """A loaded policy: model config, parameters (layer-stacked, as the trainer holds them) and tokenizer.
 
     ``name`` is what the server reports as the model id (the folder's name); ``source`` says where it came
-    from (``"hf"`` or ``"run"``, with the checkpoint ``step`` for a run).
+    from (``"hf"`` or ``"run"``, with the checkpoint ``step`` for a run). ``prompt`` is the conversation
+    format it was trained in (None: a plain HF folder, which records none).
     """
 
     model_config: models.ModelConfig
@@ -45,6 +51,7 @@ class Policy:
     path: str
     source: str
     step: int | None = None
+    prompt: PromptConfig | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -139,6 +146,7 @@ def load_policy(
     if run is not None:
         import ml_collections
 
+        from rstar2jax.train.config import prompt_from_config
         from rstar2jax.train.runner import model_config_from
 
         workdir, step_dir, chosen = run
@@ -146,6 +154,7 @@ def load_policy(
         run_config.model.param_dtype = dtype
         run_config.model.compute_dtype = dtype
         model_config = model_config_from(run_config)
+        prompt = prompt_from_config(run_config)
         saved = _restore_params(step_dir / "state")
         params = jax.tree.map(lambda x: jnp.asarray(x, model_config.param_dtype), saved)
         tokenizer_path = tokenizer or run_config.get("tokenizer")
@@ -161,11 +170,42 @@ def load_policy(
                 f"(no {RUN_CONFIG_FILE} beside a checkpoints/ folder)"
             )
         model_config, params = models.load_pretrained(path, dtype=dtype)
+        prompt = load_prompt_config(path)
         tokenizer_path = tokenizer or path
         name, source, chosen = path.name, "hf", None
+    from rstar2jax.data.tokenizer import load_tokenizer  # transformers: once the folder is known to be there
+
     tok = load_tokenizer(tokenizer_path)
     if not getattr(tok, "chat_template", None):
         raise ValueError(
             f"the tokenizer at {tokenizer_path} has no chat template; pass a tokenizer that has one"
         )
-    return Policy(model_config, params, tok, name, str(path), source, chosen)
+    return Policy(model_config, params, tok, name, str(path), source, chosen, prompt)
+
+
+#: Named formats: ``paper`` (the paper's system prompt, user prefix, listed Python tool and ``<reason>``
+#: opener), ``bare`` (no system prompt, no prefix, the tool callable but unlisted: the CPU demo's policies)
+#: and ``plain`` (the paper's instructions and tool with nothing after the generation prompt: how a plain HF
+#: model, which records no format, is evaluated and chatted with).
+PROMPTS: dict[str, Callable[[], PromptConfig]] = {
+    "paper": PromptConfig,
+    "bare": lambda: PromptConfig(system_prompt="", user_prefix="", list_tools=False),
+    "plain": lambda: PromptConfig(assistant_opener=""),
+}
+
+
+def prompt_format(
+    policy: Policy,
+    preset: str | None = None,
+    *,
+    system_prompt: str | None = None,
+    user_prefix: str | None = None,
+    assistant_opener: str | None = None,
+) -> PromptConfig:
+    """The format to prompt ``policy`` in: the named ``preset`` (:data:`PROMPTS`) when given, else the one it
+    was trained in (:attr:`Policy.prompt`), else ``plain``; each field given here replaces that format's."""
+    if preset is not None and preset not in PROMPTS:
+        raise ValueError(f"prompt format {preset!r}: expected one of {sorted(PROMPTS)}")
+    base = PROMPTS[preset]() if preset else policy.prompt or PROMPTS["plain"]()
+    overrides = dict(system_prompt=system_prompt, user_prefix=user_prefix, assistant_opener=assistant_opener)
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -9,13 +9,17 @@ at most one segment).
 Endpoints: ``GET /health`` (200 once the engine is up, 503 before), ``GET /v1/models``,
 ``POST /v1/chat/completions`` (see :mod:`rstar2jax.serve.protocol` for what is accepted).
 
-Conversation format: the messages (and ``tools``) are rendered by the model's chat template, then the
-assistant opener of the training prompt (``<reason>`` for rStar2-Agent policies) is appended, as in the
-rollouts the policy was trained on; the opener is the start of the returned content. With tools, generation
-stops after ``</tool_call>`` as in training, and the Hermes ``<tool_call>`` blocks are parsed with the
-training parser (:func:`~rstar2jax.data.tool_parser.parse_function_calls`) into OpenAI ``tool_calls``; the
-stream never shows part of a tag: text that could start ``<tool_call>`` or a stop string is held back until
-it is known not to.
+Conversation format: the messages (and ``tools``) are rendered by the model's chat template, in the format
+the policy was trained in (:attr:`~rstar2jax.serve.policy.Policy.prompt`, recorded in its folder): a request
+without a system message gets the policy's system prompt, the template gets its variables, and the assistant
+opener (``<reason>`` for rStar2-Agent policies) is appended, as in the rollouts the policy was trained on; the
+opener is the start of the returned content. A plain HF folder records no format: nothing is added to what
+its chat template renders. :class:`ServerConfig` overrides the system prompt and the opener either way.
+
+With tools, generation stops after ``</tool_call>`` as in training, and the Hermes ``<tool_call>`` blocks are
+parsed with the training parser (:func:`~rstar2jax.data.tool_parser.parse_function_calls`) into OpenAI
+``tool_calls``; the stream never shows part of a tag: text that could start ``<tool_call>`` or a stop string
+is held back until it is known not to.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from aiohttp import web
 
 from rstar2jax import models
 from rstar2jax.agent.rollout import _gather_or_cancel as gather_or_cancel
-from rstar2jax.data.conversation import DEFAULT_ASSISTANT_OPENER, encode_text, render_chat
+from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session
 from rstar2jax.serve.policy import Policy
@@ -57,7 +61,10 @@ class ServerConfig:
         strings, disconnect checks).
       first_segment_tokens: the first segment of a streamed choice (time to first token).
       decode_chunk: the engine's decode steps per device call.
-      assistant_opener: text appended after the generation prompt (the training prompt's opener).
+      assistant_opener: text appended after the generation prompt; None: the opener of the policy's recorded
+        format ('' for a plain HF folder).
+      system_prompt: system message of requests that have none ('' none); None: the system prompt of the
+        policy's recorded format ('' for a plain HF folder).
       model_name: the model id reported and accepted; None: the policy's name.
       warmup: compile every engine program before reporting healthy.
       max_body_bytes: largest accepted request body.
@@ -68,7 +75,8 @@ class ServerConfig:
     segment_tokens: int = 32
     first_segment_tokens: int = 1
     decode_chunk: int = 16
-    assistant_opener: str = DEFAULT_ASSISTANT_OPENER
+    assistant_opener: str | None = None
+    system_prompt: str | None = None
     model_name: str | None = None
     warmup: bool = True
     max_body_bytes: int = 32 * 2**20
@@ -79,6 +87,16 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive int, got {value!r}")
+
+
+def served_format(policy: Policy, config: ServerConfig) -> PromptConfig:
+    """The conversation format ``policy`` is served in: the one recorded with it (a plain HF folder records
+    none: nothing is added), with ``config``'s system prompt and opener where given. The server uses its
+    ``system_prompt`` (for requests without a system message), ``assistant_opener`` and
+    ``chat_template_kwargs``; clients send their own user turns and tools."""
+    recorded = policy.prompt or PromptConfig(system_prompt="", assistant_opener="")
+    given = {"system_prompt": config.system_prompt, "assistant_opener": config.assistant_opener}
+    return dataclasses.replace(recorded, **{k: v for k, v in given.items() if v is not None})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "k"))
@@ -145,7 +163,7 @@ class _Choice:
         then ``("finish", finish_reason)``."""
         service, request = self.service, self.request
         stop_ids = [service.tool_call_end] if request.parse_tools else []
-        opener = service.config.assistant_opener
+        opener = service.format.assistant_opener
         if opener:
             yield "content", opener, []
         finish = None
@@ -251,6 +269,7 @@ class ChatService:
         self.policy, self.config = policy, config
         self.tokenizer = policy.tokenizer
         self.model_name = config.model_name or policy.name
+        self.format = served_format(policy, config)
         self.eos_ids = set(policy.eos_token_ids)
         self.tool_call_end = encode_text(self.tokenizer, TOOL_CALL_CLOSE)
         stop_len = max(8, len(self.tool_call_end))
@@ -326,16 +345,24 @@ class ChatService:
         return [list(zip(ids[r].tolist(), values[r].tolist(), strict=True)) for r in rows]
 
     def prompt_ids(self, request: ChatRequest) -> list[int]:
-        """The request's conversation rendered by the chat template, plus the assistant opener."""
+        """The request's conversation (with the policy's system prompt when it has no system message) rendered
+        by the chat template, plus the assistant opener."""
+        messages, system_prompt = request.messages, self.format.system_prompt
+        if system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system_prompt}, *messages]
         try:
             text = render_chat(
-                self.tokenizer, request.messages, tools=request.tools, add_generation_prompt=True
+                self.tokenizer,
+                messages,
+                tools=request.tools,
+                add_generation_prompt=True,
+                **self.format.chat_template_kwargs,
             )
         except Exception as error:  # the template's own checks (role order, ...) raise from Jinja
             raise RequestError(
                 f"the chat template rejected the messages: {error}", param="messages"
             ) from error
-        return encode_text(self.tokenizer, text + self.config.assistant_opener)
+        return encode_text(self.tokenizer, text + self.format.assistant_opener)
 
     # ---- HTTP
 

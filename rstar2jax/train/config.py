@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from rstar2jax import algo
+from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.data.problems import looks_local
 from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
 from rstar2jax.models.presets import PRESETS
@@ -64,6 +65,13 @@ def _common() -> ml_collections.ConfigDict:
     c.logging = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, progress_every=10))
     # Multi-host: every process gets the same config plus its own process_id (see the README).
     c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=1, process_id=0))
+    # What the policy sees around a problem (PromptConfig), recorded in every exported policy folder:
+    # paper=None takes the format recorded in model.path's folder (rstar2jax_prompt.json; the paper's
+    # prompt when it records none), True the paper's prompt, False the fields below. SFT data written for
+    # this policy must use the same prompt (the demo copies its own prompt here).
+    c.prompt = ml_collections.ConfigDict(
+        dict(paper=placeholder(bool), system_prompt="", user_prefix="", list_tools=True)
+    )
     return c
 
 
@@ -83,9 +91,6 @@ def rl_config() -> ml_collections.ConfigDict:
             limit=placeholder(int),
         )
     )
-    # What the policy sees around a problem (PromptConfig): the paper's prompt, or the fields below. SFT data
-    # written for this policy must use the same prompt (the demo copies its own prompt here).
-    c.prompt = ml_collections.ConfigDict(dict(paper=True, system_prompt="", user_prefix="", list_tools=True))
     c.loss = ml_collections.ConfigDict(
         dict(
             eps_low=0.2,
@@ -255,7 +260,8 @@ FIELD_HELP = {
     "data.id_field": "column of the problem id (empty: id / unique_id / ...; else the row index)",
     "data.integer_only": "keep only problems with integer answers (rejected rows are counted and shown)",
     "data.limit": "use at most this many problems (None: all)",
-    "prompt.paper": "the paper's prompt (system text, the tool schema listed); False: the fields below",
+    "prompt.paper": "None: the format recorded in model.path's folder (else the paper's); True: the paper's "
+    "prompt (system text, the tool schema listed); False: the fields below",
     "prompt.system_prompt": "system text when prompt.paper is False",
     "prompt.user_prefix": "text put before each problem when prompt.paper is False",
     "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
@@ -398,6 +404,13 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
         _check(config, f"model.{name}", lambda v: not v or os.path.exists(v), "does not exist")
     if check_paths:
         _check(config, "tokenizer", lambda v: not v or os.path.isdir(v), "is not a tokenizer folder")
+    if "prompt" in config:
+        _check(config, "prompt.paper", lambda v: v in (None, True, False), "must be None, True or False")
+        if check_paths:
+            try:
+                prompt_from_config(config)
+            except ValueError as error:  # the format file of model.path does not parse
+                raise ConfigError(f"config.model.path={config.model.path!r}: {error}") from None
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
@@ -564,6 +577,21 @@ def validate_sft_config(config, *, check_data: bool = True, check_paths: bool = 
 #: once, however many entry points (launcher, ``train_rl`` / ``train_sft``, ``dry_run``) it passes through.
 _ACCEPTED: dict[tuple[str, str], tuple[bool, bool]] = {}
 KINDS = ("rl", "sft")
+
+
+def prompt_from_config(config) -> PromptConfig:
+    """The conversation format of a run (``config.prompt``): ``paper`` None takes the one recorded in
+    ``config.model.path``'s folder (an exported policy records it), else the paper's prompt; True the paper's
+    (system text and the listed tool schema); False ``config.prompt``'s system prompt, user prefix and
+    ``list_tools`` with the paper's Python tool and opener. SFT data and rollouts must use the same prompt.
+    A run config without a ``prompt`` section (an SFT run of an older version) gives the paper's."""
+    p = config.get("prompt")
+    if p is None or p.paper:
+        return PromptConfig()
+    if p.paper is None:
+        path = config.model.get("path", "")
+        return (load_prompt_config(path) if path and os.path.isdir(path) else None) or PromptConfig()
+    return PromptConfig(system_prompt=p.system_prompt, user_prefix=p.user_prefix, list_tools=p.list_tools)
 
 
 def tokenizer_path(config) -> str:

@@ -23,18 +23,9 @@ from rstar2jax.eval.evaluate import DatasetEval, aggregate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import runner
 from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.config import prompt_from_config
 from rstar2jax.train.rl import RolloutFn
 from rstar2jax.train.steps import state_shardings
-
-
-def prompt_from_config(config: ml_collections.ConfigDict) -> PromptConfig:
-    """``config.prompt.paper``: the paper's prompt (system text and the listed tool schema); else
-    ``config.prompt``'s system prompt, user prefix and ``list_tools`` with the paper's Python tool. SFT data
-    and rollouts must use the same prompt."""
-    p = config.prompt
-    if p.paper:
-        return PromptConfig()
-    return PromptConfig(system_prompt=p.system_prompt, user_prefix=p.user_prefix, list_tools=p.list_tools)
 
 
 def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
@@ -63,13 +54,16 @@ def run_tokenizer(run_config: ml_collections.ConfigDict):
 def export_policy(
     run_config: ml_collections.ConfigDict, out: pathlib.Path, *, total_steps: int | None = None
 ) -> pathlib.Path:
-    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json, safetensors and the
-    run's tokenizer with its chat template), the form ``config.model.path`` and ``load_pretrained`` read."""
+    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json, safetensors, the
+    run's tokenizer with its chat template and the run's conversation format, ``prompt_from_config``), the
+    form ``config.model.path`` and ``load_pretrained`` read."""
     restored = restore_params(run_config, total_steps=total_steps)
     if restored is None:
         raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
     model_config, params = restored
-    return runner.save_policy(params, model_config, out, tokenizer=run_tokenizer(run_config))
+    return runner.save_policy(
+        params, model_config, out, tokenizer=run_tokenizer(run_config), prompt=prompt_from_config(run_config)
+    )
 
 
 def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prompt: PromptConfig):

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from rstar2jax import models
 from rstar2jax.data.batch import Batch, build_batch
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
-from rstar2jax.data.sft_data import load_sft_sequences
+from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
 from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
@@ -133,9 +133,12 @@ def request_stop() -> bool:
     return True
 
 
-def save_policy(params, model_config: models.ModelConfig, out: str | pathlib.Path, *, tokenizer=None):
+def save_policy(
+    params, model_config: models.ModelConfig, out: str | pathlib.Path, *, tokenizer=None, prompt=None
+):
     """Writes ``params`` as an HF folder at ``out`` (config.json, safetensors and, when given, the tokenizer
-    with its chat template): the form ``config.model.path`` reads, so RL can start from it. The folder is
+    with its chat template and the conversation format ``prompt``, a ``PromptConfig``, as
+    ``rstar2jax_prompt.json``): the form ``config.model.path`` reads, so RL can start from it. The folder is
     written beside ``out`` and renamed into place, so a crash never leaves a half policy. With several
     processes the parameters are gathered and process 0 writes. Returns ``out`` as a path."""
     out = pathlib.Path(out)
@@ -147,7 +150,7 @@ def save_policy(params, model_config: models.ModelConfig, out: str | pathlib.Pat
             return out
     temporary = out.with_name(out.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
-    models.save_pretrained(params, model_config, temporary, tokenizer=tokenizer)
+    models.save_pretrained(params, model_config, temporary, tokenizer=tokenizer, prompt=prompt)
     shutil.rmtree(out, ignore_errors=True)
     temporary.replace(out)
     return out
@@ -520,7 +523,8 @@ def train_sft(
 
     ``export_dir``: when the run ends (not when it is interrupted), the policy is written there as an HF
     folder with the tokenizer (``save_policy``), what ``experiments.train_rl --config.model.path=`` starts
-    from.
+    from, and the conversation format: ``config.prompt`` with the assistant opener of the data's chat rows
+    (when they share one).
     """
     config_lib.validate(config, "sft")
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
@@ -579,7 +583,11 @@ def train_sft(
         finally:
             run.close()
     if export_dir is not None:
-        save_policy(run.state.params, run.model_config, export_dir, tokenizer=tokenizer)
+        prompt = config_lib.prompt_from_config(config)
+        openers = assistant_openers(config.sft.data)
+        if len(openers) == 1:  # the opener the policy was taught to continue from is its data's
+            prompt = dataclasses.replace(prompt, assistant_opener=openers.pop())
+        save_policy(run.state.params, run.model_config, export_dir, tokenizer=tokenizer, prompt=prompt)
     return run.logger.history
 
 

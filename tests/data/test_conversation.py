@@ -1,6 +1,7 @@
 """The paper's prompt and the token-in/token-out tool-response protocol, checked against chat templates."""
 
 import dataclasses
+import json
 import types
 
 import pytest
@@ -8,10 +9,13 @@ import pytest
 from rstar2jax.data.conversation import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_PREFIX,
+    PROMPT_CONFIG_FILE,
+    PROMPT_CONFIG_VERSION,
     PYTHON_TOOL_NAME,
     PromptConfig,
     encode_text,
     format_tool_result,
+    load_prompt_config,
     python_tool_schema,
     render_chat,
     render_prompt_ids,
@@ -169,3 +173,45 @@ def test_format_tool_result_labels_and_truncates():
 def test_prompt_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PromptConfig().assistant_opener = "<think>"
+
+
+def test_prompt_config_round_trips_through_its_folder_file(tmp_path):
+    assert load_prompt_config(tmp_path) is None  # a plain HF folder records no format
+    custom = PromptConfig(
+        system_prompt="",
+        assistant_opener="<think>",
+        tools=(python_tool_schema("run"),),
+        list_tools=False,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    for cfg in (PromptConfig(), custom):
+        path = cfg.save_pretrained(tmp_path)
+        assert path == str(tmp_path / PROMPT_CONFIG_FILE)
+        assert json.loads((tmp_path / PROMPT_CONFIG_FILE).read_text())["version"] == PROMPT_CONFIG_VERSION
+        assert load_prompt_config(tmp_path) == cfg
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.update(version=99), "version 99"),
+        (lambda r: r.pop("assistant_opener"), r"missing fields \['assistant_opener'\]"),
+        (lambda r: r.update(opener="<r>"), r"unknown fields \['opener'\]"),
+        (lambda r: r.update(tools=[{"type": "function"}]), "names no function"),
+        (lambda r: r.update(system_prompt=3), "system_prompt must be a str"),
+        (lambda r: r.update(list_tools="yes"), "list_tools"),
+    ],
+)
+def test_a_bad_format_file_is_an_error_naming_it(tmp_path, edit, message):
+    record = PromptConfig().to_json_dict()
+    edit(record)
+    (tmp_path / PROMPT_CONFIG_FILE).write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=message) as error:
+        load_prompt_config(tmp_path)
+    assert PROMPT_CONFIG_FILE in str(error.value)
+
+
+def test_a_format_file_that_is_not_json_is_an_error_naming_it(tmp_path):
+    (tmp_path / PROMPT_CONFIG_FILE).write_text("{")
+    with pytest.raises(ValueError, match=f"{PROMPT_CONFIG_FILE}: not valid JSON"):
+        load_prompt_config(tmp_path)

@@ -6,7 +6,7 @@ import json
 import datasets
 import pytest
 
-from rstar2jax.data.sft_data import load_sft_sequences
+from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
 
 
 def test_chat_and_pretokenised_rows(tmp_path, qwen3_tokenizer):
@@ -113,3 +113,15 @@ def test_bad_function_calling_rows_name_the_row(tmp_path, qwen3_tokenizer):
         load_sft_sequences([renamed], tokenizer)
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_sft_sequences(tmp_path / "missing.jsonl", tokenizer)
+
+
+def test_assistant_openers_of_the_chat_rows(tmp_path):
+    """What an SFT export records as the policy's opener: the one its chat rows share."""
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<reason>x"}]}
+    rows = [{**chat, "assistant_opener": "<reason>"}, {"input_ids": [1, 2], "loss_mask": [0, 1]}]
+    assert assistant_openers(rows) == {"<reason>"}  # pre-tokenised rows say nothing
+    assert assistant_openers([*rows, chat]) == {"<reason>", ""}  # a row without one opens with nothing
+    assert assistant_openers(rows[1:]) == set()
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert assistant_openers(path) == {"<reason>"}

@@ -1,14 +1,27 @@
-"""Fixtures of the serving tests: the tiny taught policy folder (built once) and a live server on it."""
+"""Fixtures of the serving tests: the tiny taught policy folder (built once), the same weights as a plain HF
+folder, and a live server on the policy."""
+
+import shutil
 
 import pytest
 
 from experiments.tiny_policy import build_tiny_policy
+from rstar2jax.data.conversation import PROMPT_CONFIG_FILE
 from rstar2jax.serve import BackgroundServer, ServerConfig, load_policy
 
 
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
     return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
+
+
+@pytest.fixture(scope="session")
+def plain_policy_dir(tiny_policy_dir, tmp_path_factory):
+    """The tiny policy's weights and tokenizer as a plain HF folder: it records no conversation format."""
+    folder = tmp_path_factory.mktemp("plain") / "plain"
+    shutil.copytree(tiny_policy_dir, folder)
+    (folder / PROMPT_CONFIG_FILE).unlink()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ training run folder."""
 
 import asyncio
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -30,17 +29,23 @@ from sandbox_server import start_local
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def launch(module, *args, stdin=None, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+@pytest.fixture(scope="module")
+def launch(compile_cache_env):
+    """Runs a launcher to its end (the session's compilation cache unless ``--compilation_cache_dir``)."""
+    base = {**compile_cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+
+    def run(module, *args, stdin=None, timeout=300, env=None):
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env={**base, **(env or {})},
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def sandbox_url():
         yield server.url
 
 
-def test_evaluate_writes_samples_and_summary_and_resumes(tiny_policy_dir, sandbox_url, tmp_path):
+def test_evaluate_writes_samples_and_summary_and_resumes(launch, tiny_policy, sandbox_url, tmp_path):
     data = tmp_path / "arith.jsonl"
     data.write_text(
         json.dumps({"problem": ARITHMETIC, "answer": "42"})
@@ -57,9 +62,9 @@ def test_evaluate_writes_samples_and_summary_and_resumes(tiny_policy_dir, sandbo
         + json.dumps({"problem": ARITHMETIC, "answer": "41"})
         + "\n"
     )
-    work = tmp_path / "eval"
+    work, cache = tmp_path / "eval", tmp_path / "cache"
     args = [
-        f"--model={tiny_policy_dir}",
+        f"--model={tiny_policy.path}",
         f"--datasets={data}",
         f"--workdir={work}",
         "--samples=3",
@@ -67,9 +72,17 @@ def test_evaluate_writes_samples_and_summary_and_resumes(tiny_policy_dir, sandbo
         "--max_turns=3",
         "--num_slots=6",
         f"--sandbox_url={sandbox_url}",
+        f"--compilation_cache_dir={cache}",
     ]
-    first = launch("experiments.evaluate", *args)
+    log_compiles = {"JAX_LOG_COMPILES": "1"}  # a persistent-cache hit is a log line
+    first = launch("experiments.evaluate", *args, env=log_compiles)
     assert first.returncode == 0, first.stderr[-3000:]
+    # The policy is prompted in the format recorded in its folder, without a flag.
+    line = "prompt format: recorded with the policy; system prompt none; assistant opener '<reason>'"
+    assert line in first.stdout
+    assert f"compilation cache: {cache} " in first.stdout
+    recorded = json.loads((work / "summary.json").read_text())["prompt"]
+    assert recorded == tiny_policy.prompt.to_json_dict()
     lines = (work / "samples.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == 6 and {(r["problem_index"], r["sample_index"]) for r in records} == {
@@ -89,8 +102,11 @@ def test_evaluate_writes_samples_and_summary_and_resumes(tiny_policy_dir, sandbo
     # problem only, with the samples an uninterrupted run wrote, and no line twice.
     kept = [line for line, r in zip(lines, records, strict=True) if r["problem_index"] == 0]
     (work / "samples.jsonl").write_text("\n".join(kept) + "\n" + lines[-1][:25])
-    second = launch("experiments.evaluate", *args)
+    second = launch("experiments.evaluate", *args, env=log_compiles)
     assert second.returncode == 0, second.stderr[-3000:]
+    # The first start filled the compilation cache, the second loads its programs from it.
+    assert "Persistent compilation cache hit" not in first.stderr and len(list(cache.iterdir())) > 10
+    assert second.stderr.count("Persistent compilation cache hit") > 10
     again = [json.loads(line) for line in (work / "samples.jsonl").read_text().splitlines()]
     key = lambda r: (r["problem_index"], r["sample_index"])  # noqa: E731
     assert sorted(again, key=key) == sorted(records, key=key)
@@ -98,7 +114,7 @@ def test_evaluate_writes_samples_and_summary_and_resumes(tiny_policy_dir, sandbo
     assert third.returncode == 0 and (work / "samples.jsonl").read_text().count("\n") == 6
 
 
-def test_chat_one_shot_shows_the_call_and_its_real_output(tiny_policy_dir, sandbox_url):
+def test_chat_one_shot_shows_the_call_and_its_real_output(launch, tiny_policy_dir, sandbox_url):
     result = launch(
         "experiments.chat",
         f"--model={tiny_policy_dir}",
@@ -113,7 +129,7 @@ def test_chat_one_shot_shows_the_call_and_its_real_output(tiny_policy_dir, sandb
     assert "<|im_end|>" not in out and '"arguments"' not in out  # the call is shown as code, not JSON
 
 
-def test_chat_interactive_exits_cleanly_at_end_of_input(tiny_policy_dir, sandbox_url):
+def test_chat_interactive_exits_cleanly_at_end_of_input(launch, tiny_policy_dir, sandbox_url):
     result = launch(
         "experiments.chat",
         f"--model={tiny_policy_dir}",
@@ -123,8 +139,68 @@ def test_chat_interactive_exits_cleanly_at_end_of_input(tiny_policy_dir, sandbox
         stdin=f"{HELLO}\n",
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    line = "prompt format: --prompt_format=bare; system prompt none; assistant opener '<reason>'"
+    assert line in result.stdout
     assert HELLO_ANSWER.removeprefix("<reason>") in result.stdout and result.stdout.rstrip().endswith("bye")
     assert "Unclosed" not in result.stderr and "Traceback" not in result.stderr  # no leaked aiohttp session
+
+
+def test_chat_format_flags_override_a_plain_folders_format(launch, plain_policy_dir, sandbox_url):
+    """A plain folder records no format (``prompt_format`` gives it the plain one, tested in test_format.py);
+    the flags replace the fields of the format in use."""
+    result = launch(
+        "experiments.chat",
+        f"--model={plain_policy_dir}",
+        f"--sandbox_url={sandbox_url}",
+        "--compilation_cache_dir=",
+        "--assistant_opener=<think>",
+        "--system_prompt=S",
+        stdin="",
+    )
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("bye"), result.stderr[-3000:]
+    assert "compilation cache: off" in result.stdout
+    assert (
+        "prompt format: plain (the policy folder records none) and --system_prompt, --assistant_opener; "
+        "system prompt 1 characters; assistant opener '<think>'"
+    ) in result.stdout
+
+
+def test_launchers_answer_bad_input_with_one_line_and_exit_2(tmp_path, compile_cache_env, tiny_policy_dir):
+    missing = tmp_path / "missing"
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"problem": ARITHMETIC, "answer": "42"}) + "\n")
+    evaluate = ["experiments.evaluate", f"--workdir={tmp_path / 'eval'}", f"--model={tiny_policy_dir}"]
+    no_model = f"--model={missing}: model {str(missing)!r}: no such folder"
+    cases = {
+        ("experiments.serve", f"--model={missing}"): no_model,
+        ("experiments.chat", f"--model={missing}"): no_model,
+        (*evaluate[:2], f"--model={missing}", f"--datasets={data}"): "no such folder",
+        (*evaluate, f"--datasets={missing}.jsonl"): f"--datasets: eval set '{missing}.jsonl' is neither",
+        (*evaluate, "--datasets=aime24,aime99"): "--datasets: eval set 'aime99' is neither an existing file",
+        (*evaluate, f"--datasets={data}", "--samples=0"): "--samples=0",
+        (*evaluate, f"--datasets={data}", "--prompt_format=papr"): "--prompt_format=papr",
+        ("experiments.serve", f"--model={tiny_policy_dir}", "--port=70000"): "--port=70000",
+    }
+    env = {**compile_cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    procs = {
+        args: subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        for args in cases
+    }  # fmt: skip
+    for args, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and err.count("\n") == 1 and err.startswith("error: "), (args, err)
+        assert cases[args] in err, (args, err)
+
+
+@pytest.mark.parametrize("module", ["experiments.serve", "experiments.evaluate", "experiments.chat"])
+def test_help_lists_the_format_and_cache_flags(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True)
+    flags = ["--compilation_cache_dir", "--system_prompt", "--assistant_opener"]
+    if module != "experiments.serve":
+        flags += ["--prompt_format", "--user_prefix"]
+    for flag in flags:
+        assert flag in done.stdout, (module, flag)
 
 
 def test_chat_turns_continue_the_template_rendering(tiny_policy, sandbox_url):

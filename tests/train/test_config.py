@@ -246,7 +246,7 @@ def test_shipped_configs_for_every_launcher(module, argument, kind):
         assert config.workdir.startswith("runs/other_demo/" if "," in argument else "runs/demo/")
         assert "python -m experiments.demo" in config.notice
     if kind == "rl":  # the policy is prompted as its SFT data were written
-        expected = demo.get_config().prompt if module is demo else {"paper": True}
+        expected = demo.get_config().prompt if module is demo else {"paper": None}  # the policy's own
         assert config.prompt.paper == expected["paper"]
     if module is tiny_cpu:
         assert "smoke test" in config.notice
@@ -282,6 +282,35 @@ def test_model_path_wins_over_an_inline_model_and_brings_its_tokenizer(tmp_path,
     assert tokenizer_path(config) == str(folder)
     config.tokenizer = str(tmp_path / "other")
     assert tokenizer_path(config) == str(tmp_path / "other")  # an explicit tokenizer wins
+
+
+def test_the_prompt_is_the_model_folders_unless_the_config_says(tmp_path, tiny_model):
+    """``prompt.paper`` None (the default) prompts in the format an exported policy records
+    (``save_pretrained(..., prompt=)``); a folder recording none, and no folder, give the paper's prompt;
+    True / False say it in the config. A format file that does not parse fails validation, naming it."""
+    from rstar2jax import models
+    from rstar2jax.data.conversation import PROMPT_CONFIG_FILE, PromptConfig
+    from rstar2jax.train.config import prompt_from_config
+
+    model_config, params = tiny_model
+    config = tiny_cpu.get_config()
+    assert config.prompt.paper is None and prompt_from_config(config) == PromptConfig()
+    recorded = PromptConfig(system_prompt="", assistant_opener="<think>", list_tools=False)
+    models.save_pretrained(params, model_config, tmp_path / "plain")
+    models.save_pretrained(params, model_config, tmp_path / "policy", prompt=recorded)
+    config.model.path = str(tmp_path / "plain")
+    assert prompt_from_config(config) == PromptConfig()
+    config.model.path = str(tmp_path / "policy")
+    assert prompt_from_config(config) == recorded
+    validate_rl_config(config, check_data=False)
+    config.prompt.paper = True
+    assert prompt_from_config(config) == PromptConfig()
+    config.prompt.paper, config.prompt.system_prompt = False, "Be brief."
+    assert prompt_from_config(config) == PromptConfig(system_prompt="Be brief.", user_prefix="")
+    config.prompt.paper = None
+    (tmp_path / "policy" / PROMPT_CONFIG_FILE).write_text("{")
+    with pytest.raises(ConfigError, match=f"config.model.path=.*{PROMPT_CONFIG_FILE}: not valid JSON"):
+        validate_rl_config(config, check_data=False)
 
 
 def test_model_preset_field():

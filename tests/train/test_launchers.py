@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from tests.conftest import REPO_ROOT
 
 
@@ -138,6 +139,9 @@ def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
     lr = [r["learning_rate"] for r in records]  # 3 warm-up steps (25% of 9), then cosine decay to 0
     np.testing.assert_allclose(lr[:3], [0.01 / 3, 0.02 / 3, 0.01], rtol=1e-5)
     assert lr[3] == lr[2] and all(a > b for a, b in zip(lr[3:], lr[4:], strict=False)) and lr[-1] < 0.001
+    # The exported policy records the config's conversation format (pre-tokenised data name no opener).
+    assert load_prompt_config(run / "policy") == PromptConfig()
+    assert f"compilation cache: {compile_cache_env['JAX_COMPILATION_CACHE_DIR']} " in first.stdout
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path, compile_cache_env):
@@ -182,3 +186,46 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path, compile_cac
         f"interrupted: checkpoint of step {saved} saved in {checkpoints}; run the same command to resume"
     ), stderr
     assert "Traceback" not in stderr and 2 <= saved < 100000
+
+
+def test_compilation_cache_folder_defaults_and_switch(monkeypatch, tmp_path):
+    """Default: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/rstar2jax/jax, else ~/.cache/rstar2jax/jax;
+    enabling lifts the thresholds that keep small (CPU) programs out, unless the environment sets them; ''
+    turns the cache off. JAX's settings are restored afterwards (nothing compiles in between)."""
+    import jax
+
+    from experiments import _launch
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        monkeypatch.delenv(name, raising=False)
+    assert _launch.default_compilation_cache_dir() == str(tmp_path / "home" / ".cache" / "rstar2jax" / "jax")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _launch.default_compilation_cache_dir() == str(tmp_path / "xdg" / "rstar2jax" / "jax")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert _launch.default_compilation_cache_dir() == str(tmp_path / "jax")
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_enable_compilation_cache",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {name: jax.config.values[name] for name in names}
+    try:
+        assert _launch.enable_compilation_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+        assert jax.config.values["jax_compilation_cache_dir"] == str(tmp_path / "c")
+        assert jax.config.values["jax_enable_compilation_cache"] is True
+        assert jax.config.values["jax_persistent_cache_min_compile_time_secs"] == 0
+        assert jax.config.values["jax_persistent_cache_min_entry_size_bytes"] == -1
+        assert _launch.compilation_cache_line().startswith(f"compilation cache: {tmp_path / 'c'} ")
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
+        _launch.enable_compilation_cache(str(tmp_path / "c"))
+        assert jax.config.values["jax_persistent_cache_min_compile_time_secs"] == 2.0  # the user's
+        assert _launch.enable_compilation_cache("") is None
+        assert jax.config.values["jax_enable_compilation_cache"] is False
+        assert _launch.compilation_cache_line() == "compilation cache: off"
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
