@@ -55,7 +55,8 @@ def failure_kind(result: Any) -> str | None:
             return "rejected" if 400 <= int(error_type[4:]) < 500 else "outage"
         if error_type == "ClientClosed":  # the run is shutting down: not something to wait out
             return None
-        return "outage"  # the client's own failures (_UNANSWERED) and the server's "could not run it"
+        return "outage"  # the client's own failures (no answer, a malformed one) and the server's "could not
+        # run it" (its own internal status: safe to retry)
     if result.status == "killed" and error_type == _WORKER_DIED:
         return "worker"
     return None
@@ -164,7 +165,8 @@ class OutageTracker:
                               "workers and the call runs again")
                 if tries >= self.worker_retries:
                     return result
-            self.retried_calls += not tries
+            if not tries:
+                self.retried_calls += 1
             self.attempts += 1
             tries += 1
             if kind == "outage":
@@ -183,7 +185,7 @@ class OutageTracker:
                       f"{budget:g} s")
         waited = now - self.down_since
         if waited >= budget:
-            self.raise_unavailable(waited)
+            self._raise_unavailable(waited)
         back = self._back
         await self._maybe_restart()
         try:
@@ -191,7 +193,7 @@ class OutageTracker:
         except TimeoutError:
             pass
 
-    def raise_unavailable(self, waited: float) -> None:
+    def _raise_unavailable(self, waited: float) -> None:
         restarts = f", restarted it {self.restarts} times" if self.restarts else ""
         backoff = self.policy.backoff
         raise SandboxUnavailable(

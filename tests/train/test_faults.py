@@ -9,7 +9,8 @@ through a real sandbox server and every answer graded by a real verifier pool, w
   interrupted step not counted; a rerun with a live sandbox resumes and trains the rest exactly;
 * a NaN gradient: the update is skipped and logged, ``rl.max_nonfinite_steps`` in a row stop the run;
 * a checkpoint write failing half-way: the run stops naming the folder; the previous checkpoint is the one a
-  resume uses.
+  resume uses;
+* a step whose every trajectory was lost to the sandbox: not counted.
 """
 
 from __future__ import annotations
@@ -26,10 +27,19 @@ import orbax.checkpoint as ocp
 import pytest
 
 from rstar2jax.agent import SandboxResult, format_tool_result, render_prompt_ids, render_prompt_text
+from rstar2jax.data.problems import Problem
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
-from rstar2jax.train import Checkpointer
+from rstar2jax.train import (
+    Checkpointer,
+    EmptyRollout,
+    RLIterationConfig,
+    init_train_state,
+    make_optimizer,
+    rl_iteration,
+)
 from tests.agent.test_rollout import call_text
 from tests.conftest import REPO_ROOT
+from tests.train.conftest import copy_tree
 from tests.train.faulty import (
     AGENT_MAX_RESPONSE,
     ANSWERS,
@@ -203,3 +213,25 @@ def test_the_launcher_restarts_the_sandbox_it_started_and_not_one_it_was_given(m
     assert owned.outage.budget_s == given.outage.budget_s == 42.0 and len(started) == 1
     assert owned.outage.restart == started[0].restart_if_dead and owned.sandbox.urls == ["http://127.0.0.1:1"]
     assert given.outage.restart is None and given.sandbox.urls == ["http://127.0.0.1:2"]
+
+
+def test_a_step_left_with_no_trajectory_is_not_counted(tiny_model):
+    """Every trajectory of a step failed for the sandbox's reasons (a rollout that dropped them all): the
+    iteration stops before any update, rather than training on an empty batch and counting the step."""
+    config, params = tiny_model
+    state = init_train_state(copy_tree(params), make_optimizer(), 0)
+    problems = [Problem("a", "1 + 1?", "2"), Problem("b", "2 + 2?", "4")]
+
+    def all_dropped(params, problems, **options):
+        all_dropped.last_stats = {"trajectories_dropped_for_sandbox_failures": 8}
+        return []
+
+    def no_update(state, batch):
+        raise AssertionError("no update may run")
+
+    lost = r"^the rollout of step 1 left no trajectory to train on for its 2 problems \(\{'trajectories_drop"
+    with pytest.raises(EmptyRollout, match=lost):
+        rl_iteration(state, problems, rollout_fn=all_dropped, rl_step=no_update,
+                     config=RLIterationConfig(samples_per_problem=4, keep=2, seq_len=32),
+                     max_response_length=16, max_turns=2)
+    assert int(state.step) == 0
