@@ -748,9 +748,9 @@ class PolicyRollout:
         kept, dropped = drop_infra_failures(trajectories)
         self.last_stats = {**stats, "trajectories_dropped_for_sandbox_failures": dropped}
         if stats["sandbox_retried_calls"] or dropped:
-            print(f"rollout: {stats['sandbox_retried_calls']:g} sandbox calls retried, "
-                  f"{stats['sandbox_outage_s']:.1f} s of sandbox outage, {stats['sandbox_restarts']:g} "
-                  f"restarts; {len(kept)} of {len(trajectories)} trajectories kept", flush=True)
+            print(f"rollout: sandbox calls retried {stats['sandbox_retried_calls']:g}, outage "
+                  f"{stats['sandbox_outage_s']:.1f} s, restarts {stats['sandbox_restarts']:g}; "
+                  f"{len(kept)} of {len(trajectories)} trajectories kept", flush=True)
         return (kept, unfinished) if partial else kept
 
     def make_engine(self, params, engine_config: EngineConfig, policy_version: int) -> RolloutEngine:

@@ -516,7 +516,7 @@ def train_rl(
 RL_ALERTS = (
     ("rollout/sandbox_outage_s", "sandbox down {:.1f} s"),
     ("rollout/sandbox_retried_calls", "{:g} sandbox calls retried"),
-    ("rollout/sandbox_restarts", "sandbox restarted {:g} times"),
+    ("rollout/sandbox_restarts", "sandbox restarts {:g}"),
     ("rollout/trajectories_dropped_for_sandbox_failures", "{:g} trajectories dropped for sandbox failures"),
     (UPDATE_SKIPPED, "update skipped (non-finite loss or gradient)"),
 )
