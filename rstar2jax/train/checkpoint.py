@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 import jax
@@ -167,6 +169,18 @@ class Checkpointer:
             self._finish()
         finally:
             self._manager.close()
+            if self.write_failed:
+                _join_orbax_writers()
+
+
+def _join_orbax_writers(timeout_s: float = 30.0) -> None:
+    """After a failed save: orbax stops waiting for a save at its first failed writer and leaves the others
+    running; let them end now (within ``timeout_s``), so none outlives the process's thread pools (it would
+    print a traceback after the run's one-line error)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if type(thread).__module__.startswith("orbax.") and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def abstract_like(state: TrainState) -> TrainState:
