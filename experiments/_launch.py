@@ -10,7 +10,10 @@
   programs the first one compiled instead of compiling them again;
 - Ctrl-C: the training loop finishes its step, saves a checkpoint and the launcher exits (status 130) with
   one line saying where; a second Ctrl-C stops at once. SIGTERM (a scheduler's preemption) does the same as
-  the first Ctrl-C.
+  the first Ctrl-C;
+- a fault the run cannot ride out (a sandbox that stayed down past ``rollout.sandbox_outage_s``, too many
+  non-finite steps in a row, a checkpoint that could not be written): one line ``error: ...`` saying what
+  happened and which checkpoint a rerun resumes from, exit 3.
 
   from experiments import _launch
   if __name__ == "__main__":
@@ -33,6 +36,8 @@ from absl import app, flags, logging
 CONFIG_ERROR_EXIT = 2
 #: Exit status after an interruption (128 + SIGINT, as a shell reports it).
 INTERRUPTED_EXIT = 130
+#: Exit status of a run stopped by a fault it cannot ride out (the last finished step's checkpoint is kept).
+FAULT_EXIT = 3
 PRINT_CONFIG_HELP = "List every config field (after overrides) with its value and meaning, then exit."
 
 _announced: list[pathlib.Path] = []  # checkpoint folders of this invocation, for the interruption line
@@ -40,10 +45,10 @@ COMPILATION_CACHE_FLAG = "compilation_cache_dir"
 _compilation_cache: list[str | None] = []  # the folder this invocation caches programs in (None: off)
 
 
-def fail(message: str) -> None:
-    """Prints ``error: message`` as one line on stderr and exits with ``CONFIG_ERROR_EXIT``."""
+def fail(message: str, status: int = CONFIG_ERROR_EXIT) -> None:
+    """Prints ``error: message`` as one line on stderr and exits with ``status``."""
     print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    sys.exit(CONFIG_ERROR_EXIT)
+    sys.exit(status)
 
 
 def _override_arg(argv: list[str], key: str) -> str:
@@ -187,13 +192,14 @@ def compilation_cache_line() -> str:
 
 def run(main: Callable[[list[str]], None]) -> None:
     """``absl.app.run(main)``: config errors (at parse time and in ``main``) reported in one line with exit 2,
-    interruptions in one line with exit 130; JAX's persistent compilation cache turned on first
-    (``--compilation_cache_dir``, defined here for every launcher). The library loads after the flags are
-    parsed, so ``--help`` and flag errors answer at once."""
+    interruptions in one line with exit 130, faults that stopped the run in one line with exit 3; JAX's
+    persistent compilation cache turned on first (``--compilation_cache_dir``, defined here for every
+    launcher). The library loads after the flags are parsed, so ``--help`` and flag errors answer at once."""
     _define_compilation_cache_flag()
 
     def guarded(argv):
-        from rstar2jax.train import ConfigError, Interrupted
+        from rstar2jax.agent.outage import SandboxUnavailable
+        from rstar2jax.train import CheckpointError, ConfigError, Interrupted, RunFault
 
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
@@ -204,6 +210,8 @@ def run(main: Callable[[list[str]], None]) -> None:
             main(argv)
         except ConfigError as e:
             fail(str(e))
+        except (SandboxUnavailable, RunFault, CheckpointError) as e:
+            fail(str(e), FAULT_EXIT)
         except Interrupted as e:
             print(
                 f"interrupted: checkpoint of step {e.step} saved in {e.checkpoints}; "

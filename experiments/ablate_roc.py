@@ -93,7 +93,9 @@ def run_ablation(
                     config, paths, workdir=out / name, seed=seed, roc_mode=mode
                 )
                 policy = out / name / "policy"
-                rollout_fn = policy_lib.policy_rollout(rl_config, server.url, prompt)
+                rollout_fn = policy_lib.policy_rollout(
+                    rl_config, server.url, prompt, restart_sandbox=server.restart_if_dead
+                )
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):

@@ -75,7 +75,8 @@ def main(argv):
             print(f"   {server.url}")
         recipe.prepare_policy(config, paths, server.url, timer)
         rl_config = recipe.rl_run_config(config, paths)
-        rollout_fn = policy_lib.policy_rollout(rl_config, server.url, policy_lib.prompt_from_config(config))
+        rollout_fn = policy_lib.policy_rollout(rl_config, server.url, policy_lib.prompt_from_config(config),
+                                               restart_sandbox=server.restart_if_dead)
         stack.callback(rollout_fn.close)
         before = recipe.evaluate_saved(
             config, paths.evaluation("sft"), paths.sft_policy, paths.eval_problems, rollout_fn, timer

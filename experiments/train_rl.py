@@ -7,8 +7,12 @@
 
 Any config field can be overridden: --config.rl.keep=8 --config.stages[0].steps=10 --config.mesh.fsdp=8.
 A run resumes from the latest checkpoint in its workdir; Ctrl-C saves a checkpoint and stops; a bad config
-value exits 2 naming the field. --dry_run compiles the update step for the configured
-mesh on abstract shapes (emulating CPU devices when the host has fewer) and prints per-device memory.
+value exits 2 naming the field. A sandbox that stops answering is waited for (rollout.sandbox_outage_s) and,
+when the run started it, restarted; a fault the run cannot ride out (the sandbox gone past that budget,
+rl.max_nonfinite_steps non-finite steps in a row, a failed checkpoint write) exits 3 with one line, keeping
+the last finished step's checkpoint, so the same command resumes. --dry_run compiles the update step for the
+configured mesh on abstract shapes (emulating CPU devices when the host has fewer) and prints per-device
+memory.
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ flags.mark_flag_as_required("config")
 
 def agent_rollout_fn(config, stack: contextlib.ExitStack):
     """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
-    sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run) and the answer verifier."""
+    sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run, restarted if it dies) and
+    the answer verifier."""
     from rstar2jax.train.policy import policy_rollout, prompt_from_config
 
-    url = config.rollout.sandbox_url
+    url, restart = config.rollout.sandbox_url, None
     if not url:
         from sandbox_server import start_local
 
-        url = stack.enter_context(start_local(workers=config.rollout.sandbox_workers)).url
-    rollout_fn = policy_rollout(config, url, prompt_from_config(config))
+        server = stack.enter_context(start_local(workers=config.rollout.sandbox_workers))
+        url, restart = server.url, server.restart_if_dead
+    rollout_fn = policy_rollout(config, url, prompt_from_config(config), restart_sandbox=restart)
     stack.callback(rollout_fn.close)
     return rollout_fn
 

@@ -36,6 +36,10 @@ _NAMES = {
         "rollout_async",
         "tool_outcome",
     ],
+    "rstar2jax.agent.outage": [
+        "OutagePolicy",
+        "SandboxUnavailable",
+    ],
     "rstar2jax.agent.sandbox_client": [
         "SandboxClient",
         "SandboxResult",

@@ -7,7 +7,9 @@ coroutine, and all of them share one event loop, so decoding, sandbox calls and 
 1. generate until ``</tool_call>``, the end of the assistant turn or the response budget;
 2. parse the call: a malformed one (bad JSON, unknown tool, bad arguments) becomes an error message that the
    model sees (outcome ``"parse_error"``); a valid one goes to the sandbox at once (outcome: the sandbox
-   status, or ``"unreachable"`` when the service could not be reached);
+   status). A sandbox that does not answer is waited for (:mod:`rstar2jax.agent.outage`: back-off until it
+   answers or the outage budget runs out, then :class:`~rstar2jax.agent.outage.SandboxUnavailable`), so an
+   outage never reaches the model;
 3. append the results as one ``<tool_response>`` user turn plus the next assistant opener (loss mask 0,
    :func:`~rstar2jax.data.conversation.tool_response_ids`) and go back to 1.
 
@@ -51,6 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from rstar2jax.agent.outage import OutagePolicy, OutageTracker
 from rstar2jax.data.conversation import (
     PromptConfig,
     encode_text,
@@ -69,8 +72,9 @@ from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
 # ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
 _CLIENT_FAILURE_TYPES = frozenset(
     {"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse", "Unreachable"})
-# Outcomes that are the sandbox service's fault, never the model's: retried, and a trajectory left with one is
-# dropped by :class:`PolicyRollout` rather than penalised by RoC.
+# Outcomes that are the sandbox service's fault, never the model's: waited out or retried (outage.py), and a
+# trajectory still left with one (a call whose worker died under it every time) is dropped by
+# :class:`PolicyRollout` rather than penalised by RoC.
 INFRA_OUTCOMES = frozenset({"unreachable", "internal"})
 
 
@@ -91,9 +95,10 @@ class RolloutConfig:
         engine derives seeds from its own seed and the opening order.
       segment_tokens: sample at most this many tokens between looks at the text (for showing it live,
         :func:`converse_async`'s observer); None: a whole turn at once. Either way the tokens are the same.
-      tool_infra_retries: a one-shot call whose result is a sandbox infrastructure failure (outcome
-        ``"unreachable"`` or ``"internal"``: no server, a dead worker; never the model's own error) is run
-        again up to this many times.
+      tool_infra_retries: a one-shot call whose worker died under it (``killed`` / ``WorkerDied``: the
+        service answered, the call did not run to its end) is run again up to this many times. A service that
+        does not answer at all is waited for instead, under the rollout's
+        :class:`~rstar2jax.agent.outage.OutagePolicy`.
       stateful_tool: each trajectory's calls run in one sandbox session (Jupyter-like: variables persist
         across its turns; an unguessable id per trajectory, closed when it ends). Off by default (the paper's
         tool is stateless).
@@ -186,6 +191,8 @@ def tool_outcome(result: Any) -> str:
         return "unreachable"
     if result.status == "killed" and error_type in ("WorkerDied", "SessionClosed"):
         return "internal"  # its worker died, or the server closed the session (idle past its TTL)
+    if error_type == "SessionNotFound":
+        return "internal"  # the server lost the session this client opened (it was restarted)
     return result.status
 
 
@@ -308,10 +315,11 @@ class _Rollout:
 
     def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
                  verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None,
-                 stats: collections.Counter | None = None, token_budget: int | None = None):
+                 token_budget: int | None = None, outage: OutagePolicy | None = None):
         self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
             engine, sandbox, tokenizer, verifier, config)
-        self.stats = collections.Counter() if stats is None else stats
+        where = ", ".join(getattr(sandbox, "urls", ())) or "service"
+        self.outage = OutageTracker(outage or OutagePolicy(), where, worker_retries=config.tool_infra_retries)
         self.token_budget = token_budget
         self.sampled = 0  # tokens the sessions of this call sampled, together
         if not tokenizer.eos_token:
@@ -421,8 +429,7 @@ class _Rollout:
         )
 
     async def execute(self, call: ToolCall | ToolCallError, session: str | None = None) -> tuple[str, str]:
-        """(outcome, text the model sees) of one parsed call; infrastructure failures of a one-shot call are
-        retried (``RolloutConfig.tool_infra_retries``), a session call's never (its state may have moved)."""
+        """(outcome, text the model sees) of one parsed call, run under the rollout's outage policy."""
         limit = self.config.tool_output_chars
         if self.observer is not None:
             self.observer.on_call(call)
@@ -430,13 +437,10 @@ class _Rollout:
             outcome, response = "parse_error", truncate_middle(call.message, limit)
         else:
             extra = {} if session is None else {"session": session}
-            for attempt in range(1 + (self.config.tool_infra_retries if session is None else 0)):
-                if attempt:
-                    self.stats["sandbox_retried_calls"] += 1
-                result = await self.sandbox.run(call.code, stdin=call.input, timeout=self.config.tool_timeout,
-                                                **extra)
-                if tool_outcome(result) not in INFRA_OUTCOMES:
-                    break
+            timeout = self.config.tool_timeout
+            result = await self.outage.call(
+                lambda: self.sandbox.run(call.code, stdin=call.input, timeout=timeout, **extra),
+                session=session is not None)
             outcome, response = tool_outcome(result), format_tool_result(result, limit)
         if self.observer is not None:
             self.observer.on_result(call, outcome, response)
@@ -529,6 +533,7 @@ async def rollout_async(
     stats: collections.Counter | None = None,
     token_budget: int | None = None,
     resume: Sequence[PartialRollout] = (),
+    outage: OutagePolicy | None = None,
 ) -> list[Trajectory | PartialRollout]:
     """Roll out every problem ``samples_per_problem`` times with the tool, concurrently; see the module doc.
 
@@ -541,12 +546,15 @@ async def rollout_async(
       tokenizer: the policy's tokenizer (its chat template frames prompts and tool responses).
       verifier: grades final answers; None: the process-wide :func:`~rstar2jax.reward.default_verifier`.
       config: limits, sampling and prompt.
-      stats: if given, counts are added to it (``"sandbox_retried_calls"``).
+      stats: if given, the sandbox counts of :meth:`~rstar2jax.agent.outage.OutageTracker.stats` are added
+        to it (seconds of outage, calls retried, restarts, worker deaths).
       token_budget: partial rollouts (see the module doc): once the sessions have sampled this many tokens
         together, each stops at its next segment boundary and comes back as a :class:`PartialRollout`
         (``config.segment_tokens`` bounds how far past the budget a session can go). None: no budget.
       resume: partial rollouts of earlier calls to go on with (this call's ``engine`` samples their new
         tokens; ``config.max_response_length`` must be the one they started with).
+      outage: how long and how to wait for a sandbox that does not answer (default ``OutagePolicy()``: up
+        to 300 s); past it :class:`~rstar2jax.agent.outage.SandboxUnavailable` is raised.
 
     Returns:
       The resumed rollouts (in ``resume`` order), then ``len(problems) * samples_per_problem`` rollouts,
@@ -566,11 +574,13 @@ async def rollout_async(
     for i, partial in enumerate(resume):
         if not isinstance(partial, PartialRollout):
             raise TypeError(f"resume[{i}] is a {type(partial).__name__}, expected a PartialRollout")
-    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config, stats=stats,
-                   token_budget=token_budget)
+    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config,
+                   token_budget=token_budget, outage=outage)
     groups = await _gather_or_cancel(
         [run.resume(p) for p in resume]
         + [run.problem(i, p, samples_per_problem) for i, p in enumerate(problems)])
+    if stats is not None:
+        stats.update(run.outage.stats())
     resumed, groups = groups[: len(resume)], groups[len(resume):]
     return resumed + [trajectory for group in groups for trajectory in group]
 
@@ -634,6 +644,7 @@ def rollout(
     stats: collections.Counter | None = None,
     token_budget: int | None = None,
     resume: Sequence[PartialRollout] = (),
+    outage: OutagePolicy | None = None,
 ) -> list[Trajectory | PartialRollout]:
     """Blocking :func:`rollout_async` for notebooks and scripts (it works inside Jupyter's running loop).
 
@@ -647,7 +658,7 @@ def rollout(
         async with engine:
             return await rollout_async(problems, samples_per_problem, engine=engine, sandbox=sandbox,
                                        tokenizer=tokenizer, verifier=verifier, config=config, stats=stats,
-                                       token_budget=token_budget, resume=resume)
+                                       token_budget=token_budget, resume=resume, outage=outage)
 
     future = asyncio.run_coroutine_threadsafe(run(), _rollout_loop())
     try:
@@ -679,12 +690,17 @@ class PolicyRollout:
       max_prompt_length: the longest rendered prompt the engine must hold.
       config: everything but ``max_response_length``, ``max_turns`` and ``seed``, which each call sets.
       verifier: grades final answers; None: the process-wide default.
+      outage: how long and how to wait for a sandbox that does not answer (:mod:`rstar2jax.agent.outage`);
+        past its budget a call raises :class:`~rstar2jax.agent.outage.SandboxUnavailable`.
 
-    A trajectory whose tool call still failed for the sandbox's own reasons after the retries (an
-    :data:`INFRA_OUTCOMES` outcome: no server, a dead worker) is dropped from its group, so the RoC
-    tool-error penalty never counts the server's fault against the model (the trainer accepts groups
-    smaller than ``samples_per_problem``). Each call's counts are in :attr:`last_stats`:
-    ``sandbox_retried_calls`` and ``trajectories_dropped_for_sandbox_failures``.
+    A sandbox outage shorter than the budget costs time, not trajectories: the calls wait and every session
+    keeps its tokens. A trajectory whose tool call still failed for the sandbox's own reasons (its worker
+    died under it every time it ran: an :data:`INFRA_OUTCOMES` outcome) is dropped from its group, so the
+    RoC tool-error penalty never counts the server's fault against the model (the trainer accepts groups
+    smaller than ``samples_per_problem``). Each call's counts are in :attr:`last_stats`, which the trainer
+    logs as ``rollout/<name>``: ``sandbox_outage_s``, ``sandbox_outages``, ``sandbox_retried_calls``,
+    ``sandbox_restarts``, ``sandbox_worker_deaths`` and ``trajectories_dropped_for_sandbox_failures``; a
+    call that met an outage or dropped anything says so in one line.
 
     ``policy_version`` (the trainer step of ``params``) tags the sampled tokens. Partial rollouts: with
     ``token_budget`` the call returns ``(finished trajectories, unfinished PartialRollouts)``, and ``resume``
@@ -702,6 +718,7 @@ class PolicyRollout:
     config: RolloutConfig = RolloutConfig()
     verifier: AnswerVerifier | None = None
     partial_segment_tokens: int = 64
+    outage: OutagePolicy = OutagePolicy()
     last_stats: dict = dataclasses.field(default_factory=dict, init=False)
 
     def __post_init__(self):
@@ -721,19 +738,24 @@ class PolicyRollout:
         if partial and config.segment_tokens is None:
             config = dataclasses.replace(config, segment_tokens=self.partial_segment_tokens)
         stats = collections.Counter()
-        engine = Engine(params, self.model_config, engine_config, policy_version=policy_version)
+        self.last_stats = {}
+        engine = self.make_engine(params, engine_config, policy_version)
         results = rollout(problems, samples_per_problem, engine=engine, sandbox=self.sandbox,
                           tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats,
-                          token_budget=token_budget, resume=resume)
+                          token_budget=token_budget, resume=resume, outage=self.outage)
         trajectories = [t for t in results if isinstance(t, Trajectory)]
         unfinished = [t for t in results if isinstance(t, PartialRollout)]
         kept, dropped = drop_infra_failures(trajectories)
-        self.last_stats = {"sandbox_retried_calls": stats["sandbox_retried_calls"],
-                           "trajectories_dropped_for_sandbox_failures": dropped}
-        if dropped:
-            print(f"rollout: dropped {dropped} of {len(trajectories)} trajectories for sandbox failures "
-                  f"(after {stats['sandbox_retried_calls']} retried calls)", flush=True)
+        self.last_stats = {**stats, "trajectories_dropped_for_sandbox_failures": dropped}
+        if stats["sandbox_retried_calls"] or dropped:
+            print(f"rollout: sandbox calls retried {stats['sandbox_retried_calls']:g}, outage "
+                  f"{stats['sandbox_outage_s']:.1f} s, restarts {stats['sandbox_restarts']:g}; "
+                  f"{len(kept)} of {len(trajectories)} trajectories kept", flush=True)
         return (kept, unfinished) if partial else kept
+
+    def make_engine(self, params, engine_config: EngineConfig, policy_version: int) -> RolloutEngine:
+        """The engine one call samples with (not started: :func:`rollout` runs it)."""
+        return Engine(params, self.model_config, engine_config, policy_version=policy_version)
 
     def close(self) -> None:
         """Close the sandbox client (on the loop it was used from), if it has an async ``close``."""

@@ -4,7 +4,10 @@ math-verify bounds its own run time with ``signal.alarm``, which only works in a
 called from a worker thread or an event loop's executor it raises, and a caller that maps that to reward 0
 silently zeroes every reward. Here each comparison runs in a child process with math-verify's timeouts
 disabled, and the parent enforces a deadline: a comparison that hangs (sympy on ``9^{9^{9^{9}}}``) scores 0
-with a logged reason, and its worker is killed and replaced while the other workers keep serving.
+with a logged reason, and its worker is killed and replaced while the other workers keep serving. A worker
+that dies (killed, crashed; the whole pool at once included) is replaced too, and a comparison it was
+running is verified again on its replacement: a crash never scores an answer 0 unless the same answer
+killed ``crash_retries + 1`` workers in a row.
 
 The blocking core is thread-safe; :meth:`AnswerVerifier.grade` runs it on a private thread pool, so an
 asyncio loop never blocks on verification.
@@ -104,6 +107,7 @@ class AnswerVerifier:
       timeout_s: deadline for one math-verify comparison, counted from when a worker takes it.
       start_timeout_s: how long a new worker may take to import math-verify before it counts as failed.
       memory_limit_bytes: address-space limit per worker (``None``: unlimited).
+      crash_retries: times a comparison whose worker died under it is verified again on a new worker.
 
     Workers are fresh interpreters (``python -m rstar2jax.reward._math_verify_worker``) connected by a
     socket pair: never a fork of the (possibly multi-threaded JAX) parent, and unlike multiprocessing's
@@ -120,6 +124,7 @@ class AnswerVerifier:
         timeout_s: float = 5.0,
         start_timeout_s: float = 120.0,
         memory_limit_bytes: int | None = _DEFAULT_MEMORY_LIMIT,
+        crash_retries: int = 2,
     ):
         num_workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         if num_workers < 1:
@@ -128,10 +133,13 @@ class AnswerVerifier:
             raise ValueError(
                 f"timeouts must be positive, got timeout_s={timeout_s}, start_timeout_s={start_timeout_s}"
             )
+        if not isinstance(crash_retries, int) or crash_retries < 0:
+            raise ValueError(f"crash_retries must be an int >= 0, got {crash_retries!r}")
         if os.name != "posix":
             raise RuntimeError("AnswerVerifier needs a POSIX system (it passes a socket to its workers)")
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
+        self.crash_retries = crash_retries
         self._memory_limit_bytes = memory_limit_bytes
         self._lock = threading.Lock()
         self._closed = False
@@ -199,22 +207,31 @@ class AnswerVerifier:
         raise RuntimeError(f"answer-verifier worker {problem}")
 
     def _compare_blocking(self, gold: str, answer: str) -> tuple[bool, str]:
-        worker = self._acquire()
-        try:
-            worker.conn.send((gold, answer))
-            if worker.conn.poll(self.timeout_s):
+        error: BaseException | None = None
+        for _ in range(1 + self.crash_retries):
+            worker = self._acquire()
+            try:
+                worker.conn.send((gold, answer))
+                if not worker.conn.poll(self.timeout_s):
+                    self._replace(worker)
+                    return self._scored_zero(f"math-verify timed out after {self.timeout_s} s", gold, answer)
                 reply = worker.conn.recv()
-                self._idle.put(worker)
-                return reply
-            reason = f"math-verify timed out after {self.timeout_s} s"
-        except (EOFError, OSError) as e:
-            if self._closed:
-                raise RuntimeError("AnswerVerifier is closed") from e
-            reason = f"verifier worker died ({type(e).__name__}: {e})"
-        logger.warning(
-            "answer scored 0: %s; gold=%r answer=%r; replacing the worker", reason, gold, answer[:200]
-        )
-        self._replace(worker)
+            except (EOFError, OSError) as e:
+                if self._closed:
+                    raise RuntimeError("AnswerVerifier is closed") from e
+                logger.warning("answer-verifier worker died during a comparison; replacing it and verifying "
+                               "the answer again")
+                self._replace(worker)
+                error = e
+                continue
+            self._idle.put(worker)
+            return reply
+        reason = f"verifier workers died {1 + self.crash_retries} times on this answer ({error!r})"
+        return self._scored_zero(reason, gold, answer)
+
+    @staticmethod
+    def _scored_zero(reason: str, gold: str, answer: str) -> tuple[bool, str]:
+        logger.warning("answer scored 0: %s; gold=%r answer=%r", reason, gold, answer[:200])
         return False, reason
 
     def grade_blocking(self, response_text: str, gold: str | int) -> AnswerGrade:

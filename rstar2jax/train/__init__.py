@@ -6,7 +6,7 @@ Importing this package does not start JAX's backends, so launchers can still req
 
 from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_sequence
 from rstar2jax.data.sft_data import load_sft_sequences
-from rstar2jax.train.checkpoint import Checkpointer, CheckpointError
+from rstar2jax.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
 from rstar2jax.train.config import (
     ConfigError,
     rl_config,
@@ -16,6 +16,7 @@ from rstar2jax.train.config import (
     validate_rl_config,
     validate_sft_config,
 )
+from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
 from rstar2jax.train.metrics import MetricsLogger
 from rstar2jax.train.rl import (
     RLIterationConfig,
@@ -60,13 +61,17 @@ from rstar2jax.train.steps import (
 __all__ = [
     "Batch",
     "CheckpointError",
+    "CheckpointWriteError",
     "Checkpointer",
     "ConfigError",
+    "EmptyRollout",
     "Interrupted",
     "MetricsLogger",
+    "NonFiniteUpdates",
     "RLIterationConfig",
     "RLLossConfig",
     "RolloutCarry",
+    "RunFault",
     "RunPaths",
     "TokenSequence",
     "TrainState",

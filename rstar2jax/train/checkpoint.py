@@ -3,6 +3,9 @@ needs to continue exactly (stage, step inside the stage, data-iterator position,
 
 Saves are asynchronous (the device-to-host copy happens before ``save`` returns, so the state can be donated
 to the next step right away); a save interrupted by a crash leaves a temporary folder that restore ignores.
+A save that fails (a full disk, a write error) raises :class:`CheckpointWriteError` naming the step folder it
+was writing, at the next ``save``, ``wait`` or ``close`` when it ran in the background; the checkpoints
+written before it stay, and a resume uses the newest of them.
 A latest checkpoint that cannot be read (a partial or damaged step folder: missing or truncated files, a
 broken JSON record) is reported in one line and moved aside to ``<step>.unreadable``, and the next older one
 is restored instead.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 import jax
@@ -21,7 +26,12 @@ from rstar2jax.train.state import TrainState
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be restored; the one-line message names its folder and the cause."""
+    """A checkpoint could not be restored or written; the one-line message names its folder and the cause."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed; the message names the folder, the cause and the checkpoint a resume
+    uses instead."""
 
 
 def _one_line(error: BaseException, limit: int = 200) -> str:
@@ -55,6 +65,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             os.path.abspath(directory), options=options, item_names=("state", "meta")
         )
+        self._writing: int | None = None  # the step whose save may still be running in the background
+        self.write_failed = False  # a save failed: later saves would write on the same broken storage
 
     @property
     def latest_step(self) -> int | None:
@@ -66,11 +78,39 @@ class Checkpointer:
             self._manager.latest_step() == step
         ):  # already saved (e.g. the exit save right after a periodic one)
             return False
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
+        if not (force or self._manager.should_save(step)):
+            return False
+        self._finish()  # (orbax waits for it too): a failure of that save names its own step
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        except Exception as error:  # orbax / tensorstore / the file system raise many kinds
+            raise self._write_error(step, error) from error
+        self._writing = step if saved else None
+        return saved
+
+    def _finish(self) -> None:
+        """Waits for the background save; its failure raises ``CheckpointWriteError`` naming its step."""
+        step, self._writing = self._writing, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._write_error(step, error) from error
+
+    def _write_error(self, step: int | None, error: BaseException) -> CheckpointWriteError:
+        self.write_failed = True
+        self._manager.reload()  # the failed step is not a checkpoint
+        latest = self._manager.latest_step()
+        kept = (
+            f"checkpoint {os.path.join(self.directory, str(latest))} is the one a resume uses"
+            if latest is not None
+            else "no checkpoint was written before it: a rerun starts afresh"
         )
+        folder = os.path.join(self.directory, str(step) if step is not None else "<step>")
+        return CheckpointWriteError(f"writing checkpoint {folder} failed ({_one_line(error)}); {kept}")
 
     def restore(self, abstract_state: TrainState, step: int | None = None) -> tuple[TrainState, dict] | None:
         """The state (placed as ``abstract_state``'s shardings) and meta of ``step`` (default: the newest
@@ -121,12 +161,26 @@ class Checkpointer:
         return os.fspath(self._manager.directory)
 
     def wait(self) -> None:
-        """Blocks until pending asynchronous saves are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until pending asynchronous saves are on disk (``CheckpointWriteError`` if one failed)."""
+        self._finish()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._finish()
+        finally:
+            self._manager.close()
+            if self.write_failed:
+                _join_orbax_writers()
+
+
+def _join_orbax_writers(timeout_s: float = 30.0) -> None:
+    """After a failed save: orbax stops waiting for a save at its first failed writer and leaves the others
+    running; let them end now (within ``timeout_s``), so none outlives the process's thread pools (it would
+    print a traceback after the run's one-line error)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if type(thread).__module__.startswith("orbax.") and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def abstract_like(state: TrainState) -> TrainState:

@@ -138,6 +138,8 @@ def rl_config() -> ml_collections.ConfigDict:
             # 1: step n+1's rollout is generated with step n's parameters before step n's update (one-step
             # off-policy; needs the rollout correction below). 0: synchronous on-policy.
             off_policy_steps=0,
+            # A step with a non-finite loss or gradient skips its update; this many in a row stop the run.
+            max_nonfinite_steps=3,
         )
     )
     c.batch = ml_collections.ConfigDict(dict(max_prompt_length=1024, pack=True))
@@ -151,6 +153,7 @@ def rl_config() -> ml_collections.ConfigDict:
             tool_output_chars=2048,
             sandbox_url="",
             sandbox_workers=2,
+            sandbox_outage_s=300.0,  # how long tool calls wait for a sandbox that does not answer
             engine_slots=64,
             kv_cache_tokens=0,  # tokens the engine's KV pool holds; 0: engine_slots x the longest sequence
             # Partial rollouts: > 0 stops a step's rollouts once they sampled this many tokens; finished
@@ -297,6 +300,8 @@ FIELD_HELP = {
     "rl.overlong_penalty_factor": "DAPO soft overlong penalty at the budget (reward - factor)",
     "rl.off_policy_steps": "1: roll out step n+1 with step n's parameters before step n's update (one-step "
     "off-policy, needs loss.old_logprobs='recompute' and a rollout correction); 0: on-policy",
+    "rl.max_nonfinite_steps": "a step with a non-finite loss or gradient skips its update; this many in a "
+    "row stop the run (exit 3, the last checkpoint kept)",
     "batch.max_prompt_length": "longest prompt in tokens (longer problems are rejected)",
     "batch.pack": "pack several trajectories per row; False: one per row (worst case must fit)",
     "rollout.temperature": "sampling temperature of rollouts",
@@ -307,6 +312,8 @@ FIELD_HELP = {
     "rollout.tool_output_chars": "tool output kept per call (characters)",
     "rollout.sandbox_url": "code sandbox URL (empty: start a local one for the run)",
     "rollout.sandbox_workers": "workers of the local sandbox",
+    "rollout.sandbox_outage_s": "seconds tool calls wait (retrying with back-off) for a sandbox that does "
+    "not answer; past it the run stops (exit 3) keeping the last finished step's checkpoint",
     "rollout.engine_slots": "concurrent sequences in the generation engine",
     "rollout.kv_cache_tokens": "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
     "rollout.partial_token_budget": "partial rollouts: > 0 stops a step's rollouts after this many sampled "
@@ -522,6 +529,13 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
             if s.dataset and not os.path.exists(s.dataset) and looks_local(s.dataset):
                 raise ConfigError(f"config.stages[{i}].dataset={s.dataset!r}: {missing}")
     _positive_int(config, "filter_batch_size")
+    _positive_int(config, "rl.max_nonfinite_steps")
+    _check(
+        config,
+        "rollout.sandbox_outage_s",
+        lambda v: not isinstance(v, bool) and v > 0 and math.isfinite(v),
+        "must be a positive number of seconds",
+    )
     _check(config, "rollout.kv_cache_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     _check_rollouts_across_updates(config)
     _one_of(config, "colocate.optimizer_memory", OFFLOAD_OPTIONS)
@@ -666,7 +680,8 @@ def uses_reference(config) -> bool:
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:
     """The iteration options for a stage whose responses are at most ``max_response_length`` tokens."""
-    rl = {k: v for k, v in config.rl.items() if k not in ("prompts_per_step", "off_policy_steps")}
+    loop_only = ("prompts_per_step", "off_policy_steps", "max_nonfinite_steps")  # the loop's, not the batch's
+    rl = {k: v for k, v in config.rl.items() if k not in loop_only}
     return RLIterationConfig(
         **rl,
         seq_len=config.batch.max_prompt_length + max_response_length - 1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_collections
@@ -66,9 +66,17 @@ def export_policy(
     )
 
 
-def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prompt: PromptConfig):
+def policy_rollout(
+    run_config: ml_collections.ConfigDict,
+    sandbox_url: str,
+    prompt: PromptConfig,
+    *,
+    restart_sandbox: Callable[[], str | None] | None = None,
+):
     """The trainer's rollout function from an RL config: the engine on the given parameters, the sandbox at
-    ``sandbox_url``, the default answer verifier; call its ``close()`` when done."""
+    ``sandbox_url`` (waited for up to ``rollout.sandbox_outage_s`` when it does not answer;
+    ``restart_sandbox``: for a sandbox the run started, restarts it if it died, see
+    ``agent.OutagePolicy.restart``), the default answer verifier; call its ``close()`` when done."""
     from rstar2jax import agent
     from rstar2jax.engine import EngineConfig, SamplingParams
 
@@ -91,6 +99,7 @@ def policy_rollout(run_config: ml_collections.ConfigDict, sandbox_url: str, prom
         ),
         max_prompt_length=run_config.batch.max_prompt_length,
         partial_segment_tokens=r.partial_segment_tokens,
+        outage=agent.OutagePolicy(budget_s=r.sandbox_outage_s, restart=restart_sandbox),
         config=agent.RolloutConfig(
             max_tool_calls_per_turn=r.max_tool_calls_per_turn,
             tool_timeout=r.tool_timeout,

@@ -33,6 +33,12 @@ in a :class:`RolloutCarry`.
 
 Every process of a multi-host run calls the iteration; each rolls out its own slice of the problems and the
 trajectories are gathered to all processes before selection, so all of them build the same global batch.
+
+Faults: a ``rollout_fn`` with a ``last_stats`` dict of counts (:class:`~rstar2jax.agent.PolicyRollout`:
+sandbox outage seconds, calls retried, restarts, trajectories dropped) has them summed over the step's calls
+and logged as ``rollout/<name>``. A rollout that raises (a sandbox down past its outage budget) ends the
+iteration before any update: the step is not counted. So does one that leaves no trajectory at all to train
+on (:class:`~rstar2jax.train.faults.EmptyRollout`), rather than an update on an empty batch.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from rstar2jax.data.batch import Batch, build_batch, group_array, trajectory_seq
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, tool_error_ratios
 from rstar2jax.train import colocate
+from rstar2jax.train.faults import EmptyRollout
 from rstar2jax.train.state import TrainState
 
 RolloutFn = Callable[..., list["Trajectory"]]
@@ -317,6 +324,19 @@ def _partial_rollouts(
         "rollout/partial_open_groups": float(carry.open_groups),
     }
     return done, groups, metrics
+
+
+def counting_stats(rollout_fn: RolloutFn, into: collections.Counter) -> RolloutFn:
+    """``rollout_fn`` that adds its ``last_stats`` (when it has them) to ``into`` after each call; its
+    signature stays readable (``functools.wraps``), so keyword detection sees the wrapped function's."""
+
+    @functools.wraps(rollout_fn)
+    def call(*args, **kwargs):
+        result = rollout_fn(*args, **kwargs)
+        into.update(getattr(rollout_fn, "last_stats", None) or {})
+        return result
+
+    return call
 
 
 def policy_lag_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dict[str, float]:
@@ -657,6 +677,8 @@ def rl_iteration(
         max_turns=max_turns,
     )
     carry_metrics = {}
+    rollout_stats = collections.Counter()
+    rollout_fn = counting_stats(rollout_fn, rollout_stats)
     if token_budget is not None:
         unique, groups, carry_metrics = _partial_rollouts(
             rollout_fn, state.params, unique, carry, **rollout_options, seed=seed, policy_version=version,
@@ -678,6 +700,11 @@ def rl_iteration(
                          policy_version=version),
         )
     rollout_done = time.perf_counter()
+    if not any(groups):
+        raise EmptyRollout(
+            f"the rollout of step {version + 1} left no trajectory to train on for its {len(unique)} "
+            f"problems ({dict(rollout_stats) or 'no rollout counts'}); the step is not counted"
+        )
     if reward_fn is not None:
         groups = rescore(unique, groups, reward_fn)
     verify_done = time.perf_counter()
@@ -696,6 +723,7 @@ def rl_iteration(
     )
     metrics.update(select_metrics)
     metrics.update(carry_metrics)
+    metrics.update({f"rollout/{name}": float(value) for name, value in rollout_stats.items()})
     metrics.update(policy_lag_metrics(groups, version))
     batch = batch.replace(policy_versions=None)  # bookkeeping only: the step's inputs are as they were
     update_start = time.perf_counter()

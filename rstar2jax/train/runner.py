@@ -31,6 +31,7 @@ from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.faults import UPDATE_SKIPPED, NonFiniteStreak
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.rl import (
     RewardFn,
@@ -202,7 +203,8 @@ class Run:
 
     @property
     def step(self) -> int:
-        """Updates applied so far: ``state.step``, the one step counter (stages and the learning-rate
+        """Steps taken so far: ``state.step``, the one step counter (a step whose update was skipped for a
+        non-finite gradient counts, with ``update_skipped`` in its metrics; stages and the learning-rate
         schedule record the step they started at, ``meta["stage_start"]`` and ``meta["optimizer_start"]``)."""
         return int(jax.device_get(self.state.step.addressable_data(0)))
 
@@ -240,15 +242,21 @@ class Run:
         self.meta["optimizer_start"] = self.step
 
     def close(self) -> None:
-        """Final save (unless the state was lost mid-step) and flush; closing twice is harmless."""
+        """Final save of the last finished step (unless the state was lost mid-step, or a checkpoint write
+        failed: the storage is not trusted any more) and flush; closing twice is harmless."""
         if self._closed:
             return
         self._closed = True
         _RUNNING.clear()
-        if not any(x.is_deleted() for x in jax.tree.leaves(self.state)):
-            self.checkpointer.save(self.step, self.state, self.meta, force=True)
-        self.checkpointer.close()
-        self.logger.close()
+        try:
+            lost = any(x.is_deleted() for x in jax.tree.leaves(self.state))
+            if not (lost or self.checkpointer.write_failed):
+                self.checkpointer.save(self.step, self.state, self.meta, force=True)
+        finally:
+            try:
+                self.checkpointer.close()
+            finally:
+                self.logger.close()
 
 
 def _upgrade_meta(meta: dict, step: int) -> None:
@@ -308,11 +316,20 @@ class Progress:
     """Step progress of the main process: a tqdm bar on a terminal; elsewhere (a log file, a pipe) one short
     line every ``config.logging.progress_every`` steps and at the last step, never a bar's carriage returns.
 
-    Lines read ``rl step 12/20 (stage 'stage1' 2/10): reward 0.5, accuracy 0.5, 3.2 s/step``.
+    Lines read ``rl step 12/20 (stage 'stage1' 2/10): reward 0.5, accuracy 0.5, 3.2 s/step``. ``alerts``:
+    (metric, text with one ``{}`` for its value) shown only when the metric is non-zero; a step with one
+    always gets its line (``..., sandbox down 8.2 s, 30 sandbox calls retried, 3.2 s/step``).
     """
 
-    def __init__(self, run: Run, total: int, description: str, keys: tuple[str, ...]):
-        self.total, self.description, self.keys = total, description, keys
+    def __init__(
+        self,
+        run: Run,
+        total: int,
+        description: str,
+        keys: tuple[str, ...],
+        alerts: tuple[tuple[str, str], ...] = (),
+    ):
+        self.total, self.description, self.keys, self.alerts = total, description, keys, alerts
         self.every = run.config.logging.progress_every
         self.enabled = bool(run.config.logging.progress and run.is_main)
         self.bar = None
@@ -331,17 +348,20 @@ class Progress:
 
     def update(self, record: dict, where: str = "") -> None:
         shown = {k: record[k] for k in self.keys if k in record}
+        notes = [text.format(record[key]) for key, text in self.alerts if record.get(key)]
+        step = record["step"]
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
+            if notes:
+                self.bar.write(f"{self.description} step {step}: {', '.join(notes)}")
             return
-        step = record["step"]
-        if not self.enabled or (step % self.every and step != self.total):
+        if not self.enabled or (step % self.every and step != self.total and not notes):
             return
         now = time.perf_counter()
         seconds = (now - self.last_time) / max(step - self.last_step, 1)
         self.last_time, self.last_step = now, step
-        values = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+        values = ", ".join([f"{k} {v:.4g}" for k, v in shown.items()] + notes)
         where = f" ({where})" if where else ""
         line = f"{self.description} step {step}/{self.total}{where}: {values}, {seconds:.3g} s/step"
         print(line, flush=True)
@@ -420,7 +440,8 @@ def train_rl(
     token_budget = config.rollout.partial_token_budget or None
     carries = bool(off_policy or token_budget)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
-    with Progress(run, total, "rl", keys) as progress:
+    streak = NonFiniteStreak(config.rl.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
+    with Progress(run, total, "rl", keys, RL_ALERTS) as progress:
         try:
             run.accept_stop_requests()
             for index in range(len(config.stages)):
@@ -478,10 +499,12 @@ def train_rl(
                     record = run.record(
                         {"stage": index, **data_metrics, **metrics},
                         position=iterator.position,
+                        nonfinite_in_a_row=streak.observe(metrics),
                         **carried,
                     )
                     stage_step = run.step - run.meta["stage_start"]
                     progress.update(record, f"stage {s.name!r} {stage_step}/{s.steps}")
+                    streak.check(run.step, run.workdir / CHECKPOINT_DIR)
                     run.stop_if_requested()
                 if run.step >= total:
                     break
@@ -490,6 +513,16 @@ def train_rl(
         finally:
             run.close()
     return run.logger.history
+
+
+#: What the RL progress line adds when it happened (see ``Progress``).
+RL_ALERTS = (
+    ("rollout/sandbox_outage_s", "sandbox down {:.1f} s"),
+    ("rollout/sandbox_retried_calls", "{:g} sandbox calls retried"),
+    ("rollout/sandbox_restarts", "sandbox restarts {:g}"),
+    ("rollout/trajectories_dropped_for_sandbox_failures", "{:g} trajectories dropped for sandbox failures"),
+    (UPDATE_SKIPPED, "update skipped (non-finite loss or gradient)"),
+)
 
 
 def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: RolloutFn) -> list[Problem]:

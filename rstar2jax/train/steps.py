@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2jax import algo, models
 from rstar2jax.data.batch import Batch
+from rstar2jax.train.faults import skip_nonfinite_updates
 from rstar2jax.train.state import TrainState
 
 OLD_LOGPROB_SOURCES = ("sampler", "recompute")
@@ -383,7 +384,9 @@ def make_rl_step(
     shardings: TrainState | None = None,
     compiler_options: dict | None = None,
 ):
-    """``rl_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``."""
+    """``rl_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``. A step whose
+    loss or gradient is not finite keeps its input parameters and optimizer state (``update_skipped`` in its
+    metrics, ``train.faults.skip_nonfinite_updates``)."""
     step = functools.partial(
         rl_step,
         model_config=model_config,
@@ -391,4 +394,5 @@ def make_rl_step(
         loss_config=loss_config,
         num_microbatches=num_microbatches,
     )
+    step = skip_nonfinite_updates(step)
     return jit_step(step, mesh=mesh, shardings=shardings, compiler_options=compiler_options)

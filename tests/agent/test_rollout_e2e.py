@@ -9,6 +9,8 @@ out across tool turns). The trainer-facing ``PolicyRollout`` takes new parameter
 
 import asyncio
 import pickle
+import signal
+import threading
 
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ from rstar2jax import models
 from rstar2jax.agent import (
     FAILED_OUTCOMES,
     PYTHON_TOOL_NAME,
+    OutagePolicy,
     PartialRollout,
     PolicyRollout,
     PromptConfig,
@@ -222,3 +225,44 @@ def test_partial_rollout_resumed_after_an_update_keeps_old_tokens(problems, poli
         recomputed = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[0]
         recomputed = recomputed[len(t.prompt_ids) - 1:]
         np.testing.assert_allclose(np.array(t.logprobs)[part], recomputed[part], atol=2e-4)
+
+
+def test_a_sandbox_outage_mid_rollout_keeps_every_session_and_its_tokens(problems, policy, taught, server,
+                                                                         verifier):
+    """Issue 33: the sandbox killed at the first tool call of a greedy rollout and started again on its port
+    a moment later: every session waits in the engine with its tokens and KV pages and goes on when the
+    calls get through; the trajectories are token for token those of a rollout without the outage."""
+
+    class KilledAtFirstCall:
+        def __init__(self, client):
+            self.client, self.urls, self.killed = client, client.urls, False
+
+        async def run(self, code, stdin="", timeout=None):
+            if not self.killed:
+                self.killed = True
+                server.process.send_signal(signal.SIGKILL)
+                server.process.wait()
+                threading.Timer(0.5, server.restart_if_dead).start()
+            return await self.client.run(code, stdin=stdin, timeout=timeout)
+
+        async def close(self):
+            await self.client.close()
+
+    call = dict(samples_per_problem=2, max_response_length=BUDGET, max_turns=3, seed=1)
+    reference_fn = policy_rollout(policy, server, verifier)
+    outage_fn = policy_rollout(policy, server, verifier)
+    outage_fn.sandbox = KilledAtFirstCall(outage_fn.sandbox)
+    outage_fn.outage = OutagePolicy(budget_s=120, backoff=(0.05, 0.5))
+    try:
+        reference = reference_fn(taught, problems, **call)
+        survived = outage_fn(taught, problems, **call)
+    finally:
+        reference_fn.close()
+        outage_fn.close()
+    assert outage_fn.sandbox.killed and any(t.tool_outcomes == ["ok"] for t in survived)
+    assert _by_problem(survived) == _by_problem(reference)
+    for t in survived:
+        check_record(t, taught, policy.model_config)
+    stats = outage_fn.last_stats
+    assert stats["sandbox_outage_s"] > 0.4 and stats["sandbox_retried_calls"] >= 1
+    assert stats["trajectories_dropped_for_sandbox_failures"] == 0

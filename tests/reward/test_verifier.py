@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import threading
+import time
 from fractions import Fraction
 
 import pytest
@@ -191,6 +192,40 @@ def test_a_worker_that_died_idle_is_replaced_without_costing_a_score(short_deadl
     grades = [v.grade_blocking(response("\\frac{3}{6}"), "0.5") for _ in range(3)]
     assert all(grade == AnswerGrade(True, "\\frac{3}{6}", "math-verify: equivalent") for grade in grades)
     assert len(v.worker_pids) == 2
+
+
+def test_the_whole_pool_killed_mid_comparison_is_replaced_and_verifies_again(caplog):
+    """Issue 33: every worker dies while it holds a comparison (stopped first, so the comparisons are
+    certainly in flight when the kill comes); the answers are verified again on new workers, not scored 0."""
+    with AnswerVerifier(num_workers=2, timeout_s=60.0) as v:
+        assert all(v.grade_blocking(response("\\frac{2}{4}"), "0.5") for _ in range(2))  # started
+        pids = v.worker_pids
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        grades = {}
+
+        def grade(name, answer, gold):
+            grades[name] = v.grade_blocking(response(answer), gold)
+
+        threads = [threading.Thread(target=grade, args=args) for args in
+                   [("half", "\\dfrac{3}{6}", "\\frac12"), ("third", "\\frac{1}{3}", "0.25")]]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(t.is_alive() for t in threads):
+            time.sleep(0.01)
+        time.sleep(0.3)  # both comparisons sent to the stopped workers
+        with caplog.at_level("WARNING", logger="rstar2jax.reward.verifier"):
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            for thread in threads:
+                thread.join(timeout=120)
+        assert grades == {
+            "half": AnswerGrade(True, "\\dfrac{3}{6}", "math-verify: equivalent"),
+            "third": AnswerGrade(False, "\\frac{1}{3}", "math-verify: not equivalent"),
+        }
+        died = [r for r in caplog.records if "died during a comparison" in r.getMessage()]
+        assert len(died) == 2 and not set(v.worker_pids) & set(pids) and len(v.worker_pids) == 2
 
 
 def test_sync_api_works_off_the_main_thread():

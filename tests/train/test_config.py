@@ -60,6 +60,9 @@ def _set(config, path, value):
         ("rollout.partial_segment_tokens", 0, "config.rollout.partial_segment_tokens=0"),
         ("rl.off_policy_steps", 1, "config.rl.off_policy_steps=1 trains on tokens an older policy"),
         ("rollout.partial_token_budget", 100, "config.rollout.partial_token_budget > 0 trains on tokens"),
+        ("rollout.sandbox_outage_s", 0.0, "config.rollout.sandbox_outage_s=0.0: must be a positive number"),
+        ("rollout.sandbox_outage_s", float("inf"), "config.rollout.sandbox_outage_s=inf"),
+        ("rl.max_nonfinite_steps", 0, "config.rl.max_nonfinite_steps=0: must be a positive integer"),
     ],
 )
 def test_invalid_field_is_named(path, value, message):
