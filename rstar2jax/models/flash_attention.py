@@ -44,13 +44,14 @@ _MASKED = -1e30
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """Tile sizes (powers of two, >= 16): forward query/key blocks, backward query/key blocks (the dQ and the
-    dK/dV kernels share them), Triton warps per program and software-pipelining stages."""
+    dK/dV kernels share them), Triton warps per program (None: 8 for head dimensions above 64, else 4, as
+    Triton's and JAX's flash attention choose) and software-pipelining stages."""
 
     forward_q: int = 128
     forward_k: int = 64
     backward_q: int = 64
     backward_k: int = 64
-    num_warps: int = 4
+    num_warps: int | None = None
     num_stages: int = 2
 
     @property
@@ -158,8 +159,9 @@ def _dkdv_kernel(starts_ref, ends_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _params(blocks: Blocks):
-    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+def _params(blocks: Blocks, head_dim: int):
+    num_warps = blocks.num_warps or (8 if head_dim > 64 else 4)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=blocks.num_stages)
 
 
 def _forward(q, k, v, starts, blocks: Blocks, interpret: bool):
@@ -175,7 +177,7 @@ def _forward(q, k, v, starts, blocks: Blocks, interpret: bool):
         in_specs=[row, q_block, kv_row, kv_row],
         out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        compiler_params=_params(blocks),
+        compiler_params=_params(blocks, D),
         interpret=interpret,
         name="packed_flash_attention_forward",
     )(starts, q, k, v)
@@ -199,7 +201,7 @@ def _backward(q, k, v, starts, ends, out, lse, d_out, blocks: Blocks, interpret:
         in_specs=[row, q_block, kv_row, kv_row, q_block, stats_block, stats_block],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_params(blocks),
+        compiler_params=_params(blocks, D),
         interpret=interpret,
         name="packed_flash_attention_dq",
     )(starts, q, k, v, d_out, lse, delta)
@@ -216,7 +218,7 @@ def _backward(q, k, v, starts, ends, out, lse, d_out, blocks: Blocks, interpret:
         in_specs=[key_row, key_row, group_rows, kv_block, kv_block, group_rows, group_stats, group_stats],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_params(blocks),
+        compiler_params=_params(blocks, D),
         interpret=interpret,
         name="packed_flash_attention_dkdv",
     )(
