@@ -36,6 +36,7 @@ for tests).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -380,7 +381,16 @@ def _probe_inputs(head_dim: int, dtype: str, heads: int = 4, kv_heads: int = 2):
 
 def probe(implementation: str, head_dim: int = 128, dtype: str = "bfloat16") -> str | None:
     """Compiles and runs ``implementation`` on the default device at a small packed shape, forward and
-    gradient, against the dense reference in float32: None when it matches, else what went wrong."""
+    gradient, against the dense reference in float32: None when it matches, else what went wrong.
+
+    Runs in a thread of its own: "auto" is first resolved while the training step is being traced, and JAX's
+    trace state is per thread, so there the check still runs on the device instead of being staged into
+    the step."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attention-probe") as pool:
+        return pool.submit(_probe, implementation, head_dim, dtype).result()
+
+
+def _probe(implementation: str, head_dim: int, dtype: str) -> str | None:
     (q, k, v, cotangent), segment_ids = _probe_inputs(head_dim, dtype)
 
     def value_and_grads(name, q, k, v, cotangent):

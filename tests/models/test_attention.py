@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,27 @@ def test_gpu_kernels_match_dense_in_interpret_mode(kernel, kv_heads):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("implementation", ["pallas_triton", "jax_pallas_mha"])
+def test_gpu_kernels_lower_through_triton_for_cuda_and_rocm(monkeypatch, platform, implementation):
+    """No GPU needed: the forward and both backward kernels go through Pallas' Triton lowering (the part a GPU
+    compile starts from) at the Qwen3 head dimension in bfloat16, a row that is not a multiple of the tile."""
+    monkeypatch.setattr(attention_lib, "_interpret", lambda: False)
+    q, k, v, cotangent = (x.astype(jnp.bfloat16) for x in _inputs(shape=(2, 300), head_dim=128))
+    segments = np.repeat(np.array([[1, 2, 3], [4, 4, 4]], np.int32), [100, 150, 50], axis=1)
+
+    def value_and_grads(q, k, v):
+        return _value_and_grads(q, k, v, cotangent, segments, implementation=implementation)
+
+    try:
+        text = jax.jit(value_and_grads).trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()
+    except RuntimeError as error:
+        if "No supported GPU devices" in str(error):  # JAX >= 0.11 lowers Triton only for a known GPU
+            pytest.skip(f"this JAX lowers Pallas Triton kernels only with a GPU: {error}")
+        raise
+    assert len(re.findall(r"custom_call @\S*triton", text)) == 3  # forward, and two for the backward
+
+
 def test_probe_passes_a_correct_kernel_and_names_what_is_wrong_with_others(monkeypatch):
     """The on-device check (here: interpreted, bfloat16): a correct kernel passes; one that ignores the
     segments, or one that cannot trace, is rejected with the reason."""
@@ -275,6 +297,24 @@ def test_auto_choice_is_checked_once_per_head_dim_and_dtype(stub_device):
     attention_lib.auto_choice(64, "bfloat16")
     attention_lib.auto_choice(128, jnp.float32)
     assert probed == ["pallas_triton"] * 3
+
+
+def test_auto_checks_its_kernel_even_when_first_resolved_inside_a_trace(monkeypatch):
+    """The training step resolves "auto" while it is being traced: the device check must still run (and
+    pass) rather than be staged into the step. Here on a stubbed CUDA machine, the kernel interpreted."""
+    monkeypatch.setattr(attention_lib, "accelerator", lambda: "cuda")
+    monkeypatch.setattr(attention_lib, "_interpret", lambda: True)
+    attention_lib._auto_choice.cache_clear()
+    try:
+        q, k, v, _ = _inputs(heads=4, kv_heads=2, head_dim=16)
+        auto = jax.jit(lambda q, k, v: attention_lib.attention(q, k, v, SEGMENTS, implementation="auto"))
+        out = auto(q, k, v)
+        choice = attention_lib.auto_choice(16, "float32")
+    finally:
+        attention_lib._auto_choice.cache_clear()
+    assert choice.implementation == "pallas_triton", choice
+    expected = attention_lib.attention(q, k, v, SEGMENTS, implementation="xla")
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-5)
 
 
 def test_auto_falls_back_to_blockwise_when_its_kernel_cannot_trace_these_shapes(stub_device, monkeypatch):
