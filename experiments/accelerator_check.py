@@ -305,6 +305,9 @@ def _run_streaming(command: list[str], *, env: dict, timeout: float,
     except subprocess.TimeoutExpired:
         _kill_group(process)
         returncode = None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the command's whole group goes too
+        _kill_group(process)
+        raise
     reader.join(timeout=5)
     return returncode
 
@@ -578,6 +581,9 @@ def run_stage(name: str) -> None:
     output = pathlib.Path(_OUTPUT_DIR.value)
     record = Recorder(output / f"stage_{name}.json")
     logging.set_verbosity(logging.WARNING)  # JAX's backend search and orbax's checkpoint notes
+    # Stopped at its time limit (SIGTERM to its group): unwind, so that what it started (a sandbox, the
+    # loop's temporary run folder) is cleaned up.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         STAGE_FUNCTIONS[name](record, _SMOKE.value)
     except MissingModule as error:
@@ -597,7 +603,7 @@ def stage_environ(smoke: bool) -> dict:
     installing), the parent's JAX settings otherwise; under ``smoke`` XLA's backend optimisation is off
     (tiny programs compile several times faster, and no figure of a smoke run is a measurement)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}  # each line as it is printed
     if smoke:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     return env
@@ -620,6 +626,9 @@ def main(argv) -> None:
         print(f"error: {'--stages: unknown ' + ', '.join(unknown) if unknown else '--budget_s must be > 0'}"
               f" (stages: {', '.join(STAGE_NAMES)})", file=sys.stderr)
         sys.exit(2)
+    # SIGTERM (a scheduler's or a tool's time limit) ends the run like Ctrl-C: the running stage's processes
+    # are stopped and what it recorded is kept.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     output = pathlib.Path(_OUTPUT_DIR.value).resolve()
     output.mkdir(parents=True, exist_ok=True)
     selected = [s for s in STAGES if s.name in _STAGES.value]
@@ -628,22 +637,32 @@ def main(argv) -> None:
     names = ", ".join(s.name for s in selected)
     print(f"accelerator check{' (smoke)' if _SMOKE.value else ''}: stages {names}, {budget:.0f} s in all; "
           f"results in {output / RESULT_FILE}", flush=True)
+    interrupted = False
     for index, stage in enumerate(selected):
         left = budget - (time.perf_counter() - start)
         limit = min(stage.smoke_s, left) if _SMOKE.value else stage_limits(left, selected[index:])
-        result["stages"][stage.name] = run_one(stage, limit, output)
-        figures = json.loads((output / f"stage_{stage.name}.json").read_text(encoding="utf-8")) \
-            if (output / f"stage_{stage.name}.json").exists() else {}
-        figures.pop("error", None)
+        try:
+            result["stages"][stage.name] = run_one(stage, limit, output)
+        except KeyboardInterrupt:
+            interrupted = True
+            result["stages"][stage.name] = {"status": "interrupted", "seconds": None,
+                                            "limit_s": round(limit, 1)}
+        path = output / f"stage_{stage.name}.json"
+        figures = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        figures.pop("error", None)  # in the stage's status
         result.update(figures)
         _write_json(output / RESULT_FILE, result)
+        if interrupted:
+            break
     result["seconds"] = round(time.perf_counter() - start, 1)
     if _SMOKE.value:
-        result["smoke_ok"] = all(s["status"] == "ok" for s in result["stages"].values()) and len(
-            result["stages"]) == len(STAGES)
+        statuses = [result["stages"].get(name, {}).get("status") for name in STAGE_NAMES]
+        result["smoke_ok"] = statuses == ["ok"] * len(STAGE_NAMES)
     _write_json(output / RESULT_FILE, result)
     print_table(result)
-    print(json.dumps(result, default=str))
+    print(json.dumps(result, default=str), flush=True)
+    if interrupted:
+        sys.exit(130)
 
 
 def run_one(stage: Stage, limit: float, output: pathlib.Path) -> dict:
@@ -701,7 +720,8 @@ TABLE = (
 def print_table(result: dict) -> None:
     print(f"\n{'stage':<12}{'status':<50}{'seconds':>9}{'limit':>8}")
     for name, stage in result["stages"].items():
-        print(f"{name:<12}{stage['status'][:49]:<50}{stage['seconds']:>9.1f}{stage['limit_s']:>8.0f}")
+        seconds = "-" if stage["seconds"] is None else f"{stage['seconds']:.1f}"
+        print(f"{name:<12}{stage['status'][:49]:<50}{seconds:>9}{stage['limit_s']:>8.0f}")
     print(f"\n{'figure':<42}{'value':<44}goal")
     for key, what, goal in TABLE:
         value = result.get(key)

@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -69,6 +70,49 @@ def test_a_stage_that_needs_a_missing_module_fails_naming_it(tmp_path):
     assert done.returncode == 3, done.stderr[-2000:]
     recorded = json.loads((tmp_path / "stage_loop.json").read_text())
     assert recorded == {"error": "missing module ml_collections"}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text().replace("\0", " "):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_a_terminated_run_stops_its_stage_and_keeps_the_finished_ones(tmp_path):
+    """SIGTERM (a tool's time limit) in the middle of a stage: the stage's processes go, the finished stage's
+    figures stay in the JSON file and the last line, the interrupted stage is named."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "experiments.accelerator_check", "--smoke", "--stages=environment,loop",
+         f"--output_dir={tmp_path}", "--budget_s=600"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        # The loop stage records its config as it starts.
+        loop_started = tmp_path / "stage_loop.json"
+        while not loop_started.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.poll() is None, run.stdout.read()[-3000:]
+        run.send_signal(signal.SIGTERM)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130, output[-3000:]
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / check.RESULT_FILE).read_text())
+    assert result["stages"]["environment"]["status"] == "ok" and result["device"]
+    assert result["stages"]["loop"]["status"] == "interrupted"
+    assert result["loop_config"]  # what the interrupted stage had recorded
+    for _ in range(50):
+        if not _processes_mentioning(f"--output_dir={tmp_path}"):
+            break
+        time.sleep(0.2)
+    assert _processes_mentioning(f"--output_dir={tmp_path}") == []
 
 
 def test_the_library_imports_without_what_the_gpu_image_lacks():
