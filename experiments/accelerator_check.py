@@ -17,23 +17,25 @@ early leaves more to the ones after it, and none can starve the rest beyond its 
   the engine's paged decode attention;
 - ``tests``: the test suite's accelerator subset (models, attention, log-probs, engine, train steps, packing,
   colocation; not the sandbox tests) as ``JAX_PLATFORMS=<backend> python -m pytest``, failures listed;
-- ``engine``: the Qwen3-1.7B shape in bfloat16, random weights: time to a ready engine (a cold engine's first
-  token at 64 slots), the decode step over the memory-bandwidth floor at batch 1 and 64 (parameter + KV
-  bytes / measured device copy bandwidth; ``bench_engine``'s measurement), KV bytes held over tokens held,
-  and a 512-token prompt forked into 16 samples;
 - ``training``: ``rl_step`` (GRPO loss, gradient, clip, AdamW; fp32 master weights, bf16 compute, remat
   full) of Qwen3-1.7B at 8 x 8,192 and 16 x 2,048 tokens with the ``"auto"`` attention, then with the
   portable blockwise one: compile seconds, tokens/s and MFU (``bench_train``'s model FLOPs over the
   device's dense bf16 peak); then the attention kernels alone, forward and backward at 8 x 8,192;
+- ``engine``: the Qwen3-1.7B shape in bfloat16, random weights: time to a ready engine (a cold engine's first
+  token at 64 slots), the decode step over the memory-bandwidth floor at batch 1 and 64 (parameter + KV
+  bytes / measured device copy bandwidth; ``bench_engine``'s measurement), KV bytes held over tokens held,
+  and a 512-token prompt forked into 16 samples;
 - ``loop``: two colocated RL steps of ``experiments/configs/qwen3_1p7b_1gpu.py`` (4 prompts x 16 samples,
   1,024-token responses, random weights, the real engine, sandbox and verifier), compile seconds
   (JAX's own compile events) apart from step time; generated tokens/s per GPU.
 
 Each stage writes its figures as it gets them (``<output_dir>/stage_<name>.json``) and the run folds them
 into ``<output_dir>/accelerator_check.json`` after every stage, so a killed run keeps every finished figure.
-A stage that needs a module the machine lacks fails naming it while the others run. ``--smoke`` runs every
-stage at tiny shapes (the CPU; ``smoke_ok`` says every stage passed). The last printed line is the JSON:
-every figure, the device, and per stage its status, seconds and limit.
+A stage that needs a module the machine lacks fails naming it while the others run (a pure-Python one can
+be put on ``PYTHONPATH`` as its wheel file). SIGTERM or Ctrl-C stops the running stage with everything it
+started, keeps what it recorded and exits 130. ``--smoke`` runs every stage at tiny shapes (the CPU;
+``smoke_ok`` says every stage passed). The last printed line is the JSON: every figure, the device, and per
+stage its status, seconds and limit.
 
 JSON keys (contract): ``smoke_ok``, ``device``, ``gpu_tests_failed`` (and ``gpu_tests_passed``,
 ``gpu_tests_failures``), ``decode_step_over_floor_b1`` / ``_b64`` (goal <= 1.5), ``engine_ready_s``,

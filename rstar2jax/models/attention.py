@@ -273,7 +273,7 @@ _JAX_MHA_BLOCK = 64
 
 def _jax_pallas_mha_attention(q, k, v, starts):
     jax_mha = _jax_mha_module()
-    B, T, H, D = q.shape
+    T, H = q.shape[1:3]
     q, k, v, starts = _pad_rows(q, k, v, starts, 2 * _JAX_MHA_BLOCK)
     # Its kernel has no grouped-query layout: kv heads are repeated (their gradients summed back by
     # jnp.repeat's transpose). Segment ids are the starts themselves, unique per segment.
@@ -339,9 +339,11 @@ def unavailable_reason(implementation: str, head_dim: int = 128) -> str | None:
             return f"tokamax is not importable ({error})"
         return None
     if implementation == "pallas_triton":
+        if flash_attention.IMPORT_ERROR:
+            return f"this JAX has no Pallas Triton backend ({flash_attention.IMPORT_ERROR})"
         if not flash_attention.head_dim_supported(head_dim):
             return f"head dimension {head_dim} is not a power of two in [16, 256]"
-        return None  # the Pallas Triton API it uses was imported with this module
+        return None
     if implementation == "jax_pallas_mha":
         try:
             jax_mha = _jax_mha_module()

@@ -32,8 +32,15 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+except ImportError as error:  # a JAX without Pallas' Triton backend: these kernels are unavailable
+    pl = plgpu = None
+    IMPORT_ERROR: str | None = f"{type(error).__name__}: {error}"
+else:
+    IMPORT_ERROR = None
 
 _LOG2_E = math.log2(math.e)
 # Masked scores: finite, so that a block whose keys a query cannot see gives 2^(masked - masked) rather than
