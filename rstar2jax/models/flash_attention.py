@@ -75,6 +75,17 @@ def head_dim_supported(head_dim: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
+# jax_default_matmul_precision values that ask float32 dots for full float32 (not TF32) inputs.
+_FULL_FLOAT32 = ("highest", "float32", "tensorfloat32_3x", "bfloat16_6x", "F32_F32_F32")
+
+
+def _dot(a, b):
+    """``a @ b`` accumulated in float32. Float32 inputs follow ``jax_default_matmul_precision`` as XLA's own
+    dots do: TF32 by default on NVIDIA GPUs, full float32 under ``"highest"`` (what the tests pin)."""
+    full = jax.config.jax_default_matmul_precision in _FULL_FLOAT32
+    return plgpu.dot(a, b, precision=lax.Precision.HIGHEST if full else None)
+
+
 def _visible(q_pos, k_pos, q_starts):
     """[bq, bk] bool: key k_pos seen from query q_pos (causal, same segment)."""
     return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_starts[:, None])
@@ -82,7 +93,7 @@ def _visible(q_pos, k_pos, q_starts):
 
 def _probabilities(q, k, lse, visible):
     """P = 2^{(q . k) log2 e - lse}, zero where not visible: [bq, bk] float32."""
-    scores = plgpu.dot(q, k.T) * _LOG2_E
+    scores = _dot(q, k.T) * _LOG2_E
     return jnp.where(visible, jnp.exp2(scores - lse[:, None]), 0.0)
 
 
@@ -97,11 +108,11 @@ def _forward_kernel(starts_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, block_
         k = k_ref[pl.ds(j * block_k, block_k), :]
         v = v_ref[pl.ds(j * block_k, block_k), :]
         visible = _visible(q_pos, j * block_k + jnp.arange(block_k), q_starts)
-        scores = jnp.where(visible, plgpu.dot(q, k.T) * _LOG2_E, _MASKED)
+        scores = jnp.where(visible, _dot(q, k.T) * _LOG2_E, _MASKED)
         m_new = jnp.maximum(m, jnp.max(scores, axis=1))
         p = jnp.where(visible, jnp.exp2(scores - m_new[:, None]), 0.0)
         alpha = jnp.exp2(m - m_new)
-        acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return acc, m_new, alpha * norm + jnp.sum(p, axis=1)
 
     first = lax.div(jnp.min(q_starts), block_k)  # the key block of the block's earliest segment start
@@ -126,8 +137,8 @@ def _dq_kernel(starts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_r
         k = k_ref[pl.ds(j * block_k, block_k), :]
         v = v_ref[pl.ds(j * block_k, block_k), :]
         p = _probabilities(q, k, lse, _visible(q_pos, j * block_k + jnp.arange(block_k), q_starts))
-        d_scores = p * (plgpu.dot(do, v.T) - delta[:, None])
-        return dq + plgpu.dot(d_scores.astype(k.dtype), k)
+        d_scores = p * (_dot(do, v.T) - delta[:, None])
+        return dq + _dot(d_scores.astype(k.dtype), k)
 
     first = lax.div(jnp.min(q_starts), block_k)
     last = lax.div((i + 1) * block_q + block_k - 1, block_k)
@@ -157,9 +168,9 @@ def _dkdv_kernel(starts_ref, ends_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
             delta = delta_ref[pl.ds(g * seq_len + i * block_q, block_q)]
             q_pos = i * block_q + jnp.arange(block_q)
             p = _probabilities(q, k, lse, _visible(q_pos, k_pos, starts_ref[rows]))
-            dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
-            d_scores = p * (plgpu.dot(do, v.T) - delta[:, None])
-            return dk + plgpu.dot(d_scores.astype(q.dtype).T, q), dv
+            dv = dv + _dot(p.astype(do.dtype).T, do)
+            d_scores = p * (_dot(do, v.T) - delta[:, None])
+            return dk + _dot(d_scores.astype(q.dtype).T, q), dv
 
         dk, dv = lax.fori_loop(first, last, query_block, (dk, dv))
     dk_ref[...] = dk.astype(dk_ref.dtype)
