@@ -366,9 +366,10 @@ AUTO_CANDIDATES = {
     "rocm": ("pallas_triton", "jax_pallas_mha"),
 }
 # The on-device check: a small packed batch (segments of 100, 150 and 70 tokens; one of 320) against the dense
-# reference in float32, forward and gradient; relative L2 error allowed per compute dtype.
+# reference in float32, forward and gradient; relative L2 error allowed per compute dtype (float32: TF32
+# inputs, or full float32 where jax_default_matmul_precision asks for it, as the tests do).
 _PROBE_SEGMENTS = ((100, 150, 70), (320,))
-_PROBE_TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 5e-3}
+_PROBE_TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 5e-3, "float32_full": 1e-4}
 
 
 def _probe_inputs(head_dim: int, dtype: str, heads: int = 4, kv_heads: int = 2):
@@ -387,13 +388,21 @@ def probe(implementation: str, head_dim: int = 128, dtype: str = "bfloat16") -> 
 
     Runs in a thread of its own: "auto" is first resolved while the training step is being traced, and JAX's
     trace state is per thread, so there the check still runs on the device instead of being staged into
-    the step."""
+    the step (with the caller's matmul precision, also a per-thread setting)."""
+    precision = jax.config.jax_default_matmul_precision
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attention-probe") as pool:
-        return pool.submit(_probe, implementation, head_dim, dtype).result()
+        return pool.submit(_probe, implementation, head_dim, dtype, precision).result()
 
 
-def _probe(implementation: str, head_dim: int, dtype: str) -> str | None:
+def _probe(implementation: str, head_dim: int, dtype: str, precision: str | None) -> str | None:
+    with jax.default_matmul_precision(precision):
+        return _check_against_dense(implementation, head_dim, dtype)
+
+
+def _check_against_dense(implementation: str, head_dim: int, dtype: str) -> str | None:
     (q, k, v, cotangent), segment_ids = _probe_inputs(head_dim, dtype)
+    full = dtype == "float32" and jax.config.jax_default_matmul_precision in flash_attention.FULL_FLOAT32
+    tolerance = _PROBE_TOLERANCE["float32_full" if full else dtype]
 
     def value_and_grads(name, q, k, v, cotangent):
         out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids, implementation=name), q, k, v)
@@ -408,7 +417,7 @@ def _probe(implementation: str, head_dim: int, dtype: str) -> str | None:
     for name, a, b in zip(("output", "dq", "dk", "dv"), got, expected, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         error = np.linalg.norm(a - b) / np.linalg.norm(b)
-        if not np.isfinite(error) or error > _PROBE_TOLERANCE[dtype]:
+        if not np.isfinite(error) or error > tolerance:
             return f"{name} differs from the dense reference: relative error {error:.2e}"
     return None
 
@@ -424,7 +433,8 @@ class AutoChoice:
 
 
 @functools.cache
-def _auto_choice(platform: str, head_dim: int, dtype: str) -> AutoChoice:
+def _auto_choice(platform: str, head_dim: int, dtype: str, precision: str | None) -> AutoChoice:
+    del precision  # part of the cache key: what the device check requires of float32 depends on it
     candidates = AUTO_CANDIDATES.get(platform, ())
     if not candidates:
         return AutoChoice("blockwise", f"no GPU kernel on {platform}: the portable blockwise XLA attention")
@@ -455,9 +465,10 @@ def auto_choice(head_dim: int = 128, dtype: str = "bfloat16") -> AutoChoice:
 
     CPU and TPU: ``blockwise``. CUDA / ROCm GPUs: the first of ``AUTO_CANDIDATES[accelerator]`` that the
     installed packages offer (:func:`unavailable_reason`) and that passes :func:`probe` on the device (once
-    per process, shape and dtype); ``blockwise`` with a warning when none does.
+    per process, head dimension, dtype and matmul precision); ``blockwise`` with a warning when none does.
     """
-    return _auto_choice(accelerator(), head_dim, jnp.dtype(dtype).name)
+    precision = jax.config.jax_default_matmul_precision
+    return _auto_choice(accelerator(), head_dim, jnp.dtype(dtype).name, precision)
 
 
 def resolve_implementation(implementation: str, head_dim: int = 128, dtype: str = "bfloat16") -> str:

@@ -76,13 +76,13 @@ def head_dim_supported(head_dim: int) -> bool:
 
 
 # jax_default_matmul_precision values that ask float32 dots for full float32 (not TF32) inputs.
-_FULL_FLOAT32 = ("highest", "float32", "tensorfloat32_3x", "bfloat16_6x", "F32_F32_F32")
+FULL_FLOAT32 = ("highest", "float32", "tensorfloat32_3x", "bfloat16_6x", "F32_F32_F32")
 
 
 def _dot(a, b):
     """``a @ b`` accumulated in float32. Float32 inputs follow ``jax_default_matmul_precision`` as XLA's own
     dots do: TF32 by default on NVIDIA GPUs, full float32 under ``"highest"`` (what the tests pin)."""
-    full = jax.config.jax_default_matmul_precision in _FULL_FLOAT32
+    full = jax.config.jax_default_matmul_precision in FULL_FLOAT32
     return plgpu.dot(a, b, precision=lax.Precision.HIGHEST if full else None)
 
 

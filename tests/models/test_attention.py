@@ -229,10 +229,20 @@ def test_probe_passes_a_correct_kernel_and_names_what_is_wrong_with_others(monke
     def broken(q, k, v, starts):
         raise TypeError("Mesh.__init__() got an unexpected keyword argument 'out_shape'")
 
+    def tf32_like(q, k, v, starts):  # off by ~1e-3 relative, as TF32 inputs are
+        return attention_lib._xla_attention(q, k, v, starts) * (1 + 1e-3)
+
     monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", unsegmented)
     assert "differs from the dense reference" in attention_lib.probe("pallas_triton", head_dim=16)
     monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", broken)
     assert attention_lib.probe("pallas_triton", head_dim=16).startswith("TypeError: Mesh.__init__()")
+    # float32: TF32-level error passes at the default matmul precision, not where full float32 is asked for
+    # (the caller's setting, though the check runs in a thread of its own).
+    monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", tf32_like)
+    with jax.default_matmul_precision("default"):
+        assert attention_lib.probe("pallas_triton", head_dim=16, dtype="float32") is None
+    with jax.default_matmul_precision("highest"):
+        assert "relative error 1.0" in attention_lib.probe("pallas_triton", head_dim=16, dtype="float32")
 
 
 @pytest.fixture
