@@ -146,10 +146,6 @@ class Recorder:
         _write_json(self.path, self.figures)
 
 
-def _round(value, digits: int = 4):
-    return round(value, digits) if isinstance(value, float) else value
-
-
 # ---- stages (each runs in its own process: python -m experiments.accelerator_check --stage=NAME)
 
 
@@ -187,7 +183,7 @@ def stage_environment(record: Recorder, smoke: bool) -> None:
         device=f"{devices[0].device_kind} ({backend}, {len(devices)} device{'s' * (len(devices) > 1)})",
         device_kind=devices[0].device_kind,
         device_count=len(devices),
-        device_memory_gib=_round(stats["bytes_limit"] / 2**30, 2) if "bytes_limit" in stats else None,
+        device_memory_gib=round(stats["bytes_limit"] / 2**30, 2) if "bytes_limit" in stats else None,
         host_memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         cpu_count=os.cpu_count(),
         modules=modules,
@@ -197,15 +193,15 @@ def stage_environment(record: Recorder, smoke: bool) -> None:
     print(f"device: {record.figures['device']}; JAX {jax.__version__} (supported "
           f"{record.figures['jax_supported']}), plugins {plugins or 'none'}", flush=True)
     print(f"missing modules: {', '.join(missing) or 'none'}", flush=True)
-    # The paged decode attention's pick (the engine's own rule, named by its docstring's first line).
-    record(paged_attention_auto=paged_attention.resolve_attention("auto"),
-           paged_attention_why=inspect.getdoc(paged_attention.resolve_attention).splitlines()[0])
     choice = attention.auto_choice(128, "bfloat16")  # the Qwen3 head dimension, the training compute dtype
     record(training_attention=choice.implementation, training_attention_why=choice.reason,
            training_attention_rejected=dict(choice.rejected))
     print(f"training attention 'auto': {choice.implementation} ({choice.reason})", flush=True)
     for name, why in choice.rejected:
         print(f"  passed over {name}: {why}", flush=True)
+    # The paged decode attention's pick (the engine's own rule, named by its docstring's first line).
+    record(paged_attention_auto=paged_attention.resolve_attention("auto"),
+           paged_attention_why=inspect.getdoc(paged_attention.resolve_attention).splitlines()[0])
     print(f"paged decode attention 'auto': {record.figures['paged_attention_auto']}", flush=True)
 
 
@@ -261,16 +257,21 @@ def stage_tests(record: Recorder, smoke: bool) -> None:
         name: "(no report: pytest was stopped at the stage's time limit)"
         for name, status in outcomes.items() if status in ("FAILED", "ERROR")}
     counts = collections.Counter(outcomes.values())
+    # pytest's exit status: 0 all passed, 1 some failed; anything else means the tests did not run as meant
+    # (interrupted, an internal or usage error, nothing collected), so no failure count stands.
+    ran = returncode in (0, 1)
     record(
-        gpu_tests_failed=len(failures),
+        gpu_tests_failed=len(failures) if ran else None,
         gpu_tests_passed=counts["PASSED"],
         gpu_tests_skipped=counts["SKIPPED"],
         gpu_tests_failures=failures,
-        gpu_tests_complete=returncode is not None,
+        gpu_tests_complete=ran,
         tests_backend=env["JAX_PLATFORMS"],
     )
     if returncode is None:
         raise TimeoutError(f"pytest did not finish in the stage's time ({len(outcomes)} tests ran)")
+    if not ran:
+        raise RuntimeError(f"pytest exited with status {returncode} (see its output above)")
 
 
 def _junit_failures(path: pathlib.Path) -> dict[str, str]:
@@ -282,7 +283,11 @@ def _junit_failures(path: pathlib.Path) -> dict[str, str]:
             continue
         module = case.get("classname", "").replace(".", "/")
         name = f"{module}.py::{case.get('name')}" if module else case.get("name", "?")
-        message = (problem.get("message") or problem.text or "").strip().splitlines()
+        message = (problem.get("message") or "").strip().splitlines()
+        # A collection error's message says only that; the exception is the last "E " line of its report.
+        raised = [line[1:].strip() for line in (problem.text or "").splitlines() if line.startswith("E ")]
+        if raised and (not message or message[0] == "collection failure"):
+            message = raised[-1:]
         failures[name] = message[0][:300] if message else problem.tag
     return failures
 

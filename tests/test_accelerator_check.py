@@ -178,12 +178,13 @@ def test_pytest_outcomes_are_read_from_its_output_and_its_report(tmp_path):
         '<testcase classname="tests.models.test_x" name="test_b"><failure message="assert 1 == 2&#10;more">'
         "trace</failure></testcase>"
         '<testcase classname="" name="tests.train.test_colocate"><error message="collection failure">'
-        "ModuleNotFoundError: No module named 'ml_collections'</error></testcase>"
+        "tests/train/scripted.py:9: in &lt;module&gt;&#10;    import ml_collections&#10;"
+        "E   ModuleNotFoundError: No module named 'ml_collections'</error></testcase>"
         "</testsuite></testsuites>"
     )
     assert check._junit_failures(junit) == {
         "tests/models/test_x.py::test_b": "assert 1 == 2",
-        "tests.train.test_colocate": "collection failure",
+        "tests.train.test_colocate": "ModuleNotFoundError: No module named 'ml_collections'",
     }
 
 
