@@ -492,14 +492,16 @@ def stage_loop(record: Recorder, smoke: bool) -> None:
 
 def loop_config(config, workdir: pathlib.Path, smoke: bool, problems: str):
     """``qwen3_1p7b_1gpu.py`` cut to two short steps: 4 prompts x its 16 samples (RoC keeps its 8),
-    1,024-token responses, the bundled AIME 2024 problems, no TensorBoard; under ``smoke`` the tiny
-    model with the Qwen3 vocabulary, 2 prompts x 2 samples of 16 tokens, the optimizer where the backend
-    puts it."""
+    1,024-token responses, the bundled AIME 2024 problems, no TensorBoard. Random weights score 0 on every
+    rollout, which would drop every group (``rl.reject_equal_reward``) and leave the update nothing to train
+    on: groups are kept, so the update runs on the step's real batch. Under ``smoke`` the tiny model with
+    the Qwen3 vocabulary, 2 prompts x 2 samples of 16 tokens, the optimizer where the backend puts it."""
     config.workdir = str(workdir)
     config.data.source = problems
     config.logging.tensorboard = False
     config.logging.progress_every = 1
     config.rl.prompts_per_step = 4
+    config.rl.reject_equal_reward = False
     config.num_microbatches = 4  # the 32 kept trajectories pack into ~16 rows of 3,072 tokens
     config.stages[0].steps = 2
     config.stages[0].max_response_length = 1024
