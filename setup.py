@@ -26,7 +26,7 @@ setup(
     },
     ext_modules=native if sys.platform.startswith("linux") else [],
     install_requires=[
-        "jax>=0.10.2",
+        "jax>=0.10.2,<0.12",  # models.platform.SUPPORTED_JAX: 0.10.2 (CPU pin) through 0.11.x (GPU images)
         "flax>=0.12.8",
         "optax>=0.2.8",
         "orbax-checkpoint>=0.12.8",

@@ -394,6 +394,21 @@ def device_copy_bandwidth(num_bytes: int = 2**30) -> float:
     return 2 * x.nbytes / best
 
 
+def step_over_floor(params, config, *, batch: int, held: int, param_bytes: int, measure_bandwidth) -> dict:
+    """Wall seconds per decode step (best chunk) of ``batch`` sequences holding ``held`` tokens, against the
+    memory-bandwidth floor: (parameter bytes + the KV bytes of the held tokens) / the best of three
+    ``measure_bandwidth()`` copies, timed between the steps so both see the same load. Also the KV the pool
+    holds (``kv``: :meth:`_DecodeRun.kv`)."""
+    run = _DecodeRun(params, config, slots=batch, prompt_len=held, max_len=2048, chunks=4)
+    bandwidth = 0.0
+    for _ in range(3):
+        bandwidth = max(bandwidth, measure_bandwidth())
+        decode_steps([run], rounds=1)
+    kv = run.kv()
+    return dict(step_s=run.wall_step_s, floor_s=(param_bytes + kv["token_bytes"]) / bandwidth,
+                bandwidth=bandwidth, kv=kv)
+
+
 def big_rollout(params, config, *, prompts: int = 64, prompt_len: int = 2048, samples: int = 16,
                 new_tokens: int = 64, kv_gib: float = 40.0) -> dict:
     """``prompts`` prompts of ``prompt_len`` tokens x ``samples`` samples of ``new_tokens`` tokens at once, on
@@ -462,16 +477,12 @@ def scale(args, report) -> None:
             print(f"decode tok/s, {shape}, batch {batch}: {rate:.1f}", flush=True)
             if shape != "tiny" and (gpu or batch == 1):
                 held = 512 if gpu else 64
-                run = _DecodeRun(params, config, slots=batch, prompt_len=held, max_len=2048, chunks=4)
-                bandwidth = 0.0
-                for _ in range(3):  # copies between the steps: both see the same load (best of each)
-                    bandwidth = max(bandwidth, measure_bandwidth())
-                    decode_steps([run], rounds=1)
-                floor = (param_bytes + run.kv()["token_bytes"]) / bandwidth
+                step = step_over_floor(params, config, batch=batch, held=held, param_bytes=param_bytes,
+                                       measure_bandwidth=measure_bandwidth)
                 report(f"step_over_floor_{shape}_batch{batch}",
                        f"decode step ms, {shape}, b{batch}, {held} tok",
-                       run.wall_step_s * 1e3, floor * 1e3, run.wall_step_s / floor,
-                       "<= 1.5x" if batch == 1 else "<= 1.4x", f"floor at {bandwidth / 1e9:.0f} GB/s")
+                       step["step_s"] * 1e3, step["floor_s"] * 1e3, step["step_s"] / step["floor_s"],
+                       "<= 1.5x" if batch == 1 else "<= 1.4x", f"floor at {step['bandwidth'] / 1e9:.0f} GB/s")
         del params
     report.figures["decode_tokens_per_s"] = speeds
     if gpu and args.big_rollout:

@@ -22,8 +22,9 @@ into 2048-token rows, against the same trajectories padded one per row; and one 
 blockwise vs dense attention. JSON keys: temp_gib_8192, temp_ratio_8192_over_2048, packed_tokens_per_s_ratio.
 
 ``--gpu``: Qwen3-1.7B (28 layers), float32 master weights and AdamW, bfloat16 compute, remat "full",
-attention "auto" (tokamax), 8 rows x 8192 tokens: tokens/s and MFU (model FLOPs: 6 x parameters x tokens
-plus causal attention 6 x layers x T^2 x heads x head_dim per row, over the GPU's dense bf16 peak).
+attention "auto" (``models.attention.auto_choice``), 8 rows x 8192 tokens: tokens/s and MFU (model FLOPs:
+6 x parameters x tokens plus causal attention 6 x layers x T^2 x heads x head_dim per row, over the GPU's
+dense bf16 peak).
 """
 
 from __future__ import annotations
@@ -95,7 +96,6 @@ def synthetic_batch(vocab: int, batch: int, seq_len: int):
 
 
 def run_jax(config: dict, batch: int, seq_len: int, steps: int) -> dict:
-    import jax
     import numpy as np
 
     from rstar2jax import models, train
@@ -112,15 +112,26 @@ def run_jax(config: dict, batch: int, seq_len: int, steps: int) -> dict:
         advantages=advantages,
         old_logp=old_logp,
     )
-    data = jax.device_put(data)
+    return rl_step_timing(model_config, data, steps)
+
+
+def rl_step_timing(model_config, batch, steps: int) -> dict:
+    """Compile seconds, median step seconds (after one warm-up step), the last loss and the compiled
+    temporaries of the jitted ``rl_step`` on ``batch`` (fresh random parameters and AdamW state)."""
+    import jax
+    import numpy as np
+
+    from rstar2jax import models, train
+
+    batch = jax.device_put(batch)
     optimizer = train.make_optimizer()
     state = train.init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, 0)
     step = train.make_rl_step(model_config, optimizer)
     start = time.perf_counter()
-    compiled = step.lower(state, data).compile()
+    compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    times, metrics = timed_steps(compiled, state, data, steps)
+    times, metrics = timed_steps(compiled, state, batch, steps)
     return {
         "step_s": float(np.median(times)),
         "compile_s": compile_s,
@@ -211,16 +222,7 @@ def compiled_temp_bytes(model_config, batch) -> int:
 
 def time_rl_step(model_config, batch, steps: int) -> float:
     """Median seconds of the jitted rl_step on ``batch`` (after one warm-up step)."""
-    import jax
-    import numpy as np
-
-    from rstar2jax import models, train
-
-    optimizer = train.make_optimizer()
-    state = train.init_train_state(models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, 0)
-    step = train.make_rl_step(model_config, optimizer)
-    times, _ = timed_steps(step, state, jax.device_put(batch), steps)
-    return float(np.median(times))
+    return rl_step_timing(model_config, batch, steps)["step_s"]
 
 
 def timed_steps(step, state, batch, steps: int) -> tuple[list[float], dict]:
@@ -319,8 +321,33 @@ def memory_main() -> None:
     )
 
 
-# Dense bf16 peak FLOP/s by device kind (NVIDIA datasheets, without sparsity).
-_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+# Dense bf16 peak FLOP/s by device kind (vendors' datasheets, without sparsity); the first name the device's
+# kind contains wins (so "H100 PCIe" before "H100").
+PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "MI355": 2500e12,
+    "MI325": 1307e12,
+    "MI300X": 1307e12,
+    "MI250": 383e12,
+}
+
+
+def peak_bf16_flops(device_kind: str) -> float | None:
+    """The device's dense bf16 peak FLOP/s, or None for a kind not in ``PEAK_BF16_FLOPS``."""
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_kind), None)
+
+
+def rl_step_flops(config, rows: int, seq_len: int) -> float:
+    """Model FLOPs of one training step on ``rows`` full rows of ``seq_len`` tokens: 6 x parameters x tokens
+    plus causal attention, 6 x layers x T^2 x heads x head_dim per row (rematerialisation not counted)."""
+    attention = 6 * config.num_layers * rows * seq_len**2 * config.num_heads * config.head_dim
+    return 6 * config.num_params * rows * seq_len + attention
 
 
 def gpu_main() -> None:
@@ -335,13 +362,13 @@ def gpu_main() -> None:
     batch = _packed_batch(lengths, seq_len, config.vocab_size, pack=False)
     step_s = time_rl_step(config, batch, _STEPS.value)
     tokens = rows * seq_len
-    attention_flops = 6 * config.num_layers * rows * seq_len**2 * config.num_heads * config.head_dim
-    flops = 6 * config.num_params * tokens + attention_flops
-    peak = next((v for k, v in _PEAK_BF16.items() if k in device.device_kind), None)
+    flops = rl_step_flops(config, rows, seq_len)
+    peak = peak_bf16_flops(device.device_kind)
     mfu = None if peak is None else flops / step_s / peak
+    attention = models.attention.resolve_implementation("auto", config.head_dim, config.compute_dtype)
     print(
         f"Qwen3-1.7B rl_step on {device.device_kind}: {rows} x {seq_len} tokens, bf16 compute, fp32 master "
-        f"weights + AdamW, remat full, attention {models.attention.resolve_implementation('auto')}: "
+        f"weights + AdamW, remat full, attention {attention}: "
         f"{step_s:.3f} s/step, {tokens / step_s:.0f} tokens/s, MFU {mfu if mfu is None else f'{mfu:.1%}'}"
     )
     print(

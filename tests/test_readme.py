@@ -85,6 +85,10 @@ COVERED_ELSEWHERE = {
         ['"experiments.evaluate"', "--datasets=", "--workdir="],
     ),
     "python -m experiments.chat --model=DIR": ("tests/serve/test_launchers.py", ['"experiments.chat"']),
+    "python -m experiments.accelerator_check --smoke": (
+        "tests/test_accelerator_check.py",
+        ['"experiments.accelerator_check"', '"--smoke"'],
+    ),
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py "
     "--config.workdir=/shared/runs/paper --config.distributed.coordinator_address=HOST0:12355 "
     "--config.distributed.num_processes=N --config.distributed.process_id=i": (

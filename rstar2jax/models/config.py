@@ -13,7 +13,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 # norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
 # layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
 REMAT_POLICIES = ("none", "save_projections", "save_attention", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "tokamax")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "tokamax", "pallas_triton", "jax_pallas_mha")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -27,10 +27,10 @@ class ModelConfig:
     scaling dict. ``param_dtype`` is the dtype weights are stored in (float32 master weights by default),
     ``compute_dtype`` the dtype matmuls run in (``"bfloat16"`` for mixed precision); softmax, norms and logits
     are always float32. ``attention`` picks the training attention's implementation (``models.attention``:
-    ``"auto"`` = tokamax's kernels on NVIDIA GPUs, the blockwise XLA one elsewhere), ``attention_block_size``
-    the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks of that many tokens, each
-    rematerialised, when it divides the sequence: long-sequence training then holds the MLP's
-    ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
+    ``"auto"`` = the first GPU kernel that passes its on-device check, the blockwise XLA one elsewhere),
+    ``attention_block_size`` the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks
+    of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
+    the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
     ``dataclasses.replace``.
     """
 

@@ -8,9 +8,25 @@ device kind) say which vendor's runtime it is.
 
 from __future__ import annotations
 
+import re
+
 import jax
 
 ACCELERATORS = ("cuda", "rocm", "tpu", "cpu")
+# The JAX versions the library supports: 0.10.2 (this project's CPU pin) through 0.11.x (GPU images that come
+# with their own JAX and plugin). setup.py declares the same range; APIs that moved between them are
+# feature-detected where used.
+SUPPORTED_JAX = (">=0.10.2", "<0.12")
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def jax_version_supported(version: str = jax.__version__) -> bool:
+    """Whether ``version`` (default: the installed JAX) lies in ``SUPPORTED_JAX``."""
+    low, high = (_version_key(bound) for bound in SUPPORTED_JAX)
+    return low <= _version_key(version) < high
 
 
 def accelerator(device: jax.Device | None = None) -> str:

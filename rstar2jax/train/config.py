@@ -11,9 +11,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import Any
-
-import ml_collections
+from typing import TYPE_CHECKING, Any
 
 from rstar2jax import algo
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
@@ -25,19 +23,35 @@ from rstar2jax.train.rl import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES, RLLossConfig
 
-placeholder = ml_collections.config_dict.placeholder
+if TYPE_CHECKING:
+    import ml_collections
+
+
+# ml_collections is imported where a config is built, not with this module: the library's steps, loops and
+# colocation import (and its tests run) where the package is missing, e.g. a GPU image without it.
+def _config_dict(fields: dict | None = None) -> ml_collections.ConfigDict:
+    import ml_collections  # noqa: PLC0415
+
+    return ml_collections.ConfigDict(fields)
+
+
+def placeholder(field_type: type):
+    """``ml_collections.config_dict.placeholder``: a field of that type whose value may be None."""
+    import ml_collections  # noqa: PLC0415
+
+    return ml_collections.config_dict.placeholder(field_type)
 
 
 def _common() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = _config_dict()
     c.seed = 0
     c.workdir = "runs/default"
     c.notice = ""  # printed by the launchers at start (e.g. that the config is a smoke test)
-    c.model = ml_collections.ConfigDict()
+    c.model = _config_dict()
     c.model.path = ""  # HF checkpoint folder (config.json + safetensors): load_pretrained
     c.model.config_json = ""  # or an HF config.json: random init of that shape
     c.model.preset = ""  # or a named shape (models.PRESETS: "tiny", "qwen3-0.6b" ... "qwen3-14b")
-    c.model.spec = ml_collections.ConfigDict()  # or ModelConfig fields (with a preset: overrides)
+    c.model.spec = _config_dict()  # or ModelConfig fields (with a preset: overrides)
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
     c.model.remat_policy = "none"  # none | save_projections | save_attention | full (| dots | dots_no_batch)
@@ -45,8 +59,8 @@ def _common() -> ml_collections.ConfigDict:
     c.model.attention = "auto"  # auto (tokamax on NVIDIA GPUs, else blockwise) | blockwise | tokamax | xla
     c.model.attention_block_size = 512  # the blockwise attention's query/key block
     c.model.mlp_chunk_size = 0  # > 0: the MLP over rematerialised token chunks of this size
-    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
-    c.optimizer = ml_collections.ConfigDict(
+    c.mesh = _config_dict(dict(data=1, fsdp=1, tensor=1))
+    c.optimizer = _config_dict(
         dict(
             learning_rate=1e-6,
             warmup_steps=20,
@@ -61,17 +75,15 @@ def _common() -> ml_collections.ConfigDict:
     )
     c.optimizer.max_grad_norm = 1.0
     c.num_microbatches = 1
-    c.checkpoint = ml_collections.ConfigDict(dict(save_every=10, keep=3, async_save=True))
-    c.logging = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, progress_every=10))
+    c.checkpoint = _config_dict(dict(save_every=10, keep=3, async_save=True))
+    c.logging = _config_dict(dict(tensorboard=True, progress=True, progress_every=10))
     # Multi-host: every process gets the same config plus its own process_id (see the README).
-    c.distributed = ml_collections.ConfigDict(dict(coordinator_address="", num_processes=1, process_id=0))
+    c.distributed = _config_dict(dict(coordinator_address="", num_processes=1, process_id=0))
     # What the policy sees around a problem (PromptConfig), recorded in every exported policy folder:
     # paper=None takes the format recorded in model.path's folder (rstar2jax_prompt.json; the paper's
     # prompt when it records none), True the paper's prompt, False the fields below. SFT data written for
     # this policy must use the same prompt (the demo copies its own prompt here).
-    c.prompt = ml_collections.ConfigDict(
-        dict(paper=placeholder(bool), system_prompt="", user_prefix="", list_tools=True)
-    )
+    c.prompt = _config_dict(dict(paper=placeholder(bool), system_prompt="", user_prefix="", list_tools=True))
     return c
 
 
@@ -79,7 +91,7 @@ def rl_config() -> ml_collections.ConfigDict:
     """GRPO-RoC defaults (the paper's where it gives them); stages are added by the config file."""
     c = _common()
     c.tokenizer = ""
-    c.data = ml_collections.ConfigDict(
+    c.data = _config_dict(
         dict(
             source="",
             split="train",
@@ -91,7 +103,7 @@ def rl_config() -> ml_collections.ConfigDict:
             limit=placeholder(int),
         )
     )
-    c.loss = ml_collections.ConfigDict(
+    c.loss = _config_dict(
         dict(
             eps_low=0.2,
             eps_high=0.28,
@@ -115,7 +127,7 @@ def rl_config() -> ml_collections.ConfigDict:
         )
     )
     c.loss.dual_clip = 3.0  # verl's clip_ratio_c and the released code; None turns it off
-    c.rl = ml_collections.ConfigDict(
+    c.rl = _config_dict(
         dict(
             prompts_per_step=512,
             samples_per_problem=32,
@@ -142,8 +154,8 @@ def rl_config() -> ml_collections.ConfigDict:
             max_nonfinite_steps=3,
         )
     )
-    c.batch = ml_collections.ConfigDict(dict(max_prompt_length=1024, pack=True))
-    c.rollout = ml_collections.ConfigDict(
+    c.batch = _config_dict(dict(max_prompt_length=1024, pack=True))
+    c.rollout = _config_dict(
         dict(
             temperature=1.0,
             top_p=1.0,
@@ -165,7 +177,7 @@ def rl_config() -> ml_collections.ConfigDict:
     # Colocated rollout and training (rstar2jax.train.colocate): where the optimizer moments wait while the
     # engine runs ("host": pinned host memory; "auto": host on accelerators, device on the CPU backend). The
     # engine's KV page pool exists only during rollout (each rollout builds it; it is freed when it ends).
-    c.colocate = ml_collections.ConfigDict(dict(optimizer_memory="auto"))
+    c.colocate = _config_dict(dict(optimizer_memory="auto"))
     # Per-device memory for the start-up memory plan check; None: what the device reports (none on CPU).
     c.device_memory_gib = placeholder(float)
     c.filter_batch_size = 64
@@ -185,7 +197,7 @@ def stage(
 ) -> ml_collections.ConfigDict:
     """One RL stage. ``dataset`` empty: the previous stage's problems (the first stage: ``config.data``);
     ``hard_filter_rollouts`` k > 0: at the stage start drop problems the current policy solves k/k."""
-    return ml_collections.ConfigDict(
+    return _config_dict(
         dict(
             name=name,
             steps=steps,
@@ -205,7 +217,7 @@ def sft_config() -> ml_collections.ConfigDict:
     c.optimizer.learning_rate = 5e-6
     c.optimizer.schedule = "cosine"
     c.optimizer.warmup_steps = -1  # -1: warmup_fraction of the total steps
-    c.sft = ml_collections.ConfigDict(
+    c.sft = _config_dict(
         dict(data="", epochs=3, batch_size=128, seq_len=4096, warmup_fraction=0.04, steps=placeholder(int))
     )
     return c

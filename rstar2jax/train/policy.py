@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_collections
 import numpy as np
 
 from rstar2jax import models
@@ -26,6 +25,9 @@ from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import prompt_from_config
 from rstar2jax.train.rl import RolloutFn
 from rstar2jax.train.steps import state_shardings
+
+if TYPE_CHECKING:
+    import ml_collections
 
 
 def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):

@@ -1,0 +1,225 @@
+"""experiments.accelerator_check: its smoke run (every stage at tiny shapes on the CPU) and the pieces a GPU
+run relies on when things go wrong (a stage past its time, a missing module, pytest's report)."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from experiments import accelerator_check as check
+from rstar2jax.models import platform
+from tests.conftest import REPO_ROOT
+
+# What the GPU image of this workplace lacks among the library's dependencies (its package list).
+ABSENT_ON_THE_GPU_IMAGE = ("ml_collections", "math_verify", "datasets", "tensorboardX", "tokamax")
+
+
+def _python(code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_run_passes_every_stage_and_reports_the_contract_keys(tmp_path):
+    """The budget is generous so that a loaded test machine cannot fail it; the script's own smoke default is
+    120 s."""
+    # As a user runs it: without the emulated CPU devices the test session asks for.
+    xla_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.accelerator_check", "--smoke", f"--output_dir={tmp_path}",
+         "--budget_s=900"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "XLA_FLAGS": xla_flags},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / check.RESULT_FILE).read_text())
+    assert {name: stage["status"] for name, stage in result["stages"].items()} == dict.fromkeys(
+        check.STAGE_NAMES, "ok")
+    assert result["smoke_ok"] is True
+    assert result["device"] == "cpu (cpu, 1 device)" and result["jax_supported"] is True
+    assert result["training_attention"] == "blockwise"  # no GPU: nothing to probe
+    assert result["gpu_tests_failed"] == 0 and result["gpu_tests_passed"] == 1
+    for key in ("mfu_8k", "mfu_2k", "mfu_8k_blockwise", "mfu_2k_blockwise"):
+        assert key in result and result[key] is None  # no bf16 peak for a CPU
+    for key in ("rl_step_tokens_per_s_8k", "rl_step_tokens_per_s_2k", "decode_step_over_floor_b1",
+                "decode_step_over_floor_b64", "engine_ready_s", "rl_step_generated_tokens_per_s_per_gpu"):
+        assert result[key] > 0, key
+    assert result["kv_bytes_ratio"] >= 1.0 and result["group_prompt_kv_ratio"] >= 1.0
+    assert result["loop_steps"] == 2 and result["loop_step1_generated_tokens"] == 2 * 2 * 16
+    assert result["nemo_rl_generated_tokens_per_s_per_gpu"] == 1562
+
+
+def test_a_stage_that_needs_a_missing_module_fails_naming_it(tmp_path):
+    """The loop stage needs ml_collections (the configs), which the GPU image lacks."""
+    done = _python(
+        """
+        import runpy, sys
+        sys.modules["ml_collections"] = None  # as if not installed
+        sys.argv = ["accelerator_check", "--stage=loop", "--smoke", f"--output_dir={sys.argv[1]}"]
+        runpy.run_module("experiments.accelerator_check", run_name="__main__")
+        """,
+        str(tmp_path),
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    recorded = json.loads((tmp_path / "stage_loop.json").read_text())
+    assert recorded == {"error": "missing module ml_collections"}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text().replace("\0", " "):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_a_terminated_run_stops_its_stage_and_keeps_the_finished_ones(tmp_path):
+    """SIGTERM (a tool's time limit) in the middle of a stage: the stage's processes go, the finished stage's
+    figures stay in the JSON file and the last line, the interrupted stage is named."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "experiments.accelerator_check", "--smoke", "--stages=environment,loop",
+         f"--output_dir={tmp_path}", "--budget_s=600"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        # The loop stage records its config as it starts.
+        loop_started = tmp_path / "stage_loop.json"
+        while not loop_started.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.poll() is None, run.stdout.read()[-3000:]
+        run.send_signal(signal.SIGTERM)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130, output[-3000:]
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / check.RESULT_FILE).read_text())
+    assert result["stages"]["environment"]["status"] == "ok" and result["device"]
+    assert result["stages"]["loop"]["status"] == "interrupted"
+    assert result["loop_config"]  # what the interrupted stage had recorded
+    for _ in range(50):
+        if not _processes_mentioning(f"--output_dir={tmp_path}"):
+            break
+        time.sleep(0.2)
+    assert _processes_mentioning(f"--output_dir={tmp_path}") == []
+
+
+def test_the_library_imports_without_what_the_gpu_image_lacks():
+    """Train steps, loops, colocation, engine, serving: importable (and their tests collectable) without the
+    modules the GPU image does not have; only building a config needs ml_collections."""
+    done = _python(
+        f"""
+        import sys
+        for name in {ABSENT_ON_THE_GPU_IMAGE!r}:
+            sys.modules[name] = None
+        from rstar2jax import agent, engine, eval, models, reward, serve, train
+        import rstar2jax.train.policy, rstar2jax.train.colocate
+        try:
+            train.rl_config()
+        except ImportError as error:
+            print("config:", error)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "config: import of ml_collections halted" in done.stdout
+
+
+def test_a_command_past_its_time_is_stopped_with_its_children():
+    """The stage runner's clock: the command and the process it started are both gone at the limit."""
+    started = time.perf_counter()
+    lines = []
+    parent = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(child.pid, flush=True); time.sleep(60)"
+    )
+    returncode = check._run_streaming(
+        [sys.executable, "-c", parent], env=dict(os.environ), timeout=3, on_line=lines.append
+    )
+    assert returncode is None
+    assert time.perf_counter() - started < 30
+    child = int(lines[0])
+    for _ in range(50):  # the child was killed with its group; wait for the kernel to reap it
+        if not pathlib.Path(f"/proc/{child}").exists() or "Z" in _state(child):
+            break
+        time.sleep(0.1)
+    assert not pathlib.Path(f"/proc/{child}").exists() or "Z" in _state(child)
+
+
+def _state(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_pytest_outcomes_are_read_from_its_output_and_its_report(tmp_path):
+    plain = "tests/models/test_x.py::test_a[1-2] PASSED                     [ 50%]"
+    xdist = "[gw3] [ 75%] FAILED tests/train/test_steps.py::test_b "
+    assert [m.groupdict() for m in map(check._TEST_LINE.search, (plain, xdist))] == [
+        {"before": None, "id1": None, "id2": "tests/models/test_x.py::test_a[1-2]", "after": "PASSED"},
+        {"before": "FAILED", "id1": "tests/train/test_steps.py::test_b", "id2": None, "after": None},
+    ]
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.models.test_x" name="test_a"/>'
+        '<testcase classname="tests.models.test_x" name="test_b"><failure message="assert 1 == 2&#10;more">'
+        "trace</failure></testcase>"
+        '<testcase classname="" name="tests.train.test_colocate"><error message="collection failure">'
+        "tests/train/scripted.py:9: in &lt;module&gt;&#10;    import ml_collections&#10;"
+        "E   ModuleNotFoundError: No module named 'ml_collections'</error></testcase>"
+        "</testsuite></testsuites>"
+    )
+    assert check._junit_failures(junit) == {
+        "tests/models/test_x.py::test_b": "assert 1 == 2",
+        "tests.train.test_colocate": "ModuleNotFoundError: No module named 'ml_collections'",
+    }
+
+
+def test_stage_limits_share_the_time_left():
+    stages = list(check.STAGES)
+    assert sum(s.share for s in stages) == pytest.approx(1.0)
+    assert check.stage_limits(540, stages) == pytest.approx(540 * stages[0].share)
+    # A stage that ended early leaves the rest to the stages after it, in proportion.
+    last_two = stages[-2:]
+    assert check.stage_limits(300, last_two) == pytest.approx(300 * 0.16 / 0.38)
+
+
+def test_loop_figures_take_compile_time_out_of_the_steps():
+    class Events(check.CompileEvents):
+        def __init__(self, events):
+            self.events = events
+
+    steps = [
+        ({"time/step": 50.0, "time/rollout": 30.0, "time/update": 20.0,
+          "throughput/rollout_tokens_per_s": 1000.0}, 150.0),
+        ({"time/step": 10.0, "time/rollout": 8.0, "time/update": 2.0,
+          "throughput/rollout_tokens_per_s": 5000.0}, 161.0),
+    ]
+    # Compiles that ended inside step 1 (30 s + 10 s) and before it (a memory plan's, not counted).
+    figures = check.loop_figures(steps, Events([(90.0, 5.0), (110.0, 30.0), (140.0, 10.0)]), devices=1)
+    assert figures["loop_step1_compile_s"] == 40.0 and figures["loop_step2_compile_s"] == 0.0
+    assert figures["loop_compile_s"] == 40.0
+    assert figures["loop_step1_generated_tokens"] == 30000
+    expected = (30000 + 40000) / (10 + 10)  # both steps' tokens over their time without compiling
+    assert figures["rl_step_generated_tokens_per_s_per_gpu"] == pytest.approx(expected, 0.01)
+
+
+def test_the_supported_jax_range_is_the_one_setup_declares():
+    requirement = re.search(r'"jax(>=[\d.]+,<[\d.]+)"', (REPO_ROOT / "setup.py").read_text())
+    assert requirement and requirement.group(1) == ",".join(platform.SUPPORTED_JAX)
+    assert platform.jax_version_supported()  # the JAX the tests run on
+    assert platform.jax_version_supported("0.11.2") and platform.jax_version_supported("0.10.2")
+    assert not platform.jax_version_supported("0.10.1") and not platform.jax_version_supported("0.12.0")
