@@ -29,6 +29,7 @@ from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.data.sft_data import load_sft_sequences
 from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
+from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
@@ -42,7 +43,13 @@ from rstar2jax.train.rl import (
 )
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, mesh_size, request_host_devices
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
-from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
+from rstar2jax.train.steps import (
+    batch_sharding,
+    make_rl_step,
+    make_sft_step,
+    state_shardings,
+    trainable_params,
+)
 
 
 def model_config_from(config) -> models.ModelConfig:
@@ -153,12 +160,13 @@ def save_policy(params, model_config: models.ModelConfig, out: str | pathlib.Pat
     return out
 
 
-def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) -> TrainState:
-    """Shapes, dtypes and shardings of the train state, without allocating it."""
+def abstract_state(model_config, optimizer, shardings: TrainState, seed: int, lora=None) -> TrainState:
+    """Shapes, dtypes and shardings of the train state (with ``lora``: of the adapters'), without allocating
+    it."""
     reference = shardings.ref_params is not None
     shapes = jax.eval_shape(
         lambda: init_train_state(
-            models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, seed, reference=reference
+            trainable_params(model_config, jax.random.PRNGKey(0), lora), optimizer, seed, reference=reference
         )
     )
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -195,6 +203,7 @@ class Run:
     checkpointer: Checkpointer
     logger: MetricsLogger
     is_main: bool
+    base: lora_lib.FrozenBase | None = None  # LoRA: the frozen base; state.params are the adapters
     _closed: bool = False
 
     @property
@@ -202,6 +211,23 @@ class Run:
         """Updates applied so far: ``state.step``, the one step counter (stages and the learning-rate
         schedule record the step they started at, ``meta["stage_start"]`` and ``meta["optimizer_start"]``)."""
         return int(jax.device_get(self.state.step.addressable_data(0)))
+
+    @property
+    def lora(self) -> models.LoraConfig | None:
+        return None if self.base is None else self.base.lora
+
+    def policy_params(self):
+        """The parameters the policy samples with: ``state.params``, or (LoRA) the base with the adapters
+        merged in."""
+        return self.state.params if self.base is None else self.base.merged(self.state.params)
+
+    def export(self, out: str | pathlib.Path, *, tokenizer=None) -> pathlib.Path:
+        """Writes the policy as an HF folder at ``out`` (``save_policy``); a LoRA run also writes its adapters
+        alone as a PEFT folder (``train.lora.adapter_folder(out)``)."""
+        save_policy(self.policy_params(), self.model_config, out, tokenizer=tokenizer)
+        if self.base is not None:
+            lora_lib.save_adapter(self.state.params, self.config, self.model_config, self.lora, out)
+        return pathlib.Path(out)
 
     @property
     def resumed(self) -> bool:
@@ -262,22 +288,39 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     workdir = pathlib.Path(config.workdir)
     mesh = mesh_from_config(config)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
+    lora = lora_lib.lora_from_config(config, model_config)
+    shardings = state_shardings(
+        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
+    )
     checkpointer = Checkpointer(
         workdir / CHECKPOINT_DIR,
         save_every=config.checkpoint.save_every,
         keep=config.checkpoint.keep,
         async_save=config.checkpoint.async_save,
     )
-    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed))
+    base, base_record = None, None
+    if lora is not None:  # the frozen base: loaded at every start, never checkpointed
+        offload = "colocate" in config and colocate.resolve_offload(config.colocate.optimizer_memory)
+        base = lora_lib.FrozenBase(
+            initial_params(config, model_config, mesh), model_config, lora, offload=offload
+        )
+        base_record = lora_lib.base_record(config, lora, base.params)
+    _check_checkpoint_kind(checkpointer.latest_meta(), base_record, checkpointer.directory)
+    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed, lora))
     if restored is None:
-        params = initial_params(config, model_config, mesh)
+        if lora is None:
+            params = initial_params(config, model_config, mesh)
+        else:
+            params = lora_lib.initial_adapters(config, model_config, lora, mesh)
         reference = shardings.ref_params is not None
         init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed, reference=reference)
         state = jax.jit(init, out_shardings=shardings)(params)
         meta = {**initial_meta, "history": [], "optimizer_start": 0}
+        if base_record is not None:
+            meta[lora_lib.META_KEY] = base_record
     else:
         state, meta = restored
+        _check_checkpoint_kind(meta, base_record, checkpointer.directory)
         _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     if is_main:
@@ -298,7 +341,20 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
         checkpointer=checkpointer,
         logger=logger,
         is_main=is_main,
+        base=base,
     )
+
+
+def _check_checkpoint_kind(meta: dict | None, base_record: dict | None, where: str) -> None:
+    """A checkpoint of a LoRA run resumes only as the same LoRA run on the same base, a full fine-tuning
+    checkpoint only as full fine-tuning (``ConfigError`` otherwise, before the state is restored)."""
+    if meta is None:
+        return
+    if base_record is not None:
+        lora_lib.check_base(meta.get(lora_lib.META_KEY), base_record, where)
+    elif lora_lib.META_KEY in meta:
+        raise config_lib.ConfigError(f"{where} holds LoRA adapters ({meta[lora_lib.META_KEY]['lora']}), but "
+                          "config.model.lora.rank is 0: set the LoRA fields or use another workdir")
 
 
 class Progress:
@@ -397,7 +453,10 @@ def train_rl(
         num_microbatches=config.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,
+        lora=run.lora,
     )
+    if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
+        step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
     total = (
         sum(s.steps for s in config.stages)
         if max_steps is None
@@ -542,7 +601,10 @@ def train_sft(
         num_microbatches=config.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,
+        lora=run.lora,
     )
+    if run.base is not None:
+        step_fn = run.base.bind(step_fn)
     iterator = ProblemIterator(
         sequences, config.sft.batch_size, seed=config.seed, position=run.meta["position"]
     )
@@ -579,7 +641,7 @@ def train_sft(
         finally:
             run.close()
     if export_dir is not None:
-        save_policy(run.state.params, run.model_config, export_dir, tokenizer=tokenizer)
+        run.export(export_dir, tokenizer=tokenizer)
     return run.logger.history
 
 
@@ -619,9 +681,14 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
     rows = -(-rows // multiple) * multiple
     mesh = mesh_from_config(config, allow_emulated=True)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
-    state = abstract_state(model_config, optimizer, shardings, config.seed)
+    lora = lora_lib.lora_from_config(config, model_config)
+    shardings = state_shardings(
+        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
+    )
+    state = abstract_state(model_config, optimizer, shardings, config.seed, lora)
     batch = _abstract_batch(rows, seq_len, batch_sharding(mesh), rl=kind == "rl")
+    # LoRA: the frozen base is the step's third argument.
+    base = () if lora is None else (abstract_base_params(model_config, mesh),)
     if kind == "rl":
         step = make_rl_step(
             model_config,
@@ -630,13 +697,15 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
             num_microbatches=config.num_microbatches,
             mesh=mesh,
             shardings=shardings,
+            lora=lora,
         )
     else:
         step = make_sft_step(
-            model_config, optimizer, num_microbatches=config.num_microbatches, mesh=mesh, shardings=shardings
+            model_config, optimizer, num_microbatches=config.num_microbatches, mesh=mesh, shardings=shardings,
+            lora=lora,
         )
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch, *base).compile()
     memory = compiled.memory_analysis()
     fields = (
         "argument_size_in_bytes",
@@ -653,6 +722,7 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         + report["temp_size_in_bytes"]
     )
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    frozen_params = sum(math.prod(x.shape) for x in jax.tree.leaves(base))
     report.update(
         devices=mesh.size,
         platform=mesh.devices.flat[0].platform,
@@ -660,22 +730,38 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         batch_shape=[rows, seq_len],
         microbatch_rows=rows // config.num_microbatches,
         num_params=num_params,
+        frozen_params=frozen_params,
+        lora=None if lora is None else lora_lib.describe(lora),
         compile_seconds=time.perf_counter() - start,
         attention=models.attention.resolve_implementation(model_config.attention),
         remat_policy=model_config.remat_policy,
         logprobs="vocabulary chunks (models.sequence_logprobs)",
     )
     if kind == "rl":
-        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report)
+        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report, *base)
     return report
+
+
+def abstract_base_params(model_config, mesh: Mesh):
+    """Shapes, dtypes and shardings of the model's parameters (a LoRA run's frozen base), unallocated."""
+    shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0)))
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        models.param_shardings(model_config, mesh),
+    )
 
 
 def format_dry_run(report: dict[str, Any]) -> str:
     """A readable table of a ``dry_run`` report (sizes per device, in GiB)."""
     gib = 2.0**30
+    trained = f"{report['num_params'] / 1e6:,.1f}M parameters"
+    if report.get("lora"):
+        trained = (f"{report['num_params'] / 1e6:,.1f}M LoRA parameters (rank {report['lora']['rank']}) on "
+                   f"{report['frozen_params'] / 1e6:,.1f}M frozen")
     lines = [
         f"compiled for {report['devices']} {report['platform']} devices, mesh {report['mesh']}, "
-        f"{report['num_params'] / 1e6:,.1f}M parameters, batch {report['batch_shape']} "
+        f"{trained}, batch {report['batch_shape']} "
         f"({report['microbatch_rows']} rows per micro-batch), compile {report['compile_seconds']:.1f}s",
         f"attention {report['attention']}, remat {report['remat_policy']}, log-probs by {report['logprobs']}",
         "per-device memory of the compiled step:",
