@@ -40,6 +40,21 @@ def fail(message: str) -> None:
     sys.exit(CONFIG_ERROR_EXIT)
 
 
+#: The ``--adapter`` flag of evaluate / chat / serve.
+ADAPTER_HELP = "PEFT LoRA adapter folder merged into --model (then an HF base folder or hub name)."
+
+
+def load_policy(model: str, *, tokenizer: str | None, dtype: str, adapter: str | None):
+    """``rstar2jax.serve.load_policy`` for evaluate / chat / serve: a model or adapter that cannot be loaded
+    (a missing folder, an adapter for another base) is one line and exit 2."""
+    from rstar2jax.serve import load_policy as load
+
+    try:
+        return load(model, tokenizer=tokenizer, dtype=dtype, adapter=adapter)
+    except (FileNotFoundError, ValueError) as error:
+        fail(str(error))
+
+
 def _override_arg(argv: list[str], key: str) -> str:
     """The ``--config.a.b=...`` argument whose path names ``key`` (for the message), or ''."""
     for arg in argv:

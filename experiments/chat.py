@@ -2,6 +2,7 @@
 
   python -m experiments.chat --model=runs/demo/policies/rl --prompt_format=bare
   python -m experiments.chat --model=DIR --prompt="What is 2**100 mod 7?"   # one answer, then exit
+  python -m experiments.chat --model=BASE --adapter=LORA_DIR   # a PEFT LoRA adapter merged into BASE
 
 The model's reasoning is printed as it is sampled, each Python call as code and its real output as it comes
 back (sandbox: a local one, or ``--sandbox_url``). Later messages continue the same conversation. Ctrl-C or
@@ -16,8 +17,11 @@ import sys
 
 from absl import app, flags
 
+from experiments import _launch
+
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_ADAPTER = flags.DEFINE_string("adapter", None, _launch.ADAPTER_HELP)
 _PROMPT = flags.DEFINE_string("prompt", None, "Answer this one message and exit (for scripts).")
 _PROMPT_FORMAT = flags.DEFINE_enum(
     "prompt_format", "paper", ["paper", "bare"], "The prompt the policy was trained with."
@@ -38,11 +42,12 @@ def main(argv):
     from rstar2jax.agent.rollout import RolloutConfig
     from rstar2jax.agent.sandbox_client import SandboxClient
     from rstar2jax.engine import Engine, EngineConfig, SamplingParams
-    from rstar2jax.serve import load_policy
     from rstar2jax.serve.chat import ChatSession, TerminalObserver
     from rstar2jax.serve.evaluation import PROMPTS
 
-    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _launch.load_policy(
+        _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
+    )
     config = RolloutConfig(
         max_response_length=_MAX_TOKENS.value,
         max_turns=_MAX_TURNS.value,

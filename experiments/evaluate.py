@@ -7,7 +7,8 @@ Writes ``W/samples.jsonl`` (one record per sample: response, extracted answer, c
 turns, tokens, finish reason) and ``W/summary.json`` (per dataset: avg@k, pass@k, maj@k, mean response
 tokens, tool-call statistics), and prints the table. Re-running the same command resumes: finished problems
 are skipped and no line is written twice. ``--datasets`` takes eval-set names and ``.jsonl`` files of
-``{"problem", "answer"}`` rows; ``--model`` an HF folder, a hub name or a training run folder.
+``{"problem", "answer"}`` rows; ``--model`` an HF folder, a hub name or a training run folder;
+``--adapter`` a PEFT LoRA folder merged into an HF base ``--model`` (``--model=BASE --adapter=DIR``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import sys
 
 from absl import app, flags
 
+from experiments import _launch
+
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_ADAPTER = flags.DEFINE_string("adapter", None, _launch.ADAPTER_HELP)
 _DATASETS = flags.DEFINE_list(
     "datasets", ["aime24", "aime25", "math500", "hmmt25"], "Eval-set names or .jsonl files (problem, answer)."
 )
@@ -45,7 +49,6 @@ def main(argv):
     from rstar2jax.agent.sandbox_client import SandboxClient
     from rstar2jax.eval import load_eval_set
     from rstar2jax.reward import AnswerVerifier
-    from rstar2jax.serve import load_policy
     from rstar2jax.serve.evaluation import PROMPTS, EvalProtocol, evaluate_to_files, format_summary
 
     workdir = pathlib.Path(_WORKDIR.value)
@@ -61,9 +64,12 @@ def main(argv):
         max_turns=_MAX_TURNS.value,
         seed=_SEED.value,
     )
-    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _launch.load_policy(
+        _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
+    )
     print(
-        f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'}); "
+        f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'})"
+        f"{'' if policy.adapter is None else f' + adapter {policy.adapter}'}; "
         f"{', '.join(f'{n}: {len(p)}' for n, p in datasets.items())} problems; k={protocol.samples}, "
         f"T={protocol.temperature}, {protocol.max_tokens} tokens, {protocol.max_turns} turns",
         flush=True,

@@ -8,7 +8,8 @@ Then any OpenAI client works::
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
   client.chat.completions.create(model="rl_policy", messages=[{"role": "user", "content": "2+2?"}])
 
-``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint). Concurrent
+``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint); ``--adapter`` a
+PEFT LoRA folder merged into an HF base ``--model`` (``--model=BASE --adapter=DIR``). Concurrent
 requests share the engine's slots (``--num_slots``); more wait in its queue. Ctrl-C stops the server.
 """
 
@@ -18,8 +19,11 @@ import asyncio
 
 from absl import app, flags
 
+from experiments import _launch
+
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_ADAPTER = flags.DEFINE_string("adapter", None, _launch.ADAPTER_HELP)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.")
@@ -36,10 +40,12 @@ flags.mark_flag_as_required("model")
 
 def main(argv):
     del argv
-    from rstar2jax.serve import ServerConfig, load_policy, run_server
+    from rstar2jax.serve import ServerConfig, run_server
     from rstar2jax.serve.server import DEFAULT_ASSISTANT_OPENER
 
-    policy = load_policy(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _launch.load_policy(
+        _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
+    )
     config = ServerConfig(
         num_slots=_NUM_SLOTS.value,
         max_len=_MAX_LEN.value,

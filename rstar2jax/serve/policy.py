@@ -111,13 +111,6 @@ def _run_params(run_config, model_config, step_dir: pathlib.Path):
     return models.lora.merge(base, saved, lora, model_config.param_dtype)
 
 
-def _with_adapter(params, model_config, adapter: str | os.PathLike, base_model: str):
-    """``params`` with the PEFT LoRA folder ``adapter`` merged in; ValueError / FileNotFoundError naming the
-    problem (not a LoRA folder, another base, shapes this model does not have)."""
-    lora, adapters = models.peft_adapter.load_peft_adapter(adapter, model_config, base_model=base_model)
-    return models.lora.merge(params, adapters, lora, model_config.param_dtype)
-
-
 def _locate_run(path: pathlib.Path, step: int | None) -> tuple[pathlib.Path, pathlib.Path, int] | None:
     """``(workdir, step folder, step)`` when ``path`` is a run folder, its checkpoints folder or one of its
     step folders; None otherwise."""
@@ -202,9 +195,13 @@ def load_policy(
                 f"{path} is neither an HF model folder (no config.json) nor a training run folder "
                 f"(no {RUN_CONFIG_FILE} beside a checkpoints/ folder)"
             )
+        if adapter is not None:  # checked against the base's config before its weights are read
+            lora, adapters = models.peft_adapter.load_peft_adapter(
+                adapter, models.config_from_hf(path), base_model=os.fspath(model)
+            )
         model_config, params = models.load_pretrained(path, dtype=dtype)
         if adapter is not None:
-            params = _with_adapter(params, model_config, adapter, os.fspath(model))
+            params = models.lora.merge(params, adapters, lora, model_config.param_dtype)
         tokenizer_path = tokenizer or path
         name, source, chosen = path.name, "hf", None
     tok = load_tokenizer(tokenizer_path)
