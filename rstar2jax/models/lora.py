@@ -129,26 +129,27 @@ def lora_shardings(config: ModelConfig, lora: LoraConfig, mesh: jax.sharding.Mes
     )
 
 
-def _init_leaf(key, shape, init, dtype):
-    if init == "zeros":
-        return jnp.zeros(shape, dtype)
-    bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))  # fan_in: A's input axes
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
-
-
 def init_lora(config: ModelConfig, lora: LoraConfig, key: jax.Array, *,
               mesh: jax.sharding.Mesh | None = None) -> dict:
     """Fresh adapters in ``lora.dtype``: ``A`` uniform in ±1/sqrt(fan_in), ``B`` zero (so the adapted model
     starts equal to the base). With ``mesh``, each leaf is made in its :func:`lora_shardings` placement."""
     specs = lora_specs(config, lora)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_param_spec)
-    shardings = [None] * len(leaves) if mesh is None else jax.tree.leaves(lora_shardings(config, lora, mesh))
-    keys = jax.random.split(key, len(leaves))
-    made = [
-        jax.jit(_init_leaf, static_argnums=(1, 2, 3), out_shardings=sharding)(k, s.shape, s.init, lora.dtype)
-        for k, s, sharding in zip(keys, leaves, shardings, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, made)
+
+    def make(key):
+        made = []
+        for leaf_key, spec in zip(jax.random.split(key, len(leaves)), leaves, strict=True):
+            if spec.init == "zeros":
+                made.append(jnp.zeros(spec.shape, lora.dtype))
+                continue
+            bound = 1.0 / math.sqrt(math.prod(spec.shape[1:-1]))  # fan_in: A's input axes
+            a = jax.random.uniform(leaf_key, spec.shape, jnp.float32, -bound, bound)
+            made.append(a.astype(lora.dtype))
+        return jax.tree.unflatten(treedef, made)
+
+    # One program for the whole (small) tree; the base's init_params makes one leaf at a time instead.
+    shardings = None if mesh is None else lora_shardings(config, lora, mesh)
+    return jax.jit(make, out_shardings=shardings)(key)
 
 
 def check_adapters(adapters: dict, config: ModelConfig, lora: LoraConfig) -> None:
