@@ -55,6 +55,8 @@ from rstar2jax.train.steps import (
     sft_loss,
     sft_step,
     state_shardings,
+    trainable_params,
+    with_adapters,
 )
 
 __all__ = [
@@ -71,6 +73,8 @@ __all__ = [
     "TokenSequence",
     "TrainState",
     "accumulate_gradients",
+    "trainable_params",
+    "with_adapters",
     "build_batch",
     "check_memory_plan",
     "dry_run",

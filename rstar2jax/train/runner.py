@@ -663,11 +663,12 @@ def _abstract_batch(rows: int, seq_len: int, sharding, *, rl: bool) -> Batch:
     )
 
 
-def dry_run(config, *, kind: str) -> dict[str, Any]:
+def dry_run(config, *, kind: str, cpu_stand_in: bool = True) -> dict[str, Any]:
     """Compiles the ``kind`` ("rl" | "sft") train step for the configured mesh on abstract shapes (nothing is
     allocated) and returns per-device memory of the compiled executable plus the shapes it was built for.
 
-    RL plans for the worst case: every kept trajectory at full length on its own row.
+    RL plans for the worst case: every kept trajectory at full length on its own row. CPU devices stand in
+    for accelerators (``cpu_stand_in``): see ``_stand_in_options``.
     """
     config_lib.validate(config, kind, check_data=False)
     if kind == "rl":
@@ -690,7 +691,7 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
     # LoRA: the frozen base is the step's third argument.
     base = () if lora is None else (abstract_base_params(model_config, mesh),)
     options = dict(num_microbatches=config.num_microbatches, mesh=mesh, shardings=shardings, lora=lora,
-                   compiler_options=_stand_in_options(model_config, mesh))
+                   compiler_options=_stand_in_options(model_config, mesh) if cpu_stand_in else None)
     if kind == "rl":
         step = make_rl_step(model_config, optimizer, config_lib.build_loss_config(config), **options)
     else:
