@@ -175,3 +175,23 @@ def test_launchers_refuse_an_adapter_for_another_base_in_one_line(tmp_path, tiny
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "belongs to base model 'org/Another-Model'" in lines[0], done.stderr
+
+
+def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):
+    """``python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run``:
+    the paper's recipe with LoRA, compiled on abstract shapes; both phases fit 80 GiB at its longest stage."""
+    from experiments.configs import paper_qwen3_14b_lora_1gpu
+    from rstar2jax.train.runner import check_memory_plan, dry_run
+
+    config = paper_qwen3_14b_lora_1gpu.get_config()
+    config.workdir = str(tmp_path)
+    report = dry_run(config, kind="rl")
+    check_memory_plan(config, kind="rl", report=report)
+    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert plan["device_memory_gib"] == 80.0 and plan["fits"] is True
+    assert 0 < plan["rollout_peak_gib"] <= 80.0 and 0 < plan["train_peak_gib"] <= 80.0
+    # The frozen bfloat16 base (14.8B x 2 bytes) waits in host memory while the merged copy samples.
+    assert plan["frozen_base_gib"] == pytest.approx(report["frozen_params"] * 2 / 2**30)
+    assert plan["optimizer_offloaded_during_rollout"]
+    assert plan["engine_weight_cast_gib"] == plan["frozen_base_gib"]  # the merged copy, bfloat16 as well
+    assert report["lora"]["rank"] == 16 and report["num_params"] < 0.005 * report["frozen_params"]
