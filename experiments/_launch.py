@@ -1,4 +1,5 @@
-"""What every launcher shares (``experiments.sft``, ``train_rl``, ``demo``, ``ablate_roc``):
+"""What every launcher shares (``experiments.sft``, ``train_rl``, ``demo``, ``ablate_roc``; ``evaluate``,
+``chat`` and ``serve`` load their policy with :func:`load_policy`):
 
 - flag parsing and errors: a bad config value, override or flag exits 2 with one line naming the field, the
   value and what is allowed, never a traceback;
