@@ -6,9 +6,11 @@ Importing this package does not start JAX's backends, so launchers can still req
 
 from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_sequence
 from rstar2jax.data.sft_data import load_sft_sequences
+from rstar2jax.train import lora  # the module: LoRA runs (train.lora.FrozenBase, adapter_folder, ...)
 from rstar2jax.train.checkpoint import Checkpointer, CheckpointError
 from rstar2jax.train.config import (
     ConfigError,
+    lora_enabled,
     rl_config,
     sft_config,
     stage,
@@ -73,6 +75,8 @@ __all__ = [
     "TokenSequence",
     "TrainState",
     "accumulate_gradients",
+    "lora",
+    "lora_enabled",
     "trainable_params",
     "with_adapters",
     "build_batch",
