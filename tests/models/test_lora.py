@@ -133,10 +133,16 @@ def test_sampler_logprobs_match_the_trainers(reference):
         np.testing.assert_allclose(out.logprobs, np.asarray(logp)[0, len(prompt) - 1:], atol=2e-4)
 
 
+@pytest.mark.needs_devices(8)
 def test_lora_shardings_follow_the_base_matrices():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), models.MESH_AXES)
-    shardings = lora_lib.lora_shardings(REFERENCE_CONFIG, LORA, mesh)
-    assert set(shardings["layers"]) == set(models.LORA_TARGETS)
+    mesh = models.make_mesh(data=2, fsdp=2, tensor=2)
+    shardings = lora_lib.lora_shardings(REFERENCE_CONFIG, LORA, mesh)["layers"]
+    assert set(shardings) == set(models.LORA_TARGETS)
+    P = jax.sharding.PartitionSpec
+    assert shardings["q_proj"]["a"].spec == P(None, "fsdp", None)  # [L, embed, rank]: as q_proj's input
+    assert shardings["q_proj"]["b"].spec == P(None, None, "tensor", None)  # [L, rank, heads, head_dim]
+    assert shardings["o_proj"]["a"].spec == P(None, "tensor", None, None)
+    assert shardings["down_proj"]["b"].spec == P(None, None, "fsdp")
     specs = lora_lib.lora_specs(REFERENCE_CONFIG, LORA)["layers"]
     assert specs["q_proj"]["a"].axes == ("layers", "embed", "lora_rank")
     assert specs["o_proj"]["a"].axes == ("layers", "heads", "head_dim", "lora_rank")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -23,6 +24,7 @@ from rstar2jax.train import (
     init_train_state,
     make_optimizer,
     make_rl_step,
+    make_sft_step,
     train_rl,
     validate,
 )
@@ -57,6 +59,23 @@ def test_lora_rl_step_trains_the_adapters_only(tiny_model, rl_batch):
     adapter_shapes = sorted(x.shape for x in jax.tree.leaves(state.params))
     moments = sorted(x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim)
     assert moments == sorted(adapter_shapes * 2)
+
+
+def test_lora_sft_dropout_masks_depend_on_the_step_only(tiny_model, rl_batch):
+    """SFT with LoRA dropout: the masks of step s come from (state.rng, s), so a resumed run draws the same
+    ones, and another step draws others."""
+    config, params = tiny_model
+    lora = models.LoraConfig(rank=4, dropout=0.5)
+    optimizer = make_optimizer(1e-2, warmup_steps=0)
+    step = make_sft_step(config, optimizer, num_microbatches=2, lora=lora, compiler_options=FAST_COMPILE)
+    adapters = jax.tree.map(lambda x: x + 0.1, models.lora.init_lora(config, lora, jax.random.key(1)))
+    batch = jax.device_put(rl_batch)
+
+    def loss_at(step_number):
+        state = init_train_state(copy_tree(adapters), optimizer, 0).replace(step=jnp.int32(step_number))
+        return float(step(state, batch, params)[1]["loss"])
+
+    assert loss_at(3) == loss_at(3) != loss_at(4)
 
 
 def _metrics(history):
@@ -94,11 +113,13 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     first = {k: v for k, v in MAIN_HISTORY[0].items() if k != "grad_norm"}
     assert {k: expected[0][k] for k in first} == pytest.approx(first, rel=1e-5)
 
-    # What a run killed after step 1 leaves: its step-1 checkpoint. It resumes to the same step 2.
+    # What a run killed after step 1 leaves: its step-1 checkpoint. It resumes to the same step 2, here with
+    # the frozen base and the moments waiting in host memory while the rollout runs (colocation).
     killed = tmp_path / "killed"
     shutil.copytree(tmp_path / "reference", killed)
     shutil.rmtree(killed / "checkpoints" / "2")
     resumed = _lora_config(killed, base_dir)
+    resumed.colocate.optimizer_memory = "host"
     assert _metrics(train_rl(resumed, rollout_fn=make_scripted_rollout(), max_steps=2)) == expected
 
     # The checkpoint holds the adapters and their optimizer state, not the base.
