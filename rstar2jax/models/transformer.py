@@ -250,7 +250,9 @@ def forward(
 
     Args:
       params: tree from :func:`init_params` / ``load_pretrained``, or with its layers unstacked by
-        :func:`unstack_layers` (then the layers run unrolled whatever ``config.scan_layers`` says).
+        :func:`unstack_layers` (then the layers run unrolled whatever ``config.scan_layers`` says), or
+        with LoRA adapters attached by ``models.lora.attach`` (each adapted projection adds its low-rank
+        path).
       config: the model's :class:`ModelConfig` (static).
       tokens: int32 ``[B, T]``; ids outside ``[0, vocab)`` (e.g. a -1 pad) are clipped, so padding can never
         put NaNs into the keys and values that masked attention multiplies by zero.

@@ -20,7 +20,6 @@ name, the LoRA shape and a fingerprint of the base weights), checked before a ru
 
 from __future__ import annotations
 
-import functools
 import inspect
 import pathlib
 from typing import Any
@@ -170,7 +169,6 @@ class FrozenBase:
         (in the compute dtype, the engine's) and keeps ``rollout_fn``'s signature, so the keywords it
         accepts (``policy_version``, ``token_budget`` ...) stay visible to the trainer."""
 
-        @functools.wraps(rollout_fn)
         def merged_rollout(adapters, problems, **options):
             merged = self.merged(adapters, self.model_config.compute_dtype)
             if self.offload:
@@ -183,6 +181,7 @@ class FrozenBase:
                     self.params = colocate.to_device(self.params)
 
         merged_rollout.__signature__ = inspect.signature(rollout_fn)
+        merged_rollout.__doc__ = rollout_fn.__doc__
         return merged_rollout
 
 
