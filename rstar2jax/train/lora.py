@@ -11,10 +11,10 @@ name, the LoRA shape and a fingerprint of the base weights), checked before a ru
 * the train step: ``step(state, batch)`` calls the jitted ``step(state, batch, base)`` (the base is an
   argument, never donated, with no gradient and no optimizer state; it is also the KL term's reference);
 * rollouts: the engine reads a plain params tree, so each rollout call samples from the merged weights
-  ``W + s A B`` (``models.lora.merge``, built in the compute dtype, once per call: once per policy
-  version), freed when the rollout returns. With ``offload`` (``colocate.optimizer_memory``) the base
-  waits in host memory while the engine runs, so the rollout holds one copy of the weights (the merged
-  one), as a full fine-tuning run does;
+  ``W + s A B`` (``models.lora.merge``, built in the compute dtype once per call: once per step, again
+  for a look-ahead or partial-rollout call), freed when the rollout returns. With ``offload``
+  (``colocate.optimizer_memory``) the base waits in host memory while the engine runs, so the rollout
+  holds one copy of the weights (the merged one), as a full fine-tuning run does;
 * export: the merged policy as an HF folder and the adapters alone as a PEFT folder.
 """
 
