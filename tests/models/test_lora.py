@@ -82,11 +82,14 @@ def test_adapter_gradients_match_finite_differences_and_the_dense_gradient(refer
     config, params, tokens = REFERENCE_CONFIG, reference.params, reference.tokens
     adapters = _trained_adapters(config, LORA)
 
-    @jax.jit
-    def adapter_loss(adapters):
-        return logprob_loss(lora_lib.attach(params, adapters, LORA), tokens, config)[0]
+    # One program for the loss and its gradient; the finite differences call it too.
+    loss_and_grad = jax.jit(jax.value_and_grad(
+        lambda adapters: logprob_loss(lora_lib.attach(params, adapters, LORA), tokens, config)[0]))
 
-    grads = jax.grad(adapter_loss)(adapters)
+    def adapter_loss(adapters):
+        return loss_and_grad(adapters)[0]
+
+    grads = loss_and_grad(adapters)[1]
     norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
     # Central differences along unit directions v: (L(x + e v) - L(x - e v)) / 2e = <grad, v>, along the
     # gradient itself (= its norm) and along a random direction.

@@ -61,6 +61,7 @@ def test_lora_rl_step_trains_the_adapters_only(tiny_model, rl_batch):
     assert moments == sorted(adapter_shapes * 2)
 
 
+@pytest.mark.slow  # a compile of its own for an option off by default; the masks: tests/models/test_lora.py
 def test_lora_sft_dropout_masks_depend_on_the_step_only(tiny_model, rl_batch):
     """SFT with LoRA dropout: the masks of step s come from (state.rng, s), so a resumed run draws the same
     ones, and another step draws others."""
