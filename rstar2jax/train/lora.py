@@ -110,6 +110,19 @@ def base_record(config, lora: models.LoraConfig, params) -> dict[str, Any]:
     return {"name": base_name(config), "lora": describe(lora), "fingerprint": fingerprint(params)}
 
 
+def check_checkpoint(meta: dict | None, expected: dict[str, Any] | None, where: str) -> None:
+    """A checkpoint of a LoRA run (its ``meta``) resumes only as the same LoRA run on the same base
+    (``expected``: this run's :func:`base_record`), a full fine-tuning one only as full fine-tuning
+    (``expected`` None); ``ConfigError`` otherwise, before the state is restored."""
+    if meta is None:
+        return
+    if expected is not None:
+        check_base(meta.get(META_KEY), expected, where)
+    elif META_KEY in meta:
+        raise ConfigError(f"{where} holds LoRA adapters ({meta[META_KEY]['lora']}), but "
+                          "config.model.lora.rank is 0: set the LoRA fields or use another workdir")
+
+
 def check_base(record: dict[str, Any] | None, expected: dict[str, Any], where: str) -> None:
     """Raises ``ConfigError`` when a checkpoint's base record (``record``, None: a checkpoint of a full
     fine-tuning run) disagrees with this run's (``expected``): other LoRA shape, other base weights."""

@@ -305,7 +305,7 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
             initial_params(config, model_config, mesh), model_config, lora, offload=offload
         )
         base_record = lora_lib.base_record(config, lora, base.params)
-    _check_checkpoint_kind(checkpointer.latest_meta(), base_record, checkpointer.directory)
+    lora_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
     restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed, lora))
     if restored is None:
         if lora is None:
@@ -320,7 +320,7 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
             meta[lora_lib.META_KEY] = base_record
     else:
         state, meta = restored
-        _check_checkpoint_kind(meta, base_record, checkpointer.directory)
+        lora_lib.check_checkpoint(meta, base_record, checkpointer.directory)
         _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     if is_main:
@@ -343,18 +343,6 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
         is_main=is_main,
         base=base,
     )
-
-
-def _check_checkpoint_kind(meta: dict | None, base_record: dict | None, where: str) -> None:
-    """A checkpoint of a LoRA run resumes only as the same LoRA run on the same base, a full fine-tuning
-    checkpoint only as full fine-tuning (``ConfigError`` otherwise, before the state is restored)."""
-    if meta is None:
-        return
-    if base_record is not None:
-        lora_lib.check_base(meta.get(lora_lib.META_KEY), base_record, where)
-    elif lora_lib.META_KEY in meta:
-        raise config_lib.ConfigError(f"{where} holds LoRA adapters ({meta[lora_lib.META_KEY]['lora']}), but "
-                          "config.model.lora.rank is 0: set the LoRA fields or use another workdir")
 
 
 class Progress:
