@@ -18,6 +18,7 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.serve import load_policy
+from rstar2jax.serve.policy import _restore_params
 from rstar2jax.train import (
     ConfigError,
     RLLossConfig,
@@ -144,6 +145,18 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), other, merged)
     base_q = models.load_pretrained(base_dir)[1]["layers"]["q_proj"]
     assert not np.allclose(merged["layers"]["q_proj"], base_q)
+    # The PEFT folder starts another run where this one stopped (config.model.lora.adapter).
+    continued = _lora_config(tmp_path / "continued", base_dir)
+    continued.model.lora.adapter = str(adapter)
+    model_config, mesh = model_config_from(continued), models.make_mesh()
+    lora = lora_lib.lora_from_config(continued, model_config)
+    start = lora_lib.initial_adapters(continued, model_config, lora, mesh)
+    saved_adapters = _restore_params(killed / "checkpoints" / "2" / "state")  # what the run trained
+    jax.tree.map(np.testing.assert_array_equal, start, saved_adapters)
+    continued.model.lora.rank = 2
+    with pytest.raises(ConfigError, match="the adapter has rank=4"):
+        lora_lib.lora_from_config(continued, model_config)
+
     renamed = tmp_path / "Some-Other-Model"  # the same files under a name the adapter does not give
     shutil.copytree(base_dir, renamed)
     with pytest.raises(ValueError, match="belongs to base model"):
