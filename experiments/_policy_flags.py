@@ -34,6 +34,8 @@ _SERVE_FLAG_HELP = {
     "opener ('' for none; a plain HF folder records none).",
 }
 PRESET_CHOICES = ("paper", "bare", "plain")
+#: The ``--adapter`` flag of evaluate / chat / serve.
+ADAPTER_HELP = "PEFT LoRA adapter folder merged into --model (then an HF base folder or hub name)."
 
 
 def define_format_flags(*, problem_prompt: bool) -> None:
@@ -85,12 +87,15 @@ def describe_format(policy, prompt) -> str:
     return f"prompt format: {source}{also}; system prompt {system}; assistant opener {opener!r}"
 
 
-def load_policy_or_exit(model: str, *, tokenizer: str | None, dtype: str):
+def load_policy_or_exit(model: str, *, tokenizer: str | None, dtype: str, adapter: str | None = None):
     """``rstar2jax.serve.load_policy``; a folder that is missing or not a policy (no config, weights,
-    tokenizer or checkpoint, an unreadable format file) is one line naming it and exit 2."""
+    tokenizer or checkpoint, an unreadable format file, an adapter for another base) is one line naming it and
+    exit 2."""
     from rstar2jax.serve import load_policy
 
     try:
-        return load_policy(model, tokenizer=tokenizer, dtype=dtype)
+        return load_policy(model, tokenizer=tokenizer, dtype=dtype, adapter=adapter)
     except (OSError, ValueError) as error:  # FileNotFoundError, a hub name that cannot be fetched, ...
-        _launch.fail(f"--model={model}{f' --tokenizer={tokenizer}' if tokenizer else ''}: {error}")
+        given = f"--model={model}" + (f" --tokenizer={tokenizer}" if tokenizer else "") + (
+            f" --adapter={adapter}" if adapter else "")
+        _launch.fail(f"{given}: {error}")

@@ -1,9 +1,10 @@
-"""RoC vs plain GRPO from the same SFT policy (the paper's Fig. 4 in miniature).
+"""RoC vs plain GRPO from the same SFT policy (the paper's Fig. 4 in miniature); full-parameter RL vs LoRA.
 
-The demo's SFT policy (made first if ``--demo_workdir`` has none) is trained by the demo's RL recipe twice per
-seed: with Resample-on-Correct (``roc_mode=paper``: 2G rollouts, correct ones down-sampled by fewest tool
-errors / format issues, incorrect ones uniformly) and with plain GRPO (``roc_mode=uniform``: 2G -> G uniformly
-at random). Writes, under --workdir:
+The demo's SFT policy (made first if ``--demo_workdir`` has none) is trained by the demo's RL recipe once per
+seed and arm (``--modes``): with Resample-on-Correct (``paper``: 2G rollouts, correct ones down-sampled by
+fewest tool errors / format issues, incorrect ones uniformly), with plain GRPO (``uniform``: 2G -> G uniformly
+at random), or with RoC training LoRA adapters instead of all weights (``lora``: the demo config's ``lora``
+rank, alpha and learning rate). Writes, under --workdir:
 
   ablation.png     tool-error ratio inside correct trajectories, accuracy and response length over steps
                    (mean +- std over seeds)
@@ -12,6 +13,7 @@ at random). Writes, under --workdir:
 
   python -m experiments.ablate_roc                      # 3 seeds x 2 modes
   python -m experiments.ablate_roc --seeds=0 --config.rl.stages[0].steps=4
+  python -m experiments.ablate_roc --modes=paper,lora --workdir=runs/ablate_lora   # full vs LoRA
 
 Runs resume: a finished run (its exported policy exists) is skipped, an interrupted one continues.
 """
@@ -37,15 +39,17 @@ _DEMO_WORKDIR = flags.DEFINE_string(
     "demo_workdir", None, "Where the SFT policy is (default: config.workdir)."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "runs/ablate_roc", "Where the ablation's runs and results go.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs both modes).")
-_MODES = flags.DEFINE_list("modes", ["paper", "uniform"], "roc_mode values to compare.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs every arm).")
+_MODES = flags.DEFINE_list("modes", ["paper", "uniform"], "Arms: paper, uniform, lora (RoC training LoRA).")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 
 #: What the ablation compares over steps (names logged by the RL iteration).
 CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
-LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO"}
+LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA"}
+#: Arm -> (roc_mode, LoRA adapters instead of all weights).
+ARMS = {"paper": ("paper", False), "uniform": ("uniform", False), "lora": ("paper", True)}
 
 
 def run_ablation(
@@ -68,9 +72,13 @@ def run_ablation(
     from sandbox_server import start_local
 
     paths = recipe.DemoPaths(config.workdir)
+    if unknown := [m for m in modes if m not in ARMS]:
+        raise train.ConfigError(f"--modes: {unknown[0]!r} is not an arm; expected any of {tuple(ARMS)}")
     train.validate(recipe.sft_run_config(config, paths), "sft", check_paths=False)
     for mode in modes:  # every run's config is checked before the first starts
-        train.validate(recipe.rl_run_config(config, paths, roc_mode=mode), "rl", check_paths=False)
+        roc_mode, lora = ARMS[mode]
+        train.validate(recipe.rl_run_config(config, paths, roc_mode=roc_mode, lora=lora), "rl",
+                       check_paths=False)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"{mode}-seed{seed}" for seed in seeds for mode in modes]
@@ -89,8 +97,9 @@ def run_ablation(
         for seed in seeds:
             for mode in modes:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
+                roc_mode, lora = ARMS[mode]
                 rl_config = recipe.rl_run_config(
-                    config, paths, workdir=out / name, seed=seed, roc_mode=mode
+                    config, paths, workdir=out / name, seed=seed, roc_mode=roc_mode, lora=lora
                 )
                 policy = out / name / "policy"
                 rollout_fn = policy_lib.policy_rollout(
@@ -110,7 +119,7 @@ def run_ablation(
                     )
                     evaluations[label].append({"seed": seed, **evaluation["metrics"]})
     plot = report.plot_ablation(
-        runs, out / "ablation.png", keys=CURVES, title="GRPO-RoC vs GRPO (same SFT policy)"
+        runs, out / "ablation.png", keys=CURVES, title=f"{' vs '.join(runs)} (same SFT policy)"
     )
     summary = {
         "curves": {key: report.aggregate_runs(runs, key) for key in CURVES},

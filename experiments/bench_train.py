@@ -4,6 +4,7 @@ PyTorch on transformers' Qwen3, same shapes, batch and sequence length, on this 
   python -m experiments.bench_train [--steps=5] [--full_depth]
   python -m experiments.bench_train --memory     # long-context memory and packing (CPU)
   python -m experiments.bench_train --gpu        # Qwen3-1.7B, bf16, 8 x 8192 on one GPU: tokens/s, MFU
+  python -m experiments.bench_train --lora       # LoRA against full fine-tuning (issue 35)
 
 Each (framework, shape) runs in its own subprocess, so peak memory (max RSS) is its own. Both sides compute
 the same thing per step: forward, token log-probs, clipped surrogate with ε 0.2/0.28 and the token-mean
@@ -20,6 +21,15 @@ and the float32 [8192, V] logits the trainer used to hold. Then ``rl_step`` toke
 small shape on 8 trajectories (--trajectories) with lengths drawn from 64-2048, packed first-fit decreasing
 into 2048-token rows, against the same trajectories padded one per row; and one 2048-token row with
 blockwise vs dense attention. JSON keys: temp_gib_8192, temp_ratio_8192_over_2048, packed_tokens_per_s_ratio.
+
+``--lora`` (issue 35): LoRA of rank 16 on all seven projections against full fine-tuning. Bytes of
+trainable parameters + their gradients + AdamW state for the Qwen3-0.6B shape (all 28 layers, abstract
+shapes); ``rl_step`` tokens/s of the Qwen3-0.6B shape at 4 of its layers, float32, on the same batch
+(--lora_rows x --lora_seq_len), both measured in this process one after the other; and the compiled
+``rl_step`` peak of ``experiments/configs/paper_qwen3_14b_lora_1gpu.py`` on one device at its 8K stage (the
+dry run's compile on abstract shapes: nothing allocated; on the CPU without XLA:CPU's hoisted float32 upcast
+of the bfloat16 weights, which no accelerator makes, see ``runner.dry_run``; the figure with it is printed
+too). JSON keys: lora_state_bytes_ratio, lora_step_tokens_per_s_ratio, lora_14b_train_peak_gib.
 
 ``--gpu``: Qwen3-1.7B (28 layers), float32 master weights and AdamW, bfloat16 compute, remat "full",
 attention "auto" (``models.attention.auto_choice``), 8 rows x 8192 tokens: tokens/s and MFU (model FLOPs:
@@ -46,6 +56,9 @@ _TRAJECTORIES = flags.DEFINE_integer("trajectories", 8, "--memory: trajectories 
 _GPU = flags.DEFINE_bool("gpu", False, "Qwen3-1.7B rl_step at 8 x 8192, bf16, on the default GPU")
 _GPU_ROWS = flags.DEFINE_integer("gpu_rows", 8, "--gpu: rows per step")
 _GPU_SEQ_LEN = flags.DEFINE_integer("gpu_seq_len", 8192, "--gpu: tokens per row")
+_LORA = flags.DEFINE_bool("lora", False, "LoRA vs full fine-tuning: state bytes, rl_step tokens/s, 14B peak")
+_LORA_ROWS = flags.DEFINE_integer("lora_rows", 4, "--lora: rows of the timed batch")
+_LORA_SEQ_LEN = flags.DEFINE_integer("lora_seq_len", 512, "--lora: tokens per row of the timed batch")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The bundled HF config of preset "qwen3-0.6b", read as a file: the PyTorch worker imports no JAX.
@@ -387,6 +400,96 @@ def gpu_main() -> None:
     )
 
 
+def lora_state_bytes(model_config, lora) -> int:
+    """Bytes of the trainable parameters, their gradients and the AdamW state (abstract: nothing allocated);
+    ``lora`` None: full fine-tuning."""
+    import math
+
+    import jax
+    import numpy as np
+
+    from rstar2jax import train
+
+    params = jax.eval_shape(lambda: train.trainable_params(model_config, jax.random.PRNGKey(0), lora))
+    opt_state = jax.eval_shape(train.make_optimizer().init, params)
+    leaves = jax.tree.leaves(params) * 2 + jax.tree.leaves(opt_state)  # params, gradients, moments
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+
+
+def lora_step_seconds(model_config, lora, batch, steps: int) -> float:
+    """Median seconds of ``rl_step`` on ``batch``: full fine-tuning (``lora`` None) or the adapters of a
+    float32 base."""
+    import jax
+    import numpy as np
+
+    from rstar2jax import models, train
+
+    optimizer = train.make_optimizer()
+    base = models.init_params(model_config, jax.random.PRNGKey(0))
+    if lora is None:
+        state, step = train.init_train_state(base, optimizer, 0), train.make_rl_step(model_config, optimizer)
+    else:
+        adapters = models.lora.init_lora(model_config, lora, jax.random.PRNGKey(1))
+        state = train.init_train_state(adapters, optimizer, 0)
+        jitted = train.make_rl_step(model_config, optimizer, lora=lora)
+
+        def step(state, batch):
+            return jitted(state, batch, base)
+
+    times, _ = timed_steps(step, state, jax.device_put(batch), steps)
+    return float(np.median(times))
+
+
+def lora_14b_peak(stand_in: bool) -> tuple[float, list[int]]:
+    """(GiB, batch shape): the compiled rl_step peak of the 14B LoRA one-GPU config at its 8K stage (one
+    device). ``stand_in`` False: the CPU compiles as for itself (the float32 upcast of the weights
+    hoisted)."""
+    from experiments.configs import paper_qwen3_14b_lora_1gpu
+    from rstar2jax.train import runner
+
+    config = paper_qwen3_14b_lora_1gpu.get_config()
+    config.stages = config.stages[:1]  # stage 1: 8K responses
+    report = runner.dry_run(config, kind="rl", cpu_stand_in=stand_in)
+    return report["peak_estimate_bytes"] / GIB, report["batch_shape"]
+
+
+def lora_main() -> None:
+    import numpy as np
+
+    from rstar2jax import models
+
+    lora = models.LoraConfig(rank=16, alpha=32.0)  # all seven projections
+    shape = models.preset("qwen3-0.6b")
+    full_bytes, lora_bytes = lora_state_bytes(shape, None), lora_state_bytes(shape, lora)
+    timed = models.preset("qwen3-0.6b", num_layers=4)
+    rows, seq_len = _LORA_ROWS.value, _LORA_SEQ_LEN.value
+    batch = _packed_batch([seq_len + 1] * rows, seq_len, timed.vocab_size, pack=False)
+    tokens = float((np.asarray(batch.segment_ids) > 0).sum())
+    full_s = lora_step_seconds(timed, None, batch, _STEPS.value)
+    lora_s = lora_step_seconds(timed, lora, batch, _STEPS.value)
+    peak, batch_shape = lora_14b_peak(stand_in=True)
+    raw_peak, _ = lora_14b_peak(stand_in=False)
+    print(f"LoRA rank {lora.rank}, alpha {lora.alpha}, all seven projections, vs full fine-tuning "
+          f"({os.cpu_count()} CPU cores; median of {_STEPS.value} steps)")
+    print(f"{'':<58}{'full':>12}{'LoRA':>12}{'ratio':>9}")
+    print(f"{'qwen3-0.6b trainable params + grads + AdamW state (MiB)':<58}{full_bytes / 2**20:>12.1f}"
+          f"{lora_bytes / 2**20:>12.1f}{lora_bytes / full_bytes:>9.4f}")
+    print(f"{f'rl_step tokens/s, qwen3-0.6b 4 layers, {rows} x {seq_len}, fp32':<58}{tokens / full_s:>12.1f}"
+          f"{tokens / lora_s:>12.1f}{full_s / lora_s:>9.2f}")
+    print(f"14B LoRA 1-GPU config, compiled rl_step peak at 8K, batch {batch_shape}: {peak:.2f} GiB "
+          f"(XLA:CPU with its hoisted float32 copy of the bfloat16 weights: {raw_peak:.2f} GiB)")
+    print("(shared 2-core machine: other jobs run beside this one, so timings are noisy)")
+    print(json.dumps({
+        "lora_state_bytes_ratio": round(lora_bytes / full_bytes, 5),
+        "lora_step_tokens_per_s_ratio": round(full_s / lora_s, 3),
+        "lora_14b_train_peak_gib": round(peak, 2),
+        "lora_14b_train_peak_gib_cpu_hoisted": round(raw_peak, 2),
+        "full_step_tokens_per_s": round(tokens / full_s, 1),
+        "lora_step_tokens_per_s": round(tokens / lora_s, 1),
+        "device": "cpu", "cores": os.cpu_count(), "steps": _STEPS.value,
+    }))
+
+
 def worker(spec: str) -> None:
     framework, shape = spec.split(":")
     _, batch, seq_len = SHAPES[shape]
@@ -433,6 +536,9 @@ def main(argv):
         return
     if _GPU.value:
         gpu_main()
+        return
+    if _LORA.value:
+        lora_main()
         return
     figures = {}
     rows = []

@@ -2,6 +2,7 @@
 
   python -m experiments.chat --model=runs/demo/policies/rl
   python -m experiments.chat --model=DIR --prompt="What is 2**100 mod 7?"   # one answer, then exit
+  python -m experiments.chat --model=BASE --adapter=LORA_DIR   # a PEFT LoRA adapter merged into BASE
 
 The model's reasoning is printed as it is sampled, each Python call as code and its real output as it comes
 back (sandbox: a local one, or ``--sandbox_url``). Later messages continue the same conversation. Ctrl-C or
@@ -22,6 +23,7 @@ from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_ADAPTER = flags.DEFINE_string("adapter", None, _policy_flags.ADAPTER_HELP)
 _PROMPT = flags.DEFINE_string("prompt", None, "Answer this one message and exit (for scripts).")
 _policy_flags.define_format_flags(problem_prompt=True)
 _MAX_TOKENS = flags.DEFINE_integer(
@@ -46,7 +48,9 @@ def main(argv):
 
     if not _TOP_P.value > 0:
         _launch.fail(f"--top_p={_TOP_P.value}: must be in (0, 1]")
-    policy = _policy_flags.load_policy_or_exit(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _policy_flags.load_policy_or_exit(
+        _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
+    )
     config = RolloutConfig(
         max_response_length=_MAX_TOKENS.value,
         max_turns=_MAX_TURNS.value,

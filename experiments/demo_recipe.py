@@ -215,9 +215,11 @@ def rl_run_config(
     workdir: str | pathlib.Path | None = None,
     seed: int | None = None,
     roc_mode: str | None = None,
+    lora: bool = False,
 ) -> ml_collections.ConfigDict:
     """The ``train_rl`` config of the demo's RL phase: starts from the exported SFT policy, trains on the
-    train split. ``workdir`` / ``seed`` / ``roc_mode`` override the demo's (the ablation's runs)."""
+    train split. ``workdir`` / ``seed`` / ``roc_mode`` override the demo's (the ablation's runs); ``lora``
+    trains the demo's LoRA adapters (``config.lora``) instead of all weights."""
     c = ml_collections.ConfigDict(config.rl.to_dict())
     c.seed = config.seed if seed is None else seed
     c.workdir = str(workdir or paths.rl_run)
@@ -227,6 +229,10 @@ def rl_run_config(
     c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data were written in
     if roc_mode is not None:
         c.rl.roc_mode = roc_mode
+    if lora:
+        from experiments.configs.demo import with_lora
+
+        with_lora(c, config.lora)
     return c
 
 

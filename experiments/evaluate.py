@@ -7,10 +7,10 @@ Writes ``W/samples.jsonl`` (one record per sample: response, extracted answer, c
 turns, tokens, finish reason) and ``W/summary.json`` (per dataset: avg@k, pass@k, maj@k, mean response
 tokens, tool-call statistics), and prints the table. Re-running the same command resumes: finished problems
 are skipped and no line is written twice. ``--datasets`` takes eval-set names and ``.jsonl`` files of
-``{"problem", "answer"}`` rows; ``--model`` an HF folder, a hub name or a training run folder. The policy is
-prompted in the format recorded in its folder (a plain HF folder: ``--prompt_format=plain``); the format flags
-override it. A missing model folder or dataset, an unknown eval-set name or a bad flag value is one line and
-exit 2.
+``{"problem", "answer"}`` rows; ``--model`` an HF folder, a hub name or a training run folder; ``--adapter`` a
+PEFT LoRA folder merged into an HF base ``--model`` (``--model=BASE --adapter=DIR``). The policy is prompted
+in the format recorded in its folder (a plain HF folder: ``--prompt_format=plain``); the format flags override
+it. A missing model folder or dataset, an unknown eval-set name or a bad flag value is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_ADAPTER = flags.DEFINE_string("adapter", None, _policy_flags.ADAPTER_HELP)
 _DATASETS = flags.DEFINE_list(
     "datasets", ["aime24", "aime25", "math500", "hmmt25"], "Eval-set names or .jsonl files (problem, answer)."
 )
@@ -94,10 +95,13 @@ def main(argv):
         max_turns=_MAX_TURNS.value,
         seed=_SEED.value,
     )
-    policy = _policy_flags.load_policy_or_exit(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _policy_flags.load_policy_or_exit(
+        _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
+    )
     prompt = _policy_flags.format_from_flags(policy)
     print(
-        f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'}); "
+        f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'})"
+        f"{'' if policy.adapter is None else f' + adapter {policy.adapter}'}; "
         f"{', '.join(f'{n}: {len(p)}' for n, p in datasets.items())} problems; k={protocol.samples}, "
         f"T={protocol.temperature}, {protocol.max_tokens} tokens, {protocol.max_turns} turns",
         flush=True,

@@ -8,12 +8,12 @@ Then any OpenAI client works::
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
   client.chat.completions.create(model="rl_policy", messages=[{"role": "user", "content": "2+2?"}])
 
-``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint). A policy is
-served in the conversation format it was trained in (recorded in its folder: the system prompt of requests
-without one, the assistant opener); a plain HF folder with its chat template and nothing added;
-``--system_prompt`` and ``--assistant_opener`` override either. Concurrent requests share the engine's slots
-(``--num_slots``); more wait in its queue. Ctrl-C stops the server. A missing model folder or a bad flag value
-is one line and exit 2.
+``--model`` is an HF folder (or hub name) or a training run folder (its latest checkpoint); ``--adapter`` a
+PEFT LoRA folder merged into an HF base ``--model`` (``--model=BASE --adapter=DIR``). A policy is served in
+the conversation format it was trained in (recorded in its folder: the system prompt of requests without one,
+the assistant opener); a plain HF folder with its chat template and nothing added; ``--system_prompt`` and
+``--assistant_opener`` override either. Concurrent requests share the engine's slots (``--num_slots``); more
+wait in its queue. Ctrl-C stops the server. A missing model folder or a bad flag value is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
+_ADAPTER = flags.DEFINE_string("adapter", None, _policy_flags.ADAPTER_HELP)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=1, upper_bound=65535)
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.", lower_bound=1)
@@ -47,7 +48,9 @@ def main(argv):
     from rstar2jax.serve import ServerConfig, run_server
     from rstar2jax.serve.server import served_format
 
-    policy = _policy_flags.load_policy_or_exit(_MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
+    policy = _policy_flags.load_policy_or_exit(
+        _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
+    )
     config = ServerConfig(
         num_slots=_NUM_SLOTS.value,
         max_len=_MAX_LEN.value,

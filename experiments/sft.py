@@ -53,6 +53,8 @@ def main(argv):
         f"  RL from it: python -m experiments.train_rl --config=<an RL config> --config.model.path={policy}",
         flush=True,
     )
+    if train.lora_enabled(config):
+        print(f"LoRA adapter alone (PEFT folder): {train.lora.adapter_folder(policy)}", flush=True)
 
 
 if __name__ == "__main__":

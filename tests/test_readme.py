@@ -89,6 +89,16 @@ COVERED_ELSEWHERE = {
         "tests/test_accelerator_check.py",
         ['"experiments.accelerator_check"', '"--smoke"'],
     ),
+    # LoRA: the 14B one-GPU plan by default; BASE / DIR / W are placeholders (an adapter of another base is
+    # refused by the same launcher; the merge of --adapter is load_policy's, tested in the same file).
+    "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run": (
+        "tests/train/test_lora.py",
+        ["paper_qwen3_14b_lora_1gpu", "dry_run(config"],
+    ),
+    "python -m experiments.evaluate --model=BASE --adapter=DIR --datasets=aime24 --workdir=W": (
+        "tests/train/test_lora.py",
+        ['"experiments.evaluate"', "--adapter=", "adapter=adapter"],
+    ),
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py "
     "--config.workdir=/shared/runs/paper --config.distributed.coordinator_address=HOST0:12355 "
     "--config.distributed.num_processes=N --config.distributed.process_id=i": (
@@ -110,6 +120,11 @@ NOT_RUN = {
     ),
     "python -m experiments.bench_train --gpu": "needs a GPU",
     "python -m experiments.sft_data": "writes the shipped SFT set with a live sandbox; minutes",
+    "python -m experiments.demo --config=experiments/configs/demo.py:lora": "the main job, LoRA RL; minutes",
+    "python -m experiments.ablate_roc --modes=paper,lora --workdir=runs/ablate_lora": (
+        "needs the demo's SFT policy; about an hour here (README figure)"
+    ),
+    "python -m experiments.bench_train --lora": "a benchmark (README figure); ten minutes here",
 }
 
 

@@ -39,24 +39,35 @@ FIELD_HELP = {
     "eval.samples": "samples per held-out problem (average pass@1 over them)",
     "eval.max_response_length": "response budget of the held-out evaluation",
     "eval.max_turns": "assistant turns of the held-out evaluation",
+    "lora.rank": "LoRA rank of demo.py:lora's RL phase and the LoRA arm of experiments.ablate_roc",
+    "lora.alpha": "LoRA alpha (scale alpha / rank) of those runs",
+    "lora.learning_rate": "RL learning rate of those runs (adapters need a higher one than all weights)",
 }
 
 
 def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
-    """``kind``: "demo" (the whole recipe: python -m experiments.demo / ablate_roc), or one phase of it for
-    the training launchers, on the files a demo run wrote in its work folder (default runs/demo; another
-    after a comma, e.g. ``demo.py:rl,runs/demo2``):
+    """``kind``: "demo" (the whole recipe: python -m experiments.demo / ablate_roc), "lora" (the same with
+    the RL phase training LoRA adapters, ``c.lora``, in runs/demo_lora), or one phase of the demo for the
+    training launchers, on the files a demo run wrote in its work folder (default runs/demo; another after a
+    comma, e.g. ``demo.py:rl,runs/demo2``):
 
       python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
       python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2
+      python -m experiments.demo --config=experiments/configs/demo.py:lora
     """
     kind, _, demo_workdir = kind.partition(",")
     c = _demo_config()
     c.workdir = demo_workdir or c.workdir
     if kind == "demo":
         return c
+    if kind == "lora":
+        c.workdir = demo_workdir or "runs/demo_lora"
+        with_lora(c.rl, c.lora)
+        return c
     if kind not in ("sft", "rl"):
-        raise ValueError(f"get_config: kind={kind!r}; expected 'demo', 'sft' or 'rl' (optionally ',WORKDIR')")
+        raise ValueError(
+            f"get_config: kind={kind!r}; expected 'demo', 'lora', 'sft' or 'rl' (optionally ',WORKDIR')"
+        )
     from experiments import demo_recipe as recipe
 
     paths = recipe.DemoPaths(c.workdir)
@@ -72,6 +83,15 @@ def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
         "wrote (run it first)"
     )
     return run
+
+
+def with_lora(rl: ml_collections.ConfigDict, lora: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The demo's RL config ``rl`` training LoRA adapters (``lora``: rank, alpha, learning_rate) of every
+    projection instead of all weights; the rest of the recipe as it is."""
+    rl.model.lora.rank = lora.rank
+    rl.model.lora.alpha = lora.alpha
+    rl.optimizer.learning_rate = lora.learning_rate
+    return rl
 
 
 def _demo_config() -> ml_collections.ConfigDict:
@@ -147,6 +167,11 @@ def _demo_config() -> ml_collections.ConfigDict:
     ]
     rl.checkpoint.save_every = 4
     c.rl = rl
+
+    # LoRA (demo.py:lora, the LoRA arm of experiments.ablate_roc): rank 8 of the 128-wide model's projections
+    # (39K adapter parameters, 6.5% of the model's) at 10x the full-parameter learning rate (LoRA's usual
+    # factor; its update starts from B = 0).
+    c.lora = ml_collections.ConfigDict(dict(rank=8, alpha=16.0, learning_rate=5e-3))
 
     # Held-out evaluation: average pass@1 over k samples at the RL sampling temperature.
     c.eval = ml_collections.ConfigDict(dict(samples=4, max_response_length=320, max_turns=4))

@@ -1,6 +1,10 @@
-"""Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding."""
+"""Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters."""
 
-from rstar2jax.models import attention  # the module: attention.attention, .IMPLEMENTATIONS
+from rstar2jax.models import (  # the modules: LoRA math, PEFT folders
+    attention,  # the module: attention.attention, .IMPLEMENTATIONS
+    lora,
+    peft_adapter,
+)
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
     REMAT_POLICIES,
@@ -10,6 +14,7 @@ from rstar2jax.models.config import (
 )
 from rstar2jax.models.hf_checkpoint import load_pretrained, save_pretrained
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
+from rstar2jax.models.lora import LORA_TARGETS, LoraConfig
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
 from rstar2jax.models.presets import HF_CONFIGS_DIR, PRESETS, QWEN3_TOKENIZER_DIR, TINY, preset
 from rstar2jax.models.sharding import (
@@ -43,6 +48,10 @@ from rstar2jax.models.transformer import (
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "LORA_TARGETS",
+    "LoraConfig",
+    "lora",
+    "peft_adapter",
     "REMAT_POLICIES",
     "attention",
     "hidden_states",

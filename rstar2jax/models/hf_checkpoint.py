@@ -145,15 +145,16 @@ def _read_safetensors_header(file_path: str) -> tuple[dict, int]:
 class _SafetensorsDir:
     """Memory-mapped, zero-copy views of every tensor in a checkpoint directory (single file or sharded)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, files: list[str] | None = None):
+        """``files``: these files of ``path`` instead of the checkpoint's own (e.g. a PEFT adapter's)."""
         index_path, single_path = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
-        if os.path.exists(index_path):
+        if files is None and os.path.exists(index_path):
             with open(index_path, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
             files = sorted(set(weight_map.values()))
-        elif os.path.exists(single_path):
+        elif files is None and os.path.exists(single_path):
             files = [SINGLE_FILE]
-        else:
+        elif files is None:
             raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         self.headers: dict[str, tuple[str, dict, int]] = {}
         self._maps: dict[str, np.memmap] = {}

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
+from rstar2jax.models.lora import lora_delta
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
 from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
 
@@ -140,14 +141,15 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     threaded through the layer loop as a carry, the cache is then updated in place instead of being sliced
     out and restacked (a full copy of the cache per call)."""
     dtype = x.dtype
-    layer = jax.tree.map(lambda p: p.astype(dtype), layer)
+    # Integer leaves (LoRA dropout keys) stay as they are.
+    layer = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, layer)
     eps = config.rms_norm_eps
     cos, sin = rope
 
     h = _rms_norm(x, layer["attn_norm"], eps)
-    q = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", h, layer["q_proj"]), _HEADS_AXES), "query")
-    k = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", h, layer["k_proj"]), _KV_HEADS_AXES), "key")
-    v = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", h, layer["v_proj"]), _KV_HEADS_AXES), "value")
+    q = checkpoint_name(constrain(_project(h, layer, "q_proj", "btd,dhk->bthk"), _HEADS_AXES), "query")
+    k = checkpoint_name(constrain(_project(h, layer, "k_proj", "btd,dhk->bthk"), _KV_HEADS_AXES), "key")
+    v = checkpoint_name(constrain(_project(h, layer, "v_proj", "btd,dhk->bthk"), _KV_HEADS_AXES), "value")
     if config.qkv_bias:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if config.qk_norm:
@@ -173,7 +175,7 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
         k, v = cache_k[layer_index].astype(dtype), cache_v[layer_index].astype(dtype)
         attn = dense_attention(q, k, v, mask)
     attn = checkpoint_name(attn, "attention_context")
-    out = checkpoint_name(jnp.einsum("bthk,hkd->btd", attn, layer["o_proj"]), "attention_out")
+    out = checkpoint_name(_project(attn, layer, "o_proj", "bthk,hkd->btd"), "attention_out")
     x = constrain(x + out, _RESIDUAL_AXES)
 
     h = _rms_norm(x, layer["mlp_norm"], eps)
@@ -181,15 +183,23 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     return x, new_kv
 
 
+def _project(x, layer, name: str, spec: str, chunk_index=None):
+    """``einsum(spec, x, layer[name])``, plus the LoRA path of ``name`` when ``layer`` carries adapters
+    (``layer["lora"]``, see ``models.lora.attach``; ``chunk_index``: an MLP chunk's, for dropout)."""
+    y = jnp.einsum(spec, x, layer[name])
+    delta = lora_delta(x, layer["lora"], name, spec, chunk_index) if "lora" in layer else None
+    return y if delta is None else y + delta
+
+
 def _mlp(config: ModelConfig, h, layer):
     """SwiGLU MLP; with ``config.mlp_chunk_size`` dividing T (< T), over token chunks by ``lax.map``, each
     chunk rematerialised, so its ``[B, T, intermediate]`` activations exist one chunk at a time."""
 
-    def mlp(h):
-        gate = constrain(jnp.einsum("btd,df->btf", h, layer["gate_proj"]), _MLP_AXES)
-        up = constrain(jnp.einsum("btd,df->btf", h, layer["up_proj"]), _MLP_AXES)
+    def mlp(h, chunk_index=None):
+        gate = constrain(_project(h, layer, "gate_proj", "btd,df->btf", chunk_index), _MLP_AXES)
+        up = constrain(_project(h, layer, "up_proj", "btd,df->btf", chunk_index), _MLP_AXES)
         gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-        out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["down_proj"])
+        out = _project(jax.nn.silu(gate) * up, layer, "down_proj", "btf,fd->btd", chunk_index)
         return checkpoint_name(out, "mlp_out")
 
     B, T, D = h.shape
@@ -197,7 +207,7 @@ def _mlp(config: ModelConfig, h, layer):
     if not chunk or T <= chunk or T % chunk:
         return mlp(h)
     chunks = jnp.swapaxes(h.reshape(B, T // chunk, chunk, D), 0, 1)
-    out = jax.lax.map(jax.checkpoint(mlp), chunks)
+    out = jax.lax.map(jax.checkpoint(lambda c: mlp(*c)), (chunks, jnp.arange(T // chunk)))
     return jnp.swapaxes(out, 0, 1).reshape(B, T, D)
 
 
@@ -240,7 +250,9 @@ def forward(
 
     Args:
       params: tree from :func:`init_params` / ``load_pretrained``, or with its layers unstacked by
-        :func:`unstack_layers` (then the layers run unrolled whatever ``config.scan_layers`` says).
+        :func:`unstack_layers` (then the layers run unrolled whatever ``config.scan_layers`` says), or
+        with LoRA adapters attached by ``models.lora.attach`` (each adapted projection adds its low-rank
+        path).
       config: the model's :class:`ModelConfig` (static).
       tokens: int32 ``[B, T]``; ids outside ``[0, vocab)`` (e.g. a -1 pad) are clipped, so padding can never
         put NaNs into the keys and values that masked attention multiplies by zero.

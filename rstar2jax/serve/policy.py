@@ -8,7 +8,12 @@ Both forms go through the loaders training uses, so what is served is what was t
   run's config (``run_config.json``) and its orbax checkpoints: the model config is built from the run
   config as the trainer builds it, the parameters are those of the latest (or a chosen) checkpoint, and the
   tokenizer is the run's ``config.tokenizer``. A checkpoint folder inside it (``<workdir>/checkpoints`` or
-  ``<workdir>/checkpoints/<step>``) works too.
+  ``<workdir>/checkpoints/<step>``) works too. A LoRA run's checkpoints hold its adapters: they are merged
+  into the run's base (``config.model``), after checking it is the base they were trained on.
+
+An HF base folder with ``adapter=`` a PEFT LoRA folder (``adapter_config.json`` +
+``adapter_model.safetensors``, as a LoRA run exports and PEFT saves) serves the base with the adapters merged
+in.
 
 The conversation format the policy was trained in comes with it (:attr:`Policy.prompt`): the
 ``rstar2jax_prompt.json`` an export writes into an HF folder, or a run's ``config.prompt``. A plain HF folder
@@ -52,6 +57,7 @@ class Policy:
     source: str
     step: int | None = None
     prompt: PromptConfig | None = None
+    adapter: str | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -89,6 +95,29 @@ def _restore_params(state_dir: pathlib.Path):
     return checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))["params"]
 
 
+def _restore_meta(step_dir: pathlib.Path) -> dict:
+    """The JSON record saved beside a checkpoint's state (``Checkpointer.save``'s ``meta``)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
+
+
+def _run_params(run_config, model_config, step_dir: pathlib.Path):
+    """A run checkpoint's policy parameters: its params, or a LoRA run's base with its adapters merged in
+    (the base checked against the checkpoint's record of it)."""
+    from rstar2jax.train import lora as lora_lib
+    from rstar2jax.train.runner import initial_params
+
+    saved = _restore_params(step_dir / "state")
+    lora = lora_lib.lora_from_config(run_config, model_config)
+    if lora is None:
+        return jax.tree.map(lambda x: jnp.asarray(x, model_config.param_dtype), saved)
+    base = initial_params(run_config, model_config, None)
+    expected = lora_lib.base_record(run_config, lora, base)
+    lora_lib.check_base(_restore_meta(step_dir).get(lora_lib.META_KEY), expected, str(step_dir))
+    return models.lora.merge(base, saved, lora, model_config.param_dtype)
+
+
 def _locate_run(path: pathlib.Path, step: int | None) -> tuple[pathlib.Path, pathlib.Path, int] | None:
     """``(workdir, step folder, step)`` when ``path`` is a run folder, its checkpoints folder or one of its
     step folders; None otherwise."""
@@ -119,6 +148,7 @@ def load_policy(
     tokenizer: str | os.PathLike | None = None,
     step: int | None = None,
     dtype: str = "float32",
+    adapter: str | os.PathLike | None = None,
 ) -> Policy:
     """Loads a policy from an HF folder, a hub name or a training run folder (see the module docstring).
 
@@ -127,10 +157,11 @@ def load_policy(
       tokenizer: a tokenizer folder to use instead of the model's own.
       step: for a run folder, the checkpoint step (default: the latest).
       dtype: parameter and compute dtype (``"float32"`` or ``"bfloat16"``).
+      adapter: a PEFT LoRA folder to merge into the HF base ``model``.
 
     Raises:
-      FileNotFoundError / ValueError naming what is missing: no config, no weights, no tokenizer, no
-      checkpoint, a tokenizer without a chat template.
+      FileNotFoundError / ValueError naming what is missing or does not fit: no config, no weights, no
+      tokenizer, no checkpoint, a tokenizer without a chat template, an adapter for another base.
     """
     path = pathlib.Path(os.fspath(model)).expanduser()
     if not path.exists():
@@ -151,12 +182,16 @@ def load_policy(
 
         workdir, step_dir, chosen = run
         run_config = ml_collections.ConfigDict(json.loads((workdir / RUN_CONFIG_FILE).read_text("utf-8")))
+        if adapter is not None:
+            raise ValueError(
+                f"adapter={os.fspath(adapter)!r} was given with the training run folder {workdir} (a LoRA "
+                "run's checkpoints hold its adapters); pass the HF base folder as model"
+            )
         run_config.model.param_dtype = dtype
         run_config.model.compute_dtype = dtype
         model_config = model_config_from(run_config)
         prompt = prompt_from_config(run_config)
-        saved = _restore_params(step_dir / "state")
-        params = jax.tree.map(lambda x: jnp.asarray(x, model_config.param_dtype), saved)
+        params = _run_params(run_config, model_config, step_dir)
         tokenizer_path = tokenizer or run_config.get("tokenizer")
         if not tokenizer_path:
             raise ValueError(f"{workdir / RUN_CONFIG_FILE} names no tokenizer; pass tokenizer=")
@@ -169,8 +204,14 @@ def load_policy(
                 f"{path} is neither an HF model folder (no config.json) nor a training run folder "
                 f"(no {RUN_CONFIG_FILE} beside a checkpoints/ folder)"
             )
+        if adapter is not None:  # checked against the base's config before its weights are read
+            lora, adapters = models.peft_adapter.load_peft_adapter(
+                adapter, models.config_from_hf(path), base_model=os.fspath(model)
+            )
         model_config, params = models.load_pretrained(path, dtype=dtype)
         prompt = load_prompt_config(path)
+        if adapter is not None:
+            params = models.lora.merge(params, adapters, lora, model_config.param_dtype)
         tokenizer_path = tokenizer or path
         name, source, chosen = path.name, "hf", None
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers: once the folder is known to be there
@@ -180,7 +221,10 @@ def load_policy(
         raise ValueError(
             f"the tokenizer at {tokenizer_path} has no chat template; pass a tokenizer that has one"
         )
-    return Policy(model_config, params, tok, name, str(path), source, chosen, prompt)
+    if adapter is not None:
+        name = pathlib.Path(os.fspath(adapter)).name
+        adapter = str(adapter)
+    return Policy(model_config, params, tok, name, str(path), source, chosen, prompt, adapter)
 
 
 #: Named formats: ``paper`` (the paper's system prompt, user prefix, listed Python tool and ``<reason>``

@@ -6,9 +6,11 @@ Importing this package does not start JAX's backends, so launchers can still req
 
 from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_sequence
 from rstar2jax.data.sft_data import load_sft_sequences
+from rstar2jax.train import lora  # the module: LoRA runs (train.lora.FrozenBase, adapter_folder, ...)
 from rstar2jax.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
 from rstar2jax.train.config import (
     ConfigError,
+    lora_enabled,
     rl_config,
     sft_config,
     stage,
@@ -56,6 +58,8 @@ from rstar2jax.train.steps import (
     sft_loss,
     sft_step,
     state_shardings,
+    trainable_params,
+    with_adapters,
 )
 
 __all__ = [
@@ -76,6 +80,10 @@ __all__ = [
     "TokenSequence",
     "TrainState",
     "accumulate_gradients",
+    "lora",
+    "lora_enabled",
+    "trainable_params",
+    "with_adapters",
     "build_batch",
     "check_memory_plan",
     "dry_run",

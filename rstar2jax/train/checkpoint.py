@@ -112,6 +112,17 @@ class Checkpointer:
         folder = os.path.join(self.directory, str(step) if step is not None else "<step>")
         return CheckpointWriteError(f"writing checkpoint {folder} failed ({_one_line(error)}); {kept}")
 
+    def latest_meta(self) -> dict | None:
+        """The JSON record of the newest checkpoint (None: no checkpoint, or its record is unreadable, which
+        ``restore`` then reports): what a run checks before restoring a state shaped by its config."""
+        step = self._manager.latest_step()
+        if step is None:
+            return None
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:  # a damaged record: restore reports it and falls back
+            return None
+
     def restore(self, abstract_state: TrainState, step: int | None = None) -> tuple[TrainState, dict] | None:
         """The state (placed as ``abstract_state``'s shardings) and meta of ``step`` (default: the newest
         readable checkpoint), or None when there is no checkpoint yet.

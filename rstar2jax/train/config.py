@@ -17,6 +17,7 @@ from rstar2jax import algo
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.data.problems import looks_local
 from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.lora import LORA_TARGETS
 from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
 from rstar2jax.train.rl import RLIterationConfig
@@ -59,6 +60,10 @@ def _common() -> ml_collections.ConfigDict:
     c.model.attention = "auto"  # auto (tokamax on NVIDIA GPUs, else blockwise) | blockwise | tokamax | xla
     c.model.attention_block_size = 512  # the blockwise attention's query/key block
     c.model.mlp_chunk_size = 0  # > 0: the MLP over rematerialised token chunks of this size
+    # LoRA (rank > 0): train low-rank adapters of these projections; the base weights stay frozen.
+    c.model.lora = _config_dict(
+        dict(rank=0, alpha=32.0, targets=LORA_TARGETS, dropout=0.0, rslora=False, dtype="float32", adapter="")
+    )
     c.mesh = _config_dict(dict(data=1, fsdp=1, tensor=1))
     c.optimizer = _config_dict(
         dict(
@@ -244,6 +249,13 @@ FIELD_HELP = {
     "tokamax / xla",
     "model.attention_block_size": "query/key block of the blockwise attention (a multiple of 8)",
     "model.mlp_chunk_size": "> 0: the MLP over rematerialised token chunks of this size (0: whole sequence)",
+    "model.lora.rank": "LoRA rank r (0: off, full fine-tuning); > 0 trains adapters, the base stays frozen",
+    "model.lora.alpha": "LoRA scale numerator: the adapters' path is multiplied by alpha / rank",
+    "model.lora.targets": f"projections that get adapters (any of {LORA_TARGETS})",
+    "model.lora.dropout": "dropout on the adapters' input (SFT only; RL needs a deterministic policy)",
+    "model.lora.rslora": "rank-stabilised scale alpha / sqrt(rank) (PEFT's use_rslora)",
+    "model.lora.dtype": "dtype of the adapters and their optimizer moments (the base: model.param_dtype)",
+    "model.lora.adapter": "a PEFT adapter folder to start from (continue training); empty: fresh adapters",
     "mesh.data": "data-parallel mesh axis size",
     "mesh.fsdp": "fully-sharded data-parallel axis size (weights and optimizer sharded)",
     "mesh.tensor": "tensor-parallel axis size (heads and MLP split); data x fsdp x tensor = devices",
@@ -438,6 +450,7 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
         config, "model.attention_block_size", lambda v: v > 0 and v % 8 == 0, "must be a multiple of 8 (> 0)"
     )
     _check(config, "model.mlp_chunk_size", lambda v: v >= 0, "must be >= 0")
+    _validate_lora(config, check_paths=check_paths)
     for axis in ("data", "fsdp", "tensor"):
         _positive_int(config, f"mesh.{axis}")
     _check(config, "optimizer.learning_rate", lambda v: v > 0, "must be positive")
@@ -459,6 +472,33 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
         lambda v: 0 <= v < config.distributed.num_processes,
         "must be in [0, distributed.num_processes)",
     )
+
+
+def _validate_lora(config, *, check_paths: bool) -> None:
+    """``config.model.lora``'s own values (checks against the model's shapes: ``train.lora``)."""
+    if "lora" not in config.model:  # a config written before LoRA existed
+        return
+    rank = _check(
+        config, "model.lora.rank", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0: off)"
+    )
+    if not rank:
+        return
+    targets = _check(config, "model.lora.targets", lambda v: isinstance(v, list | tuple) and len(v) > 0,
+                     f"must list projections (any of {LORA_TARGETS})")
+    for target in targets:
+        if target not in LORA_TARGETS:
+            raise ConfigError(f"config.model.lora.targets: {target!r} is not a projection of the model; "
+                              f"expected any of {LORA_TARGETS}")
+    _check(config, "model.lora.alpha", lambda v: v > 0, "must be positive")
+    _check(config, "model.lora.dropout", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    _one_of(config, "model.lora.dtype", SUPPORTED_DTYPES)
+    if check_paths:
+        _check(config, "model.lora.adapter", lambda v: not v or os.path.isdir(v), "is not a folder")
+
+
+def lora_enabled(config) -> bool:
+    """Whether the run trains LoRA adapters (``config.model.lora.rank`` > 0) instead of all weights."""
+    return bool(config.model.get("lora") and config.model.lora.rank)
 
 
 def row_multiple(config) -> int:
@@ -486,6 +526,11 @@ def validate_rl_config(config, *, check_data: bool = True, check_paths: bool = T
     _check(config, "loss.rollout_mask", lambda v: v is None or v in algo.SEQUENCE_RATIOS,
            f"must be None or one of {algo.SEQUENCE_RATIOS}")
     _check(config, "loss.rollout_mask_threshold", lambda v: v > 1, "must be > 1")
+    if lora_enabled(config) and config.model.lora.dropout:
+        raise ConfigError(
+            f"config.model.lora.dropout={config.model.lora.dropout}: must be 0 in RL (a random policy makes "
+            "the importance ratio pi / pi_old noise); dropout is for SFT"
+        )
     if (config.loss.rollout_is_cap is not None or config.loss.rollout_mask is not None) and (
         config.loss.old_logprobs != "recompute"
     ):
@@ -686,8 +731,9 @@ def build_loss_config(config) -> RLLossConfig:
 
 
 def uses_reference(config) -> bool:
-    """Whether the run keeps a frozen reference policy in its state (RL with ``loss.kl_coef`` > 0)."""
-    return "loss" in config and config.loss.kl_coef > 0
+    """Whether the run keeps a frozen reference policy in its state (RL with ``loss.kl_coef`` > 0 and no
+    LoRA: a LoRA run's reference is its frozen base, the adapters off)."""
+    return "loss" in config and config.loss.kl_coef > 0 and not lora_enabled(config)
 
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:

@@ -35,15 +35,15 @@ class EmptyRollout(RunFault):
     """A step's rollout left no trajectory to train on (every one failed for the sandbox's reasons)."""
 
 
-def skip_nonfinite_updates(step_fn: Callable[[Any, Any], tuple[Any, dict]]):
-    """``step_fn(state, batch) -> (state, metrics)`` that keeps ``state.params`` and ``state.opt_state``
-    when ``metrics["loss"]`` or ``metrics["grad_norm"]`` is not finite (NaN or Inf), and adds
-    ``metrics["update_skipped"]`` (1.0 then, else 0.0). The rest of the new state (step, RNG) is taken as the
-    step made it. Wrap before ``jax.jit``: the selection is one elementwise ``where`` per leaf, which XLA
-    fuses into the update itself (no second copy of the state)."""
+def skip_nonfinite_updates(step_fn: Callable[..., tuple[Any, dict]]):
+    """``step_fn(state, batch, *rest) -> (state, metrics)`` (``rest``: a LoRA step's frozen base) that keeps
+    ``state.params`` and ``state.opt_state`` when ``metrics["loss"]`` or ``metrics["grad_norm"]`` is not
+    finite (NaN or Inf), and adds ``metrics["update_skipped"]`` (1.0 then, else 0.0). The rest of the new
+    state (step, RNG) is taken as the step made it. Wrap before ``jax.jit``: the selection is one elementwise
+    ``where`` per leaf, which XLA fuses into the update itself (no second copy of the state)."""
 
-    def guarded(state, batch):
-        new_state, metrics = step_fn(state, batch)
+    def guarded(state, batch, *rest):
+        new_state, metrics = step_fn(state, batch, *rest)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
 
         def keep_if_bad(new, old):

@@ -4,6 +4,8 @@ Colocated RL alternates two phases on the same devices (``rstar2jax.train.coloca
 
   rollout peak = params + engine weight cast + KV page pool + decode temporaries
                  [+ optimizer state + reference params, unless they wait in host memory]
+  (LoRA: params are the adapters; the frozen base waits in host memory with the optimizer state or stays,
+  and the engine's weights are the merged copy ``W + s A B`` in the compute dtype)
   train peak   = compiled step peak (arguments + outputs - aliased + temporaries: params, optimizer state,
                  batch, gradients, activations); the KV page pool lives only while the engine runs
 
@@ -67,18 +69,23 @@ def device_memory_gib(config) -> float | None:
     return limit / GIB if limit else None
 
 
-def memory_plan(config, model_config, abstract_state, step_report: dict[str, Any]) -> dict[str, Any]:
+def memory_plan(
+    config, model_config, abstract_state, step_report: dict[str, Any], base: Any = None
+) -> dict[str, Any]:
     """The per-device plan of both phases (GiB), with ``rollout_peak_gib``, ``train_peak_gib``,
-    ``device_memory_gib`` and ``fits``. ``step_report`` is ``runner.dry_run``'s compiled-step report."""
+    ``device_memory_gib`` and ``fits``. ``step_report`` is ``runner.dry_run``'s compiled-step report;
+    ``base``: a LoRA run's frozen base parameters (abstract), whose state holds the adapters."""
     mesh = config.mesh
     data_parallel = mesh.data * mesh.fsdp
     kv_split = mesh.tensor if model_config.num_kv_heads % mesh.tensor == 0 else 1
     params = tree_bytes_per_device(abstract_state.params)
     optimizer = tree_bytes_per_device(abstract_state.opt_state)
-    reference = params if config.loss.get("kl_coef", 0.0) else 0
+    frozen = 0 if base is None else tree_bytes_per_device(base)
+    reference = params if config.loss.get("kl_coef", 0.0) and base is None else 0
+    weights = params if base is None else frozen
     cast = (
-        params * np.dtype(model_config.compute_dtype).itemsize // np.dtype(model_config.param_dtype).itemsize
-        if model_config.compute_dtype != model_config.param_dtype
+        weights * np.dtype(model_config.compute_dtype).itemsize // np.dtype(model_config.param_dtype).itemsize
+        if model_config.compute_dtype != model_config.param_dtype or base is not None  # LoRA: merged copy
         else 0
     )
     pool_tokens = kv_pool_tokens(config)
@@ -87,7 +94,7 @@ def memory_plan(config, model_config, abstract_state, step_report: dict[str, Any
     slots = -(-config.rollout.engine_slots // data_parallel)
     decode_temporaries = 3 * slots * model_config.vocab_size * 4
     offload = resolve_offload(config.colocate.optimizer_memory, step_report["platform"])
-    waiting = 0 if offload else optimizer + reference
+    waiting = 0 if offload else optimizer + reference + frozen
     rollout_peak = params + cast + kv_pool + decode_temporaries + waiting
     gradients = params
     train_peak = step_report["peak_estimate_bytes"]  # the KV pool is freed when the rollout ends
@@ -96,6 +103,7 @@ def memory_plan(config, model_config, abstract_state, step_report: dict[str, Any
         "devices": step_report["devices"],
         "platform": step_report["platform"],
         "params_gib": params / GIB,
+        "frozen_base_gib": frozen / GIB,
         "gradients_gib": gradients / GIB,
         "optimizer_state_gib": optimizer / GIB,
         "reference_params_gib": reference / GIB,
@@ -118,7 +126,12 @@ def format_plan(plan: dict[str, Any]) -> str:
     """The plan as a table (GiB per device)."""
     rows = [
         ("parameters", plan["params_gib"], plan["params_gib"]),
-        ("engine weight cast", plan["engine_weight_cast_gib"], 0.0),
+        (
+            "frozen base (LoRA)",
+            0.0 if plan["optimizer_offloaded_during_rollout"] else plan["frozen_base_gib"],
+            plan["frozen_base_gib"],
+        ),
+        ("engine weights", plan["engine_weight_cast_gib"], 0.0),
         ("KV page pool", plan["kv_pool_gib"], 0.0),
         ("decode temporaries", plan["decode_temporaries_gib"], 0.0),
         (

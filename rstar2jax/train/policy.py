@@ -20,6 +20,7 @@ from rstar2jax.data.problems import Problem
 from rstar2jax.data.tokenizer import load_tokenizer
 from rstar2jax.eval.evaluate import DatasetEval, aggregate
 from rstar2jax.train import config as config_lib
+from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import runner
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import prompt_from_config
@@ -30,21 +31,41 @@ if TYPE_CHECKING:
     import ml_collections
 
 
-def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
-    """The parameters of the latest checkpoint in ``run_config.workdir`` (None when it has none)."""
+def _restore(run_config: ml_collections.ConfigDict, total_steps: int | None):
+    """``(model_config, trained params, frozen base or None)`` of the latest checkpoint in
+    ``run_config.workdir`` (a LoRA run's trained params are its adapters), or None when it has none."""
     model_config = runner.model_config_from(run_config)
+    lora = lora_lib.lora_from_config(run_config, model_config)
     optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
     mesh = runner.mesh_from_config(run_config)
     reference = config_lib.uses_reference(run_config)
-    shardings = state_shardings(model_config, optimizer, mesh, reference=reference)
-    checkpointer = Checkpointer(pathlib.Path(run_config.workdir) / "checkpoints", async_save=False)
+    shardings = state_shardings(model_config, optimizer, mesh, reference=reference, lora=lora)
+    folder = pathlib.Path(run_config.workdir) / "checkpoints"
+    checkpointer = Checkpointer(folder, async_save=False)
     try:
         restored = checkpointer.restore(
-            runner.abstract_state(model_config, optimizer, shardings, run_config.seed)
+            runner.abstract_state(model_config, optimizer, shardings, run_config.seed, lora)
         )
     finally:
         checkpointer.close()
-    return None if restored is None else (model_config, restored[0].params)
+    if restored is None:
+        return None
+    (state, meta), base = restored, None
+    if lora is not None:
+        base = lora_lib.FrozenBase(runner.initial_params(run_config, model_config, mesh), model_config, lora)
+        expected = lora_lib.base_record(run_config, lora, base.params)
+        lora_lib.check_base(meta.get(lora_lib.META_KEY), expected, str(folder))
+    return model_config, state.params, base
+
+
+def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
+    """``(model_config, params)`` of the latest checkpoint in ``run_config.workdir`` (None when it has none);
+    a LoRA run's are its base with the adapters merged in."""
+    restored = _restore(run_config, total_steps)
+    if restored is None:
+        return None
+    model_config, params, base = restored
+    return model_config, params if base is None else base.merged(params)
 
 
 def run_tokenizer(run_config: ml_collections.ConfigDict):
@@ -58,14 +79,20 @@ def export_policy(
 ) -> pathlib.Path:
     """Writes the latest checkpoint's parameters of a run as a HF folder (config.json, safetensors, the
     run's tokenizer with its chat template and the run's conversation format, ``prompt_from_config``), the
-    form ``config.model.path`` and ``load_pretrained`` read."""
-    restored = restore_params(run_config, total_steps=total_steps)
+    form ``config.model.path`` and ``load_pretrained`` read. A LoRA run's policy is its base with the adapters
+    merged in, and its adapters alone are written beside it as a PEFT folder
+    (``train.lora.adapter_folder(out)``)."""
+    restored = _restore(run_config, total_steps)
     if restored is None:
         raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
-    model_config, params = restored
-    return runner.save_policy(
-        params, model_config, out, tokenizer=run_tokenizer(run_config), prompt=prompt_from_config(run_config)
+    model_config, params, base = restored
+    policy = params if base is None else base.merged(params)
+    out = runner.save_policy(
+        policy, model_config, out, tokenizer=run_tokenizer(run_config), prompt=prompt_from_config(run_config)
     )
+    if base is not None:
+        lora_lib.save_adapter(params, run_config, model_config, base.lora, out)
+    return out
 
 
 def policy_rollout(

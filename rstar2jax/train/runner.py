@@ -29,6 +29,7 @@ from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
 from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
+from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.faults import UPDATE_SKIPPED, NonFiniteStreak
@@ -43,7 +44,13 @@ from rstar2jax.train.rl import (
 )
 from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, mesh_size, request_host_devices
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
-from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
+from rstar2jax.train.steps import (
+    batch_sharding,
+    make_rl_step,
+    make_sft_step,
+    state_shardings,
+    trainable_params,
+)
 
 
 def model_config_from(config) -> models.ModelConfig:
@@ -157,12 +164,13 @@ def save_policy(
     return out
 
 
-def abstract_state(model_config, optimizer, shardings: TrainState, seed: int) -> TrainState:
-    """Shapes, dtypes and shardings of the train state, without allocating it."""
+def abstract_state(model_config, optimizer, shardings: TrainState, seed: int, lora=None) -> TrainState:
+    """Shapes, dtypes and shardings of the train state (with ``lora``: of the adapters'), without allocating
+    it."""
     reference = shardings.ref_params is not None
     shapes = jax.eval_shape(
         lambda: init_train_state(
-            models.init_params(model_config, jax.random.PRNGKey(0)), optimizer, seed, reference=reference
+            trainable_params(model_config, jax.random.PRNGKey(0), lora), optimizer, seed, reference=reference
         )
     )
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -199,6 +207,7 @@ class Run:
     checkpointer: Checkpointer
     logger: MetricsLogger
     is_main: bool
+    base: lora_lib.FrozenBase | None = None  # LoRA: the frozen base; state.params are the adapters
     _closed: bool = False
 
     @property
@@ -207,6 +216,24 @@ class Run:
         non-finite gradient counts, with ``update_skipped`` in its metrics; stages and the learning-rate
         schedule record the step they started at, ``meta["stage_start"]`` and ``meta["optimizer_start"]``)."""
         return int(jax.device_get(self.state.step.addressable_data(0)))
+
+    @property
+    def lora(self) -> models.LoraConfig | None:
+        return None if self.base is None else self.base.lora
+
+    def policy_params(self):
+        """The parameters the policy samples with: ``state.params``, or (LoRA) the base with the adapters
+        merged in."""
+        return self.state.params if self.base is None else self.base.merged(self.state.params)
+
+    def export(self, out: str | pathlib.Path, *, tokenizer=None, prompt=None) -> pathlib.Path:
+        """Writes the policy as an HF folder at ``out`` (``save_policy``, with ``tokenizer`` and the
+        conversation format ``prompt``); a LoRA run also writes its adapters alone as a PEFT folder
+        (``train.lora.adapter_folder(out)``)."""
+        save_policy(self.policy_params(), self.model_config, out, tokenizer=tokenizer, prompt=prompt)
+        if self.base is not None:
+            lora_lib.save_adapter(self.state.params, self.config, self.model_config, self.lora, out)
+        return pathlib.Path(out)
 
     @property
     def resumed(self) -> bool:
@@ -273,22 +300,39 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
     workdir = pathlib.Path(config.workdir)
     mesh = mesh_from_config(config)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
+    lora = lora_lib.lora_from_config(config, model_config)
+    shardings = state_shardings(
+        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
+    )
     checkpointer = Checkpointer(
         workdir / CHECKPOINT_DIR,
         save_every=config.checkpoint.save_every,
         keep=config.checkpoint.keep,
         async_save=config.checkpoint.async_save,
     )
-    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed))
+    base, base_record = None, None
+    if lora is not None:  # the frozen base: loaded at every start, never checkpointed
+        offload = "colocate" in config and colocate.resolve_offload(config.colocate.optimizer_memory)
+        base = lora_lib.FrozenBase(
+            initial_params(config, model_config, mesh), model_config, lora, offload=offload
+        )
+        base_record = lora_lib.base_record(config, lora, base.params)
+    lora_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
+    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed, lora))
     if restored is None:
-        params = initial_params(config, model_config, mesh)
+        if lora is None:
+            params = initial_params(config, model_config, mesh)
+        else:
+            params = lora_lib.initial_adapters(config, model_config, lora, mesh)
         reference = shardings.ref_params is not None
         init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed, reference=reference)
         state = jax.jit(init, out_shardings=shardings)(params)
         meta = {**initial_meta, "history": [], "optimizer_start": 0}
+        if base_record is not None:
+            meta[lora_lib.META_KEY] = base_record
     else:
         state, meta = restored
+        lora_lib.check_checkpoint(meta, base_record, checkpointer.directory)
         _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     if is_main:
@@ -309,6 +353,7 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict) -> Run:
         checkpointer=checkpointer,
         logger=logger,
         is_main=is_main,
+        base=base,
     )
 
 
@@ -420,7 +465,10 @@ def train_rl(
         num_microbatches=config.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,
+        lora=run.lora,
     )
+    if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
+        step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
     total = (
         sum(s.steps for s in config.stages)
         if max_steps is None
@@ -579,7 +627,10 @@ def train_sft(
         num_microbatches=config.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,
+        lora=run.lora,
     )
+    if run.base is not None:
+        step_fn = run.base.bind(step_fn)
     iterator = ProblemIterator(
         sequences, config.sft.batch_size, seed=config.seed, position=run.meta["position"]
     )
@@ -620,7 +671,7 @@ def train_sft(
         openers = assistant_openers(config.sft.data)
         if len(openers) == 1:  # the opener the policy was taught to continue from is its data's
             prompt = dataclasses.replace(prompt, assistant_opener=openers.pop())
-        save_policy(run.state.params, run.model_config, export_dir, tokenizer=tokenizer, prompt=prompt)
+        run.export(export_dir, tokenizer=tokenizer, prompt=prompt)
     return run.logger.history
 
 
@@ -642,11 +693,12 @@ def _abstract_batch(rows: int, seq_len: int, sharding, *, rl: bool) -> Batch:
     )
 
 
-def dry_run(config, *, kind: str) -> dict[str, Any]:
+def dry_run(config, *, kind: str, cpu_stand_in: bool = True) -> dict[str, Any]:
     """Compiles the ``kind`` ("rl" | "sft") train step for the configured mesh on abstract shapes (nothing is
     allocated) and returns per-device memory of the compiled executable plus the shapes it was built for.
 
-    RL plans for the worst case: every kept trajectory at full length on its own row.
+    RL plans for the worst case: every kept trajectory at full length on its own row. CPU devices stand in
+    for accelerators (``cpu_stand_in``): see ``_stand_in_options``.
     """
     config_lib.validate(config, kind, check_data=False)
     if kind == "rl":
@@ -660,24 +712,22 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
     rows = -(-rows // multiple) * multiple
     mesh = mesh_from_config(config, allow_emulated=True)
     model_config = model_config_from(config)
-    shardings = state_shardings(model_config, optimizer, mesh, reference=config_lib.uses_reference(config))
-    state = abstract_state(model_config, optimizer, shardings, config.seed)
+    lora = lora_lib.lora_from_config(config, model_config)
+    shardings = state_shardings(
+        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
+    )
+    state = abstract_state(model_config, optimizer, shardings, config.seed, lora)
     batch = _abstract_batch(rows, seq_len, batch_sharding(mesh), rl=kind == "rl")
+    # LoRA: the frozen base is the step's third argument.
+    base = () if lora is None else (abstract_base_params(model_config, mesh),)
+    options = dict(num_microbatches=config.num_microbatches, mesh=mesh, shardings=shardings, lora=lora,
+                   compiler_options=_stand_in_options(model_config, mesh) if cpu_stand_in else None)
     if kind == "rl":
-        step = make_rl_step(
-            model_config,
-            optimizer,
-            config_lib.build_loss_config(config),
-            num_microbatches=config.num_microbatches,
-            mesh=mesh,
-            shardings=shardings,
-        )
+        step = make_rl_step(model_config, optimizer, config_lib.build_loss_config(config), **options)
     else:
-        step = make_sft_step(
-            model_config, optimizer, num_microbatches=config.num_microbatches, mesh=mesh, shardings=shardings
-        )
+        step = make_sft_step(model_config, optimizer, **options)
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch, *base).compile()
     memory = compiled.memory_analysis()
     fields = (
         "argument_size_in_bytes",
@@ -694,6 +744,7 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         + report["temp_size_in_bytes"]
     )
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    frozen_params = sum(math.prod(x.shape) for x in jax.tree.leaves(base))
     report.update(
         devices=mesh.size,
         platform=mesh.devices.flat[0].platform,
@@ -701,22 +752,49 @@ def dry_run(config, *, kind: str) -> dict[str, Any]:
         batch_shape=[rows, seq_len],
         microbatch_rows=rows // config.num_microbatches,
         num_params=num_params,
+        frozen_params=frozen_params,
+        lora=None if lora is None else lora_lib.describe(lora),
         compile_seconds=time.perf_counter() - start,
         attention=models.attention.resolve_implementation(model_config.attention),
         remat_policy=model_config.remat_policy,
         logprobs="vocabulary chunks (models.sequence_logprobs)",
     )
     if kind == "rl":
-        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report)
+        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report, *base)
     return report
+
+
+def _stand_in_options(model_config, mesh: Mesh) -> dict | None:
+    """XLA options of a dry run on CPU devices standing in for accelerators. XLA:CPU has no bfloat16 / float16
+    matmul: it computes them in float32 and hoists the upcast of the layer-stacked weights out of the layer
+    loop, an extra float32 copy of every weight that no accelerator makes (55 GiB for Qwen3-14B in bfloat16).
+    With weights stored in 16 bits, the CPU compiles the plan without that hoisting, so it counts what the
+    accelerator holds; float32 weights compile as they are."""
+    if mesh.devices.flat[0].platform != "cpu" or model_config.param_dtype == "float32":
+        return None
+    return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def abstract_base_params(model_config, mesh: Mesh):
+    """Shapes, dtypes and shardings of the model's parameters (a LoRA run's frozen base), unallocated."""
+    shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0)))
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        models.param_shardings(model_config, mesh),
+    )
 
 
 def format_dry_run(report: dict[str, Any]) -> str:
     """A readable table of a ``dry_run`` report (sizes per device, in GiB)."""
     gib = 2.0**30
+    trained = f"{report['num_params'] / 1e6:,.1f}M parameters"
+    if report.get("lora"):
+        trained = (f"{report['num_params'] / 1e6:,.1f}M LoRA parameters (rank {report['lora']['rank']}) on "
+                   f"{report['frozen_params'] / 1e6:,.1f}M frozen")
     lines = [
         f"compiled for {report['devices']} {report['platform']} devices, mesh {report['mesh']}, "
-        f"{report['num_params'] / 1e6:,.1f}M parameters, batch {report['batch_shape']} "
+        f"{trained}, batch {report['batch_shape']} "
         f"({report['microbatch_rows']} rows per micro-batch), compile {report['compile_seconds']:.1f}s",
         f"attention {report['attention']}, remat {report['remat_policy']}, log-probs by {report['logprobs']}",
         "per-device memory of the compiled step:",

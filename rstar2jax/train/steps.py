@@ -230,9 +230,13 @@ def _strided_microbatches(batch: Batch, num_microbatches: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(loss_fn: LossFn, params, batch: Batch, normalizer: jax.Array, num_microbatches: int):
+def accumulate_gradients(
+    loss_fn: LossFn, params, batch: Batch, normalizer: jax.Array, num_microbatches: int, *, rng=None
+):
     """Σ over micro-batches of (loss, sums, ∇loss): equals the full-batch values when ``loss_fn`` is additive.
 
+    ``rng``: a key for a random loss (LoRA dropout): micro-batch m calls ``loss_fn(..., rng=fold_in(rng,
+    m))``.
     Returns ``(loss, sums, grads)``; the gradient accumulator stays in the parameters' dtype and placement.
     """
     rows = batch.tokens.shape[0]
@@ -240,18 +244,23 @@ def accumulate_gradients(loss_fn: LossFn, params, batch: Batch, normalizer: jax.
         raise ValueError(
             f"batch rows ({rows}) must be a positive multiple of num_microbatches ({num_microbatches})"
         )
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad_fn(params, micro_batch, index):
+        extra = {} if rng is None else {"rng": jax.random.fold_in(rng, index)}
+        return value_and_grad(params, micro_batch, normalizer, **extra)
+
     if num_microbatches == 1:
-        (loss, sums), grads = grad_fn(params, batch, normalizer)
+        (loss, sums), grads = grad_fn(params, batch, 0)
         return loss, sums, grads
 
     micro = _strided_microbatches(batch, num_microbatches)
     first = jax.tree.map(lambda x: x[0], micro)
-    (loss_shape, sums_shape), _ = jax.eval_shape(grad_fn, params, first, normalizer)
+    (loss_shape, sums_shape), _ = jax.eval_shape(grad_fn, params, first, 0)
 
-    def body(carry, micro_batch):
+    def body(carry, inputs):
         loss, sums, grads = carry
-        (l_m, s_m), g_m = grad_fn(params, micro_batch, normalizer)
+        (l_m, s_m), g_m = grad_fn(params, *inputs)
         return (loss + l_m, jax.tree.map(jnp.add, sums, s_m), jax.tree.map(jnp.add, grads, g_m)), None
 
     zeros = (
@@ -259,8 +268,19 @@ def accumulate_gradients(loss_fn: LossFn, params, batch: Batch, normalizer: jax.
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
         jax.tree.map(jnp.zeros_like, params),
     )
-    (loss, sums, grads), _ = jax.lax.scan(body, zeros, micro)
+    (loss, sums, grads), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(num_microbatches)))
     return loss, sums, grads
+
+
+def with_adapters(loss_fn: LossFn, base, lora: models.LoraConfig) -> LossFn:
+    """``loss_fn`` of a full params tree turned into one of LoRA adapters: the forward runs the frozen
+    ``base`` with the adapters attached (``models.lora.attach``), so only the adapters get a gradient;
+    an ``rng`` keyword (from ``accumulate_gradients``) becomes the adapters' dropout key."""
+
+    def adapted(adapters, batch, normalizer, rng=None):
+        return loss_fn(models.lora.attach(base, adapters, lora, dropout_key=rng), batch, normalizer)
+
+    return adapted
 
 
 def _apply_update(state: TrainState, grads, optimizer: optax.GradientTransformation):
@@ -269,12 +289,23 @@ def _apply_update(state: TrainState, grads, optimizer: optax.GradientTransformat
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1)
 
 
-def sft_step(state: TrainState, batch: Batch, *, model_config, optimizer, num_microbatches: int = 1):
-    """One SFT update on a packed batch; metrics: loss (mean NLL per assistant token), grad norm, tokens."""
+def sft_step(
+    state: TrainState, batch: Batch, base=None, *, model_config, optimizer, num_microbatches: int = 1,
+    lora: models.LoraConfig | None = None,
+):
+    """One SFT update on a packed batch; metrics: loss (mean NLL per assistant token), grad norm, tokens.
+
+    LoRA (``lora`` given): ``state.params`` are the adapters, ``base`` the frozen base parameters; with
+    ``lora.dropout`` > 0 the dropout key of step s is ``fold_in(state.rng, s)`` (a resumed run draws the same
+    masks)."""
     tokens = jnp.sum(batch.loss_mask)
     loss_fn = functools.partial(sft_loss, model_config=model_config)
+    rng = None
+    if lora is not None:
+        loss_fn = with_adapters(loss_fn, base, lora)
+        rng = jax.random.fold_in(state.rng, state.step) if lora.dropout else None
     loss, _, grads = accumulate_gradients(
-        loss_fn, state.params, batch, jnp.maximum(tokens, 1.0), num_microbatches
+        loss_fn, state.params, batch, jnp.maximum(tokens, 1.0), num_microbatches, rng=rng
     )
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": tokens}
     return _apply_update(state, grads, optimizer), metrics
@@ -283,13 +314,19 @@ def sft_step(state: TrainState, batch: Batch, *, model_config, optimizer, num_mi
 def rl_step(
     state: TrainState,
     batch: Batch,
+    base=None,
     *,
     model_config,
     optimizer,
     loss_config: RLLossConfig,
     num_microbatches: int = 1,
+    lora: models.LoraConfig | None = None,
 ):
     """One GRPO-RoC update on a batch of selected trajectories.
+
+    LoRA (``lora`` given): ``state.params`` are the adapters, ``base`` the frozen base parameters, which are
+    also the KL term's reference policy (the adapters off: no second copy of the weights). No dropout: the
+    policy ratio needs a deterministic policy.
 
     Metrics: loss, grad_norm, tokens (loss tokens), and token means of entropy and the policy-loss metrics
     (clip fractions, approx KL, ratio); kl_loss with a KL term; with rollout correction
@@ -300,23 +337,44 @@ def rl_step(
     tokens = jnp.sum(batch.loss_mask)
     normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)
     loss_fn = functools.partial(
-        rl_loss, model_config=model_config, loss_config=loss_config, ref_params=state.ref_params
+        rl_loss,
+        model_config=model_config,
+        loss_config=loss_config,
+        ref_params=state.ref_params if lora is None else base,
     )
+    if lora is not None:
+        loss_fn = with_adapters(loss_fn, base, dataclasses.replace(lora, dropout=0.0))
     loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
     metrics = {k: v / jnp.maximum(tokens, 1.0) for k, v in sums["token_sums"].items()}
     metrics.update(sums["totals"], loss=loss, grad_norm=optax.global_norm(grads), tokens=tokens)
     return _apply_update(state, grads, optimizer), metrics
 
 
+def trainable_params(model_config, key: jax.Array, lora: models.LoraConfig | None = None, *, mesh=None):
+    """Fresh trainable parameters: the model's (``models.init_params``), or with ``lora`` its adapters
+    (``models.lora.init_lora``)."""
+    if lora is None:
+        return models.init_params(model_config, key, mesh=mesh)
+    return models.lora.init_lora(model_config, lora, key, mesh=mesh)
+
+
 def state_shardings(
-    model_config, optimizer: optax.GradientTransformation, mesh: Mesh, *, reference: bool = False
+    model_config,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    reference: bool = False,
+    lora: models.LoraConfig | None = None,
 ) -> TrainState:
-    """``TrainState`` of ``NamedSharding``: params (and the optimizer's per-parameter moments, and the
-    reference params when ``reference``) as the model's logical rules place them; counters, step and RNG
-    replicated."""
+    """``TrainState`` of ``NamedSharding``: the trainable params (the model's, or with ``lora`` the adapters)
+    and the optimizer's per-parameter moments (and the reference params when ``reference``) as the logical
+    rules place them; counters, step and RNG replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    params = models.param_shardings(model_config, mesh)
-    abstract_params = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0)))
+    if lora is None:
+        params = models.param_shardings(model_config, mesh)
+    else:
+        params = models.lora.lora_shardings(model_config, lora, mesh)
+    abstract_params = jax.eval_shape(lambda: trainable_params(model_config, jax.random.PRNGKey(0), lora))
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     opt = optax.tree_map_params(
         optimizer,
@@ -340,18 +398,21 @@ def jit_step(
     mesh: Mesh | None = None,
     shardings: TrainState | None = None,
     compiler_options: dict | None = None,
+    base_shardings: dict | None = None,
 ):
     """``jax.jit`` of ``step_fn(state, batch)`` with the state donated; with a mesh, explicit in/out shardings
     (state as ``shardings``, batch rows over data x fsdp, metrics replicated). ``compiler_options`` go to XLA
-    (e.g. ``{"xla_backend_optimization_level": 0}`` trades step speed for compile time)."""
+    (e.g. ``{"xla_backend_optimization_level": 0}`` trades step speed for compile time). ``base_shardings``
+    (LoRA): the step is ``step_fn(state, batch, base)``, the frozen base params placed so, not donated."""
     if mesh is None:
         return jax.jit(step_fn, donate_argnums=0, compiler_options=compiler_options)
     if shardings is None:
         raise ValueError("jit_step with a mesh needs the state shardings (see state_shardings)")
     replicated = NamedSharding(mesh, PartitionSpec())
+    base = () if base_shardings is None else (base_shardings,)
     return jax.jit(
         step_fn,
-        in_shardings=(shardings, batch_sharding(mesh)),
+        in_shardings=(shardings, batch_sharding(mesh), *base),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
         compiler_options=compiler_options,
@@ -366,12 +427,14 @@ def make_sft_step(
     mesh: Mesh | None = None,
     shardings: TrainState | None = None,
     compiler_options: dict | None = None,
+    lora: models.LoraConfig | None = None,
 ):
-    """``sft_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``."""
+    """``sft_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``; with
+    ``lora``, ``step(state, batch, base)`` (see ``sft_step``)."""
     step = functools.partial(
-        sft_step, model_config=model_config, optimizer=optimizer, num_microbatches=num_microbatches
+        sft_step, model_config=model_config, optimizer=optimizer, num_microbatches=num_microbatches, lora=lora
     )
-    return jit_step(step, mesh=mesh, shardings=shardings, compiler_options=compiler_options)
+    return _jit(step, model_config, lora, mesh=mesh, shardings=shardings, compiler_options=compiler_options)
 
 
 def make_rl_step(
@@ -383,16 +446,24 @@ def make_rl_step(
     mesh: Mesh | None = None,
     shardings: TrainState | None = None,
     compiler_options: dict | None = None,
+    lora: models.LoraConfig | None = None,
 ):
-    """``rl_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``. A step whose
-    loss or gradient is not finite keeps its input parameters and optimizer state (``update_skipped`` in its
-    metrics, ``train.faults.skip_nonfinite_updates``)."""
+    """``rl_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``; with ``lora``,
+    ``step(state, batch, base)`` (see ``rl_step``). A step whose loss or gradient is not finite keeps its
+    input parameters and optimizer state (``update_skipped`` in its metrics,
+    ``train.faults.skip_nonfinite_updates``)."""
     step = functools.partial(
         rl_step,
         model_config=model_config,
         optimizer=optimizer,
         loss_config=loss_config,
         num_microbatches=num_microbatches,
+        lora=lora,
     )
     step = skip_nonfinite_updates(step)
-    return jit_step(step, mesh=mesh, shardings=shardings, compiler_options=compiler_options)
+    return _jit(step, model_config, lora, mesh=mesh, shardings=shardings, compiler_options=compiler_options)
+
+
+def _jit(step, model_config, lora, *, mesh, **options):
+    base_shardings = None if lora is None or mesh is None else models.param_shardings(model_config, mesh)
+    return jit_step(step, mesh=mesh, base_shardings=base_shardings, **options)

@@ -1,0 +1,231 @@
+"""LoRA training runs (``config.model.lora.rank`` > 0): the frozen base beside the trained adapters.
+
+A LoRA run's ``TrainState.params`` are the adapters (``models.lora``) and its optimizer state is theirs
+alone; the base weights are loaded from ``config.model`` at every start (fresh or resumed, in
+``model.param_dtype``, e.g. bfloat16 while the adapters train in ``model.lora.dtype``) and are never written
+into a checkpoint. The checkpoint meta records instead which base the adapters belong to (``lora_base``: its
+name, the LoRA shape and a fingerprint of the base weights), checked before a run resumes.
+
+:class:`FrozenBase` binds the base to the loops' protocols:
+
+* the train step: ``step(state, batch)`` calls the jitted ``step(state, batch, base)`` (the base is an
+  argument, never donated, with no gradient and no optimizer state; it is also the KL term's reference);
+* rollouts: the engine reads a plain params tree, so each rollout call samples from the merged weights
+  ``W + s A B`` (``models.lora.merge``, built in the compute dtype once per call: once per step, again
+  for a look-ahead or partial-rollout call), freed when the rollout returns. With ``offload``
+  (``colocate.optimizer_memory``) the base waits in host memory while the engine runs, so the rollout
+  holds one copy of the weights (the merged one), as a full fine-tuning run does;
+* export: the merged policy as an HF folder and the adapters alone as a PEFT folder.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rstar2jax import models
+from rstar2jax.models import peft_adapter
+from rstar2jax.train import colocate
+from rstar2jax.train.config import ConfigError, lora_enabled
+
+#: Checkpoint meta key of the base a LoRA run's adapters belong to.
+META_KEY = "lora_base"
+
+
+def base_name(config) -> str:
+    """What the adapters' ``base_model_name_or_path`` says: ``config.model.path`` (or its ``config_json``),
+    else ``preset:<name>`` for random weights of a preset, else ``""``."""
+    m = config.model
+    if m.path or m.config_json:
+        return str(m.path or m.config_json)
+    return f"preset:{m.preset}" if m.get("preset") else ""
+
+
+def lora_from_config(config, model_config: models.ModelConfig) -> models.LoraConfig | None:
+    """``config.model.lora`` as a ``LoraConfig`` checked against the model (None when LoRA is off).
+
+    Raises ``ConfigError`` (one line, launchers exit 2) before any weight is read: a rank larger than a
+    target matrix, or a ``model.lora.adapter`` folder that is not a PEFT LoRA folder, names another base,
+    has another LoRA shape than the config or tensors this model has no place for."""
+    if not lora_enabled(config):
+        return None
+    options = config.model.lora
+    try:
+        lora = models.LoraConfig(
+            rank=options.rank,
+            alpha=float(options.alpha),
+            targets=tuple(options.targets),
+            dropout=float(options.dropout),
+            rslora=bool(options.rslora),
+            dtype=options.dtype,
+        )
+        models.lora.check_lora(model_config, lora)
+    except ValueError as error:
+        raise ConfigError(f"config.model.lora: {error}") from None
+    if options.adapter:
+        folder = f"config.model.lora.adapter={options.adapter!r}"
+        try:
+            saved, _ = peft_adapter.load_peft_adapter(
+                options.adapter, model_config, base_model=base_name(config)
+            )
+        except (ValueError, FileNotFoundError) as error:
+            raise ConfigError(f"{folder}: {error}") from None
+        shape = ("rank", "alpha", "targets", "rslora")
+        if differ := [k for k in shape if getattr(saved, k) != getattr(lora, k)]:
+            raise ConfigError(
+                f"{folder}: the adapter has " + ", ".join(f"{k}={getattr(saved, k)!r}" for k in differ)
+                + "; set config.model.lora's fields to match to continue training it"
+            )
+    return lora
+
+
+@jax.jit
+def _moments(params):
+    def moments(x):
+        x = x.astype(jnp.float32)
+        return jnp.stack([jnp.sum(x), jnp.sum(x * x)])
+
+    return jax.tree.map(moments, params)
+
+
+def fingerprint(params) -> dict[str, list[float]]:
+    """Per base leaf, its sum and sum of squares (float32): what tells one base's weights from another's."""
+    moments = jax.device_get(_moments(params))
+    return {jax.tree_util.keystr(path): [float(v) for v in value]
+            for path, value in jax.tree_util.tree_flatten_with_path(moments)[0]}
+
+
+def describe(lora: models.LoraConfig) -> dict[str, Any]:
+    """The adapters' shape as JSON: rank, alpha, targets, rslora."""
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "rslora": lora.rslora}
+
+
+def base_record(config, lora: models.LoraConfig, params) -> dict[str, Any]:
+    """The checkpoint meta's record of the base the adapters belong to (see :func:`check_base`)."""
+    return {"name": base_name(config), "lora": describe(lora), "fingerprint": fingerprint(params)}
+
+
+def check_checkpoint(meta: dict | None, expected: dict[str, Any] | None, where: str) -> None:
+    """A checkpoint of a LoRA run (its ``meta``) resumes only as the same LoRA run on the same base
+    (``expected``: this run's :func:`base_record`), a full fine-tuning one only as full fine-tuning
+    (``expected`` None); ``ConfigError`` otherwise, before the state is restored."""
+    if meta is None:
+        return
+    if expected is not None:
+        check_base(meta.get(META_KEY), expected, where)
+    elif META_KEY in meta:
+        raise ConfigError(f"{where} holds LoRA adapters ({meta[META_KEY]['lora']}), but "
+                          "config.model.lora.rank is 0: set the LoRA fields or use another workdir")
+
+
+def check_base(record: dict[str, Any] | None, expected: dict[str, Any], where: str) -> None:
+    """Raises ``ConfigError`` when a checkpoint's base record (``record``, None: a checkpoint of a full
+    fine-tuning run) disagrees with this run's (``expected``): other LoRA shape, other base weights."""
+    if record is None:
+        raise ConfigError(f"{where} holds a full fine-tuning checkpoint, but config.model.lora.rank > 0: use "
+                          "another workdir for the LoRA run")
+    if record["lora"] != expected["lora"]:
+        raise ConfigError(f"{where} holds adapters of LoRA {record['lora']}, config.model.lora gives "
+                          f"{expected['lora']}: use another workdir or the checkpoint's values")
+    saved, now = record["fingerprint"], expected["fingerprint"]
+    if saved.keys() != now.keys() or not all(_same_moments(saved[k], now[k]) for k in saved):
+        raise ConfigError(f"{where} holds adapters of base {record['name']!r}; the base config.model gives "
+                          f"({expected['name']!r}) has other weights")
+
+
+def _same_moments(a: list[float], b: list[float]) -> bool:
+    """Whether two leaves' (sum, sum of squares) are those of the same weights, allowing for another dtype
+    (bfloat16 rounding moves the sum by about 2^-9 sqrt(sum of squares)); other weights of the same scale
+    move it by about sqrt(sum of squares)."""
+    (sum_a, squares_a), (sum_b, squares_b) = a, b
+    scale = np.sqrt(max(squares_a, squares_b))
+    close_sums = abs(sum_a - sum_b) <= 0.02 * scale + 1e-6
+    return close_sums and bool(np.isclose(squares_a, squares_b, rtol=1e-2, atol=1e-6))
+
+
+class FrozenBase:
+    """The frozen base parameters of a LoRA run (see the module doc).
+
+    Args:
+      params: the base parameters (placed as the model's rules shard them).
+      model_config: their model.
+      lora: the adapters' shape.
+      offload: the base waits in host memory while a rollout's engine runs.
+    """
+
+    def __init__(self, params, model_config: models.ModelConfig, lora: models.LoraConfig, *,
+                 offload: bool = False):
+        self.params = params
+        self.model_config = model_config
+        self.lora = lora
+        self.offload = offload
+
+    def bind(self, step):
+        """``step(state, batch)`` of a jitted ``step(state, batch, base)`` (``make_rl_step(..., lora=)``)."""
+
+        def bound(state, batch):
+            return step(state, batch, self.params)
+
+        return bound
+
+    def merged(self, adapters, dtype: str | None = None):
+        """The plain params tree ``W + s A B`` of ``adapters`` (``dtype``: every leaf cast to it)."""
+        return models.lora.merge(self.params, adapters, self.lora, dtype)
+
+    def rollout(self, rollout_fn):
+        """``rollout_fn`` taking adapters where it took params: each call samples from the merged weights
+        (in the compute dtype, the engine's) and keeps ``rollout_fn``'s signature, so the keywords it
+        accepts (``policy_version``, ``token_budget`` ...) stay visible to the trainer."""
+
+        def merged_rollout(adapters, problems, **options):
+            merged = self.merged(adapters, self.model_config.compute_dtype)
+            if self.offload:
+                self.params = colocate.to_host(self.params)
+            try:
+                return rollout_fn(merged, problems, **options)
+            finally:
+                del merged
+                if self.offload:
+                    self.params = colocate.to_device(self.params)
+
+        merged_rollout.__signature__ = inspect.signature(rollout_fn)
+        merged_rollout.__doc__ = rollout_fn.__doc__
+        return merged_rollout
+
+
+def initial_adapters(config, model_config: models.ModelConfig, lora: models.LoraConfig, mesh):
+    """The adapters a fresh run starts from: ``config.model.lora.adapter`` (a PEFT folder), else new ones
+    (A random, B zero: the base model's outputs) from ``config.seed``."""
+    if config.model.lora.adapter:
+        _, host = peft_adapter.load_peft_adapter(
+            config.model.lora.adapter, model_config, base_model=base_name(config), dtype=lora.dtype
+        )
+        return jax.device_put(host, models.lora.lora_shardings(model_config, lora, mesh))
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)  # not the key of random base weights
+    return models.lora.init_lora(model_config, lora, key, mesh=mesh)
+
+
+def save_adapter(adapters, config, model_config: models.ModelConfig, lora: models.LoraConfig,
+                 policy_folder: str | pathlib.Path) -> pathlib.Path:
+    """Writes ``adapters`` as a PEFT folder beside an exported policy (:func:`adapter_folder`), naming the
+    run's base (:func:`base_name`). With several processes the adapters are gathered and process 0
+    writes."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        adapters = multihost_utils.process_allgather(adapters, tiled=True)
+    out = adapter_folder(policy_folder)
+    if jax.process_index() == 0:
+        peft_adapter.save_peft_adapter(adapters, model_config, lora, out, base_model=base_name(config))
+    return out
+
+
+def adapter_folder(policy_folder: str | pathlib.Path) -> pathlib.Path:
+    """Where the PEFT adapter of an exported LoRA policy goes: ``<policy folder>_adapter`` beside it."""
+    policy_folder = pathlib.Path(policy_folder)
+    return policy_folder.with_name(policy_folder.name + "_adapter")
