@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from rstar2jax.engine.scheduler import EngineConfig, EngineCore, SamplingParams
+from rstar2jax.engine.config import EngineConfig, SamplingParams
+from rstar2jax.engine.scheduler import EngineCore
 from rstar2jax.models import ModelConfig
 
 _MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across calls of similar sizes
@@ -62,15 +62,21 @@ def generate(
 
     waiting = collections.deque(enumerate(prompts))
     owner, results = {}, [None] * len(prompts)
+    partial = collections.defaultdict(lambda: ([], [], []))
     while waiting or core.num_active:
-        heads = [waiting[k] for k in range(min(core.num_free_slots, len(waiting)))]
-        fits = core.admissible([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in heads])
-        requests = [waiting.popleft() for _ in range(fits)]
-        groups = core.admit([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in requests])
-        for (i, _), (record,) in zip(requests, groups, strict=True):
+        while waiting and core.admissible([(waiting[0][1], 1, sampling, max_new_tokens, (seed, waiting[0][0]))]):
+            i, prompt = waiting.popleft()
+            ((record,),) = core.admit([(prompt, 1, sampling, max_new_tokens, (seed, i))])
             owner[id(record)] = i
             core.start(record, stop)
-        for record, segment in core.step():
-            results[owner.pop(id(record))] = Generation(*dataclasses.astuple(segment))
-            core.close(record)
+        for record, chunk in core.step():
+            tokens, logprobs, entropies = partial[id(record)]
+            tokens += chunk.tokens
+            logprobs += chunk.logprobs
+            entropies += chunk.entropies
+            if chunk.finish_reason is not None:
+                del partial[id(record)]
+                results[owner.pop(id(record))] = Generation(
+                    tokens, logprobs, chunk.finish_reason, entropies, [policy_version] * len(tokens))
+                core.close(record)
     return results
