@@ -62,21 +62,17 @@ def generate(
 
     waiting = collections.deque(enumerate(prompts))
     owner, results = {}, [None] * len(prompts)
-    partial = collections.defaultdict(lambda: ([], [], []))
+    request = lambda i, prompt: (prompt, 1, sampling, max_new_tokens, (seed, i))
     while waiting or core.num_active:
-        while waiting and core.admissible([(waiting[0][1], 1, sampling, max_new_tokens, (seed, waiting[0][0]))]):
-            i, prompt = waiting.popleft()
-            ((record,),) = core.admit([(prompt, 1, sampling, max_new_tokens, (seed, i))])
-            owner[id(record)] = i
+        while waiting and core.admissible([request(*waiting[0])]):
+            ((record,),) = core.admit([request(*waiting[0])])
+            owner[id(record)] = waiting.popleft()[0]
             core.start(record, stop)
         for record, chunk in core.step():
-            tokens, logprobs, entropies = partial[id(record)]
-            tokens += chunk.tokens
-            logprobs += chunk.logprobs
-            entropies += chunk.entropies
+            record.receive(chunk)
             if chunk.finish_reason is not None:
-                del partial[id(record)]
                 results[owner.pop(id(record))] = Generation(
-                    tokens, logprobs, chunk.finish_reason, entropies, [policy_version] * len(tokens))
+                    record.response_ids, record.logprobs, chunk.finish_reason, record.entropies,
+                    record.policy_versions)
                 core.close(record)
     return results

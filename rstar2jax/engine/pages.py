@@ -155,7 +155,8 @@ class PageAllocator:
     def register(self, slot: int, tokens: Sequence[int], num_kv: int) -> None:
         """Record the whole pages of ``slot`` whose keys/values are written (``num_kv`` tokens of ``tokens``),
         so that later sequences with the same prefix can :meth:`attach` them."""
-        for i, digest in enumerate(self._digests(tokens, min(num_kv // self.page_size, int(self.held[slot])))):
+        num_pages = min(num_kv // self.page_size, int(self.held[slot]))
+        for i, digest in enumerate(self._digests(tokens, num_pages)):
             page = int(self.table[slot, i])
             if digest not in self._page_of and page not in self._digest_of:
                 self._page_of[digest] = page

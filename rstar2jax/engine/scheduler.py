@@ -65,6 +65,7 @@ from rstar2jax.models import ModelConfig, layers_are_unstacked, unstack_layers
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineCore", "SamplingParams", "Segment", "Session"]
 
+_DEFAULT_CONFIG, _DEFAULT_SAMPLING = EngineConfig(), SamplingParams()
 #: Layer count up to which ``EngineConfig.unstacked_decode=None`` unrolls the layers on CPU (see
 #: ``rstar2jax.engine``: the scan's per-step copies of weight slices cost more than unrolling's compile
 #: time there).
@@ -138,6 +139,13 @@ class _Record:
         self.entropies += [0.0] * len(tokens) if entropies is None else entropies
         version = NO_POLICY_VERSION if logprobs is None else policy_version
         self.policy_versions += [version] * len(tokens)
+
+    def receive(self, chunk: Chunk) -> None:
+        """Record a chunk of sampled tokens (:meth:`EngineCore.step`'s output); a finished session's slot is
+        gone."""
+        self.add(chunk.tokens, chunk.logprobs, chunk.entropies, chunk.policy_version)
+        if chunk.finish_reason in ("eos", "budget"):
+            self.finish_reason, self.slot = chunk.finish_reason, None
 
 
 # Phases of a sequence on the host (what the device may run next).
@@ -282,7 +290,7 @@ class EngineCore:
     def num_active(self) -> int:
         """Sequences with work queued or in flight (prefill, a segment), plus steps and chunks not yet
         read."""
-        busy = sum(s.phase in (_PREFILL, _FORK_WAIT, _RUNNING) or s.start is not None or s.siblings
+        busy = sum(bool(s.phase in (_PREFILL, _FORK_WAIT, _RUNNING) or s.start is not None or s.siblings)
                    for s in self._seqs.values())
         return busy + len(self._in_flight) + len(self._reported)
 
@@ -516,11 +524,15 @@ class EngineCore:
     def _startable(self, seq: _Seq) -> bool:
         return seq.phase == _READY and seq.start is not None and not seq.siblings and not seq.closing
 
-    def _schedule(self):
+    def _schedule(self, updates_only: bool = False):
         """Decide the next step: (bucket, decoding sequences, prefill runs, iterations), or None if there is
-        nothing to send."""
+        nothing to send. ``updates_only``: no decode or prefill, just the update data."""
         cfg = self.engine_config
         tile = cfg.prefill_tile
+        if updates_only:
+            if not (self._updates or self._entries or self._copies or self._forks):
+                return None
+            return self._layouts[cfg.token_buckets[0]], [], [], 1
         self._fork_ready()
         for seq in self._seqs.values():
             if self._startable(seq):
@@ -604,12 +616,12 @@ class EngineCore:
         self._freed = []
         return builder, rows
 
-    def step(self) -> list[tuple[_Record, Chunk]]:
+    def step(self, *, updates_only: bool = False) -> list[tuple[_Record, Chunk]]:
         """Dispatch the next step if there is work (keeping at most one step in flight beside it), then read
         the oldest step's outputs once a newer one is queued (or nothing more is to come). Returns the chunks
         of tokens that arrived, per record, in order; a chunk with a ``finish_reason`` ends its segment (a
         finished session's slot and pages are freed)."""
-        plan = self._schedule()
+        plan = self._schedule(updates_only)
         if plan is not None:
             layout, decoding, runs, iterations = plan
             builder, rows = self._build(layout, decoding, runs, iterations)
@@ -622,6 +634,14 @@ class EngineCore:
         if self._in_flight and (plan is None or len(self._in_flight) > 1):
             self._collect(self._in_flight.popleft())
         reported, self._reported = self._reported, []
+        return reported
+
+    def flush(self) -> list[tuple[_Record, Chunk]]:
+        """Send what is queued (releases, page entries) and read every step in flight, starting nothing new
+        (running sessions stay running for later steps); returns the chunks that arrived."""
+        reported = []
+        while self._in_flight or self._updates or self._entries or self._forks or self._copies:
+            reported += self.step(updates_only=True)
         return reported
 
     def _collect(self, done: _Dispatched) -> None:
@@ -747,7 +767,7 @@ class Engine:
     entered again after it exits: the engine keeps its state and compiled programs.
     """
 
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = _DEFAULT_CONFIG, *,
                  policy_version: int = 0):
         self._core = EngineCore(params, config, engine_config, policy_version=policy_version)
         self._commands: collections.deque = collections.deque()  # callables for the engine thread
@@ -785,7 +805,7 @@ class Engine:
         prompt_ids: Sequence[int],
         n: int = 1,
         *,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams = _DEFAULT_SAMPLING,
         max_tokens: int,
         seed: int | None = None,
     ) -> list[Session]:
@@ -857,9 +877,8 @@ class Engine:
                 self._wake.clear()
                 while self._commands:
                     self._commands.popleft()()
-                if self._stopping:
-                    while core._in_flight:  # leave the state consistent for the next `async with`
-                        self._deliver_soon([], core.step())
+                if self._stopping:  # leave the state consistent for the next `async with`
+                    self._deliver_soon([], core.flush())
                     return
                 admitted = []
                 while self._waiting and core.admissible([self._waiting[0][0]]):
@@ -889,11 +908,9 @@ class Engine:
             queue = self._streams.get(id(record))
             if queue is None:
                 continue  # closed: what it sampled since is dropped
-            record.add(chunk.tokens, chunk.logprobs, chunk.entropies, chunk.policy_version)
+            record.receive(chunk)
             if chunk.finish_reason is not None:
                 del self._streams[id(record)]
-                if chunk.finish_reason in ("eos", "budget"):
-                    record.finish_reason, record.slot = chunk.finish_reason, None
             queue.put_nowait(chunk)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -153,7 +153,8 @@ class StepLayout:
     def abstract_inputs(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         _, int_total = self._offsets(self.int_fields)
         _, float_total = self._offsets(self.float_fields)
-        return (jax.ShapeDtypeStruct((int_total,), jnp.int32), jax.ShapeDtypeStruct((float_total,), jnp.float32))
+        return (jax.ShapeDtypeStruct((int_total,), jnp.int32),
+                jax.ShapeDtypeStruct((float_total,), jnp.float32))
 
 
 def _apply_updates(state: EngineState, f: dict) -> EngineState:
