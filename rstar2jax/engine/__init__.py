@@ -1,7 +1,7 @@
 """Generation engine: one state pytree, one compiled step program per token bucket, a pipelined host loop,
 and the asyncio API on top.
 
-Device level: :func:`~rstar2jax.engine.step.step` on an :class:`EngineState` (a pool of KV pages stacked over
+Device level: :func:`rstar2jax.engine.step.step` on an :class:`EngineState` (a pool of KV pages stacked over
 layers, :mod:`~rstar2jax.engine.paged_attention`, that the host allocates: :class:`PageAllocator`). Host
 level: :class:`EngineCore` (synchronous, one step in flight), :class:`Engine` / :class:`Session` (asyncio, for
 agent rollouts and the server; :meth:`Session.stream` yields tokens as they are sampled) and :func:`generate`
@@ -30,7 +30,7 @@ from rstar2jax.engine.state import (
     EngineState,
     init_state,
 )
-from rstar2jax.engine.step import StepBuilder, StepLayout, step
+from rstar2jax.engine.step import StepBuilder, StepLayout
 
 __all__ = [
     "BUDGET",
@@ -65,6 +65,5 @@ __all__ = [
     "page_rounded",
     "paged_attention_reference",
     "sample_tokens",
-    "step",
     "truncation_mask",
 ]

@@ -6,9 +6,10 @@ unpacks. It
 
 1. applies the host's *update data*, in this order: slot records (admissions, segment starts, releases:
    every per-slot field of a slot the device does not run, which the host therefore knows exactly; a new
-   sequence's page-table row is cleared), page-table entries (pages given to growing sequences), forks (a
-   sibling's row becomes its source's, but for its private copy of the prompt's partly filled last page),
-   freed pages poisoned with NaN (tests) and pages copied (into a sibling's private page);
+   sequence's page-table row is cleared), forks (a sibling's row becomes its source's as the previous steps
+   left it, but for its private copy of the prompt's partly filled last page), page-table entries (pages
+   given to growing sequences, forked ones included), freed pages poisoned with NaN (tests) and pages copied
+   (into a sibling's private page);
 2. runs the *ragged step*: a flat batch of T tokens of any mix of sequences, each with its slot and position:
    prefill chunks of prompts and appended tool outputs (their tokens given by the host) and one decode token
    per running slot (its pending token, taken from the device state, since the host may not know it yet).
@@ -62,8 +63,8 @@ class StepLayout:
       tokens: T, the bucket (flat tokens per step).
       num_slots: S. rows: R1 = min(T, S), single-query attention rows (and decode rows of the loop).
       tiles, tile: R2 = T // Q tiles of Q = ``prefill_tile`` tokens.
-      updates (U = S): slot records; entries (2 S + max_pages): page-table entries; forks (S): page-table
-      rows copied, with one entry each; copies (S): pages copied; poison: P when freed pages are poisoned,
+      updates (U = S): slot records; forks (S): page-table rows copied, with one entry each; entries
+      (2 S + max_pages): page-table entries; copies (S): pages copied; poison: P when freed pages are poisoned,
       else 0.
       iterations: C = ``decode_chunk``, device iterations at most (the ragged one included).
     """
@@ -163,9 +164,9 @@ def _apply_updates(state: EngineState, f: dict) -> EngineState:
     slot = f["upd_slot"]
     put = lambda array, values: array.at[slot].set(values.astype(array.dtype), mode="drop")
     page_table = state.page_table.at[jnp.where(f["upd_clear"] > 0, slot, S)].set(NULL_PAGE, mode="drop")
-    page_table = page_table.at[f["entry_slot"], f["entry_col"]].set(f["entry_page"], mode="drop")
     page_table = page_table.at[f["fork_dst"]].set(page_table[jnp.minimum(f["fork_src"], S - 1)], mode="drop")
     page_table = page_table.at[f["fork_dst"], f["fork_col"]].set(f["fork_page"], mode="drop")
+    page_table = page_table.at[f["entry_slot"], f["entry_col"]].set(f["entry_page"], mode="drop")
     pages = state.pages
     if state.poison_freed:
         poison = lambda a: jnp.where(f["poison"][None, None, :, None, None] > 0, jnp.nan, a).astype(a.dtype)
@@ -380,7 +381,8 @@ class StepBuilder:
         v["upd_stop_seqs"][i] = stop_seqs
 
     def fork(self, src: int, dst: int, col: int, page: int) -> None:
-        """``dst``'s page-table row becomes ``src``'s (after the entries) but for ``page`` at ``col``."""
+        """``dst``'s page-table row becomes ``src``'s (before this step's entries) but for ``page`` at
+        ``col``."""
         i, v = self._next("fork", self.layout.num_slots), self.view
         v["fork_src"][i], v["fork_dst"][i], v["fork_col"][i], v["fork_page"][i] = src, dst, col, page
 
