@@ -46,7 +46,7 @@ from rstar2jax.agent import (
 )
 from rstar2jax.agent.testing import TinyPolicy, teach_tool_use, tiny_policy
 from rstar2jax.data.synthetic import make_task
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
 from rstar2jax.reward import AnswerVerifier
 from sandbox_server import start_local
 
@@ -123,7 +123,7 @@ def main(argv):
     taught = teach_tool_use(policy, problems, steps=FLAGS.teach_steps, learning_rate=1e-2)
     teach_seconds = time.perf_counter() - teach_start
     longest_prompt = max(len(render_prompt_ids(policy.tokenizer, p.problem)) for p in problems)
-    max_len = -(-(longest_prompt + FLAGS.max_response_length) // 16) * 16  # whole KV pages of 16 tokens
+    max_len = page_rounded(longest_prompt + FLAGS.max_response_length)
     engine_config = EngineConfig(num_slots=FLAGS.slots, max_len=max_len)
     config = RolloutConfig(max_response_length=FLAGS.max_response_length, seed=FLAGS.seed,
                            sampling=SamplingParams(temperature=1.0))

@@ -24,7 +24,10 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 2048, "Context length (prompt + completion) per sequence.")
-_SEGMENT = flags.DEFINE_integer("segment_tokens", 32, "Tokens decoded between the server's looks.")
+_KV_POOL = flags.DEFINE_float(
+    "kv_pool_gib", None, "GiB of KV cache pages (what bounds memory); default: every slot at --max_len.")
+_PREFIX_CACHE = flags.DEFINE_bool(
+    "prefix_cache", True, "Reuse the keys/values of prompt prefixes already in the pool (earlier turns).")
 _OPENER = flags.DEFINE_string(
     "assistant_opener", None, "Text after the generation prompt (default: the training prompt's opener)."
 )
@@ -43,7 +46,8 @@ def main(argv):
     config = ServerConfig(
         num_slots=_NUM_SLOTS.value,
         max_len=_MAX_LEN.value,
-        segment_tokens=_SEGMENT.value,
+        kv_pool_gib=_KV_POOL.value,
+        prefix_cache=_PREFIX_CACHE.value,
         assistant_opener=DEFAULT_ASSISTANT_OPENER if _OPENER.value is None else _OPENER.value,
         model_name=_NAME.value,
         warmup=_WARMUP.value,

@@ -200,16 +200,19 @@ def _slot_seed(entropy: Sequence[int]) -> int:
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
 
 
 _PROGRAMS: dict = {}  # (bucket layout, return_on_stop, abstract state and params) -> compiled step
 _PROGRAMS_LOCK = threading.Lock()
+# Compiles programs an engine is likely to need next while it runs (or compiles) the current one.
+_COMPILE_AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rstar2jax-compile")
 
 
-def _program(state, params, layout: StepLayout, return_on_stop: bool):
-    """The compiled step for these shapes: compiled once per process (engines of equal shapes share it)."""
-    abstract = (_abstract(state), _abstract(params))
+def _program(abstract, layout: StepLayout, return_on_stop: bool):
+    """The compiled step for the shapes ``abstract`` = (state, params): compiled once per process (engines of
+    equal shapes share it, as does JAX's persistent compilation cache across processes)."""
     key = (layout, return_on_stop, jax.tree.structure(abstract),
            tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(abstract)))
     with _PROGRAMS_LOCK:
@@ -263,6 +266,8 @@ class EngineCore:
         self.pages = PageAllocator(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.max_pages,
                                    cache=cfg.prefix_sharing)
         self._layouts = {t: StepLayout.of(cfg, t) for t in cfg.token_buckets}
+        self._abstract = (_abstract(self.state), _abstract(self.params))
+        self._programs: dict[StepLayout, object] = {}  # this engine's compiled steps, by bucket
         self._reserved = 0  # pages promised to admitted sequences, not yet taken from the pool
         self._free = collections.deque(range(cfg.num_slots))
         self._seqs: dict[int, _Seq] = {}  # id(record) -> sequence
@@ -302,10 +307,25 @@ class EngineCore:
     def warmup(self, threads: int = 2) -> None:
         """Compile every bucket's step program ahead of time (in ``threads`` threads; nothing runs), so that
         serving never compiles."""
-        compile_one = lambda layout: _program(self.state, self.params, layout,
-                                              self.engine_config.return_on_stop)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(compile_one, reversed(self._layouts.values())))
+            list(pool.map(self._program, reversed(self._layouts.values())))
+
+    @property
+    def programs(self) -> int:
+        """Step programs this engine has used (each compiled once per process)."""
+        return len(self._programs)
+
+    def _program(self, layout: StepLayout):
+        program = self._programs.get(layout)
+        if program is None:
+            program = self._programs[layout] = _program(self._abstract, layout,
+                                                        self.engine_config.return_on_stop)
+        return program
+
+    def _compile_ahead(self, layout: StepLayout) -> None:
+        """Compile ``layout``'s program in the background unless this engine has it."""
+        if layout not in self._programs:
+            _COMPILE_AHEAD.submit(_program, self._abstract, layout, self.engine_config.return_on_stop)
 
     def stop_table(self, stop: Sequence[Sequence[int]]) -> np.ndarray:
         """``[max_stops, max_stop_len]`` right-aligned stop table; raises ValueError if it does not fit."""
@@ -625,7 +645,11 @@ class EngineCore:
         if plan is not None:
             layout, decoding, runs, iterations = plan
             builder, rows = self._build(layout, decoding, runs, iterations)
-            program = _program(self.state, self.params, layout, self.engine_config.return_on_stop)
+            if runs:  # the decode steps after this prefill: their program may compile meanwhile
+                starting = sum(s.phase == _READY and s.start is not None for s in self._seqs.values())
+                n = min(len(decoding) + starting, self.engine_config.num_slots)
+                self._compile_ahead(self._bucket(n, n, 0))
+            program = self._program(layout)
             self.state, out_i, out_f = program(self.state, self.params, builder.ints, builder.floats)
             for _, seq in rows:
                 seq.in_flight.append(iterations)

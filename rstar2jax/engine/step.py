@@ -64,8 +64,8 @@ class StepLayout:
       num_slots: S. rows: R1 = min(T, S), single-query attention rows (and decode rows of the loop).
       tiles, tile: R2 = T // Q tiles of Q = ``prefill_tile`` tokens.
       updates (U = S): slot records; forks (S): page-table rows copied, with one entry each; entries
-      (2 S + max_pages): page-table entries; copies (S): pages copied; poison: P when freed pages are poisoned,
-      else 0.
+      (2 S + max_pages): page-table entries; copies (S): pages copied; poison: P when freed pages are
+      poisoned, else 0.
       iterations: C = ``decode_chunk``, device iterations at most (the ragged one included).
     """
 
@@ -119,18 +119,21 @@ class StepLayout:
     def float_fields(self) -> dict[str, tuple[int, ...]]:
         return {"upd_temperature": (self.num_slots,), "upd_top_p": (self.num_slots,)}
 
-    @staticmethod
-    def _offsets(fields):
-        offsets, total = {}, 0
-        for name, shape in fields.items():
-            offsets[name] = (total, shape)
-            total += math.prod(shape)
-        return offsets, total
+    @functools.cached_property
+    def _offsets(self) -> tuple[dict, int, dict, int]:
+        """(int field offsets, int buffer size, float field offsets, float buffer size)."""
+        out = []
+        for fields in (self.int_fields, self.float_fields):
+            offsets, total = {}, 0
+            for name, shape in fields.items():
+                offsets[name] = (total, total + math.prod(shape), shape)
+                total += math.prod(shape)
+            out += [offsets, total]
+        return tuple(out)
 
-    def padding(self) -> tuple[np.ndarray, np.ndarray]:
-        """Buffers of a step that does nothing (every entry padding): fill their :meth:`views`."""
-        _, int_total = self._offsets(self.int_fields)
-        _, float_total = self._offsets(self.float_fields)
+    @functools.cached_property
+    def _padding(self) -> tuple[np.ndarray, np.ndarray]:
+        _, int_total, _, float_total = self._offsets
         ints, floats = np.zeros((int_total,), np.int32), np.zeros((float_total,), np.float32)
         view = self.views(ints, floats)
         for name in ("upd_slot", "fork_dst", "entry_slot", "tok_slot"):
@@ -142,18 +145,22 @@ class StepLayout:
         view["upd_stop_seqs"][...] = NO_TOKEN
         return ints, floats
 
+    def padding(self) -> tuple[np.ndarray, np.ndarray]:
+        """Buffers of a step that does nothing (every entry padding): fill their :meth:`views`."""
+        ints, floats = self._padding
+        return ints.copy(), floats.copy()
+
     def views(self, ints, floats) -> dict:
         """Named views (NumPy) or slices (jnp) of the two buffers."""
+        int_offsets, _, float_offsets, _ = self._offsets
         out = {}
-        for fields, buffer in ((self.int_fields, ints), (self.float_fields, floats)):
-            offsets, _ = self._offsets(fields)
-            for name, (start, shape) in offsets.items():
-                out[name] = buffer[start : start + math.prod(shape)].reshape(shape)
+        for offsets, buffer in ((int_offsets, ints), (float_offsets, floats)):
+            for name, (start, end, shape) in offsets.items():
+                out[name] = buffer[start:end].reshape(shape)
         return out
 
     def abstract_inputs(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-        _, int_total = self._offsets(self.int_fields)
-        _, float_total = self._offsets(self.float_fields)
+        _, int_total, _, float_total = self._offsets
         return (jax.ShapeDtypeStruct((int_total,), jnp.int32),
                 jax.ShapeDtypeStruct((float_total,), jnp.float32))
 

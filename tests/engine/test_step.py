@@ -22,8 +22,9 @@ from rstar2jax.engine.config import pages_for
 from rstar2jax.engine.step import compile_step
 from rstar2jax.models import forward
 
-CONFIG = EngineConfig(num_slots=4, max_len=64, page_size=8, attention_block=16, prefill_tile=8, decode_chunk=3,
-                      num_pages=24, poison_freed_pages=True, token_buckets=(32,), eos_token_ids=())
+CONFIG = EngineConfig(num_slots=4, max_len=64, page_size=8, attention_block=16, prefill_tile=8,
+                      decode_chunk=3, num_pages=24, poison_freed_pages=True, token_buckets=(32,),
+                      eos_token_ids=())
 
 
 class _Sequence:
@@ -58,7 +59,8 @@ def test_ragged_steps_match_the_dense_reference(tiny_qwen3, seed):
     layout = StepLayout.of(CONFIG, 32)
     state = init_state(config, CONFIG)
     program = compile_step(state, params, layout, True)
-    pages = PageAllocator(CONFIG.pool_pages, CONFIG.page_size, CONFIG.num_slots, CONFIG.max_pages, cache=False)
+    pages = PageAllocator(CONFIG.pool_pages, CONFIG.page_size, CONFIG.num_slots, CONFIG.max_pages,
+                          cache=False)
     seqs: dict[int, _Sequence] = {}
     finished, freed, mixed_steps = [], [], 0
     for _ in range(24):
