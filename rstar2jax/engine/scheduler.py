@@ -277,6 +277,7 @@ class EngineCore:
         self._forks: list[tuple[int, int, int, int]] = []  # (src, dst, column, private page)
         self._freed: list[int] = []  # pages freed since the last step (poisoned in tests)
         self._in_flight: collections.deque[_Dispatched] = collections.deque()
+        self._last_prefilled = False  # whether the last step prefilled (the next one decodes a chunk)
         self._reported: list[tuple[_Record, Chunk]] = []
         self.stats = collections.Counter()  # steps, prompt_tokens, cached_tokens, sampled_tokens
 
@@ -565,7 +566,10 @@ class EngineCore:
         blocked = {slot for slot, _, _ in self._entries[room:]}  # their pages reach the device later
         room -= len(self._entries)
         tokens, rows, tiles, runs = len(decoding), len(decoding), 0, []
-        for seq in self._seqs.values():
+        # Prefill goes into every other step while sessions decode: a prefill step decodes one token per
+        # session, the decode step after it a whole chunk, so arriving work never starves the running.
+        prefill = not (decoding and self._last_prefilled)
+        for seq in self._seqs.values() if prefill else ():
             if seq.phase != _PREFILL:
                 continue
             if seq.slot in blocked:
@@ -594,6 +598,7 @@ class EngineCore:
         if not (decoding or runs or self._updates or self._entries or self._copies or self._forks):
             return None
         iterations = 1 if runs else cfg.decode_chunk
+        self._last_prefilled = bool(runs)
         return self._bucket(tokens, rows, tiles), decoding, runs, iterations
 
     def _build(self, layout: StepLayout, decoding, runs, iterations) -> tuple[StepBuilder, list]:
