@@ -200,8 +200,8 @@ def _slot_seed(entropy: Sequence[int]) -> int:
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(abstract, tree)
 
 
 _PROGRAMS: dict = {}  # (bucket layout, return_on_stop, abstract state and params) -> compiled step
