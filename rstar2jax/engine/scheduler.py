@@ -176,22 +176,27 @@ class _Seq:
         return self.record.budget_end
 
 
-_unstack_layers = jax.jit(unstack_layers, static_argnames=("dtype",))
 _cast = jax.jit(lambda params, dtype: jax.tree.map(lambda p: p.astype(dtype), params),
                 static_argnames=("dtype",))
+_unstack = jax.jit(lambda params: unstack_layers({"layers": params})["layers"])
 
 
 def engine_params(params, config: ModelConfig, unstacked: bool | None = None):
     """The weights an engine decodes from: the caller's tree, cast once to ``config.compute_dtype`` where a
-    leaf differs, and with ``unstacked`` (see ``EngineConfig.unstacked_decode``) split into per-layer
-    buffers (layers unrolled) or left stacked (layers scanned)."""
+    leaf differs, and with ``unstacked`` (see ``EngineConfig.unstacked_decode``) its layers split into
+    per-layer buffers (layers unrolled) or left stacked (layers scanned). Leaves needing neither are the
+    caller's buffers, not copies."""
     compute = jax.numpy.dtype(config.compute_dtype)
-    needs_cast = any(leaf.dtype != compute for leaf in jax.tree.leaves(params))
     if unstacked is None:
         unstacked = jax.default_backend() == "cpu" and config.num_layers <= UNROLL_MAX_LAYERS
-    if unstacked and not layers_are_unstacked(params):
-        return _unstack_layers(params, config.compute_dtype)
-    return _cast(params, config.compute_dtype) if needs_cast else params
+    if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
+        params = jax.device_put(params)  # once, not with every step
+    cast = {name: _cast(value, config.compute_dtype)
+            if any(leaf.dtype != compute for leaf in jax.tree.leaves(value)) else value
+            for name, value in params.items()}
+    if unstacked and not layers_are_unstacked(cast):
+        cast["layers"] = _unstack(cast["layers"])
+    return cast
 
 
 def _slot_seed(entropy: Sequence[int]) -> int:
