@@ -37,9 +37,10 @@ the HBM floor for 0.6B and 1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_mo
 - ``tunix_decode_ratio_b1`` / ``_b16``: decode tokens/s of :func:`rstar2jax.engine.generate` over google-tunix
   0.1.7's ``Sampler`` on the same random Qwen3 shape (2 layers, width 256, the real vocabulary 151,936,
   float32 both), 128 greedy tokens after a 32-token prompt, batch 1 and 16: each side's second call in its
-  own fresh process (the first one compiles); ``tunix_compile_ratio``: our first call's extra time over the
-  second's, over theirs (batch 1). Goals >= 1.5, >= 1.5, <= 1. Tunix is a bench-only dependency that does not install
-  beside this project (it pins transformers 5.12): install it into a folder of its own,
+  own fresh process (the first one compiles), best of ``--repeats`` processes each, taking turns;
+  ``tunix_compile_ratio``: our first call's extra time over the second's, over theirs (batch 1). Goals >= 1.5,
+  >= 1.5, <= 1. Tunix is a bench-only dependency that does not install beside this project (it pins
+  transformers 5.12): install it into a folder of its own,
   ``pip install --no-deps --target DIR google-tunix==0.1.7 google-metrax clu wrapt sentencepiece perfetto``,
   and pass ``--tunix_path=DIR`` (without it the tunix keys are left out).
 
