@@ -315,3 +315,38 @@ def test_pallas_interpret_engine_matches_jnp(tiny_qwen3):
     jnp_result, kernel_result = run("jnp"), run("pallas_interpret")
     assert kernel_result.tokens == jnp_result.tokens
     np.testing.assert_allclose(kernel_result.logprobs, jnp_result.logprobs, atol=1e-5)
+
+
+def test_prefix_cache_reuse_equals_a_cold_run_and_evicts_nothing_in_use(tiny_qwen3):
+    """A chat's second turn attaches the first turn's pages (prompt and answer) from the prefix cache and
+    samples exactly what an engine without the cache samples; meanwhile other work fills the small pool, so
+    unheld cached pages are evicted (least recently used) but no page in use is, and freed pages are
+    poisoned with NaN (a stale read would show)."""
+    config = dataclasses.replace(PAGED_CONFIG, num_pages=13)  # 12 pages of 8 tokens
+    greedy = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, 256, 21).tolist()
+    core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
+    ((a,),) = core.admit([(first, 1, greedy, 12, (0,))])
+    core.start(a, max_new_tokens=12)
+    _run(core)
+    core.close(a)  # 33 tokens, 32 of them with keys/values: its 4 full pages stay cached
+    assert core.pages.num_cached == 4 and core.pages.num_used == 0
+    second = first + a.response_ids + rng.integers(0, 256, 5).tolist()
+    ((b,),) = core.admit([(second, 1, greedy, 20, (1,))])
+    assert b.cached_tokens == 32 and core.pages.num_cached == 0  # 4 pages attached, the rest prefilled
+    slot = b.slot
+    held = set(core.pages.table[slot, :4].tolist())
+    core.start(b, max_new_tokens=10)  # then it pauses, holding its pages
+    # Other prompts meanwhile: the pool runs out of free pages and evicts cached ones.
+    for i in range(3):
+        ((c,),) = core.admit([(rng.integers(0, 256, 9).tolist(), 1, greedy, 8, (2 + i,))])
+        core.start(c, max_new_tokens=8)
+        _run(core)
+        core.close(c)
+        assert held <= set(core.pages.table[slot].tolist())  # b's attached pages stayed b's
+    assert core.pages.evicted > 0
+    cold = generate(tiny_qwen3.params, tiny_qwen3.config, [second], max_new_tokens=10,
+                    engine_config=dataclasses.replace(config, prefix_sharing=False))[0]
+    assert b.response_ids == cold.tokens
+    np.testing.assert_allclose(b.logprobs, cold.logprobs, atol=1e-5)
