@@ -78,9 +78,12 @@ class EngineConfig:
       unstacked_decode: how the layers run. False: the layer-stacked weights under one ``lax.scan`` (one
         compiled layer body: compile time does not grow with depth). True: per-layer copies of the weights in
         the compute dtype, made once when the engine is built, layers unrolled: no per-step slicing of the
-        stacked weights (XLA:CPU copies each slice it feeds to a dot), at the cost of a second copy of the
-        layer weights and compile time growing with depth. None (default): True for models of at most
-        ``UNROLL_MAX_LAYERS`` layers on CPU, False otherwise (see ``rstar2jax.engine`` for measurements).
+        stacked weights, at the cost of a second copy of the layer weights and compile time growing with
+        depth. XLA:CPU copies every weight slice the scan feeds to a dot, every layer of every step: on the
+        Qwen3-0.6B shape (28 layers, float32, this 2-core CPU at load ~4) batch-1 decode ran at 6.2 tokens/s
+        scanned and 10.6 unrolled, while compiling the five step programs took 12 s scanned and 39 s unrolled
+        (GPUs slice without copying). None (default): unrolled for models of at most
+        ``scheduler.UNROLL_MAX_LAYERS`` (4) layers on CPU, where compiling them stays cheap; else scanned.
     """
 
     num_slots: int = 32

@@ -161,7 +161,8 @@ class _Seq:
         self.tokens: list[int] = list(record.prompt_ids)
         self.kv = 0  # positions below this have their key/value writes dispatched
         self.phase = _PREFILL
-        self.start: tuple[np.ndarray, int] | None = None  # queued segment: (stop table, segment end)
+        # A queued segment: (stop table, max new tokens or None, tokens to append first).
+        self.start: tuple[np.ndarray, int | None, list[int]] | None = None
         self.stop_table: np.ndarray | None = None
         self.segment_start = self.segment_end = 0
         self.reserve = 0  # pages the sequence may still take from the pool (promised at admission)
@@ -462,18 +463,23 @@ class EngineCore:
         if len(seq.tokens) + len(appended) > record.budget_end:
             raise ValueError(f"{len(appended)} tokens appended but only "
                              f"{record.budget_end - len(seq.tokens)} remain in the budget")
-        table = self.stop_table(stop)
+        seq.start = (self.stop_table(stop), max_new_tokens, [int(t) for t in appended])
+        self._prepare_start(seq)
+
+    def _prepare_start(self, seq: _Seq) -> None:
+        """Insert a queued segment's appended tokens once ``seq`` may take them (not before its group is
+        forked: the siblings copy its prompt's last page); a session with no budget left is done at once."""
+        table, limit, appended = seq.start
+        if seq.siblings or seq.phase == _FORK_WAIT:
+            return
         if appended:
-            seq.tokens += [int(t) for t in appended]
+            seq.tokens += appended
+            seq.start = (table, limit, [])
             if seq.phase == _READY:
                 seq.phase = _PREFILL
-        if len(seq.tokens) >= record.budget_end:  # nothing may be sampled: done at once
-            self._reported.append((record, Chunk([], [], [], self.policy_version, "budget")))
+        if len(seq.tokens) >= seq.budget_end:  # nothing may be sampled
+            self._reported.append((seq.record, Chunk([], [], [], self.policy_version, "budget")))
             self._release(seq)
-            return
-        # The device clips the segment to the budget, so "no limit" is the whole budget.
-        limit = record.budget_end if max_new_tokens is None else max_new_tokens
-        seq.start = (table, min(len(seq.tokens) + limit, record.budget_end))
 
     def close(self, record: _Record) -> None:
         """Free the record's slot and pages (on the device with the next step); its outputs still in flight
@@ -542,13 +548,16 @@ class EngineCore:
 
     def _begin(self, seq: _Seq) -> None:
         """Make a ready sequence with a queued segment RUNNING from this step."""
-        table, end = seq.start
+        table, limit, _ = seq.start
+        # The device clips the segment to the budget, so "no limit" is the whole budget.
+        end = seq.budget_end if limit is None else min(len(seq.tokens) + limit, seq.budget_end)
         seq.start, seq.phase = None, _RUNNING
         seq.stop_table, seq.segment_start, seq.segment_end = table, len(seq.tokens), end
         self._updates[seq.slot] = (seq, self._updates.get(seq.slot, (None, False))[1])
 
     def _startable(self, seq: _Seq) -> bool:
-        return seq.phase == _READY and seq.start is not None and not seq.siblings and not seq.closing
+        return (seq.phase == _READY and seq.start is not None and not seq.start[2] and not seq.siblings
+                and not seq.closing)
 
     def _schedule(self, updates_only: bool = False):
         """Decide the next step: (bucket, decoding sequences, prefill runs, iterations), or None if there is
@@ -560,7 +569,9 @@ class EngineCore:
                 return None
             return self._layouts[cfg.token_buckets[0]], [], [], 1
         self._fork_ready()
-        for seq in self._seqs.values():
+        for seq in list(self._seqs.values()):
+            if seq.start is not None and seq.start[2]:
+                self._prepare_start(seq)  # appended tokens waiting for the group's fork
             if self._startable(seq):
                 self._begin(seq)
         decoding = [s for s in self._seqs.values() if s.phase == _RUNNING]

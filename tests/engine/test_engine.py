@@ -298,3 +298,28 @@ def test_prefill_attention_memory_is_blocked_not_quadratic():
     memory = compile_step(state, params, StepLayout.of(engine_config, 1024), True).memory_analysis()
     dense_scores = 1024 * 1024 * config.num_heads * 4
     assert memory.temp_size_in_bytes < dense_scores / 2
+
+
+def test_tokens_appended_before_a_groups_first_segment(tiny_qwen3):
+    """Sessions of a group that append tokens before their first ``generate`` (its source and a sibling,
+    before the group is forked) sample from prompt + appended tokens, the others from the prompt."""
+    prompt, extra = _prompts((13, 4), seed=9)
+
+    async def scenario():
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+            sessions = await engine.open(prompt, n=3, sampling=SamplingParams(temperature=0.0), max_tokens=20)
+            sessions[0].append(extra)
+            sessions[2].append(extra)
+            await asyncio.gather(*(s.generate(max_new_tokens=6) for s in sessions))
+            return sessions
+
+    sessions = asyncio.run(scenario())
+    assert [len(s.response_ids) for s in sessions] == [10, 6, 10]
+    for session in sessions:
+        response = np.asarray(session.response_ids)
+        reference = _teacher_forced(tiny_qwen3, session.prompt_ids + session.response_ids)
+        sampled = np.flatnonzero(session.loss_mask)
+        positions = len(prompt) + sampled - 1
+        np.testing.assert_array_equal(response[sampled], reference[positions].argmax(-1))
+        np.testing.assert_allclose(np.asarray(session.logprobs)[sampled],
+                                   reference[positions, response[sampled]], atol=1e-5)
