@@ -178,8 +178,14 @@ def _apply_updates(state: EngineState, f: dict) -> EngineState:
     if state.poison_freed:
         poison = lambda a: jnp.where(f["poison"][None, None, :, None, None] > 0, jnp.nan, a).astype(a.dtype)
         pages = jax.tree.map(poison, pages)
-    src = jnp.minimum(f["copy_src"], P - 1)
-    pages = jax.tree.map(lambda a: a.at[:, :, f["copy_dst"]].set(a[:, :, src], mode="drop"), pages)
+
+    def copy_page(i, pages):  # the host packs real copies first: as many iterations as there are copies
+        src, dst = f["copy_src"][i], f["copy_dst"][i]
+        move = lambda a: jax.lax.dynamic_update_index_in_dim(
+            a, jax.lax.dynamic_index_in_dim(a, src, axis=2, keepdims=True), dst, axis=2)
+        return jax.tree.map(move, pages)
+
+    pages = jax.lax.fori_loop(0, jnp.sum(f["copy_dst"] < P), copy_page, pages)
     return state.replace(
         pages=pages,
         page_table=page_table,
