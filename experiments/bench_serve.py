@@ -41,6 +41,7 @@ import numpy as np
 from absl import app, flags
 
 from rstar2jax import models
+from rstar2jax.data.conversation import encode_text, render_chat
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
 from rstar2jax.serve import BackgroundServer, Policy, ServerConfig
 
@@ -55,6 +56,7 @@ _DECODE_CHUNK = flags.DEFINE_integer("decode_chunk", 16, "Engine decode steps pe
 _SKIP_PREFIX = flags.DEFINE_bool("skip_prefix_cache", False, "Leave out the prefix-cache chat.")
 _PREFIX_LAYERS = flags.DEFINE_integer("prefix_layers", 4, "Layers of the prefix-cache chat's model.")
 _PREFIX_WIDTH = flags.DEFINE_integer("prefix_width", 256, "Width of the prefix-cache chat's model.")
+_HISTORY_TOKENS = flags.DEFINE_integer("history_tokens", 2000, "Tokens of the chat history at its 8th turn.")
 _BASELINE = 16  # batching_speedup: this many requests sequential vs at once
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about numbers."}]
@@ -196,14 +198,16 @@ def bench_prefix_cache() -> dict:
                           intermediate_size=3 * width, num_heads=4, num_kv_heads=2, head_dim=width // 4)
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         policy = make_policy(shape, tokenizer_dir, "prefix")
-    history = chat_history(8, 60)
-    tokens = len(policy.tokenizer.apply_chat_template(history[:15], tokenize=True))
-    result = {"history_tokens": tokens}
+    count = lambda messages: len(encode_text(policy.tokenizer, render_chat(  # noqa: E731
+        policy.tokenizer, messages, add_generation_prompt=True)))
+    words = round(60 * _HISTORY_TOKENS.value / count(chat_history(8, 60)[:15]))  # about 2,000 tokens
+    history = chat_history(8, words)
+    result = {"history_tokens": count(history[:15])}
     for cache in (True, False):
         config = ServerConfig(num_slots=4, max_len=4096, assistant_opener="", prefix_cache=cache, warmup=True)
         with BackgroundServer(policy, config) as server:
             url = server.url + "/v1/chat/completions"
-            asyncio.run(chat_ttft(url, chat_history(8, 60, seed=1), 8))  # the one-off costs of a first chat
+            asyncio.run(chat_ttft(url, chat_history(8, words, seed=1), 8))  # a first chat's one-off costs
             result["ttft_ms_cache_" + ("on" if cache else "off")] = asyncio.run(chat_ttft(url, history, 8))
             result["hit_rate_" + ("on" if cache else "off")] = server.service.stats["cached_tokens"] / max(
                 server.service.stats["prompt_tokens"], 1)
@@ -216,7 +220,7 @@ def main(argv):
     results = {}
     print("| model | clients | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms |")
     print("|---|---|---|---|---|---|---|")
-    for shape in _SHAPES.value:
+    for shape in filter(None, _SHAPES.value):
         result = results[shape] = bench_shape(shape)
         for clients, row in result["levels"].items():
             print(
