@@ -21,8 +21,9 @@ Each policy runs twice on the same seeds: ``async`` is :func:`rstar2jax.agent.ro
 ``blocking`` is the same loop with each tool call made by a blocking client on the event loop (a rollout
 written without async tool calls), which stalls decoding and every other session while a call runs.
 
-Reported per run: wall time, trajectories/s, tool calls, and the share of session time spent waiting on tool
-results vs on the engine (decoding, including waiting for a decode slot): per-trajectory ``timings`` summed
+Reported per run: wall time, this process's CPU seconds (engine, event loop, XLA threads; the sandbox and the
+verifier run in processes of their own), trajectories/s, tool calls, and the share of session time spent
+waiting on tool results vs on the engine (decoding, including waiting for a decode slot): per-trajectory ``timings`` summed
 over trajectories, ``tool / (tool + generate)``. Compilation is excluded (each policy's workload runs once
 untimed first). Timings on a shared machine are noisy.
 
@@ -73,21 +74,23 @@ class BlockingSandbox:
 
 
 async def timed_rollout(params, model_config, tokenizer, problems, samples, sandbox, verifier, engine_config,
-                        config: RolloutConfig) -> tuple[float, list]:
+                        config: RolloutConfig) -> tuple[float, float, list]:
+    """(wall seconds, this process's CPU seconds, trajectories) of one rollout call."""
     async with Engine(params, model_config, engine_config) as engine:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         trajectories = await rollout_async(problems, samples, engine=engine, sandbox=sandbox,
                                            tokenizer=tokenizer, verifier=verifier, config=config)
-        return time.perf_counter() - start, trajectories
+        return time.perf_counter() - start, time.process_time() - cpu, trajectories
 
 
-def summarize(name: str, seconds: float, trajectories) -> dict:
+def summarize(name: str, seconds: float, cpu_seconds: float, trajectories) -> dict:
     phase = lambda key: sum(t.timings.get(key, 0.0) for t in trajectories)  # noqa: E731
     tool, generate = phase("tool"), phase("generate")
     calls = sum(t.num_tool_calls for t in trajectories)
     return dict(
         run=name,
         wall_s=round(seconds, 3),
+        cpu_s=round(cpu_seconds, 3),
         trajectories=len(trajectories),
         traj_per_s=round(len(trajectories) / seconds, 2),
         tool_calls=calls,
@@ -143,9 +146,8 @@ def measure(params_by_name: dict, model_config, tokenizer, problems, modes) -> l
                     await timed_rollout(*args, client, verifier, engine_config, config)
                     for mode in modes:
                         sandbox = client if mode == "async" else blocking
-                        seconds, trajectories = await timed_rollout(*args, sandbox, verifier, engine_config,
-                                                                    config)
-                        rows.append(summarize(f"{name}/{mode}", seconds, trajectories))
+                        timed = await timed_rollout(*args, sandbox, verifier, engine_config, config)
+                        rows.append(summarize(f"{name}/{mode}", *timed))
 
         try:
             asyncio.run(run())
@@ -188,11 +190,15 @@ def compare(taught, policy, baseline_dir: str) -> dict:
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 if pathlib.Path(result["library"]).resolve() != root:
                     raise RuntimeError(f"the {side} worker imported the library from {result['library']}")
-                runs[side].append(result["rows"][0]["traj_per_s"])
-                print(f"{side} ({root}): {runs[side][-1]:.2f} trajectories/s", flush=True)
-    best = {side: max(rates) for side, rates in runs.items()}
+                row = result["rows"][0]
+                runs[side].append(row)
+                print(f"{side} ({root}): {row['traj_per_s']:.2f} trajectories/s, {row['cpu_s']:.2f} CPU s, "
+                      f"tool share {row['tool_share']:.2f}", flush=True)
+    best = {side: max(r["traj_per_s"] for r in rows) for side, rows in runs.items()}
+    cpu = {side: min(r["cpu_s"] for r in rows) for side, rows in runs.items()}
     return {"rollout_traj_per_s": best["here"], "baseline_traj_per_s": best["baseline"],
-            "rollout_speedup": round(best["here"] / best["baseline"], 3)}
+            "rollout_speedup": round(best["here"] / best["baseline"], 3), "rollout_cpu_s": cpu["here"],
+            "baseline_cpu_s": cpu["baseline"]}
 
 
 def main(argv):
@@ -222,15 +228,15 @@ def main(argv):
         f"{policy.model_config.vocab_size}); teaching the tool call took {teach_seconds:.1f} s"
     )
     header = (
-        f"{'run':<22}{'wall s':>8}{'traj/s':>9}{'calls':>7}{'parse err':>10}{'tokens':>9}"
+        f"{'run':<22}{'wall s':>8}{'cpu s':>8}{'traj/s':>9}{'calls':>7}{'parse err':>10}{'tokens':>9}"
         f"{'tool share':>12}{'decode share':>14}{'reward':>8}{'trunc':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['run']:<22}{r['wall_s']:>8.2f}{r['traj_per_s']:>9.1f}{r['tool_calls']:>7}{r['parse_errors']:>10}"
-            f"{r['response_tokens']:>9}{r['tool_share']:>12.1%}{r['decode_share']:>14.1%}{r['reward']:>8.2f}"
+            f"{r['run']:<22}{r['wall_s']:>8.2f}{r['cpu_s']:>8.2f}{r['traj_per_s']:>9.1f}{r['tool_calls']:>7}"
+            f"{r['parse_errors']:>10}{r['response_tokens']:>9}{r['tool_share']:>12.1%}{r['decode_share']:>14.1%}{r['reward']:>8.2f}"
             f"{r['truncated']:>7.2f}"
         )
     by_run = {r["run"]: r for r in rows}
