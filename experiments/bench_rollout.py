@@ -24,8 +24,8 @@ written without async tool calls), which stalls decoding and every other session
 Reported per run: wall time, this process's CPU seconds (engine, event loop, XLA threads; the sandbox and the
 verifier run in processes of their own), trajectories/s, tool calls, and the share of session time spent
 waiting on tool results vs on the engine (decoding, including waiting for a decode slot): per-trajectory
-``timings`` summed over trajectories, ``tool / (tool + generate)``. Compilation is excluded (each policy's workload runs once
-untimed first). Timings on a shared machine are noisy.
+``timings`` summed over trajectories, ``tool / (tool + generate)``. Compilation is excluded (each policy's
+workload runs once untimed first). Timings on a shared machine are noisy.
 
 ``--baseline_dir=DIR``: ``rollout_speedup``, the tool-using policy's async trajectories/s on this checkout's
 library over the same on the library in DIR (the code before issue 31: goal >= 1.5). Both run in fresh
