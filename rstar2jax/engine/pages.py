@@ -118,6 +118,19 @@ class PageAllocator:
             copies.append((int(self.table[src, pending]), copy))
         return copies
 
+    def shrink(self, slot: int, num_tokens: int) -> list[int]:
+        """Give back ``slot``'s pages past those of ``num_tokens`` tokens (pages given ahead of a decode that
+        stopped sooner: private, never written); returns them."""
+        keep = pages_for(num_tokens, self.page_size)
+        extra = self.table[slot, keep : self.held[slot]].tolist()
+        if any(self.refcount[page] != 1 or page in self._digest_of for page in extra):
+            raise ValueError(f"slot {slot} shares pages past its {num_tokens} tokens")
+        self.table[slot, keep:] = NULL_PAGE
+        self.held[slot] = min(int(self.held[slot]), keep)
+        self.refcount[extra] = 0
+        self._free.extend(reversed(extra))
+        return extra
+
     def release(self, slot: int) -> list[int]:
         """Drop ``slot``'s row; returns the pages that became free (cached ones are not: they keep their
         contents)."""

@@ -712,6 +712,11 @@ class EngineCore:
                 seq.phase = _READY
                 if chunk.finish_reason in ("eos", "budget"):
                     self._release(seq)
+                else:  # paused (a tool call, a segment limit): the pages given ahead, never written, go back
+                    freed = self.pages.shrink(seq.slot, len(seq.tokens))
+                    self._freed += freed
+                    seq.reserve += len(freed)
+                    self._reserved += len(freed)
 
 
 class Session:
