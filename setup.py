@@ -55,6 +55,10 @@ setup(
         "rocm": ["jax[rocm7-local]==0.10.2"],
         # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
         "tensorboard": ["tensorboard>=2.21"],
+        # google-tunix, the side `bench_engine --startup` compares decoding with. Bench-only, and for an
+        # environment of its own: it pins transformers 5.12. Beside this project, install it into a folder
+        # with --no-deps instead (see experiments/bench_engine.py) and pass --tunix_path.
+        "bench": ["google-tunix==0.1.7"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",

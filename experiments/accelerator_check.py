@@ -343,11 +343,11 @@ def stage_engine(record: Recorder, smoke: bool) -> None:
     shape = "tiny" if smoke else "1.7b"
     config, params = bench_engine._model(shape, "bfloat16")
     record(engine_model=f"{shape} bfloat16 random weights")
-    # A cold engine's first token: building it, compiling its prefill and decode, one step.
+    # A cold engine's first token: building it, compiling the step programs it needs, one step.
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, 128).tolist()
     start = time.perf_counter()
     generate(params, config, [prompt], max_new_tokens=1,
-             engine_config=EngineConfig(num_slots=64, max_len=2048, prefill_buckets=(128,), eos_token_ids=()))
+             engine_config=EngineConfig(num_slots=64, max_len=2048, eos_token_ids=()))
     record(engine_ready_s=round(time.perf_counter() - start, 2))
     print(f"time to a ready engine (64 slots, first token of a 128-token prompt): "
           f"{record.figures['engine_ready_s']} s", flush=True)

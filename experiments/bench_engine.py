@@ -1,100 +1,123 @@
-"""Benchmark of the generation engine (issue 5), each figure against its baseline in the same run.
+"""Benchmark of the generation engine, each figure against its baseline in the same run. Three modes.
 
-1. Decode throughput against transformers ``generate`` (PyTorch CPU, greedy, same random weights), batch 32,
-   on a small Qwen3 shape and on the Qwen3-0.6B shape. Goals: >= 3x (small), >= 1x (0.6B).
-2. Batch-1 decode step of the 0.6B shape against the memory-bandwidth floor: parameter bytes / copy bandwidth
-   (bytes read + written per second by a large ``np.copyto``), measured in the same run. Goal: <= 1.5x.
-3. 64 multi-turn rollouts, each pausing 3 times for a simulated tool with log-normal latency (mean 0.3 s),
-   on the engine (tools run while other slots decode) against a turn-synchronous static batch (each turn
-   waits for the longest segment and the slowest tool), both on the same device code. Goal: >= 1.5x faster.
-   Segment lengths are heavy-tailed like real responses (log-normal, median 24 tokens, clipped to 4..128);
-   tool latencies log-normal with mean 0.3 s and log-space std 1.
-   The model is a tiny Qwen3 shape whose batch-64 decode step on a CPU (a few ms) is in the range of a real
-   policy's step on an accelerator, so decode and tool time keep the proportions of a real rollout; with a
-   CPU-bound step 10x slower the tools would vanish from both timings.
+Default (issue 5): decode throughput against transformers ``generate`` (PyTorch CPU, greedy, same random
+weights), batch 32, on a small Qwen3 shape and on the Qwen3-0.6B shape (goals >= 3x, >= 1x); the batch-1
+decode step of the 0.6B shape against the memory-bandwidth floor (parameter bytes / copy bandwidth, goal <=
+1.5x); and 64 multi-turn rollouts, each pausing 3 times for a simulated tool with log-normal latency (mean
+0.3 s), on the engine (tools run while other slots decode) against a turn-synchronous static batch (each turn
+waits for the longest segment and the slowest tool), both on the same device code (goal >= 1.5x). Segment
+lengths are heavy-tailed like real responses (log-normal, median 24 tokens, clipped to 4..128). The
+transformers side runs in a subprocess (``--torch_worker``) so the two models never share memory.
 
-Usage: ``python -m experiments.bench_engine [--new_tokens=256] [--new_tokens_06b=256] [--skip_06b]``.
-Prints a table and, as the last line, a JSON object with the three ratios. The transformers side runs in a
-subprocess (``--torch_worker``) so the two models never share memory.
-
-``--scale`` measures the paged KV cache instead (issue 21), each figure against its baseline in the same run:
+``--scale`` (issue 21), the paged KV cache:
 
 - ``long_cache_step_ratio``: decode step time of 64 sequences holding 640 tokens each on an engine configured
-  for 8192-token sequences over the same on one configured for 640 (+ the 64 tokens of head room the
-  measured steps need). Goal <= 1.3.
-- ``kv_bytes_ratio``: KV bytes the pool holds for those sequences (pages allocated, look-ahead of the decode
-  chunk included) over their tokens x the per-token KV size. Goal <= 1.25.
+  for 8192-token sequences over the same on one configured for 720. Goal <= 1.3.
+- ``kv_bytes_ratio``: KV bytes the pool holds for those sequences (pages held, look-ahead included) over
+  their tokens x the per-token KV size. Goal <= 1.25.
 - ``group_prompt_kv_ratio``: KV bytes held by one 512-token prompt forked into 16 samples that generated 64
   tokens each, over (512 + 16 x 64) x the per-token KV size. Goal <= 1.2.
 - ``multistep_speedup``: batch-1 decode tokens/s of the tiny model with 32 decode steps per device call over
   one step per call. Goal >= 2.
-- ``decode_tokens_per_s``: tokens/s of ``generate`` (16-token prompts, greedy) for the tiny and the
-  Qwen3-0.6B-shaped model at batch 1 and 64; ``batch1_step_over_floor``: the 0.6B batch-1 decode step over
-  the memory-bandwidth floor (parameter bytes / copy bandwidth).
+- ``decode_tokens_per_s``: tokens/s of ``generate`` for the tiny and the Qwen3-0.6B shape at batch 1 and 64.
 
-``--scale --gpu``: the same in bfloat16 with the Qwen3-1.7B shape for the ratios, plus tokens/s and the decode
-step over the HBM floor ((parameter + KV bytes read per step) / measured device copy bandwidth) for 0.6B and
-1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_models``).
+``--scale --gpu``: the same in bfloat16 with the Qwen3-1.7B shape for the ratios, plus the decode step over
+the HBM floor for 0.6B and 1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_models``).
+
+``--startup`` (issue 31), how fast the engine is ready, each in a fresh process:
+
+- ``programs_compiled``: programs compiled by a 64-slot engine (tiny model, ``max_len`` 4096) from its
+  construction through a mixed workload: 24 groups of 1 or 4 sessions on prompts of 20 to 3,000 tokens
+  (several share a system prompt), tool outputs appended between turns, stop sequences, decodes. Counted with
+  a ``jax.monitoring`` listener. Goal <= 8.
+- ``warmup_s_qwen3_0p6b``: seconds from starting ``python -m experiments.serve`` on a folder of random
+  Qwen3-0.6B weights (64 slots, ``max_len`` 8192, ``--kv_pool_gib=4``) to its ``/health`` answering 200, with
+  an empty JAX compilation cache; ``warmup_s_qwen3_0p6b_cached``: the same again with the cache the first
+  start wrote. Goals <= 180 and <= 20.
+- ``tunix_decode_ratio_b1`` / ``_b16``: decode tokens/s of :func:`rstar2jax.engine.generate` over google-tunix
+  0.1.7's ``Sampler`` on the same random Qwen3 shape (2 layers, width 256, the real vocabulary 151,936,
+  float32 both), 128 greedy tokens after a 32-token prompt, batch 1 and 16: each side's second call in its
+  own fresh process (the first one compiles), best of ``--repeats`` processes each, taking turns;
+  ``tunix_compile_ratio``: our first call's extra time over the second's, over theirs (batch 1). Goals >= 1.5,
+  >= 1.5, <= 1. Tunix is a bench-only dependency that does not install beside this project (it pins
+  transformers 5.12): install it into a folder of its own,
+  ``pip install --no-deps --target DIR google-tunix==0.1.7 google-metrax clu wrapt sentencepiece perfetto``,
+  and pass ``--tunix_path=DIR`` (without it the tunix keys are left out).
+
+Usage: ``python -m experiments.bench_engine [--scale | --startup]``. Prints a table and, as the last line, a
+JSON object with the figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import math
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from absl import app, flags
 
-from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
-from rstar2jax.engine.paged_attention import init_pages
+from rstar2jax import models
+from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate, page_rounded
 from rstar2jax.engine.scheduler import engine_params
-from rstar2jax.models import HF_CONFIGS_DIR, config_from_hf, init_params, load_pretrained
+from rstar2jax.models import init_params, load_pretrained
 
-QWEN3_06B = HF_CONFIGS_DIR / "qwen3-0.6b.json"
-QWEN3_17B = HF_CONFIGS_DIR / "qwen3-1.7b.json"
-SMALL_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=32000,
-)
-TINY_SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    vocab_size=4096,
-)
+# Shapes (random weights), all from the presets.
+SHAPES = {
+    "tiny": models.preset("tiny", vocab_size=4096, hidden_size=128, intermediate_size=384, num_heads=2,
+                          num_kv_heads=1, head_dim=64),
+    "small": models.preset("tiny", vocab_size=32000, hidden_size=256, intermediate_size=768, num_layers=4,
+                           num_heads=4, num_kv_heads=2, head_dim=64),
+    # Tunix's comparison: a 2-layer Qwen3 of width 256 with the real vocabulary.
+    "tunix": models.preset("qwen3-0.6b", num_layers=2, hidden_size=256, intermediate_size=768, num_heads=4,
+                           num_kv_heads=2, head_dim=64),
+    "0.6b": models.preset("qwen3-0.6b"),
+    "1.7b": models.preset("qwen3-1.7b"),
+}
 PROMPT_LEN = 16
 TOOL_MEAN_S, TOOL_SIGMA = 0.3, 1.0  # log-normal tool latency: mean 0.3 s, log-space std 1
 SEGMENT_MEDIAN, SEGMENT_SIGMA, SEGMENT_RANGE = 24, 0.75, (4, 128)  # log-normal tokens per generation segment
 TOOL_TOKENS = (4, 16)
+TUNIX_PROMPT, TUNIX_NEW = 32, 128
 
 
-def _hf_config(shape: str) -> dict:
-    with open(QWEN3_17B if shape == "1.7b" else QWEN3_06B, encoding="utf-8") as f:
-        config = json.load(f)
-    config.update({"small": SMALL_SHAPE, "tiny": TINY_SHAPE}.get(shape, {}))
-    config.update(eos_token_id=None, bos_token_id=None, torch_dtype="float32")
-    return config
+def _config(shape: str, dtype: str = "float32") -> models.ModelConfig:
+    return dataclasses.replace(SHAPES[shape], eos_token_ids=(), bos_token_id=None, param_dtype=dtype,
+                               compute_dtype=dtype)
 
 
-def _prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    return np.random.default_rng(seed).integers(0, vocab, (batch, PROMPT_LEN)).tolist()
+def _prompts(batch: int, vocab: int, seed: int = 0, length: int = PROMPT_LEN) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(0, vocab, (batch, length)).tolist()
+
+
+def _drain(core: EngineCore) -> None:
+    """Step ``core`` until it is idle, handing the chunks to their records."""
+    while core.num_active:
+        for record, chunk in core.step():
+            record.receive(chunk)
+
+
+def _worker(flag: str, *args, env: dict | None = None) -> dict:
+    """Run one of this script's workers in a fresh process; its last stdout line is a JSON object."""
+    command = [sys.executable, "-m", "experiments.bench_engine", f"--{flag}={','.join(map(str, args))}"]
+    done = subprocess.run(command, check=True, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=pathlib.Path(__file__).parents[1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- default mode: against transformers
 
 
 def torch_worker(shape: str, path: str, batch: int, new_tokens: int) -> None:
@@ -103,7 +126,8 @@ def torch_worker(shape: str, path: str, batch: int, new_tokens: int) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**_hf_config(shape))
+    hf = models.config_to_hf(_config(shape))
+    config = transformers.Qwen3Config(**hf, eos_token_id=None, bos_token_id=None)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(path)
     ids = torch.tensor(_prompts(batch, config.vocab_size))
@@ -116,28 +140,13 @@ def torch_worker(shape: str, path: str, batch: int, new_tokens: int) -> None:
     print(json.dumps({"seconds": elapsed, "tokens": out[:, PROMPT_LEN:].tolist()}))
 
 
-def _round_up(n: int, multiple: int = 64) -> int:
-    return -(-n // multiple) * multiple
-
-
 def decode_throughput(shape: str, batch: int, new_tokens: int) -> dict:
     """Tokens/s of ours and of transformers on the same weights; also how many greedy tokens agree."""
     with tempfile.TemporaryDirectory() as path:
-        worker = subprocess.run(
-            [sys.executable, __file__, f"--torch_worker={shape},{path},{batch},{new_tokens}"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        hf = json.loads(worker.stdout.strip().splitlines()[-1])
+        hf = _worker("torch_worker", shape, path, batch, new_tokens)
         config, params = load_pretrained(path)
-    engine_config = EngineConfig(
-        num_slots=batch,
-        max_len=_round_up(PROMPT_LEN + new_tokens),
-        decode_chunk=32,
-        prefill_buckets=(PROMPT_LEN,),
-        eos_token_ids=(),
-    )
+    engine_config = EngineConfig(num_slots=batch, max_len=page_rounded(PROMPT_LEN + new_tokens),
+                                 decode_chunk=32, eos_token_ids=())
     EngineCore(params, config, engine_config).warmup()
     prompts = _prompts(batch, config.vocab_size)
     start = time.perf_counter()
@@ -147,14 +156,8 @@ def decode_throughput(shape: str, batch: int, new_tokens: int) -> dict:
     # Greedy decoding of random weights amplifies float rounding: compare up to each row's first divergence.
     same = np.append(ours == np.array(hf["tokens"]), np.zeros((batch, 1), bool), axis=1)
     agree = np.mean(np.argmin(same, axis=1) / new_tokens)
-    return dict(
-        ours_tok_s=batch * new_tokens / elapsed,
-        hf_tok_s=batch * new_tokens / hf["seconds"],
-        agree=float(agree),
-        params=int(sum(x.size for x in jax.tree.leaves(params))),
-        config=config,
-        params_tree=params,
-    )
+    return dict(ours_tok_s=batch * new_tokens / elapsed, hf_tok_s=batch * new_tokens / hf["seconds"],
+                agree=float(agree), config=config, params_tree=params)
 
 
 def copy_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -170,30 +173,11 @@ def copy_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 
 def batch1_step(params, config, steps: int = 48, chunk: int = 16) -> float:
-    """Seconds per decode step of one sequence (best full chunk after warm-up)."""
-    engine_config = EngineConfig(
-        num_slots=1,
-        max_len=_round_up(PROMPT_LEN + steps + chunk),
-        decode_chunk=chunk,
-        prefill_buckets=(PROMPT_LEN,),
-        eos_token_ids=(),
-    )
-    core = EngineCore(params, config, engine_config)
-    core.warmup()
-    ((record,),) = core.admit(
-        [(_prompts(1, config.vocab_size)[0], 1, SamplingParams(temperature=0.0), steps + chunk, (0,))]
-    )
-    core.start(record, max_new_tokens=steps + chunk)
-    core.step()  # the prefill and the first chunk
-    times = []
-    slot = record.slot
-    while core.num_active:
-        length, start = int(core.state.seq_len[slot]), time.perf_counter()
-        core.step()
-        elapsed = time.perf_counter() - start
-        if int(core.state.seq_len[slot]) - length == chunk:  # a last, partial chunk would flatter the minimum
-            times.append(elapsed)
-    return min(times) / chunk
+    """Seconds per decode step of one sequence (the best full chunk after warm-up)."""
+    run = _DecodeRun(params, config, slots=1, prompt_len=PROMPT_LEN,
+                     max_len=page_rounded(PROMPT_LEN + 2 * steps), chunk=chunk, chunks=steps // chunk)
+    decode_steps([run], rounds=steps // chunk - 1)
+    return run.wall_step_s
 
 
 def _multiturn_plan(num_rollouts: int, turns: int, vocab: int, seed: int = 0):
@@ -215,18 +199,13 @@ def _multiturn_plan(num_rollouts: int, turns: int, vocab: int, seed: int = 0):
 
 def multiturn(num_rollouts: int = 64, turns: int = 3) -> dict:
     """Wall time of the rollouts on the engine and on a turn-synchronous static batch (same device code)."""
-    config = config_from_hf(_hf_config("tiny"))
+    config = _config("tiny")
     params = init_params(config, jax.random.key(0))
     plan = _multiturn_plan(num_rollouts, turns, config.vocab_size)
     prompts = _prompts(num_rollouts, config.vocab_size, seed=1)
     max_tokens = SEGMENT_RANGE[1] * (turns + 1) + TOOL_TOKENS[1] * turns
-    engine_config = EngineConfig(
-        num_slots=num_rollouts,
-        max_len=_round_up(PROMPT_LEN + max_tokens),
-        decode_chunk=8,
-        prefill_buckets=(16,),
-        eos_token_ids=(),
-    )
+    engine_config = EngineConfig(num_slots=num_rollouts, max_len=page_rounded(PROMPT_LEN + max_tokens),
+                                 decode_chunk=8, eos_token_ids=())
     EngineCore(params, config, engine_config).warmup()
     greedy = SamplingParams(temperature=0.0)
 
@@ -256,13 +235,12 @@ def multiturn(num_rollouts: int = 64, turns: int = 3) -> dict:
     records = [record for (record,) in groups]
     for turn in range(turns + 1):
         for record, item in zip(records, plan, strict=True):
-            core.start(record, max_new_tokens=item["segments"][turn])
-        while core.num_active:  # the whole batch waits for its longest segment
-            core.step()
+            appended = item["tools"][turn - 1] if turn else []
+            record.add(appended, None)
+            core.start(record, max_new_tokens=item["segments"][turn], appended=appended)
+        _drain(core)  # the whole batch waits for its longest segment
         if turn < turns:
             time.sleep(max(item["latencies"][turn] for item in plan))  # ... and for the slowest tool
-            for record, item in zip(records, plan, strict=True):
-                record.pending += item["tools"][turn]
     static_s = time.perf_counter() - start
     same = all(r.response_ids == e for r, e in zip(records, engine_responses, strict=True))
     return dict(engine_s=engine_s, static_s=static_s, same_tokens=same)
@@ -271,58 +249,46 @@ def multiturn(num_rollouts: int = 64, turns: int = 3) -> dict:
 # ---- --scale: the paged KV cache
 
 
-def _clock() -> float:
-    """Process CPU seconds on a CPU backend (on this shared 2-core machine wall time varies 3x with other
-    jobs' load while CPU time stays within 10%), wall seconds on an accelerator."""
-    return time.process_time() if jax.default_backend() == "cpu" else time.perf_counter()
-
-
 def _model(shape: str, dtype: str = "float32"):
     """Random weights of ``shape``, already in the layout the engine decodes from (so each engine built on
     them uses them as they are: one copy in memory)."""
-    config = config_from_hf(_hf_config(shape), param_dtype=dtype, compute_dtype=dtype)
+    config = _config(shape, dtype)
     params = init_params(config, jax.random.key(0))
     return config, engine_params(params, config, unstacked=True)  # unrolled layers slice nothing per step
 
 
-def _scale_core(params, config, *, slots: int, max_len: int, tokens_per_slot: int, chunk: int, bucket: int,
-                **overrides) -> EngineCore:
-    """An engine whose pool holds ``slots`` sequences of ``tokens_per_slot`` tokens, whatever ``max_len``."""
-    engine_config = EngineConfig(
-        num_slots=slots, max_len=max_len, decode_chunk=chunk, prefill_buckets=(bucket,), eos_token_ids=(),
-        num_pages=slots * -(-tokens_per_slot // 16) + 1, page_size=16, return_on_stop=False,
-        prefix_sharing=False, **overrides)
-    return EngineCore(params, config, engine_config)
-
-
 class _DecodeRun:
-    """``slots`` sequences that hold ``prompt_len`` tokens, decoding greedily in chunks of ``chunk`` steps."""
+    """``slots`` sequences that hold ``prompt_len`` tokens, decoding greedily in chunks of ``chunk`` steps on
+    an engine whose pool holds just them, whatever ``max_len``."""
 
     def __init__(self, params, config, *, slots: int, prompt_len: int, max_len: int, chunk: int = 8,
-                 chunks: int = 7, bucket: int = 128):
-        steps = chunk * (chunks + 1)  # a chunk more than run, so no sequence finishes (and frees its pages)
+                 chunks: int = 7):
+        steps = chunk * (chunks + 2)  # more than run, so no sequence finishes (and frees its pages)
         self.chunk = chunk
-        self.core = _scale_core(params, config, slots=slots, max_len=max_len,
-                                tokens_per_slot=prompt_len + steps, chunk=chunk, bucket=bucket)
+        engine_config = EngineConfig(
+            num_slots=slots, max_len=max_len, decode_chunk=chunk, eos_token_ids=(), page_size=16,
+            num_pages=slots * -(-(prompt_len + steps) // 16) + 1, return_on_stop=False, prefix_sharing=False)
+        self.core = EngineCore(params, config, engine_config)
         rng = np.random.default_rng(0)
         greedy = SamplingParams(temperature=0.0)
         groups = self.core.admit([(rng.integers(0, config.vocab_size, prompt_len).tolist(), 1, greedy, steps,
                                    (i,)) for i in range(slots)])
-        for (record,) in groups:
+        self.records = [record for (record,) in groups]
+        _drain(self.core)  # every prompt prefilled (and, once per shape, compiled) before any decodes
+        for record in self.records:
             self.core.start(record)
-        self.core.step()  # the first chunk (and, once per shape, compiling)
-        self.times, self.wall_times = [], []
+        while not all(record.response_ids for record in self.records):  # all decoding, in step
+            for record, chunk in self.core.step():
+                record.receive(chunk)
+        self.wall_times = []
 
     def time_chunk(self) -> None:
-        start, wall = _clock(), time.perf_counter()
-        self.core.step()  # synchronous: it reads the slots' statuses back
-        self.times.append(_clock() - start)
-        self.wall_times.append(time.perf_counter() - wall)
-
-    @property
-    def step_s(self) -> float:
-        """Seconds per decode step (:func:`_clock`): the best timed chunk over its steps."""
-        return min(self.times) / self.chunk
+        """One step of ``chunk`` tokens per sequence, from dispatch to its outputs read (nothing else queued
+        on the device: the runs take turns)."""
+        start = time.perf_counter()
+        for record, chunk in self.core.step() + self.core.flush():
+            record.receive(chunk)
+        self.wall_times.append(time.perf_counter() - start)
 
     @property
     def wall_step_s(self) -> float:
@@ -331,7 +297,7 @@ class _DecodeRun:
 
     def kv(self) -> dict:
         """KV bytes the pool holds now, and the bytes of the tokens held."""
-        held_tokens = int(self.core._lengths.sum())
+        held_tokens = sum(r.length for r in self.records)
         per_token = self.core.state.pages.nbytes_per_page / self.core.engine_config.page_size
         return dict(kv_bytes=self.core.kv_bytes_held, token_bytes=held_tokens * per_token,
                     held_tokens=held_tokens)
@@ -348,14 +314,13 @@ def group_prompt_kv(params, config, *, prompt_len: int = 512, samples: int = 16,
                     new_tokens: int = 64) -> dict:
     """KV bytes held by one prompt forked into ``samples`` samples that generated ``new_tokens`` each."""
     engine_config = EngineConfig(num_slots=samples, max_len=prompt_len + 2 * new_tokens, decode_chunk=16,
-                                 prefill_buckets=(128,), eos_token_ids=(), page_size=16)
+                                 eos_token_ids=(), page_size=16)
     core = EngineCore(params, config, engine_config)
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, prompt_len).tolist()
     (group,) = core.admit([(prompt, samples, SamplingParams(temperature=1.0), 2 * new_tokens, (0,))])
     for record in group:
         core.start(record, max_new_tokens=new_tokens)  # they pause (holding their pages) after new_tokens
-    while core.num_active:
-        core.step()
+    _drain(core)
     assert all(len(r.response_ids) == new_tokens for r in group)
     per_token = core.state.pages.nbytes_per_page / engine_config.page_size
     return dict(kv_bytes=core.kv_bytes_held, token_bytes=(prompt_len + samples * new_tokens) * per_token)
@@ -363,20 +328,20 @@ def group_prompt_kv(params, config, *, prompt_len: int = 512, samples: int = 16,
 
 def generate_tokens_per_s(params, config, *, batches: Sequence[int], new_tokens: int, chunks: Sequence[int],
                           repeats: int = 3) -> dict:
-    """Tokens/s of ``generate`` (16-token prompts, greedy) per (batch, decode chunk): the best of ``repeats``
-    calls, the settings taking turns (so load changes on a shared machine hit them alike), after a warm-up
-    call of each."""
+    """Tokens/s of ``generate`` (16-token prompts, greedy, wall time) per (batch, decode chunk): the best of
+    ``repeats`` calls, the settings taking turns (so load changes on a shared machine hit them alike), after
+    a warm-up call of each."""
     settings = [(batch, chunk) for batch in batches for chunk in chunks]
     best = dict.fromkeys(settings, 0.0)
     for repeat in range(repeats + 1):
         for batch, chunk in settings:
-            engine_config = EngineConfig(num_slots=batch, max_len=_round_up(PROMPT_LEN + new_tokens, 16),
-                                         decode_chunk=chunk, prefill_buckets=(PROMPT_LEN,), eos_token_ids=())
+            engine_config = EngineConfig(num_slots=batch, max_len=page_rounded(PROMPT_LEN + new_tokens),
+                                         decode_chunk=chunk, eos_token_ids=())
             prompts = _prompts(batch, config.vocab_size)
-            start = _clock()
+            start = time.perf_counter()
             generate(params, config, prompts, max_new_tokens=new_tokens, engine_config=engine_config)
             if repeat:  # the first round compiles
-                rate = batch * new_tokens / (_clock() - start)
+                rate = batch * new_tokens / (time.perf_counter() - start)
                 best[batch, chunk] = max(best[batch, chunk], rate)
     return best
 
@@ -409,16 +374,18 @@ def step_over_floor(params, config, *, batch: int, held: int, param_bytes: int, 
                 bandwidth=bandwidth, kv=kv)
 
 
+def kv_bytes_per_page(config: models.ModelConfig, page_size: int = 16) -> int:
+    itemsize = np.dtype(config.compute_dtype).itemsize
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * page_size * itemsize
+
+
 def big_rollout(params, config, *, prompts: int = 64, prompt_len: int = 2048, samples: int = 16,
                 new_tokens: int = 64, kv_gib: float = 40.0) -> dict:
     """``prompts`` prompts of ``prompt_len`` tokens x ``samples`` samples of ``new_tokens`` tokens at once, on
     a pool of ``kv_gib`` GiB (a dense cache would need every sequence's ``max_len`` tokens)."""
-    probe = init_pages(config.num_layers, config.num_kv_heads, config.head_dim, 2, 16,
-                       jax.numpy.dtype(config.compute_dtype))
-    num_pages = int(kv_gib * 2**30 // probe.nbytes_per_page)
-    engine_config = EngineConfig(num_slots=prompts * samples, max_len=_round_up(prompt_len + new_tokens, 16),
-                                 decode_chunk=16, prefill_buckets=(512,), eos_token_ids=(),
-                                 num_pages=num_pages)
+    per_page = kv_bytes_per_page(config)
+    engine_config = EngineConfig(num_slots=prompts * samples, max_len=page_rounded(prompt_len + new_tokens),
+                                 decode_chunk=16, eos_token_ids=(), num_pages=int(kv_gib * 2**30 // per_page))
     core = EngineCore(params, config, engine_config)
     rng = np.random.default_rng(2)
     start = time.perf_counter()
@@ -430,7 +397,7 @@ def big_rollout(params, config, *, prompts: int = 64, prompt_len: int = 2048, sa
     while core.num_active:
         peak = max(peak, core.kv_bytes_held)
         core.step()
-    dense = prompts * samples * engine_config.max_len * probe.nbytes_per_page / 16
+    dense = prompts * samples * engine_config.max_len * per_page / 16
     return dict(seconds=time.perf_counter() - start, peak_kv=peak, dense_kv=dense)
 
 
@@ -440,11 +407,12 @@ def scale(args, report) -> None:
     dtype = "bfloat16" if gpu else "float32"
     ratio_shape = "1.7b" if gpu else "tiny"
     config, params = _model(ratio_shape, dtype)
-    short = _DecodeRun(params, config, slots=64, prompt_len=640, max_len=640 + 64)
+    short = _DecodeRun(params, config, slots=64, prompt_len=640, max_len=640 + 80)  # the 72 tokens it decodes
     long = _DecodeRun(params, config, slots=64, prompt_len=640, max_len=8192)
     decode_steps([short, long])
-    report("long_cache_step_ratio", f"step ms, {ratio_shape}, 64 x 640 tok, max_len 8192 vs 704",
-           long.step_s * 1e3, short.step_s * 1e3, long.step_s / short.step_s, "<= 1.3", "")
+    report("long_cache_step_ratio", f"step ms, {ratio_shape}, 64 x 640 tok, max_len 8192 vs 720",
+           long.wall_step_s * 1e3, short.wall_step_s * 1e3, long.wall_step_s / short.wall_step_s, "<= 1.3",
+           "")
     kv = long.kv()
     report("kv_bytes_ratio", "KV MiB held vs tokens x per-token KV", kv["kv_bytes"] / 2**20,
            kv["token_bytes"] / 2**20, kv["kv_bytes"] / kv["token_bytes"], "<= 1.25",
@@ -493,6 +461,182 @@ def scale(args, report) -> None:
                f"{big['seconds']:.0f} s, 1.7B, no OOM")
 
 
+# ---- --startup: ready in seconds
+
+
+def programs_worker() -> None:
+    """Count the programs a 64-slot engine compiles, from its construction through a mixed workload."""
+    from jax._src import monitoring
+
+    config = dataclasses.replace(models.preset("tiny"), eos_token_ids=())
+    params = init_params(config, jax.random.key(0))
+    jax.block_until_ready(params)
+    compiled = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiled.append(kw.get("fun_name"))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, config.vocab_size, 300).tolist()
+    plans = []
+    for i, length in enumerate(np.geomspace(20, 3000, 24).astype(int)):
+        prompt = (system if i % 3 == 0 else []) + rng.integers(0, config.vocab_size, length).tolist()
+        plans.append((prompt[:3000], 4 if i % 4 == 0 else 1, [int(t) for t in rng.integers(1, 40, 2)]))
+
+    async def rollout(session, turns):
+        for turn, length in enumerate(turns):
+            await session.generate(stop=[[7, 7]], max_new_tokens=length)
+            session.append(rng.integers(0, config.vocab_size, 3 + 20 * turn).tolist())
+        await session.generate(max_new_tokens=16)
+        session.close()
+
+    async def group(engine, prompt, n, turns):
+        sessions = await engine.open(prompt, n, sampling=SamplingParams(temperature=1.0), max_tokens=256)
+        await asyncio.gather(*(rollout(s, turns) for s in sessions))
+
+    async def run():
+        engine = Engine(params, config, EngineConfig(num_slots=64, max_len=4096))
+        async with engine:
+            await asyncio.gather(*(group(engine, *plan) for plan in plans))
+        return engine.core
+
+    start = time.perf_counter()
+    core = asyncio.run(run())
+    print(json.dumps({"programs_compiled": len(compiled), "programs": compiled, "steps": core.stats["steps"],
+                      "seconds": time.perf_counter() - start}))
+
+
+def _random_policy_folder(path: pathlib.Path) -> None:
+    """Random Qwen3-0.6B weights (float32) with the bundled Qwen3 tokenizer, as an HF folder."""
+    from transformers import AutoTokenizer
+
+    config = models.preset("qwen3-0.6b")
+    params = init_params(config, jax.random.key(0))
+    models.save_pretrained(params, config, path, tokenizer=AutoTokenizer.from_pretrained(
+        models.QWEN3_TOKENIZER_DIR))
+
+
+def serve_until_healthy(model_dir: pathlib.Path, cache_dir: pathlib.Path, port: int,
+                        timeout: float = 1800.0) -> float:
+    """Seconds from starting ``experiments.serve`` (64 slots, max_len 8192, a 4 GiB KV pool) to ``/health``
+    answering 200, with JAX's persistent compilation cache in ``cache_dir``."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir)}
+    command = [sys.executable, "-m", "experiments.serve", f"--model={model_dir}", "--num_slots=64",
+               "--max_len=8192", "--kv_pool_gib=4", f"--port={port}"]
+    start = time.perf_counter()
+    server = subprocess.Popen(command, env=env, cwd=pathlib.Path(__file__).parents[1],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while time.perf_counter() - start < timeout:
+            if server.poll() is not None:
+                raise RuntimeError(f"experiments.serve exited with {server.returncode}: "
+                                   f"{server.stderr.read()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"experiments.serve was not healthy after {timeout:.0f} s")
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def _tunix_prompt_strings(tokenizer, batch: int) -> list[str]:
+    """Texts that tokenize to exactly ``TUNIX_PROMPT`` tokens (and back)."""
+    rng = np.random.default_rng(0)
+    texts = []
+    while len(texts) < batch:
+        text = tokenizer.decode(rng.integers(1000, 100_000, TUNIX_PROMPT).tolist())
+        if len(tokenizer.encode(text)) == TUNIX_PROMPT:
+            texts.append(text)
+    return texts
+
+
+def tunix_worker(batch: int) -> None:
+    """google-tunix's Sampler on the comparison shape: first and second call of 128 greedy tokens."""
+    from flax import nnx
+    from transformers import AutoTokenizer
+    from tunix.generate import sampler as sampler_lib
+    from tunix.models.qwen3 import model as qwen3
+
+    shape = SHAPES["tunix"]
+    tokenizer = AutoTokenizer.from_pretrained(models.QWEN3_TOKENIZER_DIR)
+    config = qwen3.ModelConfig(num_layers=shape.num_layers, vocab_size=shape.vocab_size,
+                               embed_dim=shape.hidden_size, hidden_dim=shape.intermediate_size,
+                               num_heads=shape.num_heads, head_dim=shape.head_dim,
+                               num_kv_heads=shape.num_kv_heads, rope_theta=int(shape.rope_theta),
+                               norm_eps=shape.rms_norm_eps, use_tied_embedding=shape.tie_word_embeddings)
+    model = qwen3.Qwen3(config, rngs=nnx.Rngs(0))
+    cache = sampler_lib.CacheConfig(cache_size=TUNIX_PROMPT + TUNIX_NEW + 32, num_layers=shape.num_layers,
+                                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
+    sampler = sampler_lib.Sampler(model, tokenizer, cache)
+    prompts = _tunix_prompt_strings(tokenizer, batch)
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        out = sampler(prompts, max_generation_steps=TUNIX_NEW, max_prompt_length=TUNIX_PROMPT,
+                      temperature=0.0, eos_tokens=[-1])
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"first_s": times[0], "second_s": times[1], "tokens": len(out.tokens[0])}))
+
+
+def ours_worker(batch: int) -> None:
+    """:func:`generate` on the comparison shape, as :func:`tunix_worker` does it."""
+    from transformers import AutoTokenizer
+
+    config = _config("tunix")
+    params = init_params(config, jax.random.key(0))
+    jax.block_until_ready(params)
+    tokenizer = AutoTokenizer.from_pretrained(models.QWEN3_TOKENIZER_DIR)
+    prompts = [tokenizer.encode(text) for text in _tunix_prompt_strings(tokenizer, batch)]
+    engine_config = EngineConfig(num_slots=batch, max_len=page_rounded(TUNIX_PROMPT + TUNIX_NEW),
+                                 eos_token_ids=())
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        out = generate(params, config, prompts, max_new_tokens=TUNIX_NEW, engine_config=engine_config)
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"first_s": times[0], "second_s": times[1], "tokens": len(out[0].tokens)}))
+
+
+def startup(args, report) -> None:
+    """The ``--startup`` measurements (see the module docstring)."""
+    programs = _worker("startup_worker", "programs")
+    report("programs_compiled", "programs compiled, 64 slots, mixed workload", programs["programs_compiled"],
+           8, programs["programs_compiled"], "<= 8", f"{programs['steps']} steps")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, cache = pathlib.Path(tmp) / "qwen3-0.6b-random", pathlib.Path(tmp) / "jax-cache"
+        _random_policy_folder(folder)
+        cold = serve_until_healthy(folder, cache, args.port)
+        report("warmup_s_qwen3_0p6b", "experiments.serve to healthy, 0.6B, empty cache (s)", cold, 180,
+               cold, "<= 180", "64 slots, max_len 8192, 4 GiB KV pool")
+        warm = serve_until_healthy(folder, cache, args.port)
+        cache_mib = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20
+        report("warmup_s_qwen3_0p6b_cached", "the same with the first start's cache (s)", warm, 20, warm,
+               "<= 20", f"{cache_mib:.0f} MiB cache")
+        shutil.rmtree(folder)
+    if not args.tunix_path:
+        print("tunix comparison left out: pass --tunix_path (see the module docstring)", flush=True)
+        return
+    tunix_env = {"PYTHONPATH": os.pathsep.join([args.tunix_path, os.environ.get("PYTHONPATH", "")])}
+    compile_s = {}
+    for batch in (1, 16):
+        runs = {"ours": [], "tunix": []}
+        for _ in range(args.repeats):  # taking turns, so load changes on a shared machine hit both alike
+            runs["ours"].append(_worker("startup_worker", "ours", batch))
+            runs["tunix"].append(_worker("startup_worker", "tunix", batch, env=tunix_env))
+        rate = {side: batch * TUNIX_NEW / min(r["second_s"] for r in rs) for side, rs in runs.items()}
+        report(f"tunix_decode_ratio_b{batch}", f"decode tok/s vs tunix, batch {batch}, 2 layers, 152k vocab",
+               rate["ours"], rate["tunix"], rate["ours"] / rate["tunix"], ">= 1.5",
+               f"best second call of {args.repeats}")
+        compile_s[batch] = {side: min(r["first_s"] - r["second_s"] for r in rs) for side, rs in runs.items()}
+    ours_compile, theirs_compile = compile_s[1]["ours"], compile_s[1]["tunix"]
+    report("tunix_compile_ratio", "first call's extra seconds vs tunix, batch 1", ours_compile,
+           theirs_compile, ours_compile / theirs_compile, "<= 1", "first call - second call")
+
+
 _BATCH = flags.DEFINE_integer("batch", 32, "sequences decoded at once")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "new tokens per sequence (small)")
 _NEW_TOKENS_06B = flags.DEFINE_integer("new_tokens_06b", 256, "new tokens per sequence (0.6B)")
@@ -504,15 +648,24 @@ _GPU_BATCHES = flags.DEFINE_list("gpu_batches", ["1", "64", "256"], "with --gpu:
 _BIG_ROLLOUT = flags.DEFINE_bool(
     "big_rollout", False, "with --scale --gpu: 64 prompts x 2048 tokens x 16 samples on one GPU"
 )
+_STARTUP = flags.DEFINE_bool("startup", False, "measure compilation and start-up (issue 31)")
+_TUNIX_PATH = flags.DEFINE_string("tunix_path", None, "with --startup: a folder holding google-tunix 0.1.7")
+_PORT = flags.DEFINE_integer("port", 8765, "with --startup: the port experiments.serve listens on")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "with --startup: fresh processes per side of the tunix runs")
 _TORCH_WORKER = flags.DEFINE_list("torch_worker", None, "internal: SHAPE,PATH,BATCH,NEW of one PyTorch run")
+_STARTUP_WORKER = flags.DEFINE_list("startup_worker", None, "internal: programs | ours,BATCH | tunix,BATCH")
 
 
 def main(argv) -> None:
     del argv
-    args = flags.FLAGS  # the flags by name (scale() reads the --gpu ones)
+    args = flags.FLAGS  # the flags by name (scale() and startup() read them)
     if _TORCH_WORKER.value:
         shape, path, batch, new = _TORCH_WORKER.value
         torch_worker(shape, path, int(batch), int(new))
+        return
+    if _STARTUP_WORKER.value:
+        kind, *rest = _STARTUP_WORKER.value
+        {"programs": programs_worker, "ours": ours_worker, "tunix": tunix_worker}[kind](*map(int, rest))
         return
 
     rows, figures = [], {}
@@ -522,19 +675,25 @@ def main(argv) -> None:
     def report(key, name, ours, base, ratio, goal, note):
         """Record one measurement and print it at once (the whole run takes minutes)."""
         figures[key] = ratio
-        rows.append(f"{name:<44}{ours:>12.2f}{base:>12.2f}{ratio:>9.2f}  {goal:<9}{note}")
+        rows.append(f"{name:<52}{ours:>12.2f}{base:>12.2f}{ratio:>9.2f}  {goal:<9}{note}")
         print(rows[-1], flush=True)
 
-    report.figures = figures
-    if args.scale:
-        scale(args, report)
-        print(f"\n{'measurement':<44}{'ours':>12}{'baseline':>12}{'ratio':>9}  {'goal':<9}note")
+    def finish(note: str) -> None:
+        print(f"\n{'measurement':<52}{'ours':>12}{'baseline':>12}{'ratio':>9}  {'goal':<9}note")
         print("\n".join(rows))
-        if jax.default_backend() == "cpu":
-            print("(on CPU, step times and tokens/s are per process CPU second: the machine is shared)")
+        print(note)
         print(f"whole benchmark: {time.perf_counter() - bench_start:.0f} s on "
               f"{jax.devices()[0].device_kind}; load average at end: {os.getloadavg()[0]:.2f}")
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+
+    report.figures = figures
+    if args.startup:
+        startup(args, report)
+        finish("(baselines: the goals; google-tunix 0.1.7's Sampler in a fresh process of its own)")
+        return
+    if args.scale:
+        scale(args, report)
+        finish("(wall times; the machine is shared)")
         return
     small = decode_throughput("small", args.batch, args.new_tokens)
     report("decode_speedup_small", f"decode tok/s, small, batch {args.batch} x {args.new_tokens}",
@@ -555,13 +714,9 @@ def main(argv) -> None:
         floor_s = param_bytes / copy_bandwidth()
         report("batch1_step_over_floor", "batch-1 decode step, 0.6B, ms", step_s * 1e3, floor_s * 1e3,
                step_s / floor_s, "<= 1.5x", f"{param_bytes / 2**30:.2f} GiB params")
+    finish("(baselines: transformers generate on PyTorch CPU; memory-bandwidth floor; turn-synchronous "
+           "batch)")
 
-    print(f"\n{'measurement':<44}{'ours':>12}{'baseline':>12}{'ratio':>9}  {'goal':<9}note")
-    print("\n".join(rows))
-    print("(baselines: transformers generate on PyTorch CPU; memory-bandwidth floor; turn-synchronous batch)")
-    print(f"whole benchmark: {time.perf_counter() - bench_start:.0f} s; "
-          f"load average at end: {os.getloadavg()[0]:.2f}")
-    print(json.dumps({k: round(v, 3) for k, v in figures.items()}))
 
 if __name__ == "__main__":
     app.run(main)

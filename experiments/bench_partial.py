@@ -33,7 +33,7 @@ from absl import app, flags
 from rstar2jax.agent import PartialRollout, RolloutConfig, render_prompt_ids, rollout_async
 from rstar2jax.agent.testing import ok_result, tiny_policy
 from rstar2jax.data.synthetic import make_task
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
 from rstar2jax.reward import AnswerVerifier
 
 
@@ -85,7 +85,7 @@ def main(argv):
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         policy = tiny_policy(problems, tokenizer_dir, seed=FLAGS.seed)
     longest_prompt = max(len(render_prompt_ids(policy.tokenizer, p.problem)) for p in problems)
-    max_len = -(-(longest_prompt + FLAGS.max_response_length) // 16) * 16
+    max_len = page_rounded(longest_prompt + FLAGS.max_response_length)
     engine_config = EngineConfig(num_slots=FLAGS.slots, max_len=max_len)
     base = RolloutConfig(max_response_length=FLAGS.max_response_length, seed=FLAGS.seed,
                          sampling=SamplingParams(temperature=0.0))

@@ -43,7 +43,7 @@ def main(argv):
     del argv
     from rstar2jax.agent.rollout import RolloutConfig
     from rstar2jax.agent.sandbox_client import SandboxClient
-    from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+    from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
     from rstar2jax.serve.chat import ChatSession, TerminalObserver
 
     if not _TOP_P.value > 0:
@@ -64,7 +64,7 @@ def main(argv):
         policy.model_config,
         EngineConfig(
             num_slots=1,
-            max_len=-(-_MAX_LEN.value // EngineConfig.page_size) * EngineConfig.page_size,
+            max_len=page_rounded(_MAX_LEN.value),
             eos_token_ids=policy.eos_token_ids,
             seed=_SEED.value or 0,
         ),

@@ -33,8 +33,12 @@ _NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by si
 _MAX_LEN = flags.DEFINE_integer(
     "max_len", 2048, "Context length (prompt + completion) per sequence.", lower_bound=2
 )
-_SEGMENT = flags.DEFINE_integer(
-    "segment_tokens", 32, "Tokens decoded between the server's looks.", lower_bound=1
+_KV_POOL = flags.DEFINE_float(
+    "kv_pool_gib", None, "GiB of KV cache pages (what bounds memory); default: every slot at --max_len.",
+    lower_bound=0,
+)
+_PREFIX_CACHE = flags.DEFINE_bool(
+    "prefix_cache", True, "Reuse the keys/values of prompt prefixes already in the pool (earlier turns)."
 )
 _policy_flags.define_format_flags(problem_prompt=False)
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id clients use (default: the folder name).")
@@ -54,7 +58,8 @@ def main(argv):
     config = ServerConfig(
         num_slots=_NUM_SLOTS.value,
         max_len=_MAX_LEN.value,
-        segment_tokens=_SEGMENT.value,
+        kv_pool_gib=_KV_POOL.value,
+        prefix_cache=_PREFIX_CACHE.value,
         assistant_opener=flags.FLAGS.assistant_opener,
         system_prompt=flags.FLAGS.system_prompt,
         model_name=_NAME.value,

@@ -110,17 +110,13 @@ def build_tiny_policy(
     texts = [render_chat(bootstrap, messages, tools=tools) for messages, tools in chats]
     texts.append(render_prompt_text(bootstrap, ARITHMETIC, prompt))
     tokenizer = train_tiny_tokenizer(texts * 4, 700, out)
-    config = models.ModelConfig(
-        model_type="qwen3",
+    config = models.preset(
+        "tiny",
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
         head_dim=hidden_size // 4,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
         eos_token_ids=(tokenizer.eos_token_id,),
     )
     rows = []

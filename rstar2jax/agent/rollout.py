@@ -65,6 +65,7 @@ from rstar2jax.data.conversation import (
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, Trajectory, answer_tag_counts
+from rstar2jax.engine.config import page_rounded
 from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
 from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
@@ -729,8 +730,7 @@ class PolicyRollout:
                  max_response_length: int, max_turns: int, seed: int, policy_version: int = 0,
                  token_budget: int | None = None, resume: Sequence[PartialRollout] = ()
                  ) -> list[Trajectory] | tuple[list[Trajectory], list[PartialRollout]]:
-        page = self.engine_config.page_size  # max_len must be whole pages
-        max_len = -(-(self.max_prompt_length + max_response_length) // page) * page
+        max_len = page_rounded(self.max_prompt_length + max_response_length, self.engine_config.page_size)
         engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
         config = dataclasses.replace(self.config, max_response_length=max_response_length,
                                      max_turns=max_turns, seed=seed)

@@ -1,18 +1,19 @@
-"""Generation engine: one state pytree, jitted append/decode/release/fork, async host scheduler.
+"""Generation engine: one state pytree, one compiled step program per token bucket, a pipelined host loop,
+and the asyncio API on top.
 
-Device level (pure, jitted, donate the state): :func:`admit`, :func:`append`, :func:`resume`, :func:`decode`,
-:func:`fork`, :func:`release`, :func:`set_pages`, :func:`attach` on an :class:`EngineState`, whose KV is a
-pool of pages (:mod:`~rstar2jax.engine.paged_attention`) that the host allocates (:class:`PageAllocator`).
-Host level: :class:`EngineCore` (synchronous),
-:class:`Engine` / :class:`Session` (asyncio, for agent rollouts) and :func:`generate` (one blocking call).
+Device level: :func:`rstar2jax.engine.step.step` on an :class:`EngineState` (a pool of KV pages stacked over
+layers, :mod:`~rstar2jax.engine.paged_attention`, that the host allocates: :class:`PageAllocator`). Host
+level: :class:`EngineCore` (synchronous, one step in flight), :class:`Engine` / :class:`Session` (asyncio, for
+agent rollouts and the server; :meth:`Session.stream` yields tokens as they are sampled) and :func:`generate`
+(one blocking call).
 """
 
+from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
 from rstar2jax.engine.generate import Generation, generate
-from rstar2jax.engine.ops import admit, append, attach, decode, fork, read_slots, release, resume, set_pages
 from rstar2jax.engine.paged_attention import PagedCacheView, PagedKV, paged_attention_reference
 from rstar2jax.engine.pages import PageAllocator
 from rstar2jax.engine.sampling import first_argmax, sample_tokens, truncation_mask
-from rstar2jax.engine.scheduler import Engine, EngineConfig, EngineCore, SamplingParams, Segment, Session
+from rstar2jax.engine.scheduler import Chunk, Engine, EngineCore, Segment, Session
 from rstar2jax.engine.state import (
     BUDGET,
     DONE,
@@ -29,6 +30,7 @@ from rstar2jax.engine.state import (
     EngineState,
     init_state,
 )
+from rstar2jax.engine.step import StepBuilder, StepLayout
 
 __all__ = [
     "BUDGET",
@@ -43,6 +45,7 @@ __all__ = [
     "PAUSED",
     "RUNNING",
     "STOP",
+    "Chunk",
     "Engine",
     "EngineConfig",
     "EngineCore",
@@ -54,19 +57,13 @@ __all__ = [
     "SamplingParams",
     "Segment",
     "Session",
-    "admit",
-    "append",
-    "attach",
-    "decode",
+    "StepBuilder",
+    "StepLayout",
     "first_argmax",
-    "fork",
     "generate",
     "init_state",
+    "page_rounded",
     "paged_attention_reference",
-    "read_slots",
-    "release",
-    "resume",
     "sample_tokens",
-    "set_pages",
     "truncation_mask",
 ]

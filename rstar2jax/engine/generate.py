@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from rstar2jax.engine.scheduler import EngineConfig, EngineCore, SamplingParams
+from rstar2jax.engine.config import EngineConfig, SamplingParams
+from rstar2jax.engine.scheduler import EngineCore
 from rstar2jax.models import ModelConfig
 
 _MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across calls of similar sizes
@@ -62,15 +62,17 @@ def generate(
 
     waiting = collections.deque(enumerate(prompts))
     owner, results = {}, [None] * len(prompts)
+    request = lambda i, prompt: (prompt, 1, sampling, max_new_tokens, (seed, i))
     while waiting or core.num_active:
-        heads = [waiting[k] for k in range(min(core.num_free_slots, len(waiting)))]
-        fits = core.admissible([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in heads])
-        requests = [waiting.popleft() for _ in range(fits)]
-        groups = core.admit([(prompt, 1, sampling, max_new_tokens, (seed, i)) for i, prompt in requests])
-        for (i, _), (record,) in zip(requests, groups, strict=True):
-            owner[id(record)] = i
+        while waiting and core.admissible([request(*waiting[0])]):
+            ((record,),) = core.admit([request(*waiting[0])])
+            owner[id(record)] = waiting.popleft()[0]
             core.start(record, stop)
-        for record, segment in core.step():
-            results[owner.pop(id(record))] = Generation(*dataclasses.astuple(segment))
-            core.close(record)
+        for record, chunk in core.step():
+            record.receive(chunk)
+            if chunk.finish_reason is not None:
+                results[owner.pop(id(record))] = Generation(
+                    record.response_ids, record.logprobs, chunk.finish_reason, record.entropies,
+                    record.policy_versions)
+                core.close(record)
     return results

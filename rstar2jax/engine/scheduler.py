@@ -1,151 +1,75 @@
-"""Host side of the engine: slot bookkeeping (:class:`EngineCore`) and the asyncio API (:class:`Engine`).
+"""Host side of the engine: :class:`EngineCore` (synchronous, pipelined) and the asyncio API (:class:`Engine`,
+:class:`Session`).
 
-:class:`EngineCore` owns the :class:`EngineState` and turns host requests into batched calls of the jitted
-functions in :mod:`rstar2jax.engine.ops`, padding every shape to a few buckets. Only small per-slot arrays
-(status, length, finish reason) come back after each decode chunk, plus the token rows of slots whose segment
-just ended.
+:class:`EngineCore` owns the :class:`~rstar2jax.engine.EngineState` and drives the device one
+:func:`~rstar2jax.engine.step.step` at a time, keeping one step in flight: it dispatches step k+1 (JAX's
+asynchronous dispatch returns at once) before it reads step k's outputs, so the device never waits for the
+host to look at tokens. Every step carries the decode token of each running session, prefill chunks of new
+prompts and appended tool outputs (up to the largest token bucket, first come first served: a long prompt is
+prefilled over several steps beside the running decodes) and the update data (admissions, segment starts,
+releases, forks, page-table entries). Pages are given a step ahead (they were promised at admission), so a
+session never waits for one. What comes back per step is compact (per decode row and iteration: token,
+log-prob, entropy, why its segment ended) and streams to the sessions as it arrives; a session the host stops
+(a stop string, a client gone) is released with the next step and its overshoot discarded, so its output is
+what a pause-at-every-token engine would give (sampling keys are ``fold_in(key(seed), position)``: timing
+does not change tokens).
 
-:class:`Engine` runs an :class:`EngineCore` in a background task so that each rollout is plain async code::
+:class:`Engine` runs an :class:`EngineCore` on a thread of its own, so that each rollout is plain async
+code::
 
     async with Engine(params, config, EngineConfig(num_slots=32, max_len=8192)) as engine:
         sessions = await engine.open(prompt_ids, n=16, sampling=SamplingParams(), max_tokens=8000)
         segment = await sessions[0].generate(stop=[tool_call_end_ids])  # other slots keep decoding meanwhile
         sessions[0].append(tool_response_ids)  # inserted (loss mask 0), prefilled by the next generate
-        ...
+        async for chunk in sessions[0].stream():  # tokens as they are sampled
+            ...
         sessions[0].close()
 
-KV lives in a pool of pages (:mod:`rstar2jax.engine.paged_attention`), allocated as sequences grow
-(:class:`~rstar2jax.engine.pages.PageAllocator`). A group of ``n`` sessions is admitted, first come first
-served, once ``n`` slots are free and the pool has the pages the group can ever need that are not promised to
-sessions already running (its prompt's pages, held once for the group, plus each session's response budget):
-so nothing admitted ever waits for a page, and work that does not fit waits in the queue, losing nothing. The
-prompt is prefilled once and forked to the siblings, which share its full pages; whole pages of a prompt
-prefix already in the pool (another group with the same system prompt) are shared instead of prefilled. A
-paused session holds its slot and pages while its coroutine runs the tool call; a finished one (EOS or
-budget) frees them at once.
+A group of ``n`` sessions is admitted, first come first served, once ``n`` slots are free and the pool has
+the pages the group can ever need that are not promised to sessions already admitted (its prompt's pages,
+held once for the group, plus each session's response budget; cached pages count as free): so nothing
+admitted ever waits for a page, and work that does not fit waits in the queue, losing nothing. The prompt is
+prefilled once and forked to the siblings, which share its full pages; whole pages of a prefix already in the
+pool (another group's system prompt, an earlier turn of the same chat) are attached instead of prefilled (the
+prefix cache, :mod:`~rstar2jax.engine.pages`). A paused session holds its slot and pages while its coroutine
+runs the tool call; a finished one (EOS or budget) frees them at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import AsyncIterator, Sequence
 
 import jax
 import numpy as np
 
-from rstar2jax.engine import ops
-from rstar2jax.engine.paged_attention import ATTENTION_IMPLS
-from rstar2jax.engine.pages import PageAllocator, pages_for
+from rstar2jax.engine.config import EngineConfig, SamplingParams, pages_for
+from rstar2jax.engine.pages import PageAllocator
 from rstar2jax.engine.state import (
-    DONE,
     FINISH_REASON_NAMES,
+    FREE,
     NO_POLICY_VERSION,
     NO_TOKEN,
+    PAUSED,
     RUNNING,
     EngineState,
+    engine_model_config,
     init_state,
 )
+from rstar2jax.engine.step import StepBuilder, StepLayout, compile_step
 from rstar2jax.models import ModelConfig, layers_are_unstacked, unstack_layers
 
+__all__ = ["Chunk", "Engine", "EngineConfig", "EngineCore", "SamplingParams", "Segment", "Session"]
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How a session samples: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 disable truncation."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Sizes of an engine (shapes: each distinct value compiles its own programs).
-
-    Attributes:
-      num_slots: sequences decoded side by side.
-      max_len: the longest sequence a slot may hold; a session's prompt + ``max_tokens`` must fit. Sets the
-        width of the page table and token record only: KV memory is ``num_pages``.
-      decode_chunk: decode steps per device call (one on-device loop); the host looks at slot statuses
-        between chunks.
-      return_on_stop: end a decode chunk as soon as some session's segment ends (EOS, a stop sequence such
-        as a tool-call end tag, its budget or segment limit), so its coroutine resumes at once.
-      page_size: tokens per KV page; must divide ``max_len``.
-      num_pages: pages in the pool (page 0, the null page, included); None: enough for every slot at
-        ``max_len`` (``num_slots * max_len // page_size + 1``). Admission counts these.
-      attention: ``"auto"`` (the Pallas GPU kernel on CUDA GPUs, ``jnp`` elsewhere), ``"jnp"``,
-        ``"pallas_gpu"`` or ``"pallas_interpret"`` (the kernel in the Pallas interpreter: tests).
-      attention_block: tokens per block of the ``jnp`` attention (a multiple of ``page_size``).
-      prefix_sharing: share whole pages of a prompt prefix already in the pool instead of prefilling them.
-      poison_freed_pages: fill pages with NaN when they are freed, so that a stale read shows (tests).
-      prefill_buckets: chunk lengths an append is padded to; longer chunks are split into pieces of the
-        largest bucket.
-      max_stops, max_stop_len: how many stop sequences a segment may have, and their longest length.
-      eos_token_ids: tokens that finish a session; None: the model config's.
-      cache_dtype: KV cache dtype; None: the model's compute dtype.
-      seed: mixed into the seed of every session opened without one.
-      unstacked_decode: run from per-layer copies of the weights in the compute dtype, made once when the
-        engine is built (:func:`~rstar2jax.models.unstack_layers`): faster where slicing the layer-stacked
-        weights copies them (XLA:CPU copies every layer of every decode step), at the cost of a second copy
-        of the layer weights for the engine's lifetime. False: the caller's tree is used as it is (cast once
-        to the compute dtype if it differs). None (default): unstack when a cast to the compute dtype is
-        needed anyway (that copy is then the only one) or on CPU; otherwise use the caller's tree. The paged
-        forward runs its layers unrolled, so stacked weights are sliced per layer in every step: for the
-        fastest decode pass weights unstacked once (:func:`~rstar2jax.models.unstack_layers`).
-    """
-
-    num_slots: int = 32
-    max_len: int = 4096
-    decode_chunk: int = 16
-    prefill_buckets: tuple[int, ...] = (32, 128, 512)
-    max_stops: int = 4
-    max_stop_len: int = 8
-    eos_token_ids: tuple[int, ...] | None = None
-    cache_dtype: str | None = None
-    seed: int = 0
-    unstacked_decode: bool | None = None
-    return_on_stop: bool = True
-    page_size: int = 16
-    num_pages: int | None = None
-    attention: str = "auto"
-    attention_block: int = 256
-    prefix_sharing: bool = True
-    poison_freed_pages: bool = False
-
-    def __post_init__(self):
-        for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len", "page_size",
-                     "attention_block"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.max_len % self.page_size:
-            raise ValueError(f"page_size={self.page_size} must divide max_len={self.max_len}")
-        if self.attention_block % self.page_size:
-            raise ValueError(f"attention_block={self.attention_block} must be a multiple of "
-                             f"page_size={self.page_size}")
-        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
-            raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), "
-                             f"got {self.num_pages!r}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
-        if not self.prefill_buckets or any(b <= 0 for b in self.prefill_buckets):
-            raise ValueError(f"prefill_buckets must be positive lengths, got {self.prefill_buckets}")
-        object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
-
-    @property
-    def pool_pages(self) -> int:
-        """Pages in the pool, the null page included."""
-        if self.num_pages is not None:
-            return self.num_pages
-        return self.num_slots * (self.max_len // self.page_size) + 1
+_DEFAULT_CONFIG, _DEFAULT_SAMPLING = EngineConfig(), SamplingParams()
+#: Layer count up to which ``EngineConfig.unstacked_decode=None`` unrolls the layers on CPU (see
+#: ``rstar2jax.engine``: the scan's per-step copies of weight slices cost more than unrolling's compile
+#: time there).
+UNROLL_MAX_LAYERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +89,22 @@ class Segment:
     policy_versions: list[int] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class Chunk:
+    """Tokens of a segment in flight, as they arrive from one device step (:meth:`Session.stream`), with
+    their raw log-probs, entropies and policy version; ``finish_reason`` is set on a segment's last chunk
+    (as :attr:`Segment.finish_reason`)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    entropies: list[float]
+    policy_version: int
+    finish_reason: str | None = None
+
+
 class _Record:
-    """Host mirror of one sequence: what the trainer needs (prompt, response, loss mask, log-probs) and where
-    it lives on the device."""
+    """Host mirror of one sequence: what the trainer needs (prompt, response, loss mask, log-probs). Updated
+    by the consumer of the engine's chunks (the asyncio loop for :class:`Engine`)."""
 
     def __init__(self, prompt_ids: list[int], max_tokens: int):
         self.prompt_ids = prompt_ids
@@ -176,15 +113,15 @@ class _Record:
         self.logprobs: list[float] = []
         self.entropies: list[float] = []
         self.policy_versions: list[int] = []
-        self.pending: list[int] = []  # appended, not yet on the device
+        self.pending: list[int] = []  # appended, not yet sent to the engine
         self.budget_end = len(prompt_ids) + max_tokens
-        self.reserve = 0  # pages the sequence may still take from the pool (promised at admission)
-        self.slot: int | None = None
+        self.slot: int | None = None  # None once closed or finished
         self.finish_reason: str | None = None  # "eos" / "budget" once done
+        self.cached_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
 
     @property
     def length(self) -> int:
-        """Tokens on the device (prompt + response)."""
+        """Tokens of the sequence (prompt + response), appended ones included once sent."""
         return len(self.prompt_ids) + len(self.response_ids)
 
     @property
@@ -203,23 +140,64 @@ class _Record:
         version = NO_POLICY_VERSION if logprobs is None else policy_version
         self.policy_versions += [version] * len(tokens)
 
+    def receive(self, chunk: Chunk) -> None:
+        """Record a chunk of sampled tokens (:meth:`EngineCore.step`'s output); a finished session's slot is
+        gone."""
+        self.add(chunk.tokens, chunk.logprobs, chunk.entropies, chunk.policy_version)
+        if chunk.finish_reason in ("eos", "budget"):
+            self.finish_reason, self.slot = chunk.finish_reason, None
 
-_unstack_layers = jax.jit(unstack_layers, static_argnames=("dtype",))
+
+# Phases of a sequence on the host (what the device may run next).
+_PREFILL, _FORK_WAIT, _READY, _RUNNING, _CLOSED = "prefill", "fork_wait", "ready", "running", "closed"
+
+
+class _Seq:
+    """The core's view of one slot's sequence: its whole token list (prompt, response, appended tokens,
+    the pending last one included), how far its keys/values are dispatched, and its phase."""
+
+    def __init__(self, record: _Record, slot: int, seed: int, sampling: SamplingParams):
+        self.record, self.slot, self.seed, self.sampling = record, slot, seed, sampling
+        self.tokens: list[int] = list(record.prompt_ids)
+        self.kv = 0  # positions below this have their key/value writes dispatched
+        self.phase = _PREFILL
+        # A queued segment: (stop table, max new tokens or None, tokens to append first).
+        self.start: tuple[np.ndarray, int | None, list[int]] | None = None
+        self.stop_table: np.ndarray | None = None
+        self.segment_start = self.segment_end = 0
+        self.reserve = 0  # pages the sequence may still take from the pool (promised at admission)
+        self.siblings: list[_Seq] = []  # a group's source: the sessions forked from it once prefilled
+        self.source: _Seq | None = None  # a sibling: its group's source
+        self.in_flight: collections.deque[int] = collections.deque()  # iterations of dispatched steps
+        self.copy: tuple[int, int] | None = None  # a sibling: (source page, its private copy)
+        self.closing = False  # a source closed before its siblings were forked
+
+    @property
+    def budget_end(self) -> int:
+        return self.record.budget_end
+
+
 _cast = jax.jit(lambda params, dtype: jax.tree.map(lambda p: p.astype(dtype), params),
                 static_argnames=("dtype",))
+_unstack = jax.jit(lambda params: unstack_layers({"layers": params})["layers"])
 
 
 def engine_params(params, config: ModelConfig, unstacked: bool | None = None):
     """The weights an engine decodes from: the caller's tree, cast once to ``config.compute_dtype`` where a
-    leaf differs, and with ``unstacked`` (see ``EngineConfig.unstacked_decode``) split into per-layer
-    buffers."""
+    leaf differs, and with ``unstacked`` (see ``EngineConfig.unstacked_decode``) its layers split into
+    per-layer buffers (layers unrolled) or left stacked (layers scanned). Leaves needing neither are the
+    caller's buffers, not copies."""
     compute = jax.numpy.dtype(config.compute_dtype)
-    needs_cast = any(leaf.dtype != compute for leaf in jax.tree.leaves(params))
     if unstacked is None:
-        unstacked = needs_cast or jax.default_backend() == "cpu"
-    if unstacked and not layers_are_unstacked(params):
-        return _unstack_layers(params, config.compute_dtype)
-    return _cast(params, config.compute_dtype) if needs_cast else params
+        unstacked = jax.default_backend() == "cpu" and config.num_layers <= UNROLL_MAX_LAYERS
+    if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
+        params = jax.device_put(params)  # once, not with every step
+    cast = {name: _cast(value, config.compute_dtype)
+            if any(leaf.dtype != compute for leaf in jax.tree.leaves(value)) else value
+            for name, value in params.items()}
+    if unstacked and not layers_are_unstacked(cast):
+        cast["layers"] = _unstack(cast["layers"])
+    return cast
 
 
 def _slot_seed(entropy: Sequence[int]) -> int:
@@ -227,11 +205,56 @@ def _slot_seed(entropy: Sequence[int]) -> int:
     return int(np.random.SeedSequence([int(e) & 0xFFFFFFFF for e in entropy]).generate_state(1)[0])
 
 
-class EngineCore:
-    """Synchronous engine: owns the device state, maps sequences to slots and pages, and batches device calls.
+def _abstract(tree):
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(abstract, tree)
 
-    Not thread-safe: one caller at a time. :class:`Engine` drives it from a worker thread; :func:`generate`
-    drives it directly.
+
+_PROGRAMS: dict = {}  # (bucket layout, return_on_stop, abstract state and params) -> compiled step
+_PROGRAMS_LOCK = threading.Lock()
+# Compiles programs an engine is likely to need next while it runs (or compiles) the current one.
+_COMPILE_AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rstar2jax-compile")
+
+
+def _program(abstract, layout: StepLayout, return_on_stop: bool):
+    """The compiled step for the shapes ``abstract`` = (state, params): compiled once per process (engines of
+    equal shapes share it, as does JAX's persistent compilation cache across processes)."""
+    key = (layout, return_on_stop, jax.tree.structure(abstract),
+           tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(abstract)))
+    with _PROGRAMS_LOCK:
+        entry = _PROGRAMS.get(key)
+        if entry is None:
+            entry = _PROGRAMS[key] = concurrent.futures.Future()
+            owner = True
+        else:
+            owner = False
+    if owner:
+        try:
+            entry.set_result(compile_step(*abstract, layout, return_on_stop))
+        except BaseException as error:
+            with _PROGRAMS_LOCK:
+                del _PROGRAMS[key]
+            entry.set_exception(error)
+    return entry.result()
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A step in flight: its outputs (device arrays) and which session each decode row belongs to."""
+
+    outputs: tuple
+    rows: list[tuple[int, _Seq]]
+    iterations: int
+
+
+class EngineCore:
+    """Synchronous engine: owns the device state, maps sequences to slots and pages, and runs the pipelined
+    step loop (module docstring).
+
+    Not thread-safe: one caller at a time. :class:`Engine` drives it from a thread of its own;
+    :func:`~rstar2jax.engine.generate` drives it directly. Use: :meth:`admit` groups (when
+    :meth:`admissible`), :meth:`start` their segments, call :meth:`step` while :attr:`num_active` (it returns
+    the chunks of tokens that arrived), :meth:`close` sessions.
 
     ``policy_version`` (an int >= 0, the trainer step whose parameters ``params`` are) tags every token the
     engine samples (``Segment.policy_versions``); inserted tokens get ``NO_POLICY_VERSION`` (-1).
@@ -242,34 +265,29 @@ class EngineCore:
                 policy_version < 0):
             raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
         self.policy_version = int(policy_version)
-        self.params = engine_params(params, config, engine_config.unstacked_decode)
         self.config = config
-        self.engine_config = engine_config
-        cfg = engine_config
-        self.state: EngineState = init_state(
-            config,
-            cfg.num_slots,
-            cfg.max_len,
-            eos_token_ids=cfg.eos_token_ids,
-            max_stops=cfg.max_stops,
-            max_stop_len=cfg.max_stop_len,
-            cache_dtype=cfg.cache_dtype,
-            page_size=cfg.page_size,
-            num_pages=cfg.pool_pages,
-            attention=cfg.attention,
-            block_tokens=cfg.attention_block,
-            poison_freed=cfg.poison_freed_pages,
-        )
-        self.pages = PageAllocator(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.max_len // cfg.page_size)
+        self.engine_config = cfg = engine_config
+        self.params = engine_params(params, engine_model_config(config, cfg), cfg.unstacked_decode)
+        self.state: EngineState = init_state(config, cfg)
+        self.pages = PageAllocator(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.max_pages,
+                                   cache=cfg.prefix_sharing)
+        self._layouts = {t: StepLayout.of(cfg, t) for t in cfg.token_buckets}
+        self._abstract = (_abstract(self.state), _abstract(self.params))
+        self._programs: dict[StepLayout, object] = {}  # this engine's compiled steps, by bucket
         self._reserved = 0  # pages promised to admitted sequences, not yet taken from the pool
-        self._lengths = np.zeros((cfg.num_slots,), np.int64)  # tokens on the device per slot (last read)
-        self._records: dict[int, _Record] = {}  # slot -> record
-        self._copies: list[tuple[int, int]] = []  # (page, copy) for the next set_pages
-        self._freed = np.zeros((cfg.pool_pages,), bool)  # pages freed since the last device release
         self._free = collections.deque(range(cfg.num_slots))
-        self._to_release: list[int] = []
-        self._to_start: list[tuple[_Record, np.ndarray, int]] = []
-        self._active: dict[int, tuple[_Record, int]] = {}  # slot -> (record, segment start)
+        self._seqs: dict[int, _Seq] = {}  # id(record) -> sequence
+        self._updates: dict[int, tuple[_Seq | None, bool]] = {}  # slot -> (sequence or None: FREE, clear)
+        self._entries: list[tuple[int, int, int]] = []  # page-table entries for the next steps
+        self._copies: list[tuple[int, int]] = []
+        self._forks: list[tuple[int, int, int, int]] = []  # (src, dst, column, private page)
+        self._freed: list[int] = []  # pages freed since the last step (poisoned in tests)
+        self._in_flight: collections.deque[_Dispatched] = collections.deque()
+        self._last_prefilled = False  # whether the last step prefilled (the next one decodes a chunk)
+        self._reported: list[tuple[_Record, Chunk]] = []
+        self.stats = collections.Counter()  # steps, prompt_tokens, cached_tokens, sampled_tokens
+
+    # ---- sizes
 
     @property
     def num_free_slots(self) -> int:
@@ -277,85 +295,44 @@ class EngineCore:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages neither held by a sequence nor promised to one."""
+        """Pages neither held by a sequence nor promised to one (cached pages count as free)."""
         return self.pages.num_free - self._reserved
 
     @property
     def num_active(self) -> int:
-        """Sessions with a generation segment in flight (or about to start)."""
-        return len(self._active) + len(self._to_start)
+        """Sequences with work queued or in flight (prefill, a segment), plus steps and chunks not yet
+        read."""
+        busy = sum(bool(s.phase in (_PREFILL, _FORK_WAIT, _RUNNING) or s.start is not None or s.siblings)
+                   for s in self._seqs.values())
+        return busy + len(self._in_flight) + len(self._reported)
 
     @property
     def kv_bytes_held(self) -> int:
         """Bytes of the pages sequences hold now."""
         return self.pages.num_used * self.state.pages.nbytes_per_page
 
-    # ---- shapes
+    def warmup(self, threads: int = 2) -> None:
+        """Compile every bucket's step program ahead of time (in ``threads`` threads; nothing runs), so that
+        serving never compiles."""
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(self._program, reversed(self._layouts.values())))
 
-    def _slot_array(self, slots: Sequence[int], *, bucketed: bool = False) -> np.ndarray:
-        """int32 slot list padded with the out-of-range ``num_slots``: to ``num_slots`` entries (cheap ops:
-        one program each), or with ``bucketed`` to a power of two (prefill: its cost grows with the rows)."""
-        num_slots = self.engine_config.num_slots
-        size = min(1 << max(len(slots) - 1, 0).bit_length(), num_slots) if bucketed else num_slots
-        padded = np.full((size,), num_slots, np.int32)
-        padded[: len(slots)] = slots
-        return padded
+    @property
+    def programs(self) -> int:
+        """Step programs this engine has used (each compiled once per process)."""
+        return len(self._programs)
 
-    def warmup(self) -> None:
-        """Compile every program the engine can run (each prefill bucket and compacted decode for each
-        slot-count bucket), so that serving never compiles. Leaves the state unchanged: every call gets
-        padding slots only."""
-        num_slots = self.engine_config.num_slots
-        nothing = np.full((num_slots,), num_slots, np.int32)
-        size_of = {n: len(self._slot_array(range(n), bucketed=True)) for n in range(1, num_slots + 1)}
-        for size in sorted({size_of[n] for n in size_of if self._compact_decode(n)}):
-            self.state = self._decode(nothing[:size])
-        for size in sorted(set(size_of.values())):
-            for bucket in self.engine_config.prefill_buckets:
-                self.state = ops.append(
-                    self.state,
-                    self.params,
-                    nothing[:size],
-                    np.zeros((size, bucket), np.int32),
-                    np.zeros((size,), np.int32),
-                    sample=False,
-                )
-        zeros = lambda dtype: np.zeros((num_slots,), dtype)
-        self.state = ops.admit(
-            self.state,
-            nothing,
-            zeros(np.uint32),
-            zeros(np.float32),
-            zeros(np.float32),
-            zeros(np.int32),
-            zeros(np.int32),
-        )
-        self.state = ops.fork(self.state, np.int32(0), nothing)
-        self.state = ops.resume(
-            self.state,
-            nothing,
-            np.full((num_slots, *self.state.stop_seqs.shape[1:]), NO_TOKEN, np.int32),
-            zeros(np.int32),
-        )
-        self.state = ops.set_pages(self.state, *self._page_args([]))  # nothing to set: compiles it
-        self.state = ops.attach(self.state, nothing,
-                                np.zeros((num_slots, self.engine_config.max_len), np.int32), zeros(np.int32))
-        self.state = ops.release(self.state, nothing, np.zeros_like(self._freed))
-        self.state = self._decode(None)
-        jax.block_until_ready(ops.read_slots(self.state, nothing))
+    def _program(self, layout: StepLayout):
+        program = self._programs.get(layout)
+        if program is None:
+            program = self._programs[layout] = _program(self._abstract, layout,
+                                                        self.engine_config.return_on_stop)
+        return program
 
-    def _decode(self, slots: np.ndarray | None) -> EngineState:
-        """One decode chunk of every running slot (``slots=None``) or of the compacted ``slots``."""
-        cfg = self.engine_config
-        return ops.decode(self.state, self.params, cfg.decode_chunk, slots, return_on_stop=cfg.return_on_stop)
-
-    def _compact_decode(self, num_running: int) -> bool:
-        """Decode only the running slots (gathered) when they are at most half of all slots: a step costs
-        every row it is given, running or not."""
-        return 2 * num_running <= self.engine_config.num_slots
-
-    def _bucket(self, length: int) -> int:
-        return next(b for b in self.engine_config.prefill_buckets if b >= length)
+    def _compile_ahead(self, layout: StepLayout) -> None:
+        """Compile ``layout``'s program in the background unless this engine has it."""
+        if layout not in self._programs:
+            _COMPILE_AHEAD.submit(_program, self._abstract, layout, self.engine_config.return_on_stop)
 
     def stop_table(self, stop: Sequence[Sequence[int]]) -> np.ndarray:
         """``[max_stops, max_stop_len]`` right-aligned stop table; raises ValueError if it does not fit."""
@@ -412,7 +389,9 @@ class EngineCore:
         arithmetic only)."""
         slots, pages = self.num_free_slots, self.num_free_pages
         for count, (prompt_ids, n, _, max_tokens, _) in enumerate(requests):
-            needed = self.pages_needed(prompt_ids, n, max_tokens, shared=len(self._shared_prefix(prompt_ids)))
+            shared = self._shared_prefix(prompt_ids)
+            needed = self.pages_needed(prompt_ids, n, max_tokens, shared=len(shared))
+            needed += self.pages.num_cached_in(shared)  # attached cached pages stop counting as free
             if n > slots or needed > pages:
                 return count
             slots, pages = slots - n, pages - needed
@@ -421,226 +400,323 @@ class EngineCore:
     def admit(
         self, requests: Sequence[tuple[Sequence[int], int, SamplingParams, int, Sequence[int]]]
     ) -> list[list[_Record]]:
-        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``: prefill
-        each prompt once (but whole pages of a prefix already in the pool) and fork it to its siblings
-        (sibling ``j`` seeded by ``(*seed_entropy, j)``).
+        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``: each
+        prompt is prefilled once by the next steps (but whole pages of a prefix already in the pool) and
+        forked to its siblings (sibling ``j`` seeded by ``(*seed_entropy, j)``), which share its full pages.
 
-        Returns each group's records. Raises ValueError if they do not fit (see :meth:`admissible`).
+        Returns each group's records (paused once prefilled: :meth:`start` them). Raises ValueError if they do
+        not fit (see :meth:`admissible`).
         """
-        if not requests:
-            return []
         for prompt_ids, n, _, max_tokens, _ in requests:
             self.check_request(prompt_ids, n, max_tokens)
         if self.admissible(requests) < len(requests):
             raise ValueError(f"{len(requests)} groups requested; {self.num_free_slots} slots and "
                              f"{self.num_free_pages} pages are free")
         ps = self.engine_config.page_size
-        groups, columns, attached, prefills = [], collections.defaultdict(list), [], []
+        groups = []
         for prompt_ids, n, sampling, max_tokens, entropy in requests:
             prompt_ids = [int(t) for t in prompt_ids]
             shared = self._shared_prefix(prompt_ids)
             self._reserved += self.pages_needed(prompt_ids, n, max_tokens, shared=len(shared))
-            group = []
+            seqs = []
             for j in range(n):
                 record = _Record(prompt_ids, max_tokens)
-                record.slot = self._free.popleft()
-                record.reserve = pages_for(record.budget_end, ps)  # all its pages, shared ones deducted below
-                self._records[record.slot] = record
-                group.append(record)
-                for name, value in (
-                    ("slots", record.slot),
-                    ("seeds", _slot_seed((*entropy, j))),
-                    ("temperature", sampling.temperature),
-                    ("top_p", sampling.top_p),
-                    ("top_k", sampling.top_k),
-                    ("budget_end", record.budget_end),
-                ):
-                    columns[name].append(value)
-            groups.append(group)
-            src = group[0]
+                seq = _Seq(record, self._free.popleft(), _slot_seed((*entropy, j)), sampling)
+                record.slot = seq.slot
+                seq.reserve = pages_for(record.budget_end, ps)  # all its pages, shared ones deducted below
+                self._seqs[id(record)] = seq
+                self._updates[seq.slot] = (seq, True)
+                seqs.append(seq)
+            src = seqs[0]
             if shared:
                 self.pages.attach(src.slot, shared)
+                self._entries += [(src.slot, col, page) for col, page in enumerate(shared)]
                 src.reserve -= len(shared)
-                attached.append((src.slot, prompt_ids, len(shared) * ps + 1))
-                prefills.append((src.slot, prompt_ids[len(shared) * ps + 1 :]))
-            else:
-                prefills.append((src.slot, prompt_ids))
-        slots = self._slot_array(columns.pop("slots"))
-        pad = len(slots) - len(columns["seeds"])
-        dtypes = dict(
-            seeds=np.uint32, temperature=np.float32, top_p=np.float32, top_k=np.int32, budget_end=np.int32
-        )
-        per_slot = {name: np.pad(np.asarray(columns[name], dtypes[name]), (0, pad)) for name in dtypes}
-        # Positional, exactly as in warmup(): jit caches keyword and positional calls apart.
-        self.state = ops.admit(self.state, slots, *per_slot.values())
-        if attached:
-            tokens = np.zeros((self.engine_config.num_slots, self.engine_config.max_len), np.int32)
-            lengths = np.zeros((self.engine_config.num_slots,), np.int32)
-            for row, (slot, prompt_ids, length) in enumerate(attached):
-                tokens[row, :length] = prompt_ids[:length]
-                lengths[row] = length
-                self._lengths[slot] = length
-            self._push_pages()
-            self.state = ops.attach(self.state, self._slot_array([a[0] for a in attached]), tokens, lengths)
-        self._prefill(prefills)  # also gives each source the pages of its whole prompt
-        for group in groups:
-            src = group[0]
-            if self.engine_config.prefix_sharing:
-                self.pages.register(src.slot, src.prompt_ids, len(src.prompt_ids) - 1)
-            if len(group) > 1:
-                dsts = [r.slot for r in group[1:]]
-                self._copies += self.pages.fork(src.slot, dsts, len(src.prompt_ids))
-                self._reserved -= len(dsts)  # each took its copy of the prompt's last page
-                for record in group[1:]:
-                    record.reserve -= int(self.pages.held[record.slot])
-                    self._lengths[record.slot] = len(src.prompt_ids)
-        self._push_pages()
-        for group in groups:
-            if len(group) > 1:
-                self.state = ops.fork(
-                    self.state, np.int32(group[0].slot), self._slot_array([r.slot for r in group[1:]])
-                )
+                src.kv = len(shared) * ps
+                src.record.cached_tokens = src.kv
+            self._grow(src, len(prompt_ids))
+            if n > 1:  # the siblings' pages now; the device copies src's last page once it is prefilled
+                copies = self.pages.fork(src.slot, [s.slot for s in seqs[1:]], len(prompt_ids))
+                self._reserved -= len(copies)  # each took its copy of the prompt's last page
+                for sibling, pair in zip(seqs[1:], copies, strict=True):
+                    sibling.reserve -= int(self.pages.held[sibling.slot])
+                    sibling.phase, sibling.source, sibling.copy = _FORK_WAIT, src, pair
+                src.siblings = seqs[1:]
+            if src.kv >= len(prompt_ids) - 1:
+                src.phase = _READY  # nothing to prefill: all but the pending token came from the cache
+            self.stats["prompt_tokens"] += len(prompt_ids)
+            self.stats["cached_tokens"] += src.kv
+            groups.append([s.record for s in seqs])
         return groups
 
-    def start(
-        self, record: _Record, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
-    ) -> None:
-        """Queue a generation segment for ``record`` (run by the next :meth:`step`)."""
-        if record.slot is None:
+    def start(self, record: _Record, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
+              appended: Sequence[int] = ()) -> None:
+        """Queue a generation segment for ``record`` (run by the next :meth:`step`), after inserting the
+        ``appended`` tokens (a tool response: prefilled first)."""
+        seq = self._seqs.get(id(record))
+        if seq is None or seq.phase == _CLOSED:
             raise ValueError("the session is closed or finished")
+        if seq.start is not None or seq.phase == _RUNNING:
+            raise RuntimeError("the session already has a segment in flight")
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        # The device clips the segment to the budget, so "no limit" is the whole budget.
-        limit = record.budget_end if max_new_tokens is None else max_new_tokens
-        self._to_start.append((record, self.stop_table(stop), limit))
+        if len(seq.tokens) + len(appended) > record.budget_end:
+            raise ValueError(f"{len(appended)} tokens appended but only "
+                             f"{record.budget_end - len(seq.tokens)} remain in the budget")
+        seq.start = (self.stop_table(stop), max_new_tokens, [int(t) for t in appended])
+        self._prepare_start(seq)
+
+    def _prepare_start(self, seq: _Seq) -> None:
+        """Insert a queued segment's appended tokens once ``seq`` may take them (not before its group is
+        forked: the siblings copy its prompt's last page); a session with no budget left is done at once."""
+        table, limit, appended = seq.start
+        if seq.siblings or seq.phase == _FORK_WAIT:
+            return
+        if appended:
+            seq.tokens += appended
+            seq.start = (table, limit, [])
+            if seq.phase == _READY:
+                seq.phase = _PREFILL
+        if len(seq.tokens) >= seq.budget_end:  # nothing may be sampled
+            self._reported.append((seq.record, Chunk([], [], [], self.policy_version, "budget")))
+            self._release(seq)
 
     def close(self, record: _Record) -> None:
-        """Free the record's slot and pages (on the device with the next device call)."""
-        if record.slot is not None:
-            slot = record.slot
-            self._freed[self.pages.release(slot)] = True
-            self._reserved -= record.reserve
-            record.reserve = 0
-            del self._records[slot]
-            self._lengths[slot] = 0
-            self._to_release.append(slot)
-            self._free.append(slot)
-            record.slot = None
+        """Free the record's slot and pages (on the device with the next step); its outputs still in flight
+        are discarded. Idempotent. A group's source closed before its siblings were forked goes on
+        prefilling for them, invisibly, and is freed once they are."""
+        record.slot = None
+        seq = self._seqs.get(id(record))
+        if seq is not None:
+            self._release(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        seq.start = None
+        if seq.siblings:
+            seq.closing = True
+            return
+        del self._seqs[id(seq.record)]
+        seq.phase = _CLOSED
+        source = seq.source
+        if source is not None and seq in source.siblings:  # closed before its fork: none will come
+            source.siblings.remove(seq)
+            if source.closing and not source.siblings:
+                self._release(source)
+        if self.engine_config.prefix_sharing:  # its written pages stay findable: a chat's next turn hits
+            self.pages.register(seq.slot, seq.tokens, min(seq.kv, len(seq.tokens) - 1))
+        self._freed += self.pages.release(seq.slot)
+        self._reserved -= seq.reserve
+        seq.reserve = 0
+        self._updates[seq.slot] = (None, True)
+        self._free.append(seq.slot)
 
     # ---- device work
 
-    def _grow(self, slot: int, num_tokens: int) -> None:
-        """Take pages from the pool (promised at admission) for ``num_tokens`` tokens of ``slot``."""
-        record = self._records[slot]
-        taken = len(self.pages.grow(slot, min(num_tokens, record.budget_end)))
-        record.reserve -= taken
-        self._reserved -= taken
-        if record.reserve < 0:
-            raise AssertionError(f"slot {slot} took more pages than promised")
+    def _grow(self, seq: _Seq, num_tokens: int) -> None:
+        """Take pages from the pool (promised at admission) for ``num_tokens`` tokens of ``seq``."""
+        new = self.pages.grow(seq.slot, min(num_tokens, seq.budget_end))
+        self._entries += [(seq.slot, col, page) for col, page in new]
+        seq.reserve -= len(new)
+        self._reserved -= len(new)
+        if seq.reserve < 0:
+            raise AssertionError(f"slot {seq.slot} took more pages than promised")
 
-    def _page_args(self, dirty: Sequence[int]):
-        num_slots = self.engine_config.num_slots
-        rows = np.zeros((num_slots, self.pages.table.shape[1]), np.int32)
-        rows[: len(dirty)] = self.pages.table[list(dirty)]
-        copy_src = np.zeros((num_slots,), np.int32)
-        copy_dst = np.full((num_slots,), self.engine_config.pool_pages, np.int32)
-        copies, self._copies = self._copies[:num_slots], self._copies[num_slots:]
-        for i, (src, dst) in enumerate(copies):
-            copy_src[i], copy_dst[i] = src, dst
-        return self._slot_array(dirty), rows, copy_src, copy_dst
+    def _bucket(self, tokens: int, rows: int, tiles: int) -> StepLayout:
+        for layout in self._layouts.values():
+            if layout.tokens >= tokens and layout.rows >= rows and layout.tiles >= tiles:
+                return layout
+        raise AssertionError(f"no bucket holds {tokens} tokens, {rows} rows, {tiles} tiles")
 
-    def _push_pages(self) -> None:
-        """Send changed page-table rows and page copies to the device."""
-        self._release_closed()
-        while self.pages.dirty or self._copies:
-            self.state = ops.set_pages(self.state, *self._page_args(self.pages.take_dirty()))
+    def _fork_ready(self) -> None:
+        """Fork on the device the siblings of every source whose prompt prefill went out in an earlier step
+        (the page copies run before this step's writes)."""
+        cfg = self.engine_config
+        for src in list(self._seqs.values()):
+            if not src.siblings or src.phase == _PREFILL:
+                continue
+            if len(src.siblings) > min(cfg.num_slots - len(self._copies), cfg.num_slots - len(self._forks)):
+                continue
+            for sibling in src.siblings:
+                (page, copy), col = sibling.copy, int(self.pages.held[sibling.slot]) - 1
+                self._copies.append((page, copy))
+                self._forks.append((src.slot, sibling.slot, col, copy))
+                sibling.tokens, sibling.kv, sibling.phase = list(src.tokens), src.kv, _READY
+                self._updates[sibling.slot] = (sibling, False)
+            src.siblings = []
+            if src.closing:
+                self._release(src)
 
-    def _prefill(self, chunks: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """Append inserted tokens to slots (no sampling), in rounds of at most the largest bucket per slot."""
-        for slot, tokens in chunks:
-            self._grow(slot, int(self._lengths[slot]) + len(tokens))
-        self._push_pages()
-        largest = self.engine_config.prefill_buckets[-1]
-        pieces = [
-            (slot, tokens[i : i + largest]) for slot, tokens in chunks for i in range(0, len(tokens), largest)
-        ]
-        while pieces:
-            round_, seen, rest = [], set(), []
-            for slot, piece in pieces:  # one piece per slot per round, in order
-                (rest if slot in seen else round_).append((slot, piece))
-                seen.add(slot)
-            pieces = rest
-            slots = self._slot_array([slot for slot, _ in round_], bucketed=True)
-            tokens = np.zeros((len(slots), self._bucket(max(len(p) for _, p in round_))), np.int32)
-            lengths = np.zeros((len(slots),), np.int32)
-            for row, (_, piece) in enumerate(round_):
-                tokens[row, : len(piece)] = piece
-                lengths[row] = len(piece)
-            self.state = ops.append(self.state, self.params, slots, tokens, lengths, sample=False)
-        for slot, tokens in chunks:
-            self._lengths[slot] += len(tokens)
+    def _begin(self, seq: _Seq) -> None:
+        """Make a ready sequence with a queued segment RUNNING from this step."""
+        table, limit, _ = seq.start
+        # The device clips the segment to the budget, so "no limit" is the whole budget.
+        end = seq.budget_end if limit is None else min(len(seq.tokens) + limit, seq.budget_end)
+        seq.start, seq.phase = None, _RUNNING
+        seq.stop_table, seq.segment_start, seq.segment_end = table, len(seq.tokens), end
+        self._updates[seq.slot] = (seq, self._updates.get(seq.slot, (None, False))[1])
 
-    def _release_closed(self) -> None:
-        """Free closed slots on the device (before anything reuses them or their pages)."""
-        if self._to_release:
-            self.state = ops.release(self.state, self._slot_array(self._to_release), self._freed)
-            self._to_release = []
-            self._freed = np.zeros_like(self._freed)
+    def _startable(self, seq: _Seq) -> bool:
+        return (seq.phase == _READY and seq.start is not None and not seq.start[2] and not seq.siblings
+                and not seq.closing)
 
-    def _flush(self) -> None:
-        """Apply queued releases, appended chunks and segment starts."""
-        self._release_closed()
-        if not self._to_start:
-            return
-        self._prefill([(r.slot, r.pending) for r, _, _ in self._to_start if r.pending])
-        for record, _, _ in self._to_start:
-            record.add(record.pending, None)
-            record.pending = []
-        slots = self._slot_array([r.slot for r, _, _ in self._to_start])
-        stop_seqs = np.full((len(slots), *self.state.stop_seqs.shape[1:]), NO_TOKEN, np.int32)
-        max_new = np.ones((len(slots),), np.int32)
-        for row, (record, table, limit) in enumerate(self._to_start):
-            stop_seqs[row], max_new[row] = table, limit
-            self._active[record.slot] = (record, record.length)
-        self.state = ops.resume(self.state, slots, stop_seqs, max_new)
-        self._to_start = []
+    def _schedule(self, updates_only: bool = False):
+        """Decide the next step: (bucket, decoding sequences, prefill runs, iterations), or None if there is
+        nothing to send. ``updates_only``: no decode or prefill, just the update data."""
+        cfg = self.engine_config
+        tile = cfg.prefill_tile
+        if updates_only:
+            if not (self._updates or self._entries or self._copies or self._forks):
+                return None
+            return self._layouts[cfg.token_buckets[0]], [], [], 1
+        self._fork_ready()
+        for seq in list(self._seqs.values()):
+            if seq.start is not None and seq.start[2]:
+                self._prepare_start(seq)  # appended tokens waiting for the group's fork
+            if self._startable(seq):
+                self._begin(seq)
+        decoding = [s for s in self._seqs.values() if s.phase == _RUNNING]
+        for seq in decoding:  # pages a step ahead: the step in flight and this one may each fill a chunk
+            self._grow(seq, len(seq.tokens) + sum(seq.in_flight) + cfg.decode_chunk)
+        largest = self._layouts[cfg.max_step_tokens]
+        room = largest.num_entries
+        blocked = {slot for slot, _, _ in self._entries[room:]}  # their pages reach the device later
+        room -= len(self._entries)
+        tokens, rows, tiles, runs = len(decoding), len(decoding), 0, []
+        # Prefill goes into every other step while sessions decode: a prefill step decodes one token per
+        # session, the decode step after it a whole chunk, so arriving work never starves the running.
+        prefill = not (decoding and self._last_prefilled)
+        for seq in self._seqs.values() if prefill else ():
+            if seq.phase != _PREFILL:
+                continue
+            if seq.slot in blocked:
+                break  # first come, first served
+            n = min(len(seq.tokens) - 1 - seq.kv, cfg.max_step_tokens - tokens)  # the last one stays pending
+            singles = n <= tile // 2 and rows + n <= largest.rows
+            if not singles:
+                n = min(n, (largest.tiles - tiles) * tile)
+            new_pages = pages_for(seq.kv + n + 1, cfg.page_size) - int(self.pages.held[seq.slot])
+            if n <= 0 or new_pages > room:
+                break
+            rows, tiles = (rows + n, tiles) if singles else (rows, tiles + -(-n // tile))
+            tokens += n
+            runs.append((seq, seq.kv, seq.tokens[seq.kv : seq.kv + n], singles))
+            seq.kv += n
+            self._grow(seq, seq.kv + 1)
+            room = largest.num_entries - len(self._entries)
+            if cfg.prefix_sharing:
+                self.pages.register(seq.slot, seq.tokens, seq.kv)
+            if seq.kv == len(seq.tokens) - 1:  # prefilled: it may run in this very step
+                seq.phase = _READY
+                if self._startable(seq) and rows < largest.rows and tokens < cfg.max_step_tokens:
+                    self._begin(seq)
+                    decoding.append(seq)
+                    tokens, rows = tokens + 1, rows + 1
+        if not (decoding or runs or self._updates or self._entries or self._copies or self._forks):
+            return None
+        iterations = 1 if runs else cfg.decode_chunk
+        self._last_prefilled = bool(runs)
+        return self._bucket(tokens, rows, tiles), decoding, runs, iterations
 
-    def step(self) -> list[tuple[_Record, Segment]]:
-        """Apply queued work, decode one chunk if a segment is in flight, and return the segments that ended
-        (paused or finished sessions; finished ones have their slot and pages freed)."""
-        self._flush()
-        if not self._active:
-            return []
-        running = list(self._active)
-        for slot in running:  # pages for the whole chunk, so the device loop never lacks one
-            self._grow(slot, int(self._lengths[slot]) + self.engine_config.decode_chunk)
-        self._push_pages()
-        compact = self._slot_array(running, bucketed=True) if self._compact_decode(len(running)) else None
-        self.state = self._decode(compact)
-        state = self.state
-        status, reason, seq_len = jax.device_get((state.status, state.finish_reason, state.seq_len))
-        self._lengths[running] = seq_len[running]
-        ended = [slot for slot in self._active if status[slot] != RUNNING]
-        if not ended:
-            return []
-        tokens, logprobs, entropies = jax.device_get(ops.read_slots(self.state, self._slot_array(ended)))
-        results = []
-        for row, slot in enumerate(ended):
-            record, start = self._active.pop(slot)
-            end = seq_len[slot]
-            segment = Segment(
-                tokens[row, start:end].tolist(),
-                logprobs[row, start:end].tolist(),
-                FINISH_REASON_NAMES[int(reason[slot])],
-                entropies[row, start:end].tolist(),
-                [self.policy_version] * int(end - start),
-            )
-            record.add(segment.tokens, segment.logprobs, segment.entropies, self.policy_version)
-            if status[slot] == DONE:
-                record.finish_reason = segment.finish_reason
-                self.close(record)
-            results.append((record, segment))
-        return results
+    def _build(self, layout: StepLayout, decoding, runs, iterations) -> tuple[StepBuilder, list]:
+        builder = StepBuilder(layout)
+        rows = [(builder.decode(seq.slot), seq) for seq in decoding]
+        for seq, start, tokens, singles in runs:
+            builder.run(seq.slot, start, tokens, singles=singles)
+        builder.decode_iterations(iterations - 1)
+        W = self.engine_config.max_stop_len
+        for slot, (seq, clear) in self._updates.items():
+            if seq is None:
+                builder.update(slot, clear=clear, status=FREE, seq_len=0, last_token=0,
+                               recent=np.full((W,), NO_TOKEN), seed=0, temperature=0.0, top_p=1.0, top_k=0,
+                               budget_end=0, segment_start=0, segment_end=0, stop_seqs=NO_TOKEN)
+                continue
+            recent = np.full((W,), NO_TOKEN, np.int32)
+            tail = seq.tokens[-W:]
+            recent[W - len(tail):] = tail
+            running = seq.phase == _RUNNING
+            builder.update(
+                slot, clear=clear, status=RUNNING if running else PAUSED, seq_len=len(seq.tokens),
+                last_token=seq.tokens[-1], recent=recent, seed=seq.seed,
+                temperature=seq.sampling.temperature, top_p=seq.sampling.top_p, top_k=seq.sampling.top_k,
+                budget_end=min(seq.budget_end, self.engine_config.max_len),
+                segment_start=seq.segment_start if running else len(seq.tokens),
+                segment_end=seq.segment_end if running else 0,
+                stop_seqs=seq.stop_table if running else NO_TOKEN)
+        self._updates = {}
+        room = builder.room("entry")
+        for slot, col, page in self._entries[:room]:
+            builder.entry(slot, col, page)
+        self._entries = self._entries[room:]
+        for fork in self._forks:
+            builder.fork(*fork)
+        self._forks = []
+        for src, dst in self._copies:
+            builder.copy(src, dst)
+        self._copies = []
+        builder.poison(self._freed)
+        self._freed = []
+        return builder, rows
+
+    def step(self, *, updates_only: bool = False) -> list[tuple[_Record, Chunk]]:
+        """Dispatch the next step if there is work (keeping at most one step in flight beside it), then read
+        the oldest step's outputs once a newer one is queued (or nothing more is to come). Returns the chunks
+        of tokens that arrived, per record, in order; a chunk with a ``finish_reason`` ends its segment (a
+        finished session's slot and pages are freed)."""
+        plan = self._schedule(updates_only)
+        if plan is not None:
+            layout, decoding, runs, iterations = plan
+            builder, rows = self._build(layout, decoding, runs, iterations)
+            if runs:  # the decode steps after this prefill: their program may compile meanwhile
+                starting = sum(s.phase == _READY and s.start is not None for s in self._seqs.values())
+                n = min(len(decoding) + starting, self.engine_config.num_slots)
+                self._compile_ahead(self._bucket(n, n, 0))
+            program = self._program(layout)
+            self.state, out_i, out_f = program(self.state, self.params, builder.ints, builder.floats)
+            for _, seq in rows:
+                seq.in_flight.append(iterations)
+            self._in_flight.append(_Dispatched((out_i, out_f), rows, iterations))
+            self.stats["steps"] += 1
+        if self._in_flight and (plan is None or len(self._in_flight) > 1):
+            self._collect(self._in_flight.popleft())
+        reported, self._reported = self._reported, []
+        return reported
+
+    def flush(self) -> list[tuple[_Record, Chunk]]:
+        """Send what is queued (releases, page entries) and read every step in flight, starting nothing new
+        (running sessions stay running for later steps); returns the chunks that arrived."""
+        reported = []
+        while self._in_flight or self._updates or self._entries or self._forks or self._copies:
+            reported += self.step(updates_only=True)
+        return reported
+
+    def _collect(self, done: _Dispatched) -> None:
+        out_i, out_f = jax.device_get(done.outputs)
+        for row, seq in done.rows:
+            seq.in_flight.popleft()
+            if seq.phase != _RUNNING or self._seqs.get(id(seq.record)) is not seq:
+                continue  # closed by the host meanwhile: its overshoot is discarded
+            tokens = out_i[:, row, 0]
+            sampled = np.flatnonzero(tokens >= 0)
+            if not len(sampled):
+                continue
+            new = tokens[sampled].tolist()
+            seq.tokens += new
+            seq.kv = len(seq.tokens) - 1
+            self.stats["sampled_tokens"] += len(new)
+            reasons = out_i[sampled, row, 1]
+            finish = int(reasons[-1])
+            chunk = Chunk(new, out_f[sampled, row, 0].tolist(), out_f[sampled, row, 1].tolist(),
+                          self.policy_version, FINISH_REASON_NAMES.get(finish))
+            self._reported.append((seq.record, chunk))
+            if finish:
+                seq.phase = _READY
+                if chunk.finish_reason in ("eos", "budget"):
+                    self._release(seq)
+                else:  # paused (a tool call, a segment limit): the pages given ahead, never written, go back
+                    freed = self.pages.shrink(seq.slot, len(seq.tokens))
+                    self._freed += freed
+                    seq.reserve += len(freed)
+                    self._reserved += len(freed)
 
 
 class Session:
@@ -651,6 +727,7 @@ class Session:
     ``loss_mask`` is 1 on sampled ones, ``logprobs`` their raw policy log-probs (0.0 on appended ones);
     ``entropies`` the entropy of the distribution each was sampled from (0.0 on appended ones);
     ``policy_versions`` the policy version that sampled each (``NO_POLICY_VERSION``, -1, on appended ones).
+    ``cached_tokens``: prompt tokens whose keys/values came from the prefix cache.
     """
 
     def __init__(self, engine: Engine, record: _Record):
@@ -670,6 +747,8 @@ class Session:
     finish_reason = property(lambda self: self._record.finish_reason, doc='"eos" or "budget" once done')
     done = property(lambda self: self._record.finish_reason is not None)
     remaining = property(lambda self: self._record.remaining, doc="tokens left in the budget")
+    cached_tokens = property(lambda self: self._record.cached_tokens,
+                             doc="prompt tokens whose keys/values came from the prefix cache")
 
     async def generate(
         self, *, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
@@ -677,15 +756,37 @@ class Session:
         """Sample until a stop sequence (token ids; at most ``max_stops`` of at most ``max_stop_len`` tokens),
         ``max_new_tokens``, EOS or the budget. Appended tokens are prefilled first. Other sessions keep
         decoding while this one waits."""
+        tokens, logprobs, entropies, versions = [], [], [], []
+        async for chunk in self.stream(stop=stop, max_new_tokens=max_new_tokens):
+            tokens += chunk.tokens
+            logprobs += chunk.logprobs
+            entropies += chunk.entropies
+            versions += [chunk.policy_version] * len(chunk.tokens)
+        return Segment(tokens, logprobs, chunk.finish_reason, entropies, versions)
+
+    async def stream(
+        self, *, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
+    ) -> AsyncIterator[Chunk]:
+        """:meth:`generate`, yielding the segment's tokens as they arrive (a :class:`Chunk` per device step
+        that sampled some; the last one has the ``finish_reason``). Leaving the loop before the last chunk
+        closes the session (its slot is freed with the next step; what was sampled beyond is dropped)."""
         if self._busy:
             raise RuntimeError("this session already has a generate call in flight")
         if self._record.slot is None:
             raise RuntimeError(f"the session is {'done' if self.done else 'closed'}")
-        self._busy = True
+        queue = self._engine._start(self._record, stop, max_new_tokens)
+        self._busy, finished = True, False
         try:
-            return await self._engine._submit_start(self._record, stop, max_new_tokens)
+            while not finished:
+                chunk = await queue.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                finished = chunk.finish_reason is not None
+                yield chunk
         finally:
             self._busy = False
+            if not finished:
+                self.close()
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Insert tokens (a tool response, turn markers) with loss mask 0; the next :meth:`generate` prefills
@@ -702,49 +803,51 @@ class Session:
         self._record.pending += token_ids
 
     def close(self) -> None:
-        """Free the slot (idempotent). The host record stays readable."""
-        if self._busy:
-            raise RuntimeError("cannot close a session while it generates")
-        self._engine._submit_close(self._record)
+        """Free the slot (idempotent); a segment in flight is stopped with the next device step. The host
+        record stays readable."""
+        self._engine._close(self._record)
 
 
 class Engine:
     """Asyncio front end of an :class:`EngineCore`: use as ``async with Engine(...) as engine``.
 
-    A background task repeatedly (in a worker thread, so the event loop stays free for tool calls) frees
-    closed slots, admits waiting groups that fit, prefills appended chunks, starts segments and decodes one
-    chunk; then it wakes the coroutines whose segments ended.
+    The core runs on a thread of its own (so the event loop stays free for tool calls and HTTP): it admits
+    waiting groups that fit, applies the sessions' segment starts and closes, and runs the pipelined step
+    loop, handing each step's tokens to the sessions' streams on the event loop. ``async with`` may be
+    entered again after it exits: the engine keeps its state and compiled programs.
     """
 
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
+    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = _DEFAULT_CONFIG, *,
                  policy_version: int = 0):
         self._core = EngineCore(params, config, engine_config, policy_version=policy_version)
-        self._waiting: collections.deque = collections.deque()  # (request, future) for open()
-        self._starts: list = []  # (record, stop, max_new_tokens, future)
-        self._closes: list[_Record] = []
-        self._futures: dict[int, asyncio.Future] = {}  # id(record) -> generate future
+        self._commands: collections.deque = collections.deque()  # callables for the engine thread
+        self._wake = threading.Event()
+        self._waiting: collections.deque = collections.deque()  # (request, future): engine thread only
+        self._streams: dict[int, asyncio.Queue] = {}  # id(record) -> chunks of its segment in flight
+        self._opens: set[asyncio.Future] = set()
         self._opened = 0
-        self._task: asyncio.Task | None = None
-        self._wakeup: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
         self._error: BaseException | None = None
-        self._inflight: asyncio.Future | None = None  # the iteration running in the worker thread
+
+    @property
+    def core(self) -> EngineCore:
+        """The synchronous core (read its ``stats`` and ``pages`` between calls; do not drive it)."""
+        return self._core
 
     async def __aenter__(self) -> Engine:
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._run())
+        self._loop = asyncio.get_running_loop()
+        self._stopping, self._error = False, None
+        self._thread = threading.Thread(target=self._run, name="rstar2jax-engine", daemon=True)
+        self._thread.start()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        if self._inflight is not None:
-            await asyncio.wait([self._inflight])
-        for record in self._closes:  # host bookkeeping only: their slots and pages count as free again
-            self._core.close(record)
-        self._closes = []
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
         self._fail_all(RuntimeError("the engine was stopped"))
 
     async def open(
@@ -752,7 +855,7 @@ class Engine:
         prompt_ids: Sequence[int],
         n: int = 1,
         *,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams = _DEFAULT_SAMPLING,
         max_tokens: int,
         seed: int | None = None,
     ) -> list[Session]:
@@ -768,88 +871,102 @@ class Engine:
         """
         self._check_running()
         self._core.check_request(prompt_ids, n, max_tokens)
-        if seed is None:
-            entropy = (self._core.engine_config.seed, 1, self._opened)
-        else:
-            entropy = (seed, 0)
+        entropy = (self._core.engine_config.seed, 1, self._opened) if seed is None else (seed, 0)
         self._opened += 1
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append(((list(prompt_ids), n, sampling, max_tokens, entropy), future))
-        self._wakeup.set()
-        return [Session(self, record) for record in await future]
+        future = self._loop.create_future()
+        self._opens.add(future)
+        request = (list(prompt_ids), n, sampling, max_tokens, entropy)
+        self._submit(lambda: self._waiting.append((request, future)))
+        try:
+            return [Session(self, record) for record in await future]
+        finally:
+            self._opens.discard(future)
 
     def _check_running(self) -> None:
         if self._error is not None:
             raise RuntimeError("the engine failed") from self._error
-        if self._task is None or self._task.done():
+        if self._thread is None or self._stopping:
             raise RuntimeError("the engine is not running: use `async with engine:`")
 
-    def _submit_start(self, record: _Record, stop, max_new_tokens) -> asyncio.Future:
+    def _submit(self, command) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _start(self, record: _Record, stop, max_new_tokens) -> asyncio.Queue:
         self._check_running()
         self._core.stop_table(stop)  # validate now, in the caller's frame
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        future = asyncio.get_running_loop().create_future()
-        self._starts.append((record, stop, max_new_tokens))
-        self._futures[id(record)] = future
-        self._wakeup.set()
-        return future
+        appended, record.pending = record.pending, []
+        record.add(appended, None)
+        queue = self._streams[id(record)] = asyncio.Queue()
 
-    def _submit_close(self, record: _Record) -> None:
-        self._closes.append(record)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        def start():
+            try:
+                self._core.start(record, stop, max_new_tokens, appended)
+            except (ValueError, RuntimeError) as error:  # a race with the engine (it finished the session)
+                self._loop.call_soon_threadsafe(queue.put_nowait, error)
 
-    def _iteration(self, waiting, starts, closes):
-        """One round of device work (runs in a worker thread). Returns (groups admitted, segments ended)."""
+        self._submit(start)
+        return queue
+
+    def _close(self, record: _Record) -> None:
+        if record.slot is None and id(record) not in self._streams:
+            return
+        record.slot = None
+        queue = self._streams.pop(id(record), None)
+        if queue is not None:  # a segment in flight: whoever waits on it learns why it ends
+            queue.put_nowait(RuntimeError("the session was closed"))
+        self._submit(lambda: self._core.close(record))
+
+    def _run(self) -> None:
+        """The engine thread: commands, admissions, steps; results go to the event loop."""
         core = self._core
-        for record in closes:
-            core.close(record)
-        # First come, first served: a group that does not fit (slots or pages) blocks later ones.
-        requests = [request for request, _ in waiting]
-        admitted, fits = [], requests[: core.admissible(requests)]
-        if fits:
-            admitted = core.admit(fits)
-        for record, stop, max_new_tokens in starts:
-            core.start(record, stop, max_new_tokens)
-        return admitted, core.step()
-
-    async def _run(self) -> None:
         try:
             while True:
-                head_fits = self._waiting and self._core.admissible([self._waiting[0][0]]) == 1
-                if not (head_fits or self._starts or self._closes or self._core.num_active):
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                await asyncio.sleep(0)  # let ready coroutines queue their requests: bigger batches per round
-                waiting, starts, closes = list(self._waiting), self._starts, self._closes
-                self._starts, self._closes = [], []
-                # Shielded: stopping the engine must not cancel an iteration before it ran (its closes would
-                # be lost); __aexit__ waits for it instead.
-                self._inflight = asyncio.ensure_future(
-                    asyncio.to_thread(self._iteration, waiting, starts, closes))
-                admitted, ended = await asyncio.shield(self._inflight)
-                for group in admitted:
-                    _, future = self._waiting.popleft()
-                    if not future.cancelled():
-                        future.set_result(group)
-                    else:  # the opener gave up waiting: nobody will close these
-                        self._closes += [record for record in group]
-                for record, segment in ended:
-                    future = self._futures.pop(id(record))
-                    if not future.cancelled():
-                        future.set_result(segment)
-        except asyncio.CancelledError:
-            raise
+                self._wake.clear()
+                while self._commands:
+                    self._commands.popleft()()
+                if self._stopping:  # leave the state consistent for the next `async with`
+                    self._deliver_soon([], core.flush())
+                    return
+                admitted = []
+                while self._waiting and core.admissible([self._waiting[0][0]]):
+                    request, future = self._waiting.popleft()
+                    admitted.append((core.admit([request])[0], future))
+                events = core.step() if core.num_active else []
+                if admitted or events:
+                    self._deliver_soon(admitted, events)
+                if not (core.num_active or self._commands or admitted):
+                    self._wake.wait()
         except BaseException as error:  # a device or host bug: fail every waiter rather than hang them
             self._error = error
-            self._fail_all(error)
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _deliver_soon(self, admitted, events) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, admitted, events)
+
+    def _deliver(self, admitted, events) -> None:
+        """On the event loop: hand admitted groups to their openers and chunks to their sessions."""
+        for group, future in admitted:
+            if future.done():  # the opener gave up waiting: nobody will close these
+                for record in group:
+                    self._close(record)
+            else:
+                future.set_result(group)
+        for record, chunk in events:
+            queue = self._streams.get(id(record))
+            if queue is None:
+                continue  # closed: what it sampled since is dropped
+            record.receive(chunk)
+            if chunk.finish_reason is not None:
+                del self._streams[id(record)]
+            queue.put_nowait(chunk)
 
     def _fail_all(self, error: BaseException) -> None:
-        pending = [f for _, f in self._waiting] + list(self._futures.values())
-        self._waiting.clear()
-        self._futures.clear()
-        for future in pending:
+        for future in list(self._opens):
             if not future.done():
                 future.set_exception(error)
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._streams.clear()

@@ -1,33 +1,34 @@
-"""The engine state: one pytree holding the paged KV pool, every slot's page table, token record, sampling
-settings and stop rules.
+"""The engine state: one pytree holding the paged KV pool, every slot's page table, pending token, sampling
+settings and stop rules. Only small per-slot arrays: the token record lives on the host.
 
 A *slot* holds one sequence. Its life cycle::
 
-    FREE --admit--> PAUSED --resume--> RUNNING --(stop sequence | segment limit)--> PAUSED --resume--> ...
+    FREE --admit--> PAUSED --start--> RUNNING --(stop sequence | segment limit)--> PAUSED --start--> ...
                                           \\--(EOS | token budget)--> DONE --release--> FREE
 
-Invariant of a slot that holds a sequence of ``seq_len`` tokens: ``tokens[:seq_len]`` is the sequence and the
-pages of its page-table row hold the keys/values of its first ``seq_len - 1`` tokens (position ``p`` in page
-``page_table[p // page_size]``). The last token is *pending*: the next decode step feeds it to the model and
-samples the token after it; the next ``append`` prefills it together with the new chunk. So a prompt is
+Invariant of a slot that holds a sequence of ``seq_len`` tokens: ``last_token`` is its token at position
+``seq_len - 1`` and, once its prefill has run, the pages of its page-table row hold the keys/values of its
+first ``seq_len - 1`` tokens (position ``p`` in page ``page_table[p // page_size]``). The last token is
+*pending*: the next decode step feeds it to the model and samples the token after it. So a prompt is
 prefilled once and its siblings, forked from it, sample their first tokens independently.
 
 Pages are owned by the host (:class:`~rstar2jax.engine.pages.PageAllocator`): it allocates them as sequences
-grow and writes page-table rows with :func:`~rstar2jax.engine.ops.set_pages`; the device only reads the table.
-Writes go only to the page holding position ``seq_len - 1`` and later ones, which the host keeps private to
-the slot, so full pages can be shared between sequences (forked siblings, equal prompt prefixes).
+grow and sends page-table entries with each step; the device only reads the table. Writes go only to the page
+holding position ``seq_len - 1`` and later ones, which the host keeps private to the slot, so full pages can
+be shared between sequences (forked siblings, equal prompt prefixes, the prefix cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.engine.paged_attention import PagedKV, init_pages, resolve_attention
+from rstar2jax.engine.config import EngineConfig
+from rstar2jax.engine.paged_attention import PagedKV, pool_shape, resolve_attention
 from rstar2jax.models import ModelConfig
 
 # Slot status codes (``EngineState.status``).
@@ -46,52 +47,49 @@ MAX_EOS_IDS = 8  # width of the EOS table: a fixed shape, so engines with differ
 
 @flax.struct.dataclass
 class EngineState:
-    """Everything the device needs to run ``num_slots`` independent sequences of up to ``max_len`` tokens.
+    """Everything the device keeps for ``num_slots`` sequences of up to ``max_len`` tokens.
 
-    Attributes (S = num_slots, M = max_len, P = pages in the pool):
+    Attributes (S = num_slots, P = pages in the pool, W = max_stop_len):
       pages: the KV page pool (:class:`~rstar2jax.engine.paged_attention.PagedKV`); page 0 is the null page.
-      page_table: int32 ``[S, M // page_size]``: each slot's pages in position order; 0 (null) past its end.
-      tokens: int32 ``[S, M]``: prompt, sampled and inserted tokens in order.
-      logprobs: float32 ``[S, M]``: for a sampled token, its log-probability under the raw policy
-        (``log_softmax(logits)`` at temperature 1, before top-k/top-p truncation); 0 for inserted tokens.
-      entropies: float32 ``[S, M]``: for a sampled token, the entropy of the raw policy's distribution it was
-        drawn at, ``H = -sum_v p_v log p_v`` with ``p = softmax(logits)`` (temperature 1, untruncated, the
-        distribution its log-prob refers to); 0 for inserted tokens.
+      page_table: int32 ``[S, max_len // page_size]``: each slot's pages in position order; 0 (null) past its
+        end.
       seq_len: int32 ``[S]``: tokens in the slot (the last one is pending, see the module docstring).
+      last_token: int32 ``[S]``: the pending token.
+      recent: int32 ``[S, W]``: the slot's last W tokens (right-aligned, ``NO_TOKEN`` before its start), what
+        stop sequences are matched against.
       status: int32 ``[S]``: FREE / RUNNING / PAUSED / DONE.
       finish_reason: int32 ``[S]``: why the slot last left RUNNING (STOP / EOS / BUDGET / LENGTH).
       temperature, top_p: float32 ``[S]``; top_k: int32 ``[S]`` (0: no top-k). Temperature 0 is greedy.
-      rng_key: ``[S]`` typed PRNG keys; the token at position ``p`` is drawn with ``fold_in(rng_key, p)``, so
-        a slot's samples depend only on its seed and its own tokens, never on scheduling.
+      seed: uint32 ``[S]``: the token at position ``p`` is drawn with ``fold_in(key(seed), p)``, so a slot's
+        samples depend only on its seed and its own tokens, never on scheduling.
       budget_end: int32 ``[S]``: the slot is DONE (BUDGET) once ``seq_len`` reaches it (prompt + response
         budget, inserted tokens included; at most ``max_len``).
       segment_start: int32 ``[S]``: where the current generation segment began; stop sequences match only
         tokens sampled from there on.
       segment_end: int32 ``[S]``: the slot pauses (LENGTH) once ``seq_len`` reaches it.
-      stop_seqs: int32 ``[S, max_stops, max_stop_len]``: stop sequences, right-aligned, padded with
-        ``NO_TOKEN`` on the left; an all-padding row is unused.
+      stop_seqs: int32 ``[S, max_stops, W]``: stop sequences, right-aligned, padded with ``NO_TOKEN`` on the
+        left; an all-padding row is unused.
       eos_ids: int32 ``[MAX_EOS_IDS]``: end-of-sequence token ids (shared by all slots), ``NO_TOKEN``-padded.
       config: the model config (static: part of the tree structure, so jitted functions need no config
         argument).
       attention: the attention implementation (static; see :func:`~rstar2jax.engine.paged_attention.
         resolve_attention`).
       block_pages: pages per block of the ``jnp`` attention's online softmax (static).
-      poison_freed: static; when True :func:`~rstar2jax.engine.ops.release` fills freed pages with NaN, so a
-        read of a stale page shows up in the outputs (for tests).
+      poison_freed: static; when True a step fills the pages freed before it with NaN, so a read of a stale
+        page shows up in the outputs (for tests).
     """
 
     pages: PagedKV
     page_table: jax.Array
-    tokens: jax.Array
-    logprobs: jax.Array
-    entropies: jax.Array
     seq_len: jax.Array
+    last_token: jax.Array
+    recent: jax.Array
     status: jax.Array
     finish_reason: jax.Array
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
-    rng_key: jax.Array
+    seed: jax.Array
     budget_end: jax.Array
     segment_start: jax.Array
     segment_end: jax.Array
@@ -104,11 +102,11 @@ class EngineState:
 
     @property
     def num_slots(self) -> int:
-        return self.tokens.shape[0]
+        return self.seq_len.shape[0]
 
     @property
-    def max_len(self) -> int:
-        return self.tokens.shape[1]
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
 
     @property
     def page_size(self) -> int:
@@ -127,82 +125,55 @@ class EngineState:
         return self.stop_seqs.shape[2]
 
 
-def init_state(
-    config: ModelConfig,
-    num_slots: int,
-    max_len: int,
-    *,
-    eos_token_ids: Sequence[int] | None = None,
-    max_stops: int = 4,
-    max_stop_len: int = 8,
-    cache_dtype=None,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    attention: str = "auto",
-    block_tokens: int = 256,
-    poison_freed: bool = False,
-) -> EngineState:
-    """An engine state with every slot FREE.
+def engine_model_config(config: ModelConfig, engine_config: EngineConfig) -> ModelConfig:
+    """The model config an engine runs: no gradient checkpoints, and the layer loop ``engine_config`` picks
+    (scanned over stacked weights unless ``unstacked_decode``)."""
+    return dataclasses.replace(config, remat_policy="none", scan_layers=True)
+
+
+def _eos_table(config: ModelConfig, engine_config: EngineConfig) -> tuple[int, ...]:
+    eos = tuple(config.eos_token_ids if engine_config.eos_token_ids is None else engine_config.eos_token_ids)
+    if any(not 0 <= t < config.vocab_size for t in eos) or len(eos) > MAX_EOS_IDS:
+        raise ValueError(f"eos_token_ids {eos} must be at most {MAX_EOS_IDS} ids in [0, {config.vocab_size})")
+    return eos + (NO_TOKEN,) * (MAX_EOS_IDS - len(eos))
+
+
+def init_state(config: ModelConfig, engine_config: EngineConfig) -> EngineState:
+    """An engine state with every slot FREE, built by one compiled program on the default device.
 
     Args:
       config: the model config.
-      num_slots: how many sequences run side by side.
-      max_len: tokens per slot (prompt + response): the length of the token record and of the page table
-        (``max_len // page_size`` pages); KV memory is the pool's, whatever ``max_len`` is.
-      eos_token_ids: tokens that end a sequence; default ``config.eos_token_ids``; ``()``: never stop on EOS.
-      max_stops, max_stop_len: capacity of the per-slot stop-sequence table (shapes, so fixed per engine).
-      cache_dtype: KV cache dtype; default the model's compute dtype.
-      page_size: tokens per page; must divide ``max_len``.
-      num_pages: pages in the pool, the null page included; default enough for every slot at ``max_len``
-        (``num_slots * max_len // page_size + 1``).
-      attention: ``"auto"``, ``"jnp"``, ``"pallas_gpu"`` or ``"pallas_interpret"``.
-      block_tokens: tokens per block of the ``jnp`` attention (a multiple of ``page_size``).
-      poison_freed: fill freed pages with NaN (tests).
+      engine_config: slots, ``max_len``, pages, stop-table capacity, cache dtype, attention (passed whole).
     """
-    if num_pages is None and isinstance(num_slots, int) and isinstance(max_len, int) and \
-            isinstance(page_size, int) and page_size > 0:
-        num_pages = num_slots * (max_len // page_size) + 1
-    for name, value in (("num_slots", num_slots), ("max_len", max_len), ("max_stops", max_stops),
-                        ("max_stop_len", max_stop_len), ("page_size", page_size), ("num_pages", num_pages),
-                        ("block_tokens", block_tokens)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if max_len % page_size:
-        raise ValueError(f"page_size={page_size} must divide max_len={max_len}")
-    if block_tokens % page_size:
-        raise ValueError(f"block_tokens={block_tokens} must be a multiple of page_size={page_size}")
-    if num_pages < 2:
-        raise ValueError(f"num_pages={num_pages} must be at least 2 (page 0 is the null page)")
-    eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    if any(not 0 <= t < config.vocab_size for t in eos) or len(eos) > MAX_EOS_IDS:
-        raise ValueError(f"eos_token_ids {eos} must be at most {MAX_EOS_IDS} ids in [0, {config.vocab_size})")
-    zeros = lambda: jnp.zeros((num_slots,), jnp.int32)  # a fresh buffer per field: each one is donated
-    # The engine's forward needs no gradient checkpoints, and paged layers run unrolled.
-    config = dataclasses.replace(config, remat_policy="none")
-    state = EngineState(
-        pages=init_pages(config.num_layers, config.num_kv_heads, config.head_dim, num_pages, page_size,
-                         jnp.dtype(cache_dtype or config.compute_dtype)),
-        page_table=jnp.zeros((num_slots, max_len // page_size), jnp.int32),
-        tokens=jnp.zeros((num_slots, max_len), jnp.int32),
-        logprobs=jnp.zeros((num_slots, max_len), jnp.float32),
-        entropies=jnp.zeros((num_slots, max_len), jnp.float32),
+    eos = _eos_table(config, engine_config)
+    return _build_state(engine_model_config(config, engine_config), engine_config, eos)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -> EngineState:
+    S = cfg.num_slots
+    zeros = lambda: jnp.zeros((S,), jnp.int32)
+    shape = pool_shape(config.num_layers, config.num_kv_heads, config.head_dim, cfg.pool_pages, cfg.page_size)
+    dtype = jnp.dtype(cfg.cache_dtype or config.compute_dtype)
+    return EngineState(
+        pages=PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
+        page_table=jnp.zeros((S, cfg.max_pages), jnp.int32),
         seq_len=zeros(),
-        status=jnp.full((num_slots,), FREE, jnp.int32),
+        last_token=zeros(),
+        recent=jnp.full((S, cfg.max_stop_len), NO_TOKEN, jnp.int32),
+        status=jnp.full((S,), FREE, jnp.int32),
         finish_reason=zeros(),
-        temperature=jnp.zeros((num_slots,), jnp.float32),
-        top_p=jnp.ones((num_slots,), jnp.float32),
+        temperature=jnp.zeros((S,), jnp.float32),
+        top_p=jnp.ones((S,), jnp.float32),
         top_k=zeros(),
-        rng_key=jax.random.split(jax.random.key(0), num_slots),
+        seed=jnp.zeros((S,), jnp.uint32),
         budget_end=zeros(),
         segment_start=zeros(),
         segment_end=zeros(),
-        stop_seqs=jnp.full((num_slots, max_stops, max_stop_len), NO_TOKEN, jnp.int32),
-        eos_ids=jnp.asarray(eos + (NO_TOKEN,) * (MAX_EOS_IDS - len(eos)), jnp.int32),
+        stop_seqs=jnp.full((S, cfg.max_stops, cfg.max_stop_len), NO_TOKEN, jnp.int32),
+        eos_ids=jnp.asarray(eos, jnp.int32),
         config=config,
-        attention=resolve_attention(attention),
-        block_pages=block_tokens // page_size,
-        poison_freed=poison_freed,
+        attention=resolve_attention(cfg.attention),
+        block_pages=cfg.attention_block // cfg.page_size,
+        poison_freed=cfg.poison_freed_pages,
     )
-    # Committed to a device like every jitted function's output, so the first call on a fresh state hits the
-    # same compiled programs as later calls (jit caches committed and uncommitted inputs apart).
-    return jax.device_put(state, jax.devices()[0])

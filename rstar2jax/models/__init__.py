@@ -35,6 +35,7 @@ from rstar2jax.models.sharding import (
 from rstar2jax.models.transformer import (
     KVCache,
     forward,
+    forward_hidden,
     hidden_states,
     init_cache,
     init_params,
@@ -77,6 +78,7 @@ __all__ = [
     "config_to_hf",
     "constrain",
     "forward",
+    "forward_hidden",
     "init_cache",
     "init_params",
     "layers_are_unstacked",

@@ -8,6 +8,7 @@ float32. Attention groups query heads per kv head instead of repeating keys and 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -264,7 +265,8 @@ def forward(
       cache: :class:`KVCache`, a paged cache, or None. A paged cache is any pytree with a method
         ``write_and_attend(layer_index, q, k, v) -> (attention output, updated cache)`` (q ``[B, T, H, Dh]``
         scaled, k/v ``[B, T, K, Dh]``) that stores keys/values and masks by position itself, such as
-        ``rstar2jax.engine.paged_attention.PagedCacheView``; the layers then run unrolled. With a
+        ``rstar2jax.engine.paged_attention.PagedCacheView`` (carried through the layer loop: ``lax.scan``
+        with a traced layer index over stacked params, or unrolled with an int one). With a
         :class:`KVCache` the key/value of token ``(b, t)`` is written at cache index
         ``positions[b, t]`` (indices outside ``[0, max_len)`` are dropped) and the query at position ``p``
         attends to entries ``j <= p`` of its own row: a T>1 chunk is a prefill, T=1 a decode step, and every
@@ -278,6 +280,15 @@ def forward(
     spec = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
     logits = jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)
     return constrain(logits, _LOGITS_AXES), new_cache
+
+
+def forward_hidden(params: dict, config: ModelConfig, tokens: jax.Array, *, positions: jax.Array,
+                   cache) -> tuple[jax.Array, Any]:
+    """The final normed hidden states ``[B, T, D]`` (compute dtype) of :func:`forward` with a ``cache`` and
+    the updated cache, without the output head: for a caller that needs logits at a few positions only (the
+    generation engine's step, whose prefill tokens need none). Not jitted: it runs inside the caller's
+    program."""
+    return _trunk(params, config, tokens, positions, None, cache)
 
 
 def output_head(params: dict, config: ModelConfig) -> tuple[jax.Array, str]:
@@ -358,7 +369,7 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
     if unstacked and len(params["layers"]) != config.num_layers:
         raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
                          f"{config.num_layers}")
-    if config.scan_layers and not unstacked and not paged:
+    if config.scan_layers and not unstacked:
 
         def scan_step(carry, layer_inputs):
             x, kv = carry

@@ -22,12 +22,11 @@ import tqdm.auto as tqdm
 from rstar2jax.agent.rollout import RolloutConfig, ToolSandbox, rollout_async
 from rstar2jax.data.conversation import PromptConfig, render_prompt_ids
 from rstar2jax.data.problems import Problem
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
 from rstar2jax.eval.samples import SampleLog, format_summary, sample_record, summarize
 from rstar2jax.reward import AnswerVerifier
 from rstar2jax.serve.policy import PROMPTS, Policy, prompt_format
 
-PAGE = EngineConfig.page_size  # the engine's max_len is a whole number of KV pages
 
 @dataclasses.dataclass(frozen=True)
 class EvalProtocol:
@@ -98,7 +97,7 @@ async def evaluate_to_files(
         longest = max(len(render_prompt_ids(tokenizer, p.problem, prompt)) for _, _, p, _ in todo)
         engine_config = EngineConfig(
             num_slots=num_slots,
-            max_len=-(-(longest + protocol.max_tokens) // PAGE) * PAGE,  # whole KV pages
+            max_len=page_rounded(longest + protocol.max_tokens),
             eos_token_ids=policy.eos_token_ids,
             seed=protocol.seed,
         )

@@ -2,12 +2,15 @@
 
 Every request's choices are sessions of one shared :class:`~rstar2jax.engine.Engine`, so concurrent
 requests decode side by side (continuous batching); requests beyond the engine's slots wait in its queue,
-first come first served. A session generates in segments of ``segment_tokens`` tokens: between segments the
-server streams text, checks ``stop`` strings, and notices a client that went away (its slot is freed after
-at most one segment).
+first come first served. Each choice streams its session (:meth:`~rstar2jax.engine.Session.stream`): tokens
+arrive as the engine's steps sample them, while the device goes on decoding; the server streams text and
+checks ``stop`` strings as they arrive, and a choice that must end (a stop string, a client that went away)
+closes its session, which the engine stops with its next step (what it sampled beyond is dropped). A
+conversation whose earlier turns are still in the engine's prefix cache is not prefilled again.
 
-Endpoints: ``GET /health`` (200 once the engine is up, 503 before), ``GET /v1/models``,
-``POST /v1/chat/completions`` (see :mod:`rstar2jax.serve.protocol` for what is accepted).
+Endpoints: ``GET /health`` (200 once the engine is up, 503 before), ``GET /metrics`` (request and token
+counts, the prefix cache's hit rate), ``GET /v1/models``, ``POST /v1/chat/completions`` (see
+:mod:`rstar2jax.serve.protocol` for what is accepted).
 
 Conversation format: the messages (and ``tools``) are rendered by the model's chat template, in the format
 the policy was trained in (:attr:`~rstar2jax.serve.policy.Policy.prompt`, recorded in its folder): a request
@@ -43,7 +46,7 @@ from rstar2jax import models
 from rstar2jax.agent.rollout import _gather_or_cancel as gather_or_cancel
 from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session, page_rounded
 from rstar2jax.serve.policy import Policy
 from rstar2jax.serve.protocol import ChatRequest, RequestError, error_body, parse_chat_request
 
@@ -57,24 +60,24 @@ class ServerConfig:
     Attributes:
       num_slots: sequences decoded side by side (requests beyond them queue).
       max_len: context length: prompt + completion tokens of one sequence.
-      segment_tokens: tokens a session decodes between looks from the server (streaming granularity, stop
-        strings, disconnect checks).
-      first_segment_tokens: the first segment of a streamed choice (time to first token).
-      decode_chunk: the engine's decode steps per device call.
+      decode_chunk: the engine's decode steps per device call (tokens stream out after each call).
+      kv_pool_gib: GiB of KV pages (what bounds memory); None: enough for every slot at ``max_len``.
+      prefix_cache: keep the keys/values of prompts and finished conversations in the pool for later
+        requests that start with them (a chat's next turn, a shared system prompt).
       assistant_opener: text appended after the generation prompt; None: the opener of the policy's recorded
         format ('' for a plain HF folder).
       system_prompt: system message of requests that have none ('' none); None: the system prompt of the
         policy's recorded format ('' for a plain HF folder).
       model_name: the model id reported and accepted; None: the policy's name.
-      warmup: compile every engine program before reporting healthy.
+      warmup: compile every engine program before reporting healthy (compiling only: nothing runs).
       max_body_bytes: largest accepted request body.
     """
 
     num_slots: int = 16
     max_len: int = 2048
-    segment_tokens: int = 32
-    first_segment_tokens: int = 1
     decode_chunk: int = 16
+    kv_pool_gib: float | None = None
+    prefix_cache: bool = True
     assistant_opener: str | None = None
     system_prompt: str | None = None
     model_name: str | None = None
@@ -82,11 +85,12 @@ class ServerConfig:
     max_body_bytes: int = 32 * 2**20
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "segment_tokens", "first_segment_tokens", "decode_chunk",
-                     "max_body_bytes"):
+        for name in ("num_slots", "max_len", "decode_chunk", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be a positive int, got {value!r}")
+        if self.kv_pool_gib is not None and not self.kv_pool_gib > 0:
+            raise ValueError(f"ServerConfig.kv_pool_gib must be > 0 or None, got {self.kv_pool_gib!r}")
 
 
 def served_format(policy: Policy, config: ServerConfig) -> PromptConfig:
@@ -109,8 +113,8 @@ def _top_logprobs(params, tokens, *, config: models.ModelConfig, k: int):
 
 
 class _Choice:
-    """One choice of a request: drives its engine session segment by segment and turns tokens into the
-    content, tool calls and log-probs a client sees."""
+    """One choice of a request: streams its engine session and turns tokens into the content, tool calls and
+    log-probs a client sees."""
 
     def __init__(self, service: ChatService, request: ChatRequest, session: Session, prompt_ids: list[int]):
         self.service, self.request, self.session, self.prompt_ids = service, request, session, prompt_ids
@@ -122,25 +126,11 @@ class _Choice:
         self.emitted_tokens = 0  # tokens whose log-probs were given
         self.token_ends: list[int] = []  # len(decode(tokens[:i + 1])) when log-probs are asked for
         self.top: list[list[tuple[int, float]]] = []
-        self.in_flight: asyncio.Future | None = None
         self.finished = False
 
-    async def _segment(self, stop: Sequence[Sequence[int]]):
-        """One segment. If the caller is cancelled (the client went away), the segment in flight runs to its
-        end (at most ``segment_tokens``) and :meth:`close` then frees the slot. A stream's first segment is
-        ``first_segment_tokens`` long, so that its first text goes out soon."""
-        config = self.service.config
-        first = self.request.stream and self.num_sampled == 0
-        size = config.first_segment_tokens if first else config.segment_tokens
-        self.in_flight = asyncio.ensure_future(self.session.generate(stop=stop, max_new_tokens=size))
-        return await asyncio.shield(self.in_flight)
-
     def close(self) -> None:
-        """Free the session's slot now, or as soon as its segment in flight ends (idempotent)."""
-        if self.in_flight is not None and not self.in_flight.done():
-            self.in_flight.add_done_callback(lambda _: self.session.close())
-        else:
-            self.session.close()
+        """Free the session's slot (idempotent); a segment in flight stops with the engine's next step."""
+        self.session.close()
 
     def _held_back(self, text: str) -> int:
         """How many trailing characters may be the start of a tag or stop string (or of a UTF-8 sequence)."""
@@ -168,11 +158,10 @@ class _Choice:
             yield "content", opener, []
         finish = None
         try:
-            while finish is None:
-                segment = await self._segment(stop_ids)
-                self.num_sampled += len(segment.tokens)
-                tokens, logprobs = list(segment.tokens), list(segment.logprobs)
-                if segment.finish_reason == "eos" and tokens and tokens[-1] in service.eos_ids:
+            async for chunk in self.session.stream(stop=stop_ids):
+                self.num_sampled += len(chunk.tokens)
+                tokens, logprobs = list(chunk.tokens), list(chunk.logprobs)
+                if chunk.finish_reason == "eos" and tokens and tokens[-1] in service.eos_ids:
                     tokens, logprobs = tokens[:-1], logprobs[:-1]
                 start = len(self.tokens)
                 self.tokens += tokens
@@ -180,8 +169,8 @@ class _Choice:
                 self.text = service.decode(self.tokens)
                 if request.logprobs:
                     await self._token_logprobs(start)
-                finish = _FINISH.get(segment.finish_reason)
-                if segment.finish_reason == "stop":  # after </tool_call>: the turn ends here, as in training
+                finish = _FINISH.get(chunk.finish_reason)
+                if chunk.finish_reason == "stop":  # after </tool_call>: the turn ends here, as in training
                     finish = "stop"
                 cut = self._find_stop(start)
                 if cut is not None:
@@ -195,6 +184,8 @@ class _Choice:
                     delta = self.text[self.emitted : content_end]
                     yield "content", delta, self._logprob_entries(content_end)
                     self.emitted = content_end
+                if finish is not None:
+                    break  # a stop string: leaving the stream stops the session
         finally:
             service.stats["completion_tokens"] += self.num_sampled
             self.close()
@@ -273,45 +264,35 @@ class ChatService:
         self.eos_ids = set(policy.eos_token_ids)
         self.tool_call_end = encode_text(self.tokenizer, TOOL_CALL_CLOSE)
         stop_len = max(8, len(self.tool_call_end))
+        model = policy.model_config
+        kv_bytes_per_page = (2 * model.num_layers * model.num_kv_heads * model.head_dim
+                             * EngineConfig.page_size * jnp.dtype(model.compute_dtype).itemsize)
         self.engine_config = EngineConfig(
             num_slots=config.num_slots,
-            max_len=-(-config.max_len // EngineConfig.page_size) * EngineConfig.page_size,
+            max_len=page_rounded(config.max_len),
             max_stops=1,
             max_stop_len=stop_len,
             eos_token_ids=tuple(self.eos_ids),
             decode_chunk=config.decode_chunk,
+            num_pages=(None if config.kv_pool_gib is None
+                       else int(config.kv_pool_gib * 2**30) // kv_bytes_per_page),
+            prefix_sharing=config.prefix_cache,
         )
         self.engine: Engine | None = None
         self.ready = False
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
-        #: Counters: requests, completion_tokens (sampled, all choices), cancelled_choices (client gone).
+        #: Counters: requests, prompt_tokens, cached_tokens (prompt tokens served by the prefix cache),
+        #: completion_tokens (sampled, all choices), cancelled_choices (client gone).
         self.stats: collections.Counter = collections.Counter()
 
     async def __aenter__(self) -> ChatService:
         self.engine = Engine(self.policy.params, self.policy.model_config, self.engine_config)
+        if self.config.warmup:  # the engine's few programs, compiled (in two threads) before the first client
+            await asyncio.to_thread(self.engine.core.warmup)
         await self.engine.__aenter__()
-        if self.config.warmup:
-            await self._warm_up()
         self.ready = True
         return self
-
-    async def _warm_up(self) -> None:
-        """Compiles the engine's programs before the first client waits for them: for every power of two
-        ``k`` up to the slot count, ``k`` single requests at once (prefill of ``k`` rows, decode of ``k``
-        running sequences) and one request of ``n = k`` choices (fork)."""
-        prompt = encode_text(self.tokenizer, "warm up")[:8] or [0]
-        greedy = SamplingParams(temperature=0.0)
-        sizes = [1 << i for i in range(self.config.num_slots.bit_length()) if 1 << i <= self.config.num_slots]
-        for k in sorted(set(sizes) | {self.config.num_slots}):
-            for groups in ([1] * k, [k]):
-                opened = await asyncio.gather(
-                    *(self.engine.open(prompt, n, sampling=greedy, max_tokens=2) for n in groups)
-                )
-                sessions = [s for group in opened for s in group]
-                await asyncio.gather(*(s.generate(max_new_tokens=2) for s in sessions))
-                for session in sessions:
-                    session.close()
 
     async def __aexit__(self, *exc_info) -> None:
         self.ready = False
@@ -369,6 +350,7 @@ class ChatService:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
@@ -377,6 +359,14 @@ class ChatService:
         if not self.ready:
             return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Counters since start; ``prefix_cache_hit_rate``: prompt tokens whose keys/values came from the
+        prefix cache over all prompt tokens."""
+        stats = dict(self.stats)
+        prompt_tokens = stats.get("prompt_tokens", 0)
+        stats["prefix_cache_hit_rate"] = stats.get("cached_tokens", 0) / max(prompt_tokens, 1)
+        return web.json_response(stats)
 
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -427,35 +417,40 @@ class ChatService:
             seed=request.seed,
         )
         self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(prompt_ids)
+        self.stats["cached_tokens"] += sessions[0].cached_tokens
         choices = [_Choice(self, request, s, prompt_ids) for s in sessions]
         try:
-            return await self._respond(http_request, request, choices, len(prompt_ids))
+            return await self._respond(http_request, request, choices, len(prompt_ids),
+                                       sessions[0].cached_tokens)
         finally:  # also when cancelled before a choice ran at all: no slot outlives its request
             for choice in choices:
                 choice.close()
                 self.stats["cancelled_choices"] += not choice.finished
 
-    async def _respond(self, http_request, request, choices, prompt_tokens) -> web.StreamResponse:
+    async def _respond(self, http_request, request, choices, prompt_tokens, cached) -> web.StreamResponse:
         meta = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": self.model_name,
             "system_fingerprint": None,
         }
+        usage = lambda: self._usage(prompt_tokens, cached, choices)  # noqa: E731
         if request.stream:
-            return await self._stream(http_request, request, choices, meta, prompt_tokens)
-        return web.json_response(await self._complete(request, choices, meta, prompt_tokens))
+            return await self._stream(http_request, request, choices, meta, usage)
+        return web.json_response(await self._complete(request, choices, meta, usage))
 
     @staticmethod
-    def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict[str, int]:
+    def _usage(prompt_tokens: int, cached: int, choices: list[_Choice]) -> dict[str, Any]:
         completion = sum(c.num_sampled for c in choices)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    async def _complete(self, request, choices, meta, prompt_tokens) -> dict[str, Any]:
+    async def _complete(self, request, choices, meta, usage) -> dict[str, Any]:
         async def collect(choice: _Choice) -> dict[str, Any]:
             content, entries, calls, finish = [], [], None, None
             async for kind, *value in choice.run():
@@ -488,15 +483,15 @@ class ChatService:
             **meta,
             "object": "chat.completion",
             "choices": results,
-            "usage": self._usage(prompt_tokens, choices),
+            "usage": usage(),
         }
 
-    async def _stream(self, http_request, request, choices, meta, prompt_tokens) -> web.StreamResponse:
+    async def _stream(self, http_request, request, choices, meta, usage) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(http_request)
-        usage = {"usage": None} if request.include_usage else {}
+        no_usage = {"usage": None} if request.include_usage else {}
 
         async def send(payload: dict[str, Any]) -> None:
             await response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
@@ -508,7 +503,7 @@ class ChatService:
                 "finish_reason": finish,
                 "logprobs": {"content": entries, "refusal": None} if entries else None,
             }
-            return {**meta, "object": "chat.completion.chunk", "choices": [choice], **usage}
+            return {**meta, "object": "chat.completion.chunk", "choices": [choice], **no_usage}
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -551,7 +546,7 @@ class ChatService:
                         **meta,
                         "object": "chat.completion.chunk",
                         "choices": [],
-                        "usage": self._usage(prompt_tokens, choices),
+                        "usage": usage(),
                     }
                 )
         except ConnectionResetError:  # the client went away: nobody to answer

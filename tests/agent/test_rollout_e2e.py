@@ -15,6 +15,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from jax._src import monitoring
 
 from rstar2jax import models
 from rstar2jax.agent import (
@@ -31,7 +32,7 @@ from rstar2jax.agent import (
 from rstar2jax.agent.testing import answer_turn, teach_tool_use, tiny_policy, tool_code_output
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.synthetic import make_task
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams, ops
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.reward import AnswerVerifier
 from sandbox_server import start_local
 
@@ -143,15 +144,23 @@ def test_taught_policy_runs_real_code_and_reads_the_result(problems, policy, tau
 def test_policy_rollout_takes_new_params_without_recompiling(problems, policy, taught, server, verifier):
     """One greedy session: every program shape follows from its token stream, so with the same stream a
     compilation in the second call could only come from the parameters."""
-    programs = (ops.admit, ops.append, ops.decode, ops.fork, ops.resume, ops.release, ops.read_slots)
     nudged = jax.tree.map(lambda x: x * (1 + 1e-3), taught)  # new arrays and values, same greedy choices
     rollout_fn = policy_rollout(policy, server, verifier)
     call = dict(samples_per_problem=1, max_response_length=BUDGET, max_turns=3, seed=1)
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+
     try:
         (first,) = rollout_fn(taught, problems[:1], **call)
-        compiled = [f._cache_size() for f in programs]
-        (second,) = rollout_fn(nudged, problems[:1], **call)
-        assert [f._cache_size() for f in programs] == compiled
+        monitoring.register_event_duration_secs_listener(count)
+        try:
+            (second,) = rollout_fn(nudged, problems[:1], **call)
+        finally:
+            monitoring.unregister_event_duration_listener(count)
+        assert compiles == []
     finally:
         rollout_fn.close()
     assert second.response_ids == first.response_ids and second.tool_outcomes == first.tool_outcomes

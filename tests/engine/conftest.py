@@ -33,7 +33,7 @@ def tiny_qwen3(tmp_path_factory) -> TinyQwen3:
 
 
 # One engine shape for the tests that share compiled programs (jit caches by shape).
-ENGINE_CONFIG = EngineConfig(num_slots=4, max_len=64, decode_chunk=4, prefill_buckets=(8, 32),
+ENGINE_CONFIG = EngineConfig(num_slots=4, max_len=64, decode_chunk=4, token_buckets=(4, 16), prefill_tile=8,
                              eos_token_ids=())
 
 

@@ -11,21 +11,10 @@ import torch
 from jax._src import monitoring
 
 from rstar2jax import models
-from rstar2jax.engine import (
-    NO_POLICY_VERSION,
-    PAUSED,
-    Engine,
-    EngineCore,
-    SamplingParams,
-    admit,
-    append,
-    decode,
-    generate,
-    init_state,
-    resume,
-    set_pages,
-)
-from rstar2jax.models import forward, init_params, layers_are_unstacked, unstack_layers
+from rstar2jax.engine import NO_POLICY_VERSION, Engine, EngineCore, SamplingParams, generate, init_state
+from rstar2jax.engine.scheduler import engine_params
+from rstar2jax.engine.step import StepLayout, compile_step
+from rstar2jax.models import forward, init_params, layers_are_unstacked
 from tests.engine.conftest import ENGINE_CONFIG
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
@@ -102,47 +91,6 @@ def test_seeded_sampling_is_reproducible(tiny_qwen3):
     ]
     assert run(7) == run(7)
     assert run(7) != run(8)
-
-
-def test_append_with_sampling_equals_decode_sampling(tiny_qwen3):
-    """``append(sample=True)`` samples the first token itself; the same token as the next decode step's."""
-    prompt = np.asarray(_prompts((6,), seed=4)[0], np.int32)
-    slots = np.array([0, 4, 4, 4], np.int32)
-    per_slot = lambda value, dtype: np.full((4,), value, dtype)
-
-    def run(sample_in_append: bool):
-        state = init_state(tiny_qwen3.config, 4, 64, eos_token_ids=())  # the shapes of ENGINE_CONFIG
-        rows = np.zeros((4, 4), np.int32)
-        rows[0] = [1, 2, 3, 4]  # pages for all 64 tokens of slot 0
-        no_copy = np.full((4,), state.num_pages, np.int32)
-        state = set_pages(state, slots, rows, no_copy, no_copy)
-        state = admit(
-            state,
-            slots,
-            per_slot(5, np.uint32),
-            per_slot(1.0, np.float32),
-            per_slot(1.0, np.float32),
-            per_slot(0, np.int32),
-            per_slot(20, np.int32),
-        )
-        tokens, lengths = np.zeros((4, 8), np.int32), per_slot(0, np.int32)
-        tokens[0, :6], lengths[0] = prompt, 6
-        no_stops = np.full((4, *state.stop_seqs.shape[1:]), -1, np.int32)
-        if sample_in_append:  # the segment starts before the prompt here: 6 + 10 tokens
-            state = resume(state, slots, no_stops, per_slot(16, np.int32))
-            state = append(state, tiny_qwen3.params, slots, tokens, lengths, sample=True)
-            assert int(state.seq_len[0]) == 7
-        else:
-            state = append(state, tiny_qwen3.params, slots, tokens, lengths, sample=False)
-            state = resume(state, slots, no_stops, per_slot(10, np.int32))
-        for _ in range(4):
-            state = decode(state, tiny_qwen3.params, ENGINE_CONFIG.decode_chunk)
-        assert int(state.status[0]) == PAUSED and int(state.seq_len[0]) == 16  # paused at max_new_tokens
-        return np.asarray(state.tokens[0, :16]), np.asarray(state.logprobs[0, :16])
-
-    (tokens_a, logprobs_a), (tokens_b, logprobs_b) = run(True), run(False)
-    np.testing.assert_array_equal(tokens_a, tokens_b)
-    np.testing.assert_allclose(logprobs_a, logprobs_b, atol=1e-6)
 
 
 def test_pause_resume_equals_one_go(tiny_qwen3):
@@ -283,9 +231,11 @@ def test_bad_requests_are_rejected(tiny_qwen3):
         EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG, policy_version=-1)
 
 
-def test_no_recompilation_after_warmup(tiny_qwen3):
-    jax.clear_caches()  # whatever earlier tests compiled must not hide a program that warmup() misses
-    EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG).warmup()
+def test_a_mixed_workload_compiles_one_program_per_bucket_and_nothing_after_warmup(tiny_qwen3):
+    """Prompts of many lengths (chunked prefill), groups (forks), tool appends, stops and sampling settings
+    run on the programs warm-up compiled: one per token bucket, whatever the slot count and lengths."""
+    core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG)
+    core.warmup()
     compiles = []
 
     def count(event, duration, **kwargs):
@@ -294,23 +244,14 @@ def test_no_recompilation_after_warmup(tiny_qwen3):
 
     monitoring.register_event_duration_secs_listener(count)
     try:
-        # Different prompt lengths within buckets, budgets, sampling settings, stops, groups and tool turns.
         for lengths, budget, temperature, stop in (
             ((2, 5, 7), 9, 0.0, None),
             ((3, 20, 30, 6, 1), 17, 0.7, [[3]]),
-            ((8, 4), 23, 1.3, [[5, 6], [7]]),
+            ((8, 40), 23, 1.3, [[5, 6], [7]]),
         ):
-            generate(
-                tiny_qwen3.params,
-                tiny_qwen3.config,
-                _prompts(lengths, seed=budget),
-                max_new_tokens=budget,
-                temperature=temperature,
-                top_p=0.8,
-                top_k=7,
-                stop=stop,
-                engine_config=ENGINE_CONFIG,
-            )
+            generate(tiny_qwen3.params, tiny_qwen3.config, _prompts(lengths, seed=budget),
+                     max_new_tokens=budget, temperature=temperature, top_p=0.8, top_k=7, stop=stop,
+                     engine_config=ENGINE_CONFIG)
 
         async def scenario():
             async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
@@ -325,36 +266,60 @@ def test_no_recompilation_after_warmup(tiny_qwen3):
     finally:
         monitoring.unregister_event_duration_listener(count)
     assert compiles == []
+    assert len(ENGINE_CONFIG.token_buckets) == 2
 
 
 @pytest.mark.parametrize("unstacked", [True, False])
 def test_decode_updates_the_pages_in_place(unstacked):
-    """The decode loop writes the donated page pool in place and reads only gathered blocks of it: its
-    compiled program needs scratch memory under half the pool (a per-step copy of the pool would need all
-    of it)."""
+    """The step writes the donated, layer-stacked page pool in place and reads only gathered blocks of it
+    (scanned or unrolled layers): its compiled program needs scratch memory under half the pool (a copy of
+    the pool, or of a layer's slice of it, per layer or step would need more)."""
     config = models.preset("tiny", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4,
                            head_dim=8, tie_word_embeddings=False)
+    engine_config = ENGINE_CONFIG.__class__(num_slots=8, max_len=512, unstacked_decode=unstacked)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    if unstacked:
-        params = jax.eval_shape(unstack_layers, params)
-    state = jax.eval_shape(lambda: init_state(config, num_slots=8, max_len=512, attention="jnp"))
-    memory = decode.lower(state, params, 4).compile().memory_analysis()
+    params = jax.eval_shape(lambda p: engine_params(p, config, unstacked), params)
+    state = jax.eval_shape(lambda: init_state(config, engine_config))
+    memory = compile_step(state, params, StepLayout.of(engine_config, 16), True).memory_analysis()
     pool_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.pages))
     assert memory.alias_size_in_bytes >= pool_bytes  # the state is donated and its pool aliased
     assert memory.temp_size_in_bytes < pool_bytes / 2
 
 
 def test_prefill_attention_memory_is_blocked_not_quadratic():
-    """A 1024-token prefill chunk attends block by block over the pages: its scratch memory stays well under
-    the [chunk, chunk] score matrix a dense prefill would build."""
+    """A 1024-token prefill chunk attends tile by tile and block by block over the pages: its scratch memory
+    stays well under the [chunk, chunk] score matrix a dense prefill would build."""
     config = models.preset("tiny", vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8,
                            tie_word_embeddings=False)
-    params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
-    state = jax.eval_shape(lambda: init_state(config, num_slots=1, max_len=2048, attention="jnp",
-                                              block_tokens=128))
-    chunk = 1024
-    tokens, lengths = jax.ShapeDtypeStruct((1, chunk), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-    slots = jax.ShapeDtypeStruct((1,), jnp.int32)
-    memory = append.lower(state, params, slots, tokens, lengths, sample=False).compile().memory_analysis()
-    dense_scores = chunk * chunk * config.num_heads * 4
+    engine_config = ENGINE_CONFIG.__class__(num_slots=1, max_len=2048, attention_block=128,
+                                            token_buckets=(1024,))
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    state = jax.eval_shape(lambda: init_state(config, engine_config))
+    memory = compile_step(state, params, StepLayout.of(engine_config, 1024), True).memory_analysis()
+    dense_scores = 1024 * 1024 * config.num_heads * 4
     assert memory.temp_size_in_bytes < dense_scores / 2
+
+
+def test_tokens_appended_before_a_groups_first_segment(tiny_qwen3):
+    """Sessions of a group that append tokens before their first ``generate`` (its source and a sibling,
+    before the group is forked) sample from prompt + appended tokens, the others from the prompt."""
+    prompt, extra = _prompts((13, 4), seed=9)
+
+    async def scenario():
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+            sessions = await engine.open(prompt, n=3, sampling=SamplingParams(temperature=0.0), max_tokens=20)
+            sessions[0].append(extra)
+            sessions[2].append(extra)
+            await asyncio.gather(*(s.generate(max_new_tokens=6) for s in sessions))
+            return sessions
+
+    sessions = asyncio.run(scenario())
+    assert [len(s.response_ids) for s in sessions] == [10, 6, 10]
+    for session in sessions:
+        response = np.asarray(session.response_ids)
+        reference = _teacher_forced(tiny_qwen3, session.prompt_ids + session.response_ids)
+        sampled = np.flatnonzero(session.loss_mask)
+        positions = len(prompt) + sampled - 1
+        np.testing.assert_array_equal(response[sampled], reference[positions].argmax(-1))
+        np.testing.assert_allclose(np.asarray(session.logprobs)[sampled],
+                                   reference[positions, response[sampled]], atol=1e-5)

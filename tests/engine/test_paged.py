@@ -33,24 +33,30 @@ def _dense_attention(q, k, v, positions):
     return out.reshape(B, T, H, D)
 
 
-def _random_pages(rng, batch, max_pages, num_pages, page_size, kv_heads, dim):
-    """A pool (unused pages NaN), page tables of distinct pages, and the dense k/v they hold."""
-    pool_k = np.full((kv_heads, num_pages, page_size, dim), np.nan, np.float32)
+def _random_pages(rng, batch, max_pages, num_pages, page_size, kv_heads, dim, layers=2, layer=1):
+    """A layer-stacked pool (unused pages NaN), page tables of distinct pages, and the dense k/v they hold
+    at ``layer`` (every other layer's pages hold other values)."""
+    pool_k = np.full((kv_heads, layers, num_pages, page_size, dim), np.nan, np.float32)
     pool_v = np.full_like(pool_k, np.nan)
-    pool_k[:, 0] = pool_v[:, 0] = 0.0  # the null page
+    pool_k[:, :, 0] = pool_v[:, :, 0] = 0.0  # the null page
     ids = rng.permutation(np.arange(1, num_pages))[: batch * max_pages].reshape(batch, max_pages)
+    for other in range(layers):
+        if other != layer:
+            pool_k[:, other, 1:] = rng.normal(size=pool_k[:, other, 1:].shape)
+            pool_v[:, other, 1:] = rng.normal(size=pool_v[:, other, 1:].shape)
     dense_k = rng.normal(size=(batch, max_pages * page_size, kv_heads, dim)).astype(np.float32)
     dense_v = rng.normal(size=dense_k.shape).astype(np.float32)
     for b in range(batch):
         for i, page in enumerate(ids[b]):
             span = slice(i * page_size, (i + 1) * page_size)
-            pool_k[:, page] = np.transpose(dense_k[b, span], (1, 0, 2))
-            pool_v[:, page] = np.transpose(dense_v[b, span], (1, 0, 2))
+            pool_k[:, layer, page] = np.transpose(dense_k[b, span], (1, 0, 2))
+            pool_v[:, layer, page] = np.transpose(dense_v[b, span], (1, 0, 2))
     return pool_k, pool_v, ids.astype(np.int32), dense_k, dense_v
 
 
 @pytest.mark.parametrize("block_pages", [1, 3, 8])
 def test_paged_attention_reference_equals_dense_attention(block_pages):
+    """Rows of several queries (tiles) at their own positions, over one layer of a layer-stacked pool."""
     rng = np.random.default_rng(block_pages)
     B, T, H, K, D, page_size, max_pages = 3, 5, 4, 2, 8, 4, 6
     pool_k, pool_v, table, dense_k, dense_v = _random_pages(rng, B, max_pages, 24, page_size, K, D)
@@ -58,12 +64,12 @@ def test_paged_attention_reference_equals_dense_attention(block_pages):
     lengths = np.array([3, 13, 24])
     for b, length in enumerate(lengths):
         used = -(-length // page_size)
-        pool_k[:, table[b, used:]] = np.nan
-        pool_v[:, table[b, used:]] = np.nan
+        pool_k[:, 1, table[b, used:]] = np.nan
+        pool_v[:, 1, table[b, used:]] = np.nan
     positions = np.stack([np.arange(n - T, n) for n in lengths])
     positions[0, :2] = -1  # padding queries
     q = rng.normal(size=(B, T, H, D)).astype(np.float32)
-    out = paged_attention_reference(jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v),
+    out = paged_attention_reference(jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.int32(1),
                                     jnp.asarray(table), jnp.asarray(positions, jnp.int32),
                                     block_pages=block_pages)
     expected = _dense_attention(q, dense_k, dense_v, np.maximum(positions, 0))
@@ -73,33 +79,36 @@ def test_paged_attention_reference_equals_dense_attention(block_pages):
 
 
 def test_pallas_decode_kernel_equals_reference():
-    """JAX's Pallas GPU paged-attention kernel, run in the Pallas interpreter on this CPU."""
+    """JAX's Pallas GPU paged-attention kernel, run in the Pallas interpreter on this CPU, on layer 1 of a
+    stacked pool (its page ids offset by the layer)."""
     rng = np.random.default_rng(1)
     B, H, K, D, page_size, max_pages = 3, 4, 2, 16, 8, 4
     pool_k, pool_v, table, _, _ = _random_pages(rng, B, max_pages, 16, page_size, K, D)
     pool_k, pool_v = np.nan_to_num(pool_k), np.nan_to_num(pool_v)
     positions = np.array([[20], [5], [-1]], np.int32)
     q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32)
-    args = (q, jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(table), jnp.asarray(positions))
+    args = (q, jnp.asarray(pool_k), jnp.asarray(pool_v), 1, jnp.asarray(table), jnp.asarray(positions))
     out = paged_decode_attention_pallas(*args, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(paged_attention_reference(*args)), atol=1e-5)
 
 
 def _check_allocator(pool: PageAllocator, num_pages: int) -> None:
-    """Reference counts equal the rows holding each page; free pages are exactly the unheld ones."""
+    """Reference counts equal the rows holding each page; free and cached pages are exactly the unheld ones,
+    and cached ones are registered."""
     counts = np.zeros(num_pages, np.int64)
     for slot, held in enumerate(pool.held):
         row = pool.table[slot]
         assert (row[held:] == 0).all() and (row[:held] > 0).all()
         np.add.at(counts, row[:held], 1)
     np.testing.assert_array_equal(pool.refcount, counts)
-    free = set(pool._free)
-    assert len(free) == len(pool._free) and 0 not in free
-    assert free == {p for p in range(1, num_pages) if counts[p] == 0}
+    free, cached = set(pool._free), set(pool._cached)
+    assert len(free) == len(pool._free) and 0 not in free and not free & cached
+    assert free | cached == {p for p in range(1, num_pages) if counts[p] == 0}
+    assert all(page in pool._digest_of for page in cached)
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
-@hypothesis.given(st.lists(st.tuples(st.sampled_from(["grow", "fork", "release", "share"]),
+@hypothesis.given(st.lists(st.tuples(st.sampled_from(["grow", "fork", "release", "share", "shrink"]),
                                      st.integers(0, 5), st.integers(1, 40)), max_size=40))
 def test_page_allocator_keeps_its_invariants(ops):
     num_pages, page_size, num_slots = 64, 4, 6
@@ -121,7 +130,13 @@ def test_page_allocator_keeps_its_invariants(ops):
                     assert page == pool.table[slot, pending] and pool.refcount[copy] == 1
                     np.testing.assert_array_equal(pool.table[dst, :pending], pool.table[slot, :pending])
                     lengths[dst] = lengths[slot]
+            elif op == "shrink" and lengths[slot]:  # pages given ahead of a decode that stopped sooner
+                pool.grow(slot, min(lengths[slot] + n, 40))
+                freed = pool.shrink(slot, lengths[slot])
+                assert pool.held[slot] == -(-lengths[slot] // page_size)
+                assert all(pool.refcount[page] == 0 for page in freed)
             elif op == "release":
+                pool.register(slot, list(range(lengths[slot])), lengths[slot] - 1)
                 pool.release(slot)
                 lengths[slot] = 0
             elif op == "share" and not pool.held[slot]:
@@ -135,7 +150,7 @@ def test_page_allocator_keeps_its_invariants(ops):
         except RuntimeError as error:  # the pool ran out: nothing may have changed half-way
             assert "exhausted" in str(error)
         except ValueError as error:
-            assert "holds" in str(error)
+            assert "holds" in str(error) or "shares" in str(error)
         _check_allocator(pool, num_pages)
 
 
@@ -144,13 +159,14 @@ def _teacher_forced(tiny, sequence):
     return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
 
 
-def _check_against_dense(tiny, prompt, response, loss_mask, logprobs, entropies=None):
-    """Every sampled token is the greedy choice of a full (dense, cache-free) forward over the record, with
-    its log-prob (and entropy)."""
+def _check_against_dense(tiny, prompt, response, loss_mask, logprobs, entropies=None, greedy=True):
+    """Every sampled token has the log-prob (and entropy) of a full (dense, cache-free) forward over the
+    record, and is its greedy choice if ``greedy``."""
     reference = _teacher_forced(tiny, prompt + response)
     sampled = np.flatnonzero(loss_mask)
     positions = len(prompt) + sampled - 1
-    np.testing.assert_array_equal(np.asarray(response)[sampled], reference[positions].argmax(-1))
+    if greedy:
+        np.testing.assert_array_equal(np.asarray(response)[sampled], reference[positions].argmax(-1))
     picked = reference[positions, np.asarray(response)[sampled]]
     np.testing.assert_allclose(np.asarray(logprobs)[sampled], picked, atol=1e-5)
     if entropies is not None:
@@ -195,32 +211,41 @@ def test_random_fork_and_free_orders_match_the_dense_reference(tiny_qwen3, data)
             await asyncio.gather(*[group(engine, plan) for plan in plans])
         return engine._core
 
-    core = asyncio.run(scenario())
-    core._release_closed()
+    core = asyncio.run(scenario())  # leaving the engine sends the last releases
     assert len(records) == sum(p["n"] for p in plans)
     for record in records:
         _check_against_dense(tiny_qwen3, *record)
     assert core.pages.num_used == 0 and core._reserved == 0
-    assert np.isnan(np.asarray(core.state.pages.k[0][:, 1:])).any()  # freed pages were poisoned
+    assert np.isnan(np.asarray(core.state.pages.k[:, :, 1:])).any()  # freed pages were poisoned
+
+
+def _run(core):
+    """Step the core until it is idle, handing the chunks to their records."""
+    while core.num_active:
+        for record, chunk in core.step():
+            record.receive(chunk)
 
 
 def test_fork_shares_the_prompt_pages(tiny_qwen3):
     config = dataclasses.replace(ENGINE_CONFIG, page_size=8, prefix_sharing=False)
     core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
-    prompt = list(range(1, 21))  # 20 tokens: two full pages and the pending token's page (positions 16..19)
-    (group,) = core.admit([(prompt, 4, SamplingParams(temperature=0.0), 20, (0,))])
+    # 23 tokens: two full pages and the pending token's page (positions 16..22), so the step that forks the
+    # samples also gives them their next page.
+    prompt = list(range(1, 24))
+    (group,) = core.admit([(prompt, 4, SamplingParams(temperature=1.0), 20, (0,))])  # samples differ
     assert core.pages.num_used == 2 + 4  # the full pages once, a copy of the last page per sample
     table = core.pages.table[[r.slot for r in group]]
     assert (table[:, :2] == table[0, :2]).all() and len(set(table[:, 2])) == 4
     assert (core.pages.refcount[table[0, :2]] == 4).all()
     for record in group:
         core.start(record, max_new_tokens=12)
-    while core.num_active:
-        core.step()
-    assert core.pages.num_used == 2 + 4 * 2  # 32 tokens each: one more private page per sample
+    _run(core)
+    # 35 tokens each: two more private pages per sample (those given ahead of the decode went back at the
+    # pause).
+    assert core.pages.num_used == 2 + 4 * 3
     for record in group:
         _check_against_dense(tiny_qwen3, record.prompt_ids, record.response_ids, record.loss_mask,
-                             record.logprobs, record.entropies)
+                             record.logprobs, record.entropies, greedy=False)
         core.close(record)
     assert core.pages.num_used == 0 and core.num_free_pages == config.pool_pages - 1
 
@@ -232,15 +257,14 @@ def test_a_prefix_in_the_pool_is_not_prefilled_again(tiny_qwen3):
     first, second = system + [7, 8], system + [9, 10, 11]
     greedy = SamplingParams(temperature=0.0)
     ((a,),) = core.admit([(first, 1, greedy, 10, (0,))])
-    prefilled = []
-    core._prefill = lambda chunks, f=core._prefill: (prefilled.extend(chunks), f(chunks))[1]
+    _run(core)  # the first prompt's pages are written and registered
     ((b,),) = core.admit([(second, 1, greedy, 10, (1,))])
-    assert prefilled == [(b.slot, second[25:])]  # 24 shared tokens' keys/values, the pending one on
+    assert (a.cached_tokens, b.cached_tokens) == (0, 24)  # 24 shared tokens' keys/values, the rest prefilled
+    assert core.stats["cached_tokens"] == 24
     np.testing.assert_array_equal(core.pages.table[b.slot, :3], core.pages.table[a.slot, :3])
     for record in (a, b):
         core.start(record, max_new_tokens=8)
-    while core.num_active:
-        core.step()
+    _run(core)
     for record in (a, b):
         _check_against_dense(tiny_qwen3, record.prompt_ids, record.response_ids, record.loss_mask,
                              record.logprobs, record.entropies)
@@ -297,3 +321,38 @@ def test_pallas_interpret_engine_matches_jnp(tiny_qwen3):
     jnp_result, kernel_result = run("jnp"), run("pallas_interpret")
     assert kernel_result.tokens == jnp_result.tokens
     np.testing.assert_allclose(kernel_result.logprobs, jnp_result.logprobs, atol=1e-5)
+
+
+def test_prefix_cache_reuse_equals_a_cold_run_and_evicts_nothing_in_use(tiny_qwen3):
+    """A chat's second turn attaches the first turn's pages (prompt and answer) from the prefix cache and
+    samples exactly what an engine without the cache samples; meanwhile other work fills the small pool, so
+    unheld cached pages are evicted (least recently used) but no page in use is, and freed pages are
+    poisoned with NaN (a stale read would show)."""
+    config = dataclasses.replace(PAGED_CONFIG, num_pages=13)  # 12 pages of 8 tokens
+    greedy = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, 256, 21).tolist()
+    core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
+    ((a,),) = core.admit([(first, 1, greedy, 12, (0,))])
+    core.start(a, max_new_tokens=12)
+    _run(core)
+    core.close(a)  # 33 tokens, 32 of them with keys/values: its 4 full pages stay cached
+    assert core.pages.num_cached == 4 and core.pages.num_used == 0
+    second = first + a.response_ids + rng.integers(0, 256, 5).tolist()
+    ((b,),) = core.admit([(second, 1, greedy, 20, (1,))])
+    assert b.cached_tokens == 32 and core.pages.num_cached == 0  # 4 pages attached, the rest prefilled
+    slot = b.slot
+    held = set(core.pages.table[slot, :4].tolist())
+    core.start(b, max_new_tokens=10)  # then it pauses, holding its pages
+    # Other prompts meanwhile: the pool runs out of free pages and evicts cached ones.
+    for i in range(3):
+        ((c,),) = core.admit([(rng.integers(0, 256, 9).tolist(), 1, greedy, 8, (2 + i,))])
+        core.start(c, max_new_tokens=8)
+        _run(core)
+        core.close(c)
+        assert held <= set(core.pages.table[slot].tolist())  # b's attached pages stayed b's
+    assert core.pages.evicted > 0
+    cold = generate(tiny_qwen3.params, tiny_qwen3.config, [second], max_new_tokens=10,
+                    engine_config=dataclasses.replace(config, prefix_sharing=False))[0]
+    assert b.response_ids == cold.tokens
+    np.testing.assert_allclose(b.logprobs, cold.logprobs, atol=1e-5)

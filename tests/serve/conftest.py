@@ -29,7 +29,7 @@ def tiny_policy(tiny_policy_dir):
     return load_policy(tiny_policy_dir)
 
 
-SERVER_CONFIG = ServerConfig(num_slots=4, max_len=512, segment_tokens=8, warmup=False)
+SERVER_CONFIG = ServerConfig(num_slots=4, max_len=512, decode_chunk=4, warmup=False)  # tokens stream in fours
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,13 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 
 from experiments.tiny_policy import HELLO, HELLO_ANSWER, WEATHER, WEATHER_ANSWER, WEATHER_RESULT, WEATHER_TOOL
+from rstar2jax.engine import generate
+from rstar2jax.serve.protocol import parse_chat_request
 from tests.serve.conftest import SERVER_CONFIG
 
 
@@ -259,3 +262,33 @@ def test_a_client_that_disconnects_frees_its_slots(server, client, model):
     assert after["cancelled_choices"] - stats.get("cancelled_choices", 0) == SERVER_CONFIG.num_slots
     generated = after["completion_tokens"] - stats["completion_tokens"]
     assert generated - again.usage.completion_tokens < full.usage.completion_tokens
+
+
+def test_concurrent_streams_equal_direct_generate(server, tiny_policy, model):
+    """Six streamed requests at once on four slots (some wait, all decode side by side, each streamed as the
+    engine's steps sample it): every completion's tokens and log-probs are what one ``engine.generate`` call
+    on the same prompts gives."""
+    questions = [HELLO, WEATHER, "Say goodbye.", "What is 2 + 2?", "Hello?", "Name a color."]
+    max_tokens = 24
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        async with client:
+            async def one(question):
+                stream = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+                    temperature=0, logprobs=True, stream=True)
+                return [(e.token, e.logprob) for c in [c async for c in stream]
+                        if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            return await asyncio.gather(*(one(q) for q in questions))
+
+    served = asyncio.run(run())
+    service = server.service
+    prompts = [service.prompt_ids(parse_chat_request({"messages": [{"role": "user", "content": q}]}, max_n=1))
+               for q in questions]
+    direct = generate(tiny_policy.params, tiny_policy.model_config, prompts, max_new_tokens=max_tokens,
+                      engine_config=service.engine_config)
+    for entries, expected in zip(served, direct, strict=True):
+        tokens = [t for t in expected.tokens if t not in service.eos_ids]  # the end of turn is not content
+        assert [text for text, _ in entries] == [service.decode([t]) for t in tokens]
+        np.testing.assert_allclose([lp for _, lp in entries], expected.logprobs[: len(tokens)], atol=1e-5)
