@@ -47,13 +47,14 @@ import dataclasses
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from rstar2jax.agent.outage import OutagePolicy, OutageTracker
+from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.conversation import (
     PromptConfig,
     encode_text,
@@ -299,18 +300,6 @@ class PartialRollout:
         return self.conversation.policy_versions
 
 
-async def _gather_or_cancel(awaitables: Iterable[Awaitable]) -> list:
-    """``asyncio.gather`` that cancels (and waits for) the others when one fails, so none is left running."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 class _Rollout:
     """One ``rollout_async`` call: the shared pieces and the per-group / per-session coroutines."""
 
@@ -361,7 +350,7 @@ class _Rollout:
         except ValueError as error:
             raise ValueError(f"problem {problem.id!r}: {error}") from error
         queued = time.perf_counter() - start
-        return await _gather_or_cancel(
+        return await gather_or_cancel(
             self.session(s, problem, prompt_ids, queued, seed=self.derived_seed(seed, j))
             for j, s in enumerate(sessions))
 
@@ -577,7 +566,7 @@ async def rollout_async(
             raise TypeError(f"resume[{i}] is a {type(partial).__name__}, expected a PartialRollout")
     run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config,
                    token_budget=token_budget, outage=outage)
-    groups = await _gather_or_cancel(
+    groups = await gather_or_cancel(
         [run.resume(p) for p in resume]
         + [run.problem(i, p, samples_per_problem) for i, p in enumerate(problems)])
     if stats is not None:

@@ -43,7 +43,7 @@ import numpy as np
 from aiohttp import web
 
 from rstar2jax import models
-from rstar2jax.agent.rollout import _gather_or_cancel as gather_or_cancel
+from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session, page_rounded
