@@ -215,3 +215,13 @@ def test_a_format_file_that_is_not_json_is_an_error_naming_it(tmp_path):
     (tmp_path / PROMPT_CONFIG_FILE).write_text("{")
     with pytest.raises(ValueError, match=f"{PROMPT_CONFIG_FILE}: not valid JSON"):
         load_prompt_config(tmp_path)
+
+
+def test_the_split_out_names_are_reexported_by_the_conversation_module():
+    from rstar2jax.data import chat_template, conversation, tool_result
+
+    for name in ("CHATML_TOOLS_TEMPLATE", "HERMES_TOOL_TOKENS", "TokenizedConversation", "encode_chat",
+                 "encode_text", "render_chat", "tokenize_conversation"):
+        assert getattr(conversation, name) is getattr(chat_template, name)
+    for name in ("format_tool_result", "truncate_middle"):
+        assert getattr(conversation, name) is getattr(tool_result, name)
