@@ -30,7 +30,9 @@ How it behaves:
     ``run`` never hangs and never raises for service failures: they come back as ``internal`` results
     whose ``stderr`` says what happened.
 
-The only thing imported from the server package is its dependency-free wire schema.
+:class:`SandboxResult` and the wire format (request bodies, decoding answers) live in ``agent.sandbox_wire``,
+the blocking wrapper (:class:`SyncSandboxClient`, :func:`run_code_sync`) in ``agent.sandbox_sync``; this
+module re-exports them. The only thing imported from the server package is its dependency-free wire schema.
 """
 
 from __future__ import annotations
@@ -38,46 +40,35 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import random
-import threading
 import time
 import urllib.parse
 import zlib
 from collections.abc import Iterable, Sequence
 
 import aiohttp
-import msgpack
 
+from rstar2jax.agent.sandbox_wire import (
+    SandboxResult,
+    batch_results,
+    decode_body,
+    encode_batch,
+    retry_after_seconds,
+)
 from sandbox_server import schema
 
-__all__ = ["SandboxClient", "SandboxResult", "SyncSandboxClient", "run_code_sync"]
+__all__ = ["SandboxClient", "SandboxResult", "SyncSandboxClient", "run_code_sync"]  # noqa: F822 (see __getattr__)
+
+#: Names of ``rstar2jax.agent.sandbox_sync``, re-exported here on first use: that module builds on this one.
+_SYNC_NAMES = ("SyncSandboxClient", "run_code_sync")
 
 
-@dataclasses.dataclass(frozen=True)
-class SandboxResult:
-    """One execution result; fields as in ``sandbox_server.schema`` (``status`` is one of ``STATUSES``)."""
+def __getattr__(name: str):
+    if name in _SYNC_NAMES:
+        from rstar2jax.agent import sandbox_sync
 
-    status: str
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    error_type: str | None
-    duration: float
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @classmethod
-    def from_wire(cls, obj) -> SandboxResult:
-        return cls(**schema.validate_run_result(obj))
-
-    @classmethod
-    def failure(
-        cls, message: str, *, status: str = "internal", error_type: str | None = None
-    ) -> SandboxResult:
-        return cls(**schema.make_result(status, stderr=f"sandbox client: {message}\n", error_type=error_type))
+        return getattr(sandbox_sync, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -304,7 +295,7 @@ class SandboxClient:
                 return SandboxResult.failure(
                     f"opening a session on {url} failed: {error!r}", error_type="ConnectionError"
                 )
-            decoded = _decode(raw, response.content_type)
+            decoded = decode_body(raw, response.content_type)
             if status == 200 and isinstance(decoded, dict):
                 session_id, token = decoded.get(schema.SESSION_KEY), decoded.get(schema.SESSION_TOKEN_KEY)
                 if isinstance(session_id, str) and isinstance(token, str):
@@ -438,13 +429,7 @@ class SandboxClient:
 
     async def _post_batch(self, url: str, calls: list[_Call]) -> list[SandboxResult]:
         http = await self._session()
-        payload = {schema.BATCH_REQUESTS_KEY: [c.request for c in calls]}
-        if self.wire == "msgpack":
-            body = msgpack.packb(payload, use_bin_type=True, unicode_errors="surrogatepass")
-            content_type = schema.CONTENT_TYPE_MSGPACK
-        else:
-            body = json.dumps(payload).encode()
-            content_type = schema.CONTENT_TYPE_JSON
+        body, content_type = encode_batch([c.request for c in calls], self.wire)
         budget = max(c.deadline for c in calls) - time.monotonic()
         try:
             async with http.post(
@@ -461,25 +446,10 @@ class SandboxClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as error:
             raise _Retry(f"request to {url} failed: {error!r}", delivered=True) from error
         if status == 503:
-            raise _Retry(f"{url} is busy (503)", delivered=False, wait=_seconds(retry_after))
+            raise _Retry(f"{url} is busy (503)", delivered=False, wait=retry_after_seconds(retry_after))
         if status == 413:
             raise _TooLarge()
-        decoded = _decode(raw, content_type)
-        if status != 200:
-            message = decoded.get("error") if isinstance(decoded, dict) else None
-            failure = SandboxResult.failure(
-                f"HTTP {status} from {url}: {message or raw[:200]!r}", error_type=f"HTTP{status}"
-            )
-            return [failure] * len(calls)
-        wire_results = decoded.get(schema.BATCH_RESULTS_KEY) if isinstance(decoded, dict) else None
-        if not isinstance(wire_results, list) or len(wire_results) != len(calls):
-            count = len(wire_results) if isinstance(wire_results, list) else "no"
-            failure = SandboxResult.failure(
-                f"malformed response from {url}: {count} results for {len(calls)} requests",
-                error_type="BadResponse",
-            )
-            return [failure] * len(calls)
-        return [_result_from_wire(item, url) for item in wire_results]
+        return batch_results(status, raw, content_type, url, len(calls))
 
     # ------------------------------------------------------------------------------------------- plumbing
     async def _session(self) -> aiohttp.ClientSession:
@@ -518,102 +488,3 @@ def _deadline_result(call: _Call) -> SandboxResult:
         f"no result before the call's deadline (timeout {limit:g} s + slack); the service may be overloaded",
         error_type="DeadlineExceeded",
     )
-
-
-def _seconds(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _decode(raw: bytes, content_type: str):
-    """The response body; strings that are not valid UTF-8 keep their bytes as surrogates here and are
-    repaired result by result (``_result_from_wire``), so one bad string never costs a whole batch."""
-    if content_type == schema.CONTENT_TYPE_MSGPACK:
-        try:
-            return msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
-        except (ValueError, msgpack.UnpackException):
-            pass  # error responses may be JSON
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
-
-
-def _valid_text(text):
-    """``text`` with lone surrogates (undecodable bytes or escapes) replaced by U+FFFD; other values as is."""
-    if isinstance(text, str) and not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            try:  # msgpack's undecodable bytes, as they were sent
-                return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-            except UnicodeEncodeError:  # lone surrogates (from JSON escapes)
-                return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    return text
-
-
-def _result_from_wire(item, url: str) -> SandboxResult:
-    """One result of a batch: a malformed one is a ``BadResponse`` failure for its own call only."""
-    try:
-        if isinstance(item, dict):
-            item = {key: _valid_text(value) for key, value in item.items()}
-        return SandboxResult.from_wire(item)
-    except (schema.SchemaError, TypeError, UnicodeError) as error:
-        return SandboxResult.failure(f"malformed result from {url}: {error}", error_type="BadResponse")
-
-
-class SyncSandboxClient:
-    """Blocking wrapper for notebooks and scripts: a private event loop on a background thread.
-
-    Works whether or not the caller already runs an event loop (as Jupyter does). Same arguments as
-    ``SandboxClient``.
-    """
-
-    def __init__(self, urls: str | Sequence[str], **kwargs):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sandbox-client", daemon=True)
-        self._thread.start()
-        self._client = SandboxClient(urls, **kwargs)
-
-    def _call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
-    def run(
-        self, code: str, stdin: str = "", timeout: float | None = None, session: str | None = None
-    ) -> SandboxResult:
-        return self._call(self._client.run(code, stdin=stdin, timeout=timeout, session=session))
-
-    def run_many(
-        self, requests: Iterable[str | dict], *, timeout: float | None = None, session: str | None = None
-    ) -> list[SandboxResult]:
-        return self._call(self._client.run_many(list(requests), timeout=timeout, session=session))
-
-    def close_session(self, session: str) -> bool:
-        return self._call(self._client.close_session(session))
-
-    def health(self) -> dict:
-        return self._call(self._client.health())
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._call(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> SyncSandboxClient:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-def run_code_sync(
-    code: str, url: str, stdin: str = "", timeout: float | None = None, **kwargs
-) -> SandboxResult:
-    """Run one snippet on the server at ``url`` and wait for its result (opens and closes a client)."""
-    with SyncSandboxClient(url, **kwargs) as client:
-        return client.run(code, stdin=stdin, timeout=timeout)

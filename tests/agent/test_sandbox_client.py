@@ -8,11 +8,13 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 
 import msgpack
 import pytest
 from aiohttp import web
 
+from rstar2jax.agent import sandbox_client
 from rstar2jax.agent.sandbox_client import SandboxClient, SandboxResult, SyncSandboxClient, run_code_sync
 from sandbox_server import schema, start_local
 
@@ -167,6 +169,26 @@ def test_sync_client_works_inside_and_outside_an_event_loop(server):
         return run_code_sync("print('sync')", url=server.url)
 
     assert _run(inside_a_notebook_loop()).stdout == "sync\n"
+
+
+def _loop_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "sandbox-client"}
+
+
+def test_a_closed_sync_client_stops_its_loop_and_a_new_one_works(server):
+    before = _loop_threads()
+    client = SyncSandboxClient(server.url)
+    assert client.run("1").stdout == "1\n"
+    client.close()
+    client.close()  # idempotent
+    assert _loop_threads() == before
+    with pytest.raises(RuntimeError, match="SyncSandboxClient is closed"):
+        client.run("1")
+    with SyncSandboxClient(server.url) as again:  # a second run in the same process
+        assert again.run("2").stdout == "2\n"
+    with pytest.raises(ValueError, match="http://"):
+        SyncSandboxClient("ftp://127.0.0.1:1")
+    assert _loop_threads() == before  # neither the closed clients nor the rejected one left a loop running
 
 
 # --------------------------------------------------------------------------------------- fake servers
@@ -383,3 +405,22 @@ def test_importing_the_client_leaves_jax_and_transformers_unloaded():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["[]", "True True"]
+
+
+def test_the_split_out_names_are_reexported_by_the_client_module():
+    """``sandbox_sync`` builds on ``sandbox_client``, which re-exports its names: either may load first."""
+    probe = (
+        "from rstar2jax.agent.sandbox_sync import SyncSandboxClient, run_code_sync\n"
+        "from rstar2jax.agent import sandbox_client, sandbox_wire\n"
+        "print(sandbox_client.SyncSandboxClient is SyncSandboxClient,"
+        " sandbox_client.run_code_sync is run_code_sync,"
+        " sandbox_client.SandboxResult is sandbox_wire.SandboxResult)\n"
+        "del SyncSandboxClient, run_code_sync\n"
+        "from rstar2jax.agent.sandbox_client import *\n"
+        "bound = dir()\n"
+        "print(sorted(set(sandbox_client.__all__) - set(bound)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["True True True", "[]"]
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        sandbox_client.nothing  # noqa: B018
