@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 __all__ = ["OutagePolicy", "OutageTracker", "SandboxUnavailable", "failure_kind"]
+
+logger = logging.getLogger(__name__)
 
 _WORKER_DIED = "WorkerDied"
 _NEVER_DELIVERED = "Unreachable"  # the client's word for "every connection was refused"
@@ -72,7 +74,7 @@ class OutagePolicy:
       backoff: (first, largest) seconds a waiting call sleeps before its next try; doubled after each try,
         each sleep jittered by a factor in [0.5, 1.5].
       restart: for a sandbox the run owns: restarts it if it died and returns a line saying so, else None.
-      log: where the lines about outages go (default: stdout, flushed).
+      log: where the lines about outages go (default: this module's logger, at WARNING).
     """
 
     budget_s: float = 300.0
@@ -115,7 +117,7 @@ class OutageTracker:
         if self.policy.log is not None:
             self.policy.log(line)
         else:
-            print(line, file=sys.stdout, flush=True)
+            logger.warning("%s", line)
 
     def stats(self) -> dict[str, float]:
         """``sandbox_outage_s`` (seconds the service was down, an outage still going included),

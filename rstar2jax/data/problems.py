@@ -26,15 +26,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import pathlib
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rstar2jax.reward.extraction import as_integer, last_boxed
+
+logger = logging.getLogger(__name__)
 
 # Field names tried in order when the caller does not name one; the first present non-null value wins.
 PROBLEM_FIELDS = ("problem", "question", "prompt")
@@ -245,7 +247,7 @@ def load_problems(
       integer_only: keep only problems whose answer is an integer (the paper's RL data are integer-only);
         others are counted under ``"non-integer answer"``.
       limit: keep at most this many problems (after rejections).
-      report: print ``ProblemSet.report()`` (counts and the first rejected rows) to stderr when rows were
+      report: log ``ProblemSet.report()`` (counts and the first rejected rows) as a warning when rows were
         rejected.
 
     Returns:
@@ -301,7 +303,7 @@ def load_problems(
         metadata = {k: v for k, v in row.items() if k not in used}
         loaded.problems.append(Problem(id=problem_id, problem=text, answer=answer, metadata=metadata))
     if report and loaded.num_skipped:
-        print(loaded.report(), file=sys.stderr, flush=True)
+        logger.warning("%s", loaded.report())
     return loaded
 
 

@@ -4,6 +4,7 @@ a crashed server the run owns restarted, a killed worker's call run again."""
 
 import asyncio
 import collections
+import logging
 import os
 import signal
 import threading
@@ -115,7 +116,7 @@ def test_calls_the_service_refuses_stop_at_once(tokenizer, verifier):
         rollout_with(DownFor(float("inf"), refused), tokenizer, verifier, outage=OutagePolicy(budget_s=60))
 
 
-def test_a_session_call_is_tried_again_only_when_it_never_reached_the_server(tokenizer, verifier):
+def test_a_session_call_is_tried_again_only_when_it_never_reached_the_server(tokenizer, verifier, caplog):
     class SessionSandbox(DownFor):
         async def run(self, code, stdin="", timeout=None, session=None):
             return await super().run(code, stdin, timeout)
@@ -124,9 +125,14 @@ def test_a_session_call_is_tried_again_only_when_it_never_reached_the_server(tok
             return True
 
     config = RolloutConfig(stateful_tool=True)
+    caplog.set_level(logging.WARNING, logger="rstar2jax.agent.outage")
     (t, *_), _ = rollout_with(SessionSandbox(0.2), tokenizer, verifier, config=config,
-                              outage=OutagePolicy(budget_s=30, log=print, **FAST))
+                              outage=OutagePolicy(budget_s=30, **FAST))
     assert t.tool_outcomes == ["ok"]
+    # Without a ``log`` the outage lines go to the module's logger as warnings.
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "rstar2jax.agent.outage"]
+    assert logged[0][0] == logging.WARNING and logged[0][1].startswith("sandbox service is not answering")
+    assert logged[-1][1].startswith("sandbox service answers again after") and len(logged) == 2
     lost = SandboxResult.failure("request failed: ServerDisconnectedError", error_type="ConnectionError")
     (t, *_), _ = rollout_with(SessionSandbox(0.2, lost), tokenizer, verifier, config=config,
                               outage=OutagePolicy(budget_s=30, log=print, **FAST))

@@ -2,6 +2,7 @@
 problem iterator."""
 
 import json
+import logging
 
 import datasets
 import pytest
@@ -80,7 +81,7 @@ def test_bad_input_errors(tmp_path):
         load_problems([["not", "a", "dict"]])
 
 
-def test_math_style_answer_from_last_boxed_solution(tmp_path, capsys):
+def test_math_style_answer_from_last_boxed_solution(tmp_path, caplog):
     rows = [
         {
             "problem": "p1",
@@ -95,16 +96,19 @@ def test_math_style_answer_from_last_boxed_solution(tmp_path, capsys):
     assert loaded.problems[0].metadata == {"solution": rows[0]["solution"], "level": 5}
     assert dict(loaded.skipped) == {"no \\boxed{} in solution": 1}
     assert loaded.examples == [(1, "no \\boxed{} in solution", json.dumps(rows[1]))]
-    err = capsys.readouterr().err
-    assert "math.jsonl: kept 2 rows, rejected 1 (1 no \\boxed{} in solution)" in err
-    assert 'row 1 (no \\boxed{} in solution): {"problem": "p2"' in err
+    (record,) = [r for r in caplog.records if r.name == "rstar2jax.data.problems"]
+    assert record.levelno == logging.WARNING
+    assert "math.jsonl: kept 2 rows, rejected 1 (1 no \\boxed{} in solution)" in record.getMessage()
+    assert 'row 1 (no \\boxed{} in solution): {"problem": "p2"' in record.getMessage()
+    caplog.clear()
     named = load_problems(
         [{"q": "x", "worked": "\\boxed{9}"}], problem_field="q", solution_field="worked", report=False
     )
     assert named.problems[0].answer == "9"
+    assert caplog.records == []  # report=False: nothing logged
 
 
-def test_verl_dapo_rows_and_datasets_objects(capsys):
+def test_verl_dapo_rows_and_datasets_objects(caplog):
     rows = [
         {
             "data_source": "math_dapo",
@@ -127,7 +131,7 @@ def test_verl_dapo_rows_and_datasets_objects(capsys):
     ]
     loaded = load_problems(rows, report=False)
     assert loaded.problems == expected and dict(loaded.skipped) == {"missing problem": 1}
-    assert capsys.readouterr().err == ""
+    assert caplog.records == []  # rows were rejected, but report=False
     dataset = datasets.Dataset.from_list(rows)
     assert load_problems(dataset, report=False).problems == expected
     splits = datasets.DatasetDict(train=dataset, test=dataset.select([0]))
