@@ -10,6 +10,7 @@ from rstar2jax.reward.extraction import as_integer, extract_answer, final_answer
 from rstar2jax.reward.verifier import (
     AnswerGrade,
     AnswerVerifier,
+    close_default_verifier,
     default_verifier,
     grade_answer,
     score_answer,
@@ -19,6 +20,7 @@ __all__ = [
     "AnswerGrade",
     "AnswerVerifier",
     "as_integer",
+    "close_default_verifier",
     "default_verifier",
     "extract_answer",
     "final_answer_block",

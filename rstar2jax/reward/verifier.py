@@ -157,6 +157,11 @@ class AnswerVerifier:
         with self._lock:
             return tuple(sorted(worker.process.pid for worker in self._workers))
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the verifier then grades nothing more)."""
+        return self._closed
+
     def _spawn(self) -> _Worker:
         worker = _Worker(self._memory_limit_bytes)
         with self._lock:
@@ -285,18 +290,34 @@ class AnswerVerifier:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
 
+# The process-wide verifier behind grade_answer / score_answer: started on first use, replaced by a fresh one
+# when it was closed (a second run in the same process), stopped at exit.
 _default_verifier: AnswerVerifier | None = None
 _default_verifier_lock = threading.Lock()
 
 
 def default_verifier() -> AnswerVerifier:
-    """The process-wide verifier behind :func:`grade_answer` / :func:`score_answer` (started on first use)."""
+    """The process-wide verifier behind :func:`grade_answer` / :func:`score_answer`: started on first use,
+    and started again on the next use after it was closed (:func:`close_default_verifier` or its own
+    ``close()``)."""
     global _default_verifier
     with _default_verifier_lock:
-        if _default_verifier is None:
+        if _default_verifier is None or _default_verifier.closed:
             _default_verifier = AnswerVerifier()
-            atexit.register(_default_verifier.close)
         return _default_verifier
+
+
+def close_default_verifier() -> None:
+    """Stops the default verifier's workers, if it was started (also run at exit); the next use starts a
+    fresh one."""
+    global _default_verifier
+    with _default_verifier_lock:
+        verifier, _default_verifier = _default_verifier, None
+    if verifier is not None:
+        verifier.close()
+
+
+atexit.register(close_default_verifier)
 
 
 def grade_answer(response_text: str, gold: str | int) -> AnswerGrade:

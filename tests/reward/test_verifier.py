@@ -12,7 +12,15 @@ from fractions import Fraction
 import pytest
 
 from rstar2jax.eval import EVAL_SETS_DIR
-from rstar2jax.reward import AnswerGrade, AnswerVerifier, as_integer, grade_answer, score_answer
+from rstar2jax.reward import (
+    AnswerGrade,
+    AnswerVerifier,
+    as_integer,
+    close_default_verifier,
+    default_verifier,
+    grade_answer,
+    score_answer,
+)
 
 PATHOLOGICAL = "9^{9^{9^{9}}}"  # sympy tries to evaluate the tower: math-verify never returns
 _SIMPLE_FRACTION = re.compile(r"(-?)\\d?frac\s*(?:\{(\d+)\}|(\d))\s*(?:\{(\d+)\}|(\d))")
@@ -245,6 +253,23 @@ def test_sync_api_works_off_the_main_thread():
         "grade": AnswerGrade(True, "2,025", "integer match"),
         "wrong": AnswerGrade(False, "\\sqrt{2}", "math-verify: not equivalent"),
     }
+
+
+def test_the_default_verifier_once_closed_is_started_afresh_on_next_use():
+    """A second run in the same process: closing the process-wide verifier does not break the next user."""
+    fraction = response("\\dfrac{14}{3}")  # not an integer: math-verify runs in a worker
+    first = default_verifier()
+    assert first is default_verifier() and score_answer(fraction, "\\frac{14}{3}")
+    close_default_verifier()
+    assert first.closed
+    second = default_verifier()
+    assert second is not first and not second.closed and score_answer(fraction, "\\frac{14}{3}")
+    second.close()  # closed by its owner's own close(): the next use starts a fresh one too
+    assert score_answer(fraction, "\\frac{14}{3}") and default_verifier() is not second
+    close_default_verifier()
+    close_default_verifier()  # idempotent, and nothing to close
+    with pytest.raises(RuntimeError, match="closed"):
+        first.grade_blocking(fraction, "\\frac{14}{3}")
 
 
 def test_answers_without_a_final_boxed_answer_score_zero(verifier):
