@@ -394,33 +394,36 @@ def test_bad_call_arguments_raise():
     _run(main())
 
 
+def _printed_by_fresh_python(*lines: str) -> list[str]:
+    """What a fresh interpreter running ``lines`` prints, line by line (imports seen from a clean start)."""
+    probe = "".join(line + "\n" for line in lines)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
 def test_importing_the_client_leaves_jax_and_transformers_unloaded():
     """The agent package loads names lazily: a client-only process keeps a small heap (short full GCs)."""
-    probe = (
-        "import sys\n"
-        "from rstar2jax.agent.sandbox_client import SandboxClient\n"
-        "print(sorted(m for m in ('jax', 'transformers', 'torch') if m in sys.modules))\n"
-        "from rstar2jax.agent import rollout, SandboxClient as Same\n"
-        "print(Same is SandboxClient, 'jax' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["[]", "True True"]
+    assert _printed_by_fresh_python(
+        "import sys",
+        "from rstar2jax.agent.sandbox_client import SandboxClient",
+        "print(sorted(m for m in ('jax', 'transformers', 'torch') if m in sys.modules))",
+        "from rstar2jax.agent import rollout, SandboxClient as Same",
+        "print(Same is SandboxClient, 'jax' in sys.modules)",
+    )[:2] == ["[]", "True True"]
 
 
 def test_the_split_out_names_are_reexported_by_the_client_module():
     """``sandbox_sync`` builds on ``sandbox_client``, which re-exports its names: either may load first."""
-    probe = (
-        "from rstar2jax.agent.sandbox_sync import SyncSandboxClient, run_code_sync\n"
-        "from rstar2jax.agent import sandbox_client, sandbox_wire\n"
+    assert _printed_by_fresh_python(
+        "from rstar2jax.agent.sandbox_sync import SyncSandboxClient, run_code_sync",
+        "from rstar2jax.agent import sandbox_client, sandbox_wire",
         "print(sandbox_client.SyncSandboxClient is SyncSandboxClient,"
         " sandbox_client.run_code_sync is run_code_sync,"
-        " sandbox_client.SandboxResult is sandbox_wire.SandboxResult)\n"
-        "del SyncSandboxClient, run_code_sync\n"
-        "from rstar2jax.agent.sandbox_client import *\n"
-        "bound = dir()\n"
-        "print(sorted(set(sandbox_client.__all__) - set(bound)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == ["True True True", "[]"]
+        " sandbox_client.SandboxResult is sandbox_wire.SandboxResult)",
+        "del SyncSandboxClient, run_code_sync",
+        "from rstar2jax.agent.sandbox_client import *",
+        "bound = dir()",
+        "print(sorted(set(sandbox_client.__all__) - set(bound)))",
+    ) == ["True True True", "[]"]
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         sandbox_client.nothing  # noqa: B018
