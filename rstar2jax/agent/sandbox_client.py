@@ -32,7 +32,8 @@ How it behaves:
 
 :class:`SandboxResult` and the wire format (request bodies, decoding answers) live in ``agent.sandbox_wire``,
 the blocking wrapper (:class:`SyncSandboxClient`, :func:`run_code_sync`) in ``agent.sandbox_sync``; this
-module re-exports them. The only thing imported from the server package is its dependency-free wire schema.
+module re-exports them. ``agent.sandbox_sessions`` keeps the session names and the server sessions behind
+them. The only thing imported from the server package is its dependency-free wire schema.
 """
 
 from __future__ import annotations
@@ -42,16 +43,14 @@ import dataclasses
 import itertools
 import random
 import time
-import urllib.parse
-import zlib
 from collections.abc import Iterable, Sequence
 
 import aiohttp
 
+from rstar2jax.agent.sandbox_sessions import ClientSessions
 from rstar2jax.agent.sandbox_wire import (
     SandboxResult,
     batch_results,
-    decode_body,
     encode_batch,
     retry_after_seconds,
 )
@@ -77,15 +76,6 @@ class _Call:
     future: asyncio.Future
     deadline: float
     url: str | None = None  # the server a session call must go to
-
-
-@dataclasses.dataclass(frozen=True)
-class _SessionHandle:
-    """A session opened on ``url``: the server's id for it and the token that proves it is ours."""
-
-    url: str
-    id: str
-    token: str
 
 
 CLIENT_REQUEST_FIELDS = ("code", "stdin", "timeout", "session")
@@ -167,8 +157,7 @@ class SandboxClient:
         self._tasks: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
-        self._sessions: dict[str, _SessionHandle] = {}  # the caller's session name -> the server's
-        self._opening: dict[str, asyncio.Future] = {}  # names whose session is being opened
+        self._sessions = ClientSessions(self)
 
     # ------------------------------------------------------------------------------------------ public
     async def run(
@@ -186,7 +175,7 @@ class SandboxClient:
         request = {"code": code, "stdin": stdin, "timeout": timeout, "session": None}
         handle = None
         if session is not None:
-            handle = await self._session_handle(session)
+            handle = await self._sessions.handle(session)
             if isinstance(handle, SandboxResult):  # could not open it
                 return handle
             request.update(session=handle.id, session_token=handle.token)
@@ -208,8 +197,7 @@ class SandboxClient:
         except TimeoutError:
             return _deadline_result(call)
         if handle is not None and result.error_type in (schema.SESSION_CLOSED, schema.SESSION_NOT_FOUND):
-            if self._sessions.get(session) is handle:  # gone on the server: the next call opens a new one
-                del self._sessions[session]
+            self._sessions.forget(session, handle)  # gone on the server: the next call opens a new one
         return result
 
     async def run_many(
@@ -234,79 +222,7 @@ class SandboxClient:
     async def close_session(self, session: str) -> bool:
         """Close a session on its server; returns whether it existed (a name this client never used, or
         whose session has already ended, is False)."""
-        opening = self._opening.get(session)
-        if opening is not None:
-            await asyncio.shield(opening)
-        handle = self._sessions.pop(session, None)
-        if handle is None:
-            return False
-        http = await self._session()
-        path = f"{schema.PATH_SESSIONS}/{urllib.parse.quote(handle.id, safe='')}"
-        headers = {**self._headers(), schema.SESSION_TOKEN_HEADER: handle.token}
-        async with http.delete(handle.url + path, headers=headers) as response:
-            return response.status == 200
-
-    async def _session_handle(self, name: str) -> _SessionHandle | SandboxResult:
-        """The server session behind ``name``, opened on first use (concurrent first calls share one open);
-        a failure result if it cannot be opened."""
-        handle = self._sessions.get(name)
-        if handle is not None:
-            return handle
-        opening = self._opening.get(name)
-        if opening is None:
-            opening = asyncio.get_running_loop().create_future()
-            self._opening[name] = opening
-            try:
-                opened = await self._open_session(self._session_url(name))
-            except BaseException:
-                opening.set_result(SandboxResult.failure("opening the session was cancelled"))
-                raise
-            finally:
-                del self._opening[name]
-            if isinstance(opened, _SessionHandle):
-                self._sessions[name] = opened
-            opening.set_result(opened)
-            return opened
-        return await asyncio.shield(opening)
-
-    async def _open_session(self, url: str) -> _SessionHandle | SandboxResult:
-        """``POST /sessions`` on ``url``, retrying refused connections and 503 like calls are retried."""
-        http = await self._session()
-        delay = self.backoff[0]
-        for attempt in range(self.connect_attempts):
-            if attempt:
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(2 * delay, self.backoff[1])
-            try:
-                async with http.post(
-                    url + schema.PATH_SESSIONS,
-                    headers=self._headers(),
-                    timeout=aiohttp.ClientTimeout(
-                        total=self.deadline_slack + 5, connect=self.connect_timeout
-                    ),
-                ) as response:
-                    status, raw = response.status, await response.read()
-            except (aiohttp.ClientConnectorError, ConnectionRefusedError) as error:
-                failure = SandboxResult.failure(
-                    f"cannot open a session on {url}: {error} (is the server down?)", error_type="Unreachable"
-                )
-                continue
-            except (TimeoutError, aiohttp.ClientError, OSError) as error:
-                return SandboxResult.failure(
-                    f"opening a session on {url} failed: {error!r}", error_type="ConnectionError"
-                )
-            decoded = decode_body(raw, response.content_type)
-            if status == 200 and isinstance(decoded, dict):
-                session_id, token = decoded.get(schema.SESSION_KEY), decoded.get(schema.SESSION_TOKEN_KEY)
-                if isinstance(session_id, str) and isinstance(token, str):
-                    return _SessionHandle(url, session_id, token)
-            message = decoded.get("error") if isinstance(decoded, dict) else raw[:200]
-            failure = SandboxResult.failure(
-                f"HTTP {status} from {url} opening a session: {message!r}", error_type=f"HTTP{status}"
-            )
-            if status != 503:
-                return failure
-        return failure
+        return await self._sessions.close(session)
 
     async def health(self, url: str | None = None) -> dict:
         return await self._get(url or self.urls[0], schema.PATH_HEALTH)
@@ -351,9 +267,6 @@ class SandboxClient:
                 )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-
-    def _session_url(self, session: str) -> str:
-        return self.urls[zlib.crc32(session.encode("utf-8", "surrogatepass")) % len(self.urls)]
 
     def _pick_url(self) -> str:
         now = time.monotonic()

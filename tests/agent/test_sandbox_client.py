@@ -140,7 +140,7 @@ def test_a_session_name_belongs_to_the_client_that_used_it(server):
         async with SandboxClient(server.url) as owner, SandboxClient(server.url) as other:
             await owner.run("secret = 41", session="shared-name")
             seen_by_other = await other.run("print('secret' in globals())", session="shared-name")
-            handle = owner._sessions["shared-name"]
+            handle = owner._sessions.opened["shared-name"]
             guess = {"code": "secret", "session": handle.id}  # the id without the token
             async with other._http.post(server.url + schema.PATH_RUN, json=guess) as response:
                 guessed = response.status, await response.json()
