@@ -71,7 +71,7 @@ from absl import app, flags
 
 from rstar2jax import models
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate, page_rounded
-from rstar2jax.engine.scheduler import engine_params
+from rstar2jax.engine.programs import engine_params
 from rstar2jax.models import init_params, load_pretrained
 
 # Shapes (random weights), all from the presets.

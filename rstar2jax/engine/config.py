@@ -83,7 +83,7 @@ class EngineConfig:
         Qwen3-0.6B shape (28 layers, float32, this 2-core CPU at load ~4) batch-1 decode ran at 6.2 tokens/s
         scanned and 10.6 unrolled, while compiling the five step programs took 12 s scanned and 39 s unrolled
         (GPUs slice without copying). None (default): unrolled for models of at most
-        ``scheduler.UNROLL_MAX_LAYERS`` (4) layers on CPU, where compiling them stays cheap; else scanned.
+        ``programs.UNROLL_MAX_LAYERS`` (4) layers on CPU, where compiling them stays cheap; else scanned.
     """
 
     num_slots: int = 32

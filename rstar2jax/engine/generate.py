@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from rstar2jax.engine.config import EngineConfig, SamplingParams
-from rstar2jax.engine.scheduler import EngineCore
+from rstar2jax.engine.core import EngineCore
 from rstar2jax.models import ModelConfig
 
 _MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across calls of similar sizes
