@@ -267,7 +267,8 @@ class _DecodeRun:
         self.chunk = chunk
         engine_config = EngineConfig(
             num_slots=slots, max_len=max_len, decode_chunk=chunk, eos_token_ids=(), page_size=16,
-            num_pages=slots * -(-(prompt_len + steps) // 16) + 1, return_on_stop=False, prefix_sharing=False)
+            num_pages=slots * page_rounded(prompt_len + steps, 16) // 16 + 1, return_on_stop=False,
+            prefix_sharing=False)
         self.core = EngineCore(params, config, engine_config)
         rng = np.random.default_rng(0)
         greedy = SamplingParams(temperature=0.0)

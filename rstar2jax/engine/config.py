@@ -9,14 +9,14 @@ ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
 DEFAULT_PAGE_SIZE = 16
 
 
-def page_rounded(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
-    """``num_tokens`` rounded up to a whole number of KV pages (an engine's ``max_len`` must be one)."""
-    return -(-num_tokens // page_size) * page_size
-
-
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``."""
     return -(-num_tokens // page_size)
+
+
+def page_rounded(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
+    """``num_tokens`` rounded up to a whole number of KV pages (an engine's ``max_len`` must be one)."""
+    return pages_for(num_tokens, page_size) * page_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,9 +37,11 @@ for tests).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
+import threading
 import warnings
 
 import jax
@@ -288,13 +290,55 @@ def _jax_pallas_mha_attention(q, k, v, starts):
     return out[:, :T]
 
 
-def _tokamax_attention(q, k, v, starts, kernels=_TOKAMAX_KERNELS):
-    from absl import flags  # noqa: PLC0415
-    from tokamax._src.ops.attention import api, base  # noqa: PLC0415 (optional, GPU-only dependency)
+_ABSL_FLAGS_LOCK = threading.RLock()  # one scope at a time: a trace on another thread must not end it early
 
-    if not flags.FLAGS.is_parsed():
-        # tokamax reads its absl flags and would parse sys.argv (a host program's own options) to get them.
+
+@contextlib.contextmanager
+def _absl_flags_marked_parsed():
+    """tokamax reads its options from absl flags, and while ``absl.flags.FLAGS`` is unparsed it parses
+    ``sys.argv`` to get them: a host program's own command line, which may not be absl's (pytest's, a
+    notebook kernel's). Inside this scope FLAGS count as parsed, so tokamax sees its options' defaults;
+    leaving it unparses them again if they were, so the host program finds FLAGS as it left them (values
+    untouched, still to be parsed)."""
+    from absl import flags  # noqa: PLC0415
+
+    with _ABSL_FLAGS_LOCK:
+        if flags.FLAGS.is_parsed():
+            yield
+            return
         flags.FLAGS.mark_as_parsed()
+        try:
+            yield
+        finally:
+            # absl's unparse_flags() would also reset values a host program set; this undoes only the mark.
+            vars(flags.FLAGS)["__flags_parsed"] = False
+
+
+def _tokamax_attention(q, k, v, starts, kernels=_TOKAMAX_KERNELS):
+    """tokamax's attention, its forward and its backward each traced with absl flags marked parsed (see
+    :func:`_absl_flags_marked_parsed`): the backward is traced after this function returns, hence the
+    custom VJP that re-enters the scope."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def call(q, k, v, starts, kernels):
+        with _absl_flags_marked_parsed():
+            return _tokamax_call(q, k, v, starts, kernels)
+
+    def forward(q, k, v, starts, kernels):
+        with _absl_flags_marked_parsed():
+            out, pullback = jax.vjp(lambda q, k, v: _tokamax_call(q, k, v, starts, kernels), q, k, v)
+        return out, pullback
+
+    def backward(kernels, pullback, cotangent):
+        with _absl_flags_marked_parsed():
+            return (*pullback(cotangent), None)
+
+    call.defvjp(forward, backward)
+    return call(q, k, v, starts, kernels)
+
+
+def _tokamax_call(q, k, v, starts, kernels):
+    from tokamax._src.ops.attention import api, base  # noqa: PLC0415 (optional, GPU-only dependency)
 
     T = q.shape[1]
     q, k, v, starts = _pad_rows(q, k, v, starts, _TOKAMAX_LENGTH_MULTIPLE)
