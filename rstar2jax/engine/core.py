@@ -56,8 +56,7 @@ class EngineCore:
         self.engine_config = cfg = engine_config
         self.params = engine_params(params, engine_model_config(config, cfg), cfg.unstacked_decode)
         self.state: EngineState = init_state(config, cfg)
-        self.pages = PageAllocator(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.max_pages,
-                                   cache=cfg.prefix_sharing)
+        self.pages = PageAllocator.of(cfg)
         self._layouts = {t: StepLayout.of(cfg, t) for t in cfg.token_buckets}
         self._abstract = (abstract_shapes(self.state), abstract_shapes(self.params))
         self._programs: dict[StepLayout, object] = {}  # this engine's compiled steps, by bucket
