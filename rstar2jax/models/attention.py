@@ -345,6 +345,8 @@ class AutoChoice:
     rejected: tuple[tuple[str, str], ...] = ()
 
 
+# Cached for the process: the choice depends only on the device, the installed packages and the arguments,
+# none of which change within a process; a second run in it reuses the device check's verdict.
 @functools.cache
 def _auto_choice(platform: str, head_dim: int, dtype: str, precision: str | None) -> AutoChoice:
     del precision  # part of the cache key: what the device check requires of float32 depends on it
