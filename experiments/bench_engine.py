@@ -71,7 +71,7 @@ from absl import app, flags
 
 from rstar2jax import models
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate, page_rounded
-from rstar2jax.engine.scheduler import engine_params
+from rstar2jax.engine.programs import engine_params
 from rstar2jax.models import init_params, load_pretrained
 
 # Shapes (random weights), all from the presets.
@@ -267,7 +267,8 @@ class _DecodeRun:
         self.chunk = chunk
         engine_config = EngineConfig(
             num_slots=slots, max_len=max_len, decode_chunk=chunk, eos_token_ids=(), page_size=16,
-            num_pages=slots * -(-(prompt_len + steps) // 16) + 1, return_on_stop=False, prefix_sharing=False)
+            num_pages=slots * page_rounded(prompt_len + steps, 16) // 16 + 1, return_on_stop=False,
+            prefix_sharing=False)
         self.core = EngineCore(params, config, engine_config)
         rng = np.random.default_rng(0)
         greedy = SamplingParams(temperature=0.0)

@@ -57,7 +57,9 @@ from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.reward import AnswerVerifier
 from sandbox_server import start_local
 
-PAGE = 16  # KV page size (EngineConfig's default in every version): max_len is a whole number of pages
+# KV page size (EngineConfig's default in every version): max_len is a whole number of pages. Rounded here,
+# not with engine.page_rounded, because the workload also runs on a baseline library that predates it.
+PAGE = 16
 
 
 class BlockingSandbox:

@@ -158,6 +158,40 @@ def _require_term(coef_name: str, coef, input_name: str, given) -> None:
         raise ValueError(f"{coef_name}={coef!r} needs {input_name}; pass it or set {coef_name}=0")
 
 
+def _check_policy_loss_options(*, kl, importance_sampling_level, kl_coef, ref_logp, entropy_coef, entropy,
+                               dual_clip) -> None:
+    """:func:`policy_loss`'s option checks: known names, a coefficient's input given, dual-clip c > 1."""
+    _checks.check_option("kl", kl, KL_ESTIMATORS)
+    _checks.check_option("importance_sampling_level", importance_sampling_level, IS_LEVELS)
+    _require_term("kl_coef", kl_coef, "ref_logp", ref_logp)
+    _require_term("entropy_coef", entropy_coef, "entropy", entropy)
+    if dual_clip is not None:
+        concrete = _checks.concrete_value(dual_clip)
+        if concrete is not None and not concrete > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (it bounds -A*rho at -A*c for A < 0), got {dual_clip!r}")
+
+
+def _clip_metrics(advantages, ratio, token_log_ratio, mask, *, eps_low, eps_high, dual_clip) -> dict:
+    """:func:`policy_loss`'s clip and ratio metrics (its docstring), masked token means."""
+    dtype = mask.dtype
+    negative = advantages < 0
+    # Each masked mean is one more pass over [B, T] (the metrics can cost as much as the loss): share the
+    # token count, and get clip_frac from its two disjoint parts instead of another reduction.
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    masked_mean = lambda values: jnp.sum(values * mask) / tokens
+    clip_frac_high = masked_mean(((advantages > 0) & (ratio > 1.0 + eps_high)).astype(dtype))
+    clip_frac_low = masked_mean((negative & (ratio < 1.0 - eps_low)).astype(dtype))
+    dual_clip_frac = 0.0 if dual_clip is None else masked_mean((negative & (ratio > dual_clip)).astype(dtype))
+    return {
+        "clip_frac_high": clip_frac_high,
+        "clip_frac_low": clip_frac_low,
+        "clip_frac": clip_frac_high + clip_frac_low,
+        "dual_clip_frac": jnp.asarray(dual_clip_frac, dtype),
+        "approx_kl": masked_mean(-token_log_ratio),
+        "ratio_mean": masked_mean(ratio),
+    }
+
+
 def policy_loss(
     logp: jax.Array,
     old_logp: jax.Array,
@@ -220,14 +254,9 @@ def policy_loss(
             f"advantages must be per sequence {shape[:1]} or per token {shape} (loss_mask is {shape}), "
             f"got {advantages.shape}"
         )
-    _checks.check_option("kl", kl, KL_ESTIMATORS)
-    _checks.check_option("importance_sampling_level", importance_sampling_level, IS_LEVELS)
-    _require_term("kl_coef", kl_coef, "ref_logp", ref_logp)
-    _require_term("entropy_coef", entropy_coef, "entropy", entropy)
-    if dual_clip is not None:
-        concrete = _checks.concrete_value(dual_clip)
-        if concrete is not None and not concrete > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (it bounds -A*rho at -A*c for A < 0), got {dual_clip!r}")
+    _check_policy_loss_options(kl=kl, importance_sampling_level=importance_sampling_level, kl_coef=kl_coef,
+                               ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy,
+                               dual_clip=dual_clip)
     if is_weights is not None:
         is_weights = _token_array("is_weights", is_weights, shape)
 
@@ -258,22 +287,8 @@ def policy_loss(
 
     pg_loss = _aggregate(token_loss, mask, agg, normalizer)
     loss = pg_loss
-    # Each masked mean is one more pass over [B, T] (the metrics can cost as much as the loss): share the
-    # token count, and get clip_frac from its two disjoint parts instead of another reduction.
-    tokens = jnp.maximum(jnp.sum(mask), 1.0)
-    masked_mean = lambda values: jnp.sum(values * mask) / tokens
-    clip_frac_high = masked_mean(((advantages > 0) & (ratio > 1.0 + eps_high)).astype(dtype))
-    clip_frac_low = masked_mean((negative & (ratio < 1.0 - eps_low)).astype(dtype))
-    dual_clip_frac = 0.0 if dual_clip is None else masked_mean((negative & (ratio > dual_clip)).astype(dtype))
-    metrics = {
-        "pg_loss": pg_loss,
-        "clip_frac_high": clip_frac_high,
-        "clip_frac_low": clip_frac_low,
-        "clip_frac": clip_frac_high + clip_frac_low,
-        "dual_clip_frac": jnp.asarray(dual_clip_frac, dtype),
-        "approx_kl": masked_mean(-token_log_ratio),
-        "ratio_mean": masked_mean(ratio),
-    }
+    metrics = {"pg_loss": pg_loss, **_clip_metrics(advantages, ratio, token_log_ratio, mask, eps_low=eps_low,
+                                                   eps_high=eps_high, dual_clip=dual_clip)}
     if ref_logp is not None:
         ref_logp = _token_array("ref_logp", ref_logp, shape).astype(dtype)
         ref_logp = jax.lax.stop_gradient(_masked(ref_logp, mask))

@@ -6,14 +6,21 @@ layers, :mod:`~rstar2jax.engine.paged_attention`, that the host allocates: :clas
 level: :class:`EngineCore` (synchronous, one step in flight), :class:`Engine` / :class:`Session` (asyncio, for
 agent rollouts and the server; :meth:`Session.stream` yields tokens as they are sampled) and :func:`generate`
 (one blocking call).
+
+Modules of the host level: ``scheduler`` (the asyncio API, and how the host side works), ``core`` (the
+synchronous core), ``records`` (sessions' host records and what streams back), ``requests`` (request checks,
+page arithmetic), ``outbox`` (update data queued for the next step), ``programs`` (the process's compiled step
+programs, the engine's weights), ``pages`` (the page allocator and prefix cache).
 """
 
 from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
+from rstar2jax.engine.core import EngineCore
 from rstar2jax.engine.generate import Generation, generate
 from rstar2jax.engine.paged_attention import PagedCacheView, PagedKV, paged_attention_reference
 from rstar2jax.engine.pages import PageAllocator
+from rstar2jax.engine.records import Chunk, Segment
 from rstar2jax.engine.sampling import first_argmax, sample_tokens, truncation_mask
-from rstar2jax.engine.scheduler import Chunk, Engine, EngineCore, Segment, Session
+from rstar2jax.engine.scheduler import Engine, Session
 from rstar2jax.engine.state import (
     BUDGET,
     DONE,

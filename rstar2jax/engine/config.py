@@ -9,14 +9,14 @@ ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
 DEFAULT_PAGE_SIZE = 16
 
 
-def page_rounded(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
-    """``num_tokens`` rounded up to a whole number of KV pages (an engine's ``max_len`` must be one)."""
-    return -(-num_tokens // page_size) * page_size
-
-
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold ``num_tokens`` tokens: ``ceil(num_tokens / page_size)``."""
     return -(-num_tokens // page_size)
+
+
+def page_rounded(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
+    """``num_tokens`` rounded up to a whole number of KV pages (an engine's ``max_len`` must be one)."""
+    return pages_for(num_tokens, page_size) * page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class EngineConfig:
         Qwen3-0.6B shape (28 layers, float32, this 2-core CPU at load ~4) batch-1 decode ran at 6.2 tokens/s
         scanned and 10.6 unrolled, while compiling the five step programs took 12 s scanned and 39 s unrolled
         (GPUs slice without copying). None (default): unrolled for models of at most
-        ``scheduler.UNROLL_MAX_LAYERS`` (4) layers on CPU, where compiling them stays cheap; else scanned.
+        ``programs.UNROLL_MAX_LAYERS`` (4) layers on CPU, where compiling them stays cheap; else scanned.
     """
 
     num_slots: int = 32

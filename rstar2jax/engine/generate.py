@@ -6,11 +6,12 @@ import collections
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from rstar2jax.engine.config import EngineConfig, SamplingParams
-from rstar2jax.engine.scheduler import EngineCore
+from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
+from rstar2jax.engine.core import EngineCore
 from rstar2jax.models import ModelConfig
 
-_MAX_LEN_MULTIPLE = 256  # rounding max_len keeps the compiled programs across calls of similar sizes
+# Rounding max_len keeps the compiled programs across calls of similar sizes; 256 tokens are whole pages too.
+_MAX_LEN_MULTIPLE = 256
 
 
 class Generation(NamedTuple):
@@ -52,7 +53,7 @@ def generate(
     if engine_config is None:
         longest = max(len(p) for p in prompts) + max_new_tokens
         engine_config = EngineConfig(num_slots=min(len(prompts), 32),
-                                     max_len=-(-longest // _MAX_LEN_MULTIPLE) * _MAX_LEN_MULTIPLE)
+                                     max_len=page_rounded(longest, _MAX_LEN_MULTIPLE))
     core = EngineCore(params, config, engine_config, policy_version=policy_version)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     stop = [] if stop is None else stop

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rstar2jax.engine.config import pages_for
+from rstar2jax.engine.config import EngineConfig, pages_for
 from rstar2jax.engine.paged_attention import NULL_PAGE
 
 __all__ = ["PageAllocator", "pages_for"]
@@ -57,6 +57,12 @@ class PageAllocator:
         self._digest_of: dict[int, bytes] = {}  # registered page -> prefix digest
         self._page_of: dict[bytes, int] = {}  # prefix digest -> page
         self.evicted = 0  # cached pages reused for other contents
+
+    @classmethod
+    def of(cls, engine_config: EngineConfig) -> PageAllocator:
+        """The allocator of an engine's pool and slots (its prefix cache on with ``prefix_sharing``)."""
+        cfg = engine_config
+        return cls(cfg.pool_pages, cfg.page_size, cfg.num_slots, cfg.max_pages, cache=cfg.prefix_sharing)
 
     @property
     def num_free(self) -> int:

@@ -23,6 +23,10 @@ With tools, generation stops after ``</tool_call>`` as in training, and the Herm
 parsed with the training parser (:func:`~rstar2jax.data.tool_parser.parse_function_calls`) into OpenAI
 ``tool_calls``; the stream never shows part of a tag: text that could start ``<tool_call>`` or a stop string
 is held back until it is known not to.
+
+This module holds the engine-owning service (:class:`ChatService`: the engine, the tokenizer, the prompt and
+the HTTP routes) and the ways to run it; one choice's token-to-text logic is :mod:`rstar2jax.serve.choice`,
+the JSON and event-stream responses and the error middleware :mod:`rstar2jax.serve.responses`.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import collections
 import dataclasses
 import functools
 import json
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -43,14 +48,15 @@ import numpy as np
 from aiohttp import web
 
 from rstar2jax import models
-from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
-from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FunctionCall, parse_function_calls
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session, page_rounded
+from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
+from rstar2jax.serve.choice import ChoiceStream
 from rstar2jax.serve.policy import Policy
-from rstar2jax.serve.protocol import ChatRequest, RequestError, error_body, parse_chat_request
+from rstar2jax.serve.protocol import ChatRequest, RequestError, parse_chat_request
+from rstar2jax.serve.responses import complete, errors_middleware, stream, usage_block
 
-_FINISH = {"eos": "stop", "budget": "length"}
+__all__ = ["BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,143 +116,6 @@ def _top_logprobs(params, tokens, *, config: models.ModelConfig, k: int):
     logprobs = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
     values, ids = jax.lax.top_k(logprobs, k)
     return ids, values
-
-
-class _Choice:
-    """One choice of a request: streams its engine session and turns tokens into the content, tool calls and
-    log-probs a client sees."""
-
-    def __init__(self, service: ChatService, request: ChatRequest, session: Session, prompt_ids: list[int]):
-        self.service, self.request, self.session, self.prompt_ids = service, request, session, prompt_ids
-        self.tokens: list[int] = []  # sampled, the end-of-turn token excluded
-        self.logprobs: list[float] = []
-        self.num_sampled = 0
-        self.text = ""
-        self.emitted = 0  # characters of self.text already given to the client
-        self.emitted_tokens = 0  # tokens whose log-probs were given
-        self.token_ends: list[int] = []  # len(decode(tokens[:i + 1])) when log-probs are asked for
-        self.top: list[list[tuple[int, float]]] = []
-        self.finished = False
-
-    def close(self) -> None:
-        """Free the session's slot (idempotent); a segment in flight stops with the engine's next step."""
-        self.session.close()
-
-    def _held_back(self, text: str) -> int:
-        """How many trailing characters may be the start of a tag or stop string (or of a UTF-8 sequence)."""
-        guards = list(self.request.stop) + ([TOOL_CALL_OPEN] if self.request.parse_tools else [])
-        held = 0
-        for guard in guards:
-            for size in range(min(len(guard) - 1, len(text)), held, -1):
-                if guard.startswith(text[-size:]):
-                    held = size
-                    break
-        while held < len(text) and text[len(text) - held - 1] == "\ufffd":
-            held += 1
-        if self.request.parse_tools:  # whitespace before a call is not content (the template writes its own)
-            while held < len(text) and text[len(text) - held - 1].isspace():
-                held += 1
-        return held
-
-    async def run(self) -> AsyncIterator[tuple[str, Any]]:
-        """Yields ``("content", text, logprob entries)`` deltas, then ``("tool_calls", calls)`` if any,
-        then ``("finish", finish_reason)``."""
-        service, request = self.service, self.request
-        stop_ids = [service.tool_call_end] if request.parse_tools else []
-        opener = service.format.assistant_opener
-        if opener:
-            yield "content", opener, []
-        finish = None
-        try:
-            async for chunk in self.session.stream(stop=stop_ids):
-                self.num_sampled += len(chunk.tokens)
-                tokens, logprobs = list(chunk.tokens), list(chunk.logprobs)
-                if chunk.finish_reason == "eos" and tokens and tokens[-1] in service.eos_ids:
-                    tokens, logprobs = tokens[:-1], logprobs[:-1]
-                start = len(self.tokens)
-                self.tokens += tokens
-                self.logprobs += logprobs
-                self.text = service.decode(self.tokens)
-                if request.logprobs:
-                    await self._token_logprobs(start)
-                finish = _FINISH.get(chunk.finish_reason)
-                if chunk.finish_reason == "stop":  # after </tool_call>: the turn ends here, as in training
-                    finish = "stop"
-                cut = self._find_stop(start)
-                if cut is not None:
-                    self.text, finish = self.text[:cut], "stop"
-                content_end = len(self.text)
-                if request.parse_tools and TOOL_CALL_OPEN in self.text:
-                    content_end = len(self.text[: self.text.index(TOOL_CALL_OPEN)].rstrip())
-                if finish is None:
-                    content_end = min(content_end, len(self.text) - self._held_back(self.text))
-                if content_end > self.emitted:
-                    delta = self.text[self.emitted : content_end]
-                    yield "content", delta, self._logprob_entries(content_end)
-                    self.emitted = content_end
-                if finish is not None:
-                    break  # a stop string: leaving the stream stops the session
-        finally:
-            service.stats["completion_tokens"] += self.num_sampled
-            self.close()
-        calls = self._tool_calls() if request.parse_tools else []
-        if calls:
-            yield "tool_calls", calls
-            finish = "tool_calls"
-        elif self.emitted < len(self.text):  # an unparsable call stays visible as text
-            yield "content", self.text[self.emitted :], self._logprob_entries(len(self.text))
-            self.emitted = len(self.text)
-        self.finished = True
-        yield "finish", finish
-
-    def _find_stop(self, start_token: int) -> int | None:
-        """Where the first stop string starts in the text (looking only where new tokens could make one)."""
-        if not self.request.stop:
-            return None
-        first = max(0, len(self.service.decode(self.tokens[:start_token])) - max(map(len, self.request.stop)))
-        hits = [i for i in (self.text.find(s, first) for s in self.request.stop) if i != -1]
-        return min(hits) if hits else None
-
-    def _tool_calls(self) -> list[dict[str, Any]]:
-        """The turn's calls when every block parses as a call of a listed tool; else none (the text stays)."""
-        calls = parse_function_calls(self.text, tool_names=self.request.tool_names)
-        if not calls or not all(isinstance(c, FunctionCall) for c in calls):
-            return []
-        self.emitted = len(self.text)
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
-            }
-            for c in calls
-        ]
-
-    async def _token_logprobs(self, start: int) -> None:
-        """Extends the per-token text ends and, with ``top_logprobs``, the alternatives of the new tokens."""
-        decode = self.service.decode
-        for i in range(start, len(self.tokens)):
-            self.token_ends.append(len(decode(self.tokens[: i + 1])))
-        k = self.request.top_logprobs
-        if k and len(self.tokens) > start:
-            self.top += await asyncio.to_thread(
-                self.service.top_logprobs, self.prompt_ids, self.tokens, start, k
-            )
-
-    def _logprob_entries(self, content_end: int) -> list[dict[str, Any]]:
-        """OpenAI log-prob entries of the tokens that end within the first ``content_end`` characters and were
-        not given yet."""
-        if not self.request.logprobs:
-            return []
-        entries = []
-        while self.emitted_tokens < len(self.tokens) and self.token_ends[self.emitted_tokens] <= content_end:
-            i = self.emitted_tokens
-            entry = self.service.logprob_entry(self.tokens[i], self.logprobs[i])
-            if self.request.top_logprobs:
-                entry["top_logprobs"] = [self.service.logprob_entry(t, lp) for t, lp in self.top[i]]
-            entries.append(entry)
-            self.emitted_tokens += 1
-        return entries
 
 
 class ChatService:
@@ -348,7 +217,7 @@ class ChatService:
     # ---- HTTP
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=self.config.max_body_bytes)
+        app = web.Application(middlewares=[errors_middleware], client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.list_models)
@@ -419,7 +288,7 @@ class ChatService:
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(prompt_ids)
         self.stats["cached_tokens"] += sessions[0].cached_tokens
-        choices = [_Choice(self, request, s, prompt_ids) for s in sessions]
+        choices = [ChoiceStream(self, request, s, prompt_ids) for s in sessions]
         try:
             return await self._respond(http_request, request, choices, len(prompt_ids),
                                        sessions[0].cached_tokens)
@@ -435,152 +304,10 @@ class ChatService:
             "model": self.model_name,
             "system_fingerprint": None,
         }
-        usage = lambda: self._usage(prompt_tokens, cached, choices)  # noqa: E731
+        usage = lambda: usage_block(prompt_tokens, cached, choices)  # noqa: E731
         if request.stream:
-            return await self._stream(http_request, request, choices, meta, usage)
-        return web.json_response(await self._complete(request, choices, meta, usage))
-
-    @staticmethod
-    def _usage(prompt_tokens: int, cached: int, choices: list[_Choice]) -> dict[str, Any]:
-        completion = sum(c.num_sampled for c in choices)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    async def _complete(self, request, choices, meta, usage) -> dict[str, Any]:
-        async def collect(choice: _Choice) -> dict[str, Any]:
-            content, entries, calls, finish = [], [], None, None
-            async for kind, *value in choice.run():
-                if kind == "content":
-                    content.append(value[0])
-                    entries += value[1]
-                elif kind == "tool_calls":
-                    calls = value[0]
-                else:
-                    finish = value[0]
-            text = "".join(content)
-            message = {
-                "role": "assistant",
-                "content": text if (text.strip() or not calls) else None,
-                "refusal": None,
-            }
-            if calls:
-                message["tool_calls"] = calls
-            return {
-                "index": 0,
-                "message": message,
-                "finish_reason": finish,
-                "logprobs": {"content": entries, "refusal": None} if request.logprobs else None,
-            }
-
-        results = await gather_or_cancel([collect(c) for c in choices])
-        for index, result in enumerate(results):
-            result["index"] = index
-        return {
-            **meta,
-            "object": "chat.completion",
-            "choices": results,
-            "usage": usage(),
-        }
-
-    async def _stream(self, http_request, request, choices, meta, usage) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(http_request)
-        no_usage = {"usage": None} if request.include_usage else {}
-
-        async def send(payload: dict[str, Any]) -> None:
-            await response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
-
-        def chunk(index: int, delta: dict[str, Any], finish=None, entries=None) -> dict[str, Any]:
-            choice = {
-                "index": index,
-                "delta": delta,
-                "finish_reason": finish,
-                "logprobs": {"content": entries, "refusal": None} if entries else None,
-            }
-            return {**meta, "object": "chat.completion.chunk", "choices": [choice], **no_usage}
-
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, choice: _Choice) -> None:
-            async for event in choice.run():
-                await queue.put((index, event))
-            await queue.put((index, None))
-
-        for index in range(len(choices)):
-            await send(chunk(index, {"role": "assistant", "content": ""}))
-        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
-        try:
-            running = len(tasks)
-            while running:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait(
-                    [getter, *[t for t in tasks if not t.done()]], return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in tasks:  # a choice that failed: raise its error here
-                    if task.done() and not task.cancelled() and task.exception() is not None:
-                        getter.cancel()
-                        raise task.exception()
-                if not getter.done():
-                    continue
-                index, event = getter.result()
-                if event is None:
-                    running -= 1
-                    continue
-                kind, *value = event
-                if kind == "content":
-                    await send(chunk(index, {"content": value[0]}, entries=value[1]))
-                elif kind == "tool_calls":
-                    delta = [{"index": k, **call} for k, call in enumerate(value[0])]
-                    await send(chunk(index, {"tool_calls": delta}))
-                else:
-                    await send(chunk(index, {}, finish=value[0]))
-            if request.include_usage:
-                await send(
-                    {
-                        **meta,
-                        "object": "chat.completion.chunk",
-                        "choices": [],
-                        "usage": usage(),
-                    }
-                )
-        except ConnectionResetError:  # the client went away: nobody to answer
-            return response
-        except Exception as error:  # headers are sent: report in the stream, as OpenAI does
-            await send(error_body(f"generation failed: {error}", type="server_error"))
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    """Client mistakes as OpenAI error objects (never a 500); unexpected failures as a 500 server_error."""
-    try:
-        return await handler(request)
-    except RequestError as error:
-        return web.json_response(error.body(), status=error.status)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        kind = "invalid_request_error" if error.status < 500 else "server_error"
-        return web.json_response(error_body(error.reason, type=kind), status=error.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as error:  # noqa: BLE001 - a server bug or an engine failure
-        return web.json_response(
-            error_body(f"internal error: {type(error).__name__}: {error}", type="server_error"), status=500
-        )
-
+            return await stream(http_request, request, choices, meta, usage)
+        return web.json_response(await complete(request, choices, meta, usage))
 
 async def start_server(service: ChatService, host: str, port: int) -> web.AppRunner:
     """Serves ``service`` (already entered) on ``host:port``; returns the runner (``await runner.cleanup()``).
@@ -612,8 +339,6 @@ class BackgroundServer:
     def __init__(
         self, policy: Policy, config: ServerConfig = ServerConfig(), host: str = "127.0.0.1", port: int = 0
     ):
-        import threading
-
         self.policy, self.config, self.host, self.port = policy, config, host, port
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rstar2jax-serve", daemon=True)

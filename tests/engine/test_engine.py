@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from jax._src import monitoring
 
 from rstar2jax import models
 from rstar2jax.engine import NO_POLICY_VERSION, Engine, EngineCore, SamplingParams, generate, init_state
-from rstar2jax.engine.scheduler import engine_params
+from rstar2jax.engine.programs import engine_params
 from rstar2jax.engine.step import StepLayout, compile_step
 from rstar2jax.models import forward, init_params, layers_are_unstacked
 from tests.engine.conftest import ENGINE_CONFIG
@@ -267,6 +268,34 @@ def test_a_mixed_workload_compiles_one_program_per_bucket_and_nothing_after_warm
         monitoring.unregister_event_duration_listener(count)
     assert compiles == []
     assert len(ENGINE_CONFIG.token_buckets) == 2
+
+
+def test_two_engines_one_after_the_other_in_one_process(tiny_qwen3):
+    """A second engine, opened on a fresh event loop after the first has closed, in the same process (so on
+    the process's compiled programs), samples what the first did and what transformers does; no thread that
+    compiled a program ahead outlives its compile."""
+    prompts = _prompts((3, 9, 20), seed=4)
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = tiny_qwen3.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                               do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(prompt) :].tolist())
+    greedy = SamplingParams(temperature=0.0)
+
+    async def run():
+        async with Engine(tiny_qwen3.params, tiny_qwen3.config, ENGINE_CONFIG) as engine:
+            sessions = [(await engine.open(prompt, sampling=greedy, max_tokens=8))[0] for prompt in prompts]
+            segments = await asyncio.gather(*(session.generate() for session in sessions))
+        return [segment.tokens for segment in segments]
+
+    assert asyncio.run(run()) == expected
+    assert asyncio.run(run()) == expected
+    compiling = [thread for thread in threading.enumerate() if thread.name == "rstar2jax-compile"]
+    for thread in compiling:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in compiling)
 
 
 @pytest.mark.parametrize("unstacked", [True, False])

@@ -2,6 +2,8 @@
 decode tokens of several sequences in each step, on a small page pool whose freed pages are poisoned with NaN,
 driven directly through :class:`StepBuilder` (no scheduler)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,8 +61,7 @@ def test_ragged_steps_match_the_dense_reference(tiny_qwen3, seed):
     layout = StepLayout.of(CONFIG, 32)
     state = init_state(config, CONFIG)
     program = compile_step(state, params, layout, True)
-    pages = PageAllocator(CONFIG.pool_pages, CONFIG.page_size, CONFIG.num_slots, CONFIG.max_pages,
-                          cache=False)
+    pages = PageAllocator.of(dataclasses.replace(CONFIG, prefix_sharing=False))
     seqs: dict[int, _Sequence] = {}
     finished, freed, mixed_steps = [], [], 0
     for _ in range(24):

@@ -2,7 +2,10 @@
 
 import dataclasses
 import functools
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +78,37 @@ def test_tokamax_segment_mask_matches_dense():
     out, vjp = jax.vjp(lambda q, k, v: _tokamax_xla_kernel(q, k, v, SEGMENTS), q, k, v)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *vjp(cotangent)), expected, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
+
+
+_FLAGS_PROBE = """
+import sys
+import jax
+import numpy as np
+from absl import flags
+
+HOST = flags.DEFINE_integer("host_option", 1, "a flag of the host program")
+sys.argv = ["host", "--host_option=7", "--not_an_absl_option"]  # a command line absl cannot parse
+FLAGS_BEFORE = flags.FLAGS.is_parsed()
+flags.FLAGS.host_option = 3  # set by the host program before it parses
+
+from rstar2jax.models import attention
+q = k = v = jax.numpy.ones((1, 8, 2, 8))
+starts = np.zeros((1, 8), np.int32)
+run = lambda q, k, v: attention._tokamax_attention(q, k, v, starts, kernels=("xla_chunked",))
+out, pullback = jax.vjp(run, q, k, v)
+grads = pullback(jax.numpy.ones_like(out))
+finite = bool(np.isfinite(grads[0]).all())
+print(FLAGS_BEFORE, flags.FLAGS.is_parsed(), flags.FLAGS["host_option"].value, finite)
+"""
+
+
+def test_tokamax_leaves_the_host_programs_absl_flags_as_it_found_them():
+    """tokamax reads its options from absl flags (parsing sys.argv while they are unparsed): forward and
+    backward of its attention leave FLAGS unparsed, a host flag's value as set, sys.argv unread."""
+    pytest.importorskip("tokamax")
+    out = subprocess.run([sys.executable, "-c", _FLAGS_PROBE], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).parents[2]).stdout
+    assert out.split() == ["False", "False", "3", "True"]
 
 
 def _temp_bytes(length, block=256):
