@@ -27,7 +27,7 @@ from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.sft_data import build_sft_examples, sft_rows
 from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
-from rstar2jax.train import runner
+from rstar2jax.train import runtime, sft_loop
 from rstar2jax.train.policy import (
     evaluate_policy,
     load_policy,
@@ -35,7 +35,7 @@ from rstar2jax.train.policy import (
     prompt_from_config,
     save_evaluation,
 )
-from rstar2jax.train.rl import RolloutFn
+from rstar2jax.train.schedule import RolloutFn
 
 #: Metrics an evaluation reports, in the order the report lists them.
 EVAL_KEYS = (
@@ -335,11 +335,11 @@ def prepare_policy(
             print(f"   vocabulary {len(train_tokenizer(config, paths))}")
     longest = check_prompt_budget(config, paths)
     sft_config = sft_run_config(config, paths, load_tokenizer(paths.tokenizer))
-    runner.prepare_process(sft_config)  # before the first JAX computation
+    runtime.prepare_process(sft_config)  # before the first JAX computation
     if not (paths.sft_policy / "config.json").exists():
         with timer.phase("sft", paths.sft_run):
             print(f"   model {sft_config.model.spec.to_dict()}, longest prompt {longest} tokens")
-            runner.train_sft(sft_config, export_dir=paths.sft_policy)
+            sft_loop.train_sft(sft_config, export_dir=paths.sft_policy)
     return sft_config
 
 

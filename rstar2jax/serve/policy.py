@@ -35,9 +35,7 @@ import numpy as np
 
 from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
-
-#: The run-config file a training run writes into its work folder (``rstar2jax.train.runner``).
-RUN_CONFIG_FILE = "run_config.json"
+from rstar2jax.train.run import RUN_CONFIG_FILE
 
 
 @dataclasses.dataclass
@@ -106,7 +104,7 @@ def _run_params(run_config, model_config, step_dir: pathlib.Path):
     """A run checkpoint's policy parameters: its params, or a LoRA run's base with its adapters merged in
     (the base checked against the checkpoint's record of it)."""
     from rstar2jax.train import lora as lora_lib
-    from rstar2jax.train.runner import initial_params
+    from rstar2jax.train.run import initial_params
 
     saved = _restore_params(step_dir / "state")
     lora = lora_lib.lora_from_config(run_config, model_config)
@@ -178,7 +176,7 @@ def load_policy(
         import ml_collections
 
         from rstar2jax.train.config import prompt_from_config
-        from rstar2jax.train.runner import model_config_from
+        from rstar2jax.train.run import model_config_from
 
         workdir, step_dir, chosen = run
         run_config = ml_collections.ConfigDict(json.loads((workdir / RUN_CONFIG_FILE).read_text("utf-8")))

@@ -20,7 +20,7 @@ from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, S
 from rstar2jax.models.lora import LORA_TARGETS
 from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
-from rstar2jax.train.rl import RLIterationConfig
+from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.state import SCHEDULES, learning_rate_schedule, make_optimizer
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES, RLLossConfig
 

@@ -21,10 +21,11 @@ from rstar2jax.data.tokenizer import load_tokenizer
 from rstar2jax.eval.evaluate import DatasetEval, aggregate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import lora as lora_lib
-from rstar2jax.train import runner
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import prompt_from_config
-from rstar2jax.train.rl import RolloutFn
+from rstar2jax.train.run import abstract_state, initial_params, model_config_from, save_policy
+from rstar2jax.train.runtime import mesh_from_config
+from rstar2jax.train.schedule import RolloutFn
 from rstar2jax.train.steps import state_shardings
 
 if TYPE_CHECKING:
@@ -34,17 +35,17 @@ if TYPE_CHECKING:
 def _restore(run_config: ml_collections.ConfigDict, total_steps: int | None):
     """``(model_config, trained params, frozen base or None)`` of the latest checkpoint in
     ``run_config.workdir`` (a LoRA run's trained params are its adapters), or None when it has none."""
-    model_config = runner.model_config_from(run_config)
+    model_config = model_config_from(run_config)
     lora = lora_lib.lora_from_config(run_config, model_config)
     optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
-    mesh = runner.mesh_from_config(run_config)
+    mesh = mesh_from_config(run_config)
     reference = config_lib.uses_reference(run_config)
     shardings = state_shardings(model_config, optimizer, mesh, reference=reference, lora=lora)
     folder = pathlib.Path(run_config.workdir) / "checkpoints"
     checkpointer = Checkpointer(folder, async_save=False)
     try:
         restored = checkpointer.restore(
-            runner.abstract_state(model_config, optimizer, shardings, run_config.seed, lora)
+            abstract_state(model_config, optimizer, shardings, run_config.seed, lora)
         )
     finally:
         checkpointer.close()
@@ -52,7 +53,7 @@ def _restore(run_config: ml_collections.ConfigDict, total_steps: int | None):
         return None
     (state, meta), base = restored, None
     if lora is not None:
-        base = lora_lib.FrozenBase(runner.initial_params(run_config, model_config, mesh), model_config, lora)
+        base = lora_lib.FrozenBase(initial_params(run_config, model_config, mesh), model_config, lora)
         expected = lora_lib.base_record(run_config, lora, base.params)
         lora_lib.check_base(meta.get(lora_lib.META_KEY), expected, str(folder))
     return model_config, state.params, base
@@ -87,7 +88,7 @@ def export_policy(
         raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
     model_config, params, base = restored
     policy = params if base is None else base.merged(params)
-    out = runner.save_policy(
+    out = save_policy(
         policy, model_config, out, tokenizer=run_tokenizer(run_config), prompt=prompt_from_config(run_config)
     )
     if base is not None:
@@ -117,7 +118,7 @@ def policy_rollout(
         )
     r = run_config.rollout
     return agent.PolicyRollout(
-        runner.model_config_from(run_config),
+        model_config_from(run_config),
         tokenizer,
         agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
         engine_config=EngineConfig(

@@ -268,7 +268,7 @@ def test_model_path_wins_over_an_inline_model_and_brings_its_tokenizer(tmp_path,
     from rstar2jax import models
     from rstar2jax.data.tokenizer import train_tiny_tokenizer
     from rstar2jax.train.config import tokenizer_path
-    from rstar2jax.train.runner import model_config_from
+    from rstar2jax.train.run import model_config_from
 
     model_config, params = tiny_model
     folder = tmp_path / "policy"
@@ -318,7 +318,7 @@ def test_the_prompt_is_the_model_folders_unless_the_config_says(tmp_path, tiny_m
 
 def test_model_preset_field():
     from rstar2jax import models
-    from rstar2jax.train.runner import model_config_from
+    from rstar2jax.train.run import model_config_from
 
     config = tiny_cpu.get_config()  # preset "tiny" refined by spec fields (the real Qwen3 vocabulary)
     expected = models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))

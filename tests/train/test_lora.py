@@ -31,7 +31,7 @@ from rstar2jax.train import (
 )
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import policy as policy_lib
-from rstar2jax.train.runner import model_config_from
+from rstar2jax.train.run import model_config_from
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
@@ -216,7 +216,7 @@ def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):
     """``python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run``:
     the paper's recipe with LoRA, compiled on abstract shapes; both phases fit 80 GiB at its longest stage."""
     from experiments.configs import paper_qwen3_14b_lora_1gpu
-    from rstar2jax.train.runner import check_memory_plan, dry_run
+    from rstar2jax.train.dry_run import check_memory_plan, dry_run
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.workdir = str(tmp_path)
