@@ -35,6 +35,7 @@ from rstar2jax.train.policy import (
     prompt_from_config,
     save_evaluation,
 )
+from rstar2jax.train.run import StopSignal
 from rstar2jax.train.schedule import RolloutFn
 
 #: Metrics an evaluation reports, in the order the report lists them.
@@ -310,10 +311,16 @@ class PhaseTimer:
 
 
 def prepare_policy(
-    config: ml_collections.ConfigDict, paths: DemoPaths, sandbox_url: str, timer: PhaseTimer
+    config: ml_collections.ConfigDict,
+    paths: DemoPaths,
+    sandbox_url: str,
+    timer: PhaseTimer,
+    *,
+    stop: StopSignal | None = None,
 ) -> ml_collections.ConfigDict:
     """Task, SFT data (tool calls run on the sandbox at ``sandbox_url``), tokenizer, SFT and its export to
-    ``paths.sft_policy``; each phase skipped when its output exists. Returns the SFT run config."""
+    ``paths.sft_policy``; each phase skipped when its output exists (``stop``: stops SFT after a step).
+    Returns the SFT run config."""
     from rstar2jax.agent.sandbox_client import SyncSandboxClient
 
     with timer.phase("task", paths.train_problems.parent):
@@ -339,7 +346,7 @@ def prepare_policy(
     if not (paths.sft_policy / "config.json").exists():
         with timer.phase("sft", paths.sft_run):
             print(f"   model {sft_config.model.spec.to_dict()}, longest prompt {longest} tokens")
-            sft_loop.train_sft(sft_config, export_dir=paths.sft_policy)
+            sft_loop.train_sft(sft_config, export_dir=paths.sft_policy, stop=stop)
     return sft_config
 
 

@@ -164,11 +164,13 @@ def make_partial_scripted_rollout(*, vocab_size: int = TINY_VOCAB):
 
 
 def main(argv):
+    from experiments import _launch
     from rstar2jax import train
 
     config = _CONFIG.value
     train.prepare_process(config)
-    train.train_rl(config, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
+    with _launch.console_logging():  # the library's lines (e.g. "resuming RL ...") on stdout, as a launcher's
+        train.train_rl(config, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
     jax.effects_barrier()
 
 
