@@ -31,7 +31,8 @@ import numpy as np
 from rstar2jax import models
 from rstar2jax.models import peft_adapter
 from rstar2jax.train import colocate
-from rstar2jax.train.config import ConfigError, lora_enabled
+from rstar2jax.train.options import lora_enabled
+from rstar2jax.train.validation import ConfigError
 
 #: Checkpoint meta key of the base a LoRA run's adapters belong to.
 META_KEY = "lora_base"

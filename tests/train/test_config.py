@@ -13,7 +13,7 @@ from rstar2jax.train import (
     validate_rl_config,
     validate_sft_config,
 )
-from rstar2jax.train.config import build_iteration_config, row_multiple
+from rstar2jax.train.config import build_iteration_config, field_help, rl_config, row_multiple
 
 
 def _set(config, path, value):
@@ -160,12 +160,12 @@ def test_missing_local_problem_files_fail_unless_dry_run(tmp_path):
 
 
 def test_validate_checks_each_content_once(monkeypatch, tmp_path):
-    from rstar2jax.train import config as config_lib
+    from rstar2jax.train import validation
 
     calls = []
-    original = config_lib.validate_sft_config
+    original = validation.validate_sft_config
     monkeypatch.setattr(
-        config_lib, "validate_sft_config", lambda c, **kw: (calls.append(kw), original(c, **kw))
+        validation, "validate_sft_config", lambda c, **kw: (calls.append(kw), original(c, **kw))
     )
     sft = tiny_cpu.get_config("sft")
     sft.sft.data = str(tmp_path / "missing.jsonl")
@@ -330,3 +330,24 @@ def test_model_preset_field():
     config.model.preset = "qwen3-15b"
     with pytest.raises(ConfigError, match=r"config.model.preset='qwen3-15b': must be one of \('tiny'"):
         validate_rl_config(config)
+
+
+def test_choice_fields_list_exactly_the_allowed_values_and_rl_defaults_are_the_iterations():
+    import dataclasses
+    import re
+
+    from rstar2jax import algo
+    from rstar2jax.train import RLIterationConfig
+
+    for path, allowed in (
+        ("rl.roc_mode", algo.ROC_MODES),
+        ("rl.format_penalty", algo.FORMAT_PENALTIES),
+        ("rl.std", algo.STD_MODES),
+    ):
+        listed = re.findall(r"(?:^|/ )(\w+) \(", field_help(path).split(": ", 1)[1])
+        assert tuple(listed) == allowed, (path, field_help(path))
+    defaults = rl_config().rl
+    for f in dataclasses.fields(RLIterationConfig):
+        if f.name not in ("seq_len", "pack", "row_multiple"):
+            assert defaults[f.name] == f.default, f.name
+    assert defaults.std == "unbiased"
