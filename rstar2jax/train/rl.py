@@ -37,7 +37,6 @@ from rstar2jax.train.schedule import (
     RolloutFn,
     RolloutSchedule,
     Synchronous,
-    counting_stats,
     run_rollouts,
     unique_problems,
 )
@@ -88,7 +87,7 @@ def rl_iteration(
     version = int(jax.device_get(state.step.addressable_data(0)))
     rollout_stats = collections.Counter()
     unique, groups, schedule_metrics = schedule.rollouts(
-        counting_stats(rollout_fn, rollout_stats),
+        rollout_fn,
         state.params,
         unique_problems(problems),
         options=dict(
@@ -98,6 +97,7 @@ def rl_iteration(
         ),
         rollout_key=rollout_key,
         version=version,
+        stats=rollout_stats,
     )
     rollout_done = time.perf_counter()
     if not any(groups):
@@ -160,9 +160,11 @@ def filter_hard_problems(
     max_response_length: int,
     max_turns: int,
     seed: int,
+    policy_version: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[list[Problem], dict[str, float]]:
-    """The paper's stage-3 filter: ``num_rollouts`` rollouts per problem, drop problems solved every time.
+    """The paper's stage-3 filter: ``num_rollouts`` rollouts per problem, drop problems solved every time
+    (``policy_version``: the version of ``params``).
 
     Returns the kept problems (input order) and counts (``filter_kept``, ``filter_dropped``,
     ``filter_pass_rate``: mean pass rate over all problems).
@@ -180,6 +182,7 @@ def filter_hard_problems(
             max_response_length=max_response_length,
             max_turns=max_turns,
             seed=seed + start,
+            policy_version=policy_version,
         )
         for problem, group in zip(chunk, groups, strict=True):
             solved = sum(t.reward > 0 for t in group)

@@ -57,6 +57,7 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
             max_response_length=s.max_response_length,
             max_turns=s.max_turns,
             seed=run.config.seed + 104729 * (index + 1),
+            policy_version=run.step,
         )
         if not kept:
             raise ValueError(f"stage {s.name!r}: the hard-problem filter dropped every problem ({stats})")

@@ -8,7 +8,11 @@
 * ``Partial`` (``rollout.partial_token_budget > 0``): the rollout stops once its sessions sampled that many
   tokens, the groups whose rollouts all finished are trained on, and the unfinished rollouts are resumed in
   the next step with the new parameters (their tokens keep their versions and sampler log-probs). The
-  ``rollout_fn`` must take ``token_budget`` and ``resume`` and then return ``(finished, unfinished)``,
+  ``rollout_fn`` needs a ``partial`` method (:meth:`~rstar2jax.agent.PolicyRollout.partial`)::
+
+      rollout_fn.partial(params, problems, *, samples_per_problem, max_response_length, max_turns, seed,
+                         policy_version, token_budget, resume) -> (finished, unfinished)
+
   unfinished records having a ``problem_id`` and ``num_tokens`` (:class:`~rstar2jax.agent.PartialRollout`).
 
 A schedule draws each step's problems (``draw``), produces its groups (``rollouts``), and owns what it hands
@@ -18,13 +22,13 @@ resumed run goes on exactly; ``end_stage`` drops it (nothing crosses a stage bou
 The rollout is injected (``rollout_fn``), so the same iteration runs the real agent (engine + sandbox) or a
 scripted rollout in tests. Signature expected of it::
 
-    rollout_fn(params, problems, *, samples_per_problem, max_response_length, max_turns, seed)
+    rollout_fn(params, problems, *, samples_per_problem, max_response_length, max_turns, seed, policy_version)
         -> list[Trajectory]      # samples_per_problem per problem, rewards filled in
 
-Policy versions: the version of parameters is the trainer step that produced them (``state.step``). A
-``rollout_fn`` that takes a ``policy_version`` keyword gets it and tags the tokens it samples
-(``Trajectory.policy_versions``, e.g. :class:`~rstar2jax.agent.PolicyRollout`); trajectories that come back
-without tags get the version of the parameters they were rolled out with on every sampled token.
+Policy versions: the version of parameters is the trainer step that produced them (``state.step``), passed
+as ``policy_version``. A rollout may tag the tokens it samples with it (``Trajectory.policy_versions``, as
+:class:`~rstar2jax.agent.PolicyRollout` does); trajectories that come back without tags get it on every
+sampled token. A ``rollout_fn`` with a ``last_stats`` dict of counts has them summed over a step's calls.
 """
 
 from __future__ import annotations
@@ -32,8 +36,6 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import functools
-import inspect
 import pickle
 import zlib
 from collections.abc import Callable, Sequence
@@ -72,18 +74,6 @@ def _group(
 
 
 
-def accepts_keyword(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` names the keyword argument ``name`` in its signature (a bare ``**kwargs`` does not
-    count: a wrapper that forwards them to a plain rollout function would pass on what it cannot take)."""
-    try:
-        parameter = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):  # no signature to read: assume the plain protocol
-        return False
-    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return parameter is not None and parameter.kind in keyword
-
-
-
 def tag_versions(trajectories: Sequence[Trajectory], version: int) -> list[Trajectory]:
     """``trajectories`` with ``policy_versions`` set where the rollout recorded none: ``version`` on every
     sampled token (loss mask 1), ``NO_POLICY_VERSION`` elsewhere. Tagged records are kept as they are."""
@@ -98,6 +88,13 @@ def tag_versions(trajectories: Sequence[Trajectory], version: int) -> list[Traje
 
 
 
+def collect_stats(rollout_fn: RolloutFn, into: collections.Counter | None) -> None:
+    """Adds the ``last_stats`` counts of ``rollout_fn``'s last call (when it keeps them, as
+    :class:`~rstar2jax.agent.PolicyRollout` does) to ``into``."""
+    if into is not None:
+        into.update(getattr(rollout_fn, "last_stats", None) or {})
+
+
 def run_rollouts(
     rollout_fn: RolloutFn,
     params,
@@ -107,16 +104,15 @@ def run_rollouts(
     max_response_length: int,
     max_turns: int,
     seed: int,
-    policy_version: int | None = None,
+    policy_version: int,
+    stats: collections.Counter | None = None,
 ) -> list[list[Trajectory]]:
     """Rollouts grouped per problem (in ``problems`` order); with several processes each rolls out a slice.
 
-    ``policy_version``: the version of ``params``; passed to a ``rollout_fn`` that takes it, and tags the
-    trajectories that come back without versions (see :func:`tag_versions`). None: nothing is tagged."""
+    ``policy_version``: the version of ``params``, passed to ``rollout_fn``; trajectories that come back
+    without versions get it (see :func:`tag_versions`). ``stats``: gets the call's counts
+    (:func:`collect_stats`)."""
     mine = problems[jax.process_index() :: jax.process_count()]
-    extra = {}
-    if policy_version is not None and accepts_keyword(rollout_fn, "policy_version"):
-        extra["policy_version"] = policy_version
     trajectories = rollout_fn(
         params,
         list(mine),
@@ -124,28 +120,13 @@ def run_rollouts(
         max_response_length=max_response_length,
         max_turns=max_turns,
         seed=seed + jax.process_index(),
-        **extra,
+        policy_version=policy_version,
     )
-    if policy_version is not None:
-        trajectories = tag_versions(trajectories, policy_version)
+    collect_stats(rollout_fn, stats)
+    trajectories = tag_versions(trajectories, policy_version)
     if jax.process_count() > 1:
         trajectories = gather_to_all_processes(list(trajectories))
     return _group(problems, trajectories, samples_per_problem)
-
-
-
-def counting_stats(rollout_fn: RolloutFn, into: collections.Counter) -> RolloutFn:
-    """``rollout_fn`` that adds its ``last_stats`` (when it has them) to ``into`` after each call; its
-    signature stays readable (``functools.wraps``), so keyword detection sees the wrapped function's."""
-
-    @functools.wraps(rollout_fn)
-    def call(*args, **kwargs):
-        result = rollout_fn(*args, **kwargs)
-        into.update(getattr(rollout_fn, "last_stats", None) or {})
-        return result
-
-    return call
-
 
 
 def seed_from_key(key: jax.Array) -> int:
@@ -175,14 +156,13 @@ class RolloutSchedule:
 
     def rollouts(
         self, rollout_fn: RolloutFn, params, problems: list[Problem], *, options: dict[str, int],
-        rollout_key: jax.Array, version: int,
+        rollout_key: jax.Array, version: int, stats: collections.Counter,
     ) -> tuple[list[Problem], list[list[Trajectory]], dict[str, float]]:
         """The problems this step trains on, their groups and the schedule's counts. ``options``:
         ``samples_per_problem``, ``max_response_length``, ``max_turns``; ``version``: the policy version of
-        ``params``."""
-        groups = run_rollouts(
-            rollout_fn, params, problems, **options, seed=seed_from_key(rollout_key), policy_version=version
-        )
+        ``params``; ``stats``: gets the rollout calls' counts."""
+        groups = run_rollouts(rollout_fn, params, problems, **options, seed=seed_from_key(rollout_key),
+                              policy_version=version, stats=stats)
         return problems, groups, {}
 
     @property
@@ -242,18 +222,19 @@ class OneStepOffPolicy(_CarryingSchedule):
         self._ahead = None if stage_last else next(iterator)
         return now
 
-    def rollouts(self, rollout_fn, params, problems, *, options, rollout_key, version):
+    def rollouts(self, rollout_fn, params, problems, *, options, rollout_key, version, stats):
         if self.ready is not None:
             (problems, groups), self.ready = self.ready, None
         else:
             problems, groups, _ = super().rollouts(
-                rollout_fn, params, problems, options=options, rollout_key=rollout_key, version=version
+                rollout_fn, params, problems, options=options, rollout_key=rollout_key, version=version,
+                stats=stats,
             )
         if self._ahead is not None:  # the next step's rollout, made with these parameters before the update
             ahead, self._ahead = unique_problems(self._ahead), None
             seed = seed_from_key(jax.random.fold_in(rollout_key, 1))
             self.ready = (ahead, run_rollouts(rollout_fn, params, ahead, **options, seed=seed,
-                                              policy_version=version))
+                                              policy_version=version, stats=stats))
         return problems, groups, {}
 
     @property
@@ -294,27 +275,26 @@ class Partial(_CarryingSchedule):
         """As many new problems as groups may still open."""
         return iterator.take(max(self.num_groups - self.open_groups, 0))
 
-    def rollouts(self, rollout_fn, params, problems, *, options, rollout_key, version):
+    def rollouts(self, rollout_fn, params, problems, *, options, rollout_key, version, stats):
         """Resumes ``unfinished``, opens ``problems`` (but ids still open) and samples until the budget;
         repeated (each call one more budget) until at least one group is complete. Returns the complete
         groups' problems and groups (the carried ones first) and counts; the rest stay open."""
         if jax.process_count() > 1:
             raise ValueError("partial rollouts (token_budget) run in one process only")
-        for name in ("token_budget", "resume", "policy_version"):
-            if not accepts_keyword(rollout_fn, name):
-                raise ValueError(
-                    f"partial rollouts need a rollout_fn that takes {name}= (as PolicyRollout does)"
-                )
+        partial = getattr(rollout_fn, "partial", None)
+        if partial is None:
+            raise ValueError("partial rollouts need a rollout_fn with a partial() method (PolicyRollout's)")
         new = [p for p in problems if p.id not in self.problems]
         for p in new:
             self.problems[p.id], self.held[p.id] = p, []
         resumed, resumed_tokens = len(self.unfinished), sum(u.num_tokens for u in self.unfinished)
         unfinished, calls, seed = self.unfinished, 0, seed_from_key(rollout_key)
         while True:
-            finished, unfinished = rollout_fn(
+            finished, unfinished = partial(
                 params, new, **options, seed=seed + calls, policy_version=version,
                 token_budget=self.token_budget, resume=unfinished,
             )
+            collect_stats(rollout_fn, stats)
             calls, new, unfinished = calls + 1, [], list(unfinished)
             self._hold(finished)
             still_open = {u.problem_id for u in unfinished}

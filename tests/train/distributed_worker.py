@@ -55,7 +55,8 @@ def main(argv):
     problems = [Problem(id=f"p{i}", problem="q", answer="1") for i in range(8)]
     rollout = make_scripted_rollout(vocab_size=128)
     gathered = run_rollouts(
-        rollout, state.params, problems, samples_per_problem=4, max_response_length=24, max_turns=3, seed=0
+        rollout, state.params, problems, samples_per_problem=4, max_response_length=24, max_turns=3, seed=0,
+        policy_version=0,
     )
     # Rollout seeds differ per process (seed + process index), so the update runs on one fixed batch.
     batch = train.build_batch(random_sequences(0, 16), seq_len=32, num_rows=16, with_rl_fields=True)

@@ -5,6 +5,7 @@ on the run ``tests/train/test_colocate.py`` makes anyway, against ``scripted.MAI
 
 import dataclasses
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -84,11 +85,13 @@ def test_partial_rollouts_train_finished_groups_and_resume_the_rest(tiny_model):
     partial = make_partial_scripted_rollout(vocab_size=config.vocab_size)
     finished = []
 
-    def rollout(params, problems, *, policy_version, token_budget, resume, **kwargs):
-        done, unfinished = partial(params, problems, policy_version=policy_version, token_budget=token_budget,
-                                   resume=resume, **kwargs)
+    def recording_partial(params, problems, *, policy_version, token_budget, resume, **kwargs):
+        done, unfinished = partial.partial(params, problems, policy_version=policy_version,
+                                           token_budget=token_budget, resume=resume, **kwargs)
         finished.extend((policy_version, t) for t in done)
         return done, unfinished
+
+    rollout = types.SimpleNamespace(partial=recording_partial)
 
     state, schedule = init_train_state(copy_tree(params), optimizer, 3), Partial(70, prompts_per_step)
     metrics, compiled = [], []
