@@ -181,8 +181,13 @@ def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     )
 
 
+#: The model preset the demo's ``config.model`` fields refine.
+MODEL_PRESET = "tiny"
+
+
 def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
-    """``ModelConfig`` fields of the demo model, its vocabulary and end-of-turn token from ``tokenizer``."""
+    """``ModelConfig`` fields of the demo model over ``MODEL_PRESET``'s, its vocabulary and end-of-turn token
+    from ``tokenizer``."""
     return {
         **config.model.to_dict(),
         "vocab_size": len(tokenizer),
@@ -205,6 +210,7 @@ def sft_run_config(
         spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
     else:
         spec = model_spec(config, tokenizer)
+    c.model.preset = MODEL_PRESET
     c.model.spec = ml_collections.ConfigDict(spec)
     return c
 
@@ -362,7 +368,7 @@ def evaluate_saved(
     exists); returns the saved record."""
     if not path.exists():
         with timer.phase(f"eval {policy_dir.name}", path):
-            _, params = load_policy(policy_dir)
+            params = load_policy(policy_dir).params
             e = config.eval
             result = evaluate_policy(
                 params,

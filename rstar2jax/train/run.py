@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 import shutil
 import threading
@@ -192,6 +193,14 @@ def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
     temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
     temporary.replace(path)
     return path
+
+
+def read_run_config(workdir: str | pathlib.Path):
+    """The run config a run wrote into ``workdir`` (``write_run_config``), as a ``ConfigDict``."""
+    import ml_collections
+
+    text = (pathlib.Path(workdir) / RUN_CONFIG_FILE).read_text(encoding="utf-8")
+    return ml_collections.ConfigDict(json.loads(text))
 
 
 @dataclasses.dataclass

@@ -18,7 +18,6 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.serve import load_policy
-from rstar2jax.serve.policy import _restore_params
 from rstar2jax.train import (
     ConfigError,
     RLLossConfig,
@@ -31,6 +30,7 @@ from rstar2jax.train import (
 )
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import policy as policy_lib
+from rstar2jax.train.loader import restore_state_params
 from rstar2jax.train.run import model_config_from
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
@@ -151,7 +151,7 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     model_config, mesh = model_config_from(continued), models.make_mesh()
     lora = lora_lib.lora_from_config(continued, model_config)
     start = lora_lib.initial_adapters(continued, model_config, lora, mesh)
-    saved_adapters = _restore_params(killed / "checkpoints" / "2" / "state")  # what the run trained
+    saved_adapters = restore_state_params(killed / "checkpoints" / "2" / "state")  # what the run trained
     jax.tree.map(np.testing.assert_array_equal, start, saved_adapters)
     continued.model.lora.rank = 2
     with pytest.raises(ConfigError, match="the adapter has rank=4"):
