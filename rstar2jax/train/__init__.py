@@ -21,6 +21,7 @@ from rstar2jax.train.config import (
 from rstar2jax.train.dry_run import check_memory_plan, dry_run, format_dry_run
 from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
 from rstar2jax.train.metrics import MetricsLogger
+from rstar2jax.train.options import RunOptions, StageOptions, run_options
 from rstar2jax.train.rl import RLIterationConfig, filter_hard_problems, rl_iteration
 from rstar2jax.train.rl_loop import train_rl
 from rstar2jax.train.run import Interrupted, RunPaths, StopSignal, model_config_from
@@ -72,7 +73,9 @@ __all__ = [
     "StopSignal",
     "Synchronous",
     "RunFault",
+    "RunOptions",
     "RunPaths",
+    "StageOptions",
     "TokenSequence",
     "TrainState",
     "accumulate_gradients",
@@ -100,6 +103,7 @@ __all__ = [
     "reset_optimizer",
     "rl_config",
     "rl_iteration",
+    "run_options",
     "rl_loss",
     "rl_step",
     "rollout_metrics",

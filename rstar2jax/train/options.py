@@ -1,10 +1,13 @@
 """From a validated run config (the launchers' ``ml_collections.ConfigDict``) to the library's typed options:
-the optimizer and its schedule, the loss and iteration options, the conversation format, the tokenizer."""
+the optimizer and its schedule, the loss and iteration options, the conversation format, the tokenizer, and
+the frozen :class:`RunOptions` the training loops read (stages, data, checkpoints, logging, the RL loop)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import pathlib
 from typing import Any
 
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
@@ -95,4 +98,121 @@ def build_iteration_config(config, max_response_length: int) -> RLIterationConfi
         seq_len=config.batch.max_prompt_length + max_response_length - 1,
         pack=config.batch.pack,
         row_multiple=row_multiple(config),
+    )
+
+
+# --- typed run options: what the training loops read, converted once from the validated config ----------
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOptions:
+    """One RL stage (``config.stages[i]``, written with ``config.stage``; the field meanings are
+    ``field_help``'s ``stages.*``)."""
+
+    name: str
+    steps: int
+    max_response_length: int
+    max_turns: int
+    dataset: str = ""
+    hard_filter_rollouts: int = 0
+    reset_optimizer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+    """Where RL problems come from (``config.data``); an empty column name is None (the loader's guess)."""
+
+    source: str = ""
+    split: str = "train"
+    problem_field: str | None = None
+    answer_field: str | None = None
+    solution_field: str | None = None
+    id_field: str | None = None
+    integer_only: bool = False
+    limit: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """``config.checkpoint``: how often to save, how many to keep, whether saves run in the background."""
+
+    save_every: int = 10
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingOptions:
+    """``config.logging``: TensorBoard events, and the progress bar / lines (every ``progress_every``)."""
+
+    tensorboard: bool = True
+    progress: bool = True
+    progress_every: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class RLLoopOptions:
+    """What the RL loop reads besides its stages: problems per step, the rollout schedule
+    (``off_policy_steps``, ``partial_token_budget``), the non-finite streak that stops a run, the hard
+    filter's batch, the fixed batch rows (None: packed rows), where optimizer moments wait during rollout."""
+
+    prompts_per_step: int
+    off_policy_steps: int = 0
+    partial_token_budget: int = 0
+    max_nonfinite_steps: int = 3
+    filter_batch_size: int = 64
+    num_rows: int | None = None
+    optimizer_memory: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """A run's options the loops and the run lifecycle read, converted once from the validated config
+    (:func:`run_options`). ``stages``, ``data`` and ``rl`` are an RL run's (empty / None for SFT)."""
+
+    workdir: pathlib.Path
+    seed: int
+    checkpoint: CheckpointOptions
+    logging: LoggingOptions
+    stages: tuple[StageOptions, ...] = ()
+    data: DataOptions | None = None
+    rl: RLLoopOptions | None = None
+
+    @property
+    def total_steps(self) -> int:
+        """RL steps over every stage."""
+        return sum(s.steps for s in self.stages)
+
+
+def _fields(cls, node) -> dict[str, Any]:
+    return {f.name: node[f.name] for f in dataclasses.fields(cls) if f.name in node}
+
+
+def run_options(config) -> RunOptions:
+    """The :class:`RunOptions` of a validated run config (RL when it has ``stages``)."""
+    rl = data = None
+    stages = tuple(StageOptions(**_fields(StageOptions, s)) for s in config.get("stages", ()))
+    if "rl" in config:
+        d = config.data
+        data = DataOptions(
+            **{k: v for k, v in _fields(DataOptions, d).items() if not k.endswith("_field")},
+            **{k: d[k] or None for k in ("problem_field", "answer_field", "solution_field", "id_field")},
+        )
+        rl = RLLoopOptions(
+            prompts_per_step=config.rl.prompts_per_step,
+            off_policy_steps=config.rl.off_policy_steps,
+            partial_token_budget=config.rollout.partial_token_budget,
+            max_nonfinite_steps=config.rl.max_nonfinite_steps,
+            filter_batch_size=config.filter_batch_size,
+            num_rows=None if config.batch.pack else config.rl.prompts_per_step * config.rl.keep,
+            optimizer_memory=config.colocate.optimizer_memory if "colocate" in config else "auto",
+        )
+    return RunOptions(
+        workdir=pathlib.Path(config.workdir),
+        seed=config.seed,
+        checkpoint=CheckpointOptions(**_fields(CheckpointOptions, config.checkpoint)),
+        logging=LoggingOptions(**_fields(LoggingOptions, config.logging)),
+        stages=stages,
+        data=data,
+        rl=rl,
     )

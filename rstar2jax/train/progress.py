@@ -24,7 +24,7 @@ RL_ALERTS = (
 
 class Progress:
     """Step progress of the main process: a tqdm bar on a terminal; elsewhere (a log file, a pipe) one short
-    line every ``config.logging.progress_every`` steps and at the last step, never a bar's carriage returns.
+    line every ``logging.progress_every`` steps and at the last step, never a bar's carriage returns.
 
     Lines read ``rl step 12/20 (stage 'stage1' 2/10): reward 0.5, accuracy 0.5, 3.2 s/step``. ``alerts``:
     (metric, text with one ``{}`` for its value) shown only when the metric is non-zero; a step with one
@@ -39,10 +39,10 @@ class Progress:
         keys: tuple[str, ...],
         alerts: tuple[tuple[str, str], ...] = (),
     ):
-        # ``run``: the ``run.Run`` whose config (``logging.progress``, ``progress_every``) and step it reads.
+        # ``run``: the ``run.Run`` whose logging options, process and step it reads.
         self.total, self.description, self.keys, self.alerts = total, description, keys, alerts
-        self.every = run.config.logging.progress_every
-        self.enabled = bool(run.config.logging.progress and run.is_main)
+        self.every = run.options.logging.progress_every
+        self.enabled = bool(run.options.logging.progress and run.is_main)
         self.bar = None
         self.last_time, self.last_step = time.perf_counter(), run.step
         if self.enabled and sys.stderr.isatty():

@@ -9,6 +9,7 @@ from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.faults import NonFiniteStreak
+from rstar2jax.train.options import RunOptions
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
@@ -19,19 +20,20 @@ from rstar2jax.train.steps import batch_sharding, make_rl_step
 logger = logging.getLogger(__name__)
 
 
-def _stage_problems(config, index: int, previous: list[Problem] | None) -> tuple[list[Problem], dict]:
-    """Stage ``index``'s dataset (before its filter): its own, else the previous stage's, else config.data."""
-    s = config.stages[index]
+def _stage_problems(
+    options: RunOptions, index: int, previous: list[Problem] | None
+) -> tuple[list[Problem], dict]:
+    """Stage ``index``'s dataset (before its filter): its own, else the previous stage's, else ``data``'s."""
+    s, d = options.stages[index], options.data
     if not s.dataset and previous is not None:
         return previous, {}
-    d = config.data
     loaded = load_problems(
         s.dataset or d.source,
         split=d.split,
-        problem_field=d.problem_field or None,
-        answer_field=d.answer_field or None,
-        solution_field=d.solution_field or None,
-        id_field=d.id_field or None,
+        problem_field=d.problem_field,
+        answer_field=d.answer_field,
+        solution_field=d.solution_field,
+        id_field=d.id_field,
         integer_only=d.integer_only,
         limit=d.limit,
     )
@@ -44,7 +46,7 @@ def _stage_problems(config, index: int, previous: list[Problem] | None) -> tuple
 
 def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: RolloutFn) -> list[Problem]:
     """Stage ``index``'s problems after its hard-problem filter (kept ids live in the checkpoint meta)."""
-    s = run.config.stages[index]
+    s = run.options.stages[index]
     if not s.hard_filter_rollouts:
         return problems
     if run.meta["problem_ids"] is None:
@@ -53,10 +55,10 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
             problems,
             rollout_fn=rollout_fn,
             num_rollouts=s.hard_filter_rollouts,
-            batch_size=run.config.filter_batch_size,
+            batch_size=run.options.rl.filter_batch_size,
             max_response_length=s.max_response_length,
             max_turns=s.max_turns,
-            seed=run.config.seed + 104729 * (index + 1),
+            seed=run.options.seed + 104729 * (index + 1),
             policy_version=run.step,
         )
         if not kept:
@@ -72,31 +74,30 @@ class _RLStages:
     rollout schedule, the non-finite streak and the progress line."""
 
     def __init__(self, run: Run, step_fn, rollout_fn: RolloutFn, reward_fn: RewardFn | None, total: int):
-        config = run.config
+        loop = run.options.rl
         self.run, self.step_fn, self.rollout_fn, self.reward_fn, self.total = (
             run, step_fn, rollout_fn, reward_fn, total)
-        self.offload = colocate.resolve_offload(config.colocate.optimizer_memory)
+        self.offload = colocate.resolve_offload(loop.optimizer_memory)
         self.schedule: RolloutSchedule = make_schedule(
-            off_policy_steps=config.rl.off_policy_steps,
-            partial_token_budget=config.rollout.partial_token_budget,
-            prompts_per_step=config.rl.prompts_per_step,
+            off_policy_steps=loop.off_policy_steps,
+            partial_token_budget=loop.partial_token_budget,
+            prompts_per_step=loop.prompts_per_step,
         )
-        self.streak = NonFiniteStreak(config.rl.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
+        self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
         """Runs stage ``index`` from where the run stands (its start, or the resumed step)."""
-        run, config = self.run, self.run.config
-        s = config.stages[index]
+        run, options = self.run, self.run.options
+        s = options.stages[index]
         if run.step == run.meta["stage_start"] and s.reset_optimizer:
             run.reset_optimizer()
         iterator = ProblemIterator(
             _hard_problems(run, index, dataset, self.rollout_fn),
-            config.rl.prompts_per_step,
-            seed=config.seed + 7919 * index,
+            options.rl.prompts_per_step,
+            seed=options.seed + 7919 * index,
             position=run.meta["position"],
         )
-        iteration = config_lib.build_iteration_config(config, s.max_response_length)
-        num_rows = None if config.batch.pack else config.rl.prompts_per_step * config.rl.keep
+        iteration = config_lib.build_iteration_config(run.config, s.max_response_length)
         self.schedule.restore(run.meta)
         while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
@@ -113,7 +114,7 @@ class _RLStages:
                 max_response_length=s.max_response_length,
                 max_turns=s.max_turns,
                 reward_fn=self.reward_fn,
-                num_rows=num_rows,
+                num_rows=options.rl.num_rows,
                 batch_sharding=batch_sharding(run.mesh),
                 schedule=self.schedule,
             )
@@ -170,26 +171,26 @@ def train_rl(
     )
     if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
         step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
-    total = sum(s.steps for s in config.stages)
-    total = total if max_steps is None else min(max_steps, total)
+    stages = run.options.stages
+    total = run.options.total_steps if max_steps is None else min(max_steps, run.options.total_steps)
     if run.resumed and run.is_main:
-        current = config.stages[min(run.meta["stage"], len(config.stages) - 1)]
+        current = stages[min(run.meta["stage"], len(stages) - 1)]
         logger.info(
             "resuming RL from the checkpoint at step %d in %s: stage %d/%d %r, step %d of %d",
-            run.step, run.workdir / CHECKPOINT_DIR, run.meta["stage"] + 1, len(config.stages),
+            run.step, run.workdir / CHECKPOINT_DIR, run.meta["stage"] + 1, len(stages),
             current.name, run.step - run.meta["stage_start"], current.steps,
         )
-    stages = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
+    loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
     dataset = None
     with Progress(run, total, "rl", keys, RL_ALERTS) as progress:
         try:
             run.accept_stop_requests()
-            for index in range(len(config.stages)):
-                dataset, data_metrics = _stage_problems(config, index, dataset)
+            for index in range(len(stages)):
+                dataset, data_metrics = _stage_problems(run.options, index, dataset)
                 if index < run.meta["stage"]:
                     continue
-                stages.stage(index, dataset, data_metrics, progress)
+                loop.stage(index, dataset, data_metrics, progress)
                 if run.step >= total:
                     break
                 run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)

@@ -29,6 +29,7 @@ from rstar2jax.train import config as config_lib
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
+from rstar2jax.train.options import RunOptions, run_options
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import state_shardings, trainable_params
@@ -205,9 +206,12 @@ def read_run_config(workdir: str | pathlib.Path):
 
 @dataclasses.dataclass
 class Run:
-    """What a training loop needs: mesh, model, optimizer, the (restored or fresh) state and its records."""
+    """What a training loop needs: mesh, model, optimizer, the (restored or fresh) state and its records.
+    ``options``: the typed options the loops read (``config`` stays for the model, LoRA and export helpers
+    that convert it themselves)."""
 
     config: Any
+    options: RunOptions
     workdir: pathlib.Path
     mesh: Mesh
     model_config: models.ModelConfig
@@ -309,7 +313,8 @@ def _upgrade_meta(meta: dict, step: int) -> None:
 def start_run(config, optimizer, schedule, *, initial_meta: dict, stop: StopSignal | None = None) -> Run:
     """Builds mesh and model, then restores the latest checkpoint of ``config.workdir`` or starts fresh;
     ``stop`` (default: a new one) is the signal that stops this run."""
-    workdir = pathlib.Path(config.workdir)
+    options = run_options(config)
+    workdir = options.workdir
     mesh = mesh_from_config(config)
     model_config = model_config_from(config)
     lora = lora_lib.lora_from_config(config, model_config)
@@ -318,26 +323,28 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict, stop: StopSign
     )
     checkpointer = Checkpointer(
         workdir / CHECKPOINT_DIR,
-        save_every=config.checkpoint.save_every,
-        keep=config.checkpoint.keep,
-        async_save=config.checkpoint.async_save,
+        save_every=options.checkpoint.save_every,
+        keep=options.checkpoint.keep,
+        async_save=options.checkpoint.async_save,
     )
     base, base_record = None, None
     if lora is not None:  # the frozen base: loaded at every start, never checkpointed
-        offload = "colocate" in config and colocate.resolve_offload(config.colocate.optimizer_memory)
+        offload = options.rl is not None and colocate.resolve_offload(options.rl.optimizer_memory)
         base = lora_lib.FrozenBase(
             initial_params(config, model_config, mesh), model_config, lora, offload=offload
         )
         base_record = lora_lib.base_record(config, lora, base.params)
     lora_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
-    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, config.seed, lora))
+    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, options.seed, lora))
     if restored is None:
         if lora is None:
             params = initial_params(config, model_config, mesh)
         else:
             params = lora_lib.initial_adapters(config, model_config, lora, mesh)
         reference = shardings.ref_params is not None
-        init = functools.partial(init_train_state, optimizer=optimizer, seed=config.seed, reference=reference)
+        init = functools.partial(
+            init_train_state, optimizer=optimizer, seed=options.seed, reference=reference
+        )
         state = jax.jit(init, out_shardings=shardings)(params)
         meta = {**initial_meta, "history": [], "optimizer_start": 0}
         if base_record is not None:
@@ -350,10 +357,11 @@ def start_run(config, optimizer, schedule, *, initial_meta: dict, stop: StopSign
     if is_main:
         write_run_config(workdir, config)
     logger = MetricsLogger(
-        workdir, history=meta["history"], tensorboard=config.logging.tensorboard, enabled=is_main
+        workdir, history=meta["history"], tensorboard=options.logging.tensorboard, enabled=is_main
     )
     return Run(
         config=config,
+        options=options,
         workdir=workdir,
         mesh=mesh,
         model_config=model_config,

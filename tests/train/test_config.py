@@ -351,3 +351,22 @@ def test_choice_fields_list_exactly_the_allowed_values_and_rl_defaults_are_the_i
         if f.name not in ("seq_len", "pack", "row_multiple"):
             assert defaults[f.name] == f.default, f.name
     assert defaults.std == "unbiased"
+
+
+def test_run_options_are_the_configs_values_typed_and_frozen():
+    import dataclasses
+
+    from rstar2jax.train import StageOptions, run_options
+
+    config = tiny_cpu.get_config()
+    config.batch.pack = False
+    config.data.answer_field = "solution"
+    options = run_options(config)
+    assert options.stages[1] == StageOptions("stage2", 2, 96, 3, hard_filter_rollouts=2, reset_optimizer=True)
+    assert options.total_steps == 4 and options.rl.num_rows == 2 * 2 and options.rl.prompts_per_step == 2
+    assert options.data.answer_field == "solution" and options.data.problem_field is None  # '' -> guess
+    assert options.checkpoint.save_every == 1 and options.logging.progress_every == 10
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.seed = 1
+    sft = run_options(tiny_cpu.get_config("sft"))
+    assert sft.stages == () and sft.rl is None and sft.data is None and sft.checkpoint.save_every == 5
