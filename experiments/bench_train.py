@@ -449,7 +449,7 @@ def lora_14b_peak(stand_in: bool) -> tuple[float, list[int]]:
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.stages = config.stages[:1]  # stage 1: 8K responses
-    report = dry_run.dry_run(config, kind="rl", cpu_stand_in=stand_in)
+    report = dry_run(config, kind="rl", cpu_stand_in=stand_in)
     return report["peak_estimate_bytes"] / GIB, report["batch_shape"]
 
 
