@@ -166,17 +166,33 @@ class RLLoopOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class SFTOptions:
+    """``config.sft``: the data, its passes, the packed batch and the step count (None: epochs' worth)."""
+
+    data: str
+    epochs: int = 3
+    batch_size: int = 128
+    seq_len: int = 4096
+    steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RunOptions:
     """A run's options the loops and the run lifecycle read, converted once from the validated config
-    (:func:`run_options`). ``stages``, ``data`` and ``rl`` are an RL run's (empty / None for SFT)."""
+    (:func:`run_options`). ``stages``, ``data`` and ``rl`` are an RL run's (empty / None for SFT), ``sft`` an
+    SFT run's. ``row_multiple``: batch rows split into ``num_microbatches`` micro-batches over the
+    data-parallel devices."""
 
     workdir: pathlib.Path
     seed: int
     checkpoint: CheckpointOptions
     logging: LoggingOptions
+    num_microbatches: int = 1
+    row_multiple: int = 1
     stages: tuple[StageOptions, ...] = ()
     data: DataOptions | None = None
     rl: RLLoopOptions | None = None
+    sft: SFTOptions | None = None
 
     @property
     def total_steps(self) -> int:
@@ -212,7 +228,10 @@ def run_options(config) -> RunOptions:
         seed=config.seed,
         checkpoint=CheckpointOptions(**_fields(CheckpointOptions, config.checkpoint)),
         logging=LoggingOptions(**_fields(LoggingOptions, config.logging)),
+        num_microbatches=config.num_microbatches,
+        row_multiple=row_multiple(config),
         stages=stages,
         data=data,
         rl=rl,
+        sft=SFTOptions(**_fields(SFTOptions, config.sft)) if "sft" in config else None,
     )

@@ -9,7 +9,7 @@ from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.faults import NonFiniteStreak
-from rstar2jax.train.options import RunOptions
+from rstar2jax.train.options import RunOptions, run_options
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
@@ -153,18 +153,20 @@ def train_rl(
     """
     config_lib.validate(config, "rl")
     optimizer = config_lib.build_optimizer(config)
+    options = run_options(config)
     run = start_run(
         config,
         optimizer,
         config_lib.build_schedule(config),
         initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
+        options=options,
     )
     step_fn = make_rl_step(
         run.model_config,
         optimizer,
         config_lib.build_loss_config(config),
-        num_microbatches=config.num_microbatches,
+        num_microbatches=options.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,
         lora=run.lora,

@@ -310,10 +310,19 @@ def _upgrade_meta(meta: dict, step: int) -> None:
         meta["stage_start"] = step - meta.pop("stage_step")
 
 
-def start_run(config, optimizer, schedule, *, initial_meta: dict, stop: StopSignal | None = None) -> Run:
+def start_run(
+    config,
+    optimizer,
+    schedule,
+    *,
+    initial_meta: dict,
+    stop: StopSignal | None = None,
+    options: RunOptions | None = None,
+) -> Run:
     """Builds mesh and model, then restores the latest checkpoint of ``config.workdir`` or starts fresh;
-    ``stop`` (default: a new one) is the signal that stops this run."""
-    options = run_options(config)
+    ``stop`` (default: a new one) is the signal that stops this run; ``options``: ``run_options(config)``
+    when the caller has them."""
+    options = options or run_options(config)
     workdir = options.workdir
     mesh = mesh_from_config(config)
     model_config = model_config_from(config)

@@ -15,6 +15,7 @@ from rstar2jax.data.problems import ProblemIterator
 from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.multihost import put_batch
+from rstar2jax.train.options import run_options
 from rstar2jax.train.progress import Progress
 from rstar2jax.train.run import CHECKPOINT_DIR, StopSignal, start_run
 from rstar2jax.train.steps import batch_sharding, make_sft_step
@@ -40,30 +41,30 @@ def train_sft(
     config_lib.validate(config, "sft")
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
+    options = run_options(config)
+    sft = options.sft
     tokenizer_dir = config_lib.tokenizer_path(config)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
-    sequences, skipped = load_sft_sequences(config.sft.data, tokenizer)
+    sequences, skipped = load_sft_sequences(sft.data, tokenizer)
     if not sequences:
-        raise ValueError(f"config.sft.data={config.sft.data!r}: no usable examples ({skipped} skipped)")
-    run_steps = config.sft.steps or config.sft.epochs * math.ceil(len(sequences) / config.sft.batch_size)
+        raise ValueError(f"config.sft.data={sft.data!r}: no usable examples ({skipped} skipped)")
+    run_steps = sft.steps or sft.epochs * math.ceil(len(sequences) / sft.batch_size)
     total = run_steps if max_steps is None else min(run_steps, max_steps)
     # The schedule spans the whole run, so stopping early (max_steps) and resuming changes nothing.
     optimizer = config_lib.build_optimizer(config, total_steps=run_steps)
     schedule = config_lib.build_schedule(config, total_steps=run_steps)
-    run = start_run(config, optimizer, schedule, initial_meta={"position": 0}, stop=stop)
+    run = start_run(config, optimizer, schedule, initial_meta={"position": 0}, stop=stop, options=options)
     step_fn = make_sft_step(
         run.model_config,
         optimizer,
-        num_microbatches=config.num_microbatches,
+        num_microbatches=options.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,
         lora=run.lora,
     )
     if run.base is not None:
         step_fn = run.base.bind(step_fn)
-    iterator = ProblemIterator(
-        sequences, config.sft.batch_size, seed=config.seed, position=run.meta["position"]
-    )
+    iterator = ProblemIterator(sequences, sft.batch_size, seed=options.seed, position=run.meta["position"])
     if run.resumed and run.is_main:
         logger.info(
             "resuming SFT from the checkpoint at step %d of %d in %s (epoch %.2f)",
@@ -75,9 +76,7 @@ def train_sft(
             run.accept_stop_requests()
             while run.step < total:
                 start = time.perf_counter()
-                batch = build_batch(
-                    next(iterator), seq_len=config.sft.seq_len, row_multiple=config_lib.row_multiple(config)
-                )
+                batch = build_batch(next(iterator), seq_len=sft.seq_len, row_multiple=options.row_multiple)
                 run.state, metrics = step_fn(run.state, put_batch(batch, sharding))
                 metrics = jax.device_get(metrics)
                 seconds = time.perf_counter() - start
@@ -97,7 +96,7 @@ def train_sft(
             run.close()
     if export_dir is not None:
         prompt = config_lib.prompt_from_config(config)
-        openers = assistant_openers(config.sft.data)
+        openers = assistant_openers(sft.data)
         if len(openers) == 1:  # the opener the policy was taught to continue from is its data's
             prompt = dataclasses.replace(prompt, assistant_opener=openers.pop())
         run.export(export_dir, tokenizer=tokenizer, prompt=prompt)

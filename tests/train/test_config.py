@@ -368,5 +368,7 @@ def test_run_options_are_the_configs_values_typed_and_frozen():
     assert options.checkpoint.save_every == 1 and options.logging.progress_every == 10
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.seed = 1
+    assert options.sft is None and options.num_microbatches == 2 and options.row_multiple == 2
     sft = run_options(tiny_cpu.get_config("sft"))
     assert sft.stages == () and sft.rl is None and sft.data is None and sft.checkpoint.save_every == 5
+    assert (sft.sft.epochs, sft.sft.batch_size, sft.sft.seq_len, sft.sft.steps) == (1, 8, 1024, None)
