@@ -10,6 +10,8 @@ import them).
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from typing import TYPE_CHECKING
 
 from rstar2jax.models.lora import LORA_TARGETS
@@ -56,6 +58,9 @@ __all__ = [
     "field_help",
     "lora_enabled",
     "placeholder",
+    "RUN_CONFIG_FILE",
+    "read_run_config",
+    "write_run_config",
     "prompt_from_config",
     "rl_config",
     "row_multiple",
@@ -67,8 +72,6 @@ __all__ = [
     "validate_rl_config",
     "validate_sft_config",
 ]
-
-
 
 
 # ml_collections is imported where a config is built, not with this module: the library's steps, loops and
@@ -256,3 +259,22 @@ def sft_config() -> ml_collections.ConfigDict:
     )
     return c
 
+
+#: The run's config as JSON, in its work folder: what loads the run's checkpoints without the launcher
+#: (``rstar2jax.serve.load_policy`` reads the model and tokenizer from it).
+RUN_CONFIG_FILE = "run_config.json"
+
+
+def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
+    """Writes ``config`` (an ``ml_collections.ConfigDict``) as ``workdir/run_config.json``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / RUN_CONFIG_FILE
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
+    temporary.replace(path)
+    return path
+
+
+def read_run_config(workdir: str | pathlib.Path):
+    """The run config a run wrote into ``workdir`` (``write_run_config``), as a ``ConfigDict``."""
+    return _config_dict(json.loads((pathlib.Path(workdir) / RUN_CONFIG_FILE).read_text(encoding="utf-8")))

@@ -33,14 +33,9 @@ import numpy as np
 from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.train import lora as lora_lib
+from rstar2jax.train.config import RUN_CONFIG_FILE, read_run_config
 from rstar2jax.train.options import prompt_from_config
-from rstar2jax.train.run import (
-    CHECKPOINT_DIR,
-    RUN_CONFIG_FILE,
-    initial_params,
-    model_config_from,
-    read_run_config,
-)
+from rstar2jax.train.run import CHECKPOINT_DIR, initial_params, model_config_from
 
 
 @dataclasses.dataclass

@@ -31,7 +31,6 @@ def gather_to_all_processes(items: list[Any]) -> list[Any]:
     ]
 
 
-
 def put_batch(batch: Batch, sharding: jax.sharding.Sharding | None) -> Batch:
     """The host batch as global device arrays; every process holds the whole batch and places its shards."""
     if sharding is None:

@@ -21,7 +21,6 @@ RL_ALERTS = (
 )
 
 
-
 class Progress:
     """Step progress of the main process: a tqdm bar on a terminal; elsewhere (a log file, a pipe) one short
     line every ``logging.progress_every`` steps and at the last step, never a bar's carriage returns.

@@ -149,7 +149,6 @@ def rl_iteration(
     return state, metrics
 
 
-
 def filter_hard_problems(
     params,
     problems: Sequence[Problem],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import pathlib
 import shutil
 import threading
@@ -28,6 +27,7 @@ from rstar2jax.train import colocate
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.config import write_run_config
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.options import RunOptions, run_options
 from rstar2jax.train.runtime import mesh_from_config
@@ -73,7 +73,6 @@ def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
     return models.init_params(model_config, jax.random.PRNGKey(config.seed), mesh=mesh)
 
 
-
 #: Checkpoint step folders go to ``<workdir>/CHECKPOINT_DIR``.
 CHECKPOINT_DIR = "checkpoints"
 #: ``experiments.sft`` exports its policy (an HF folder with the tokenizer) to ``<workdir>/POLICY_DIR``.
@@ -108,7 +107,6 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"stopped at step {step}; checkpoint saved in {checkpoints}")
         self.step = step
         self.checkpoints = checkpoints
-
 
 
 class StopSignal:
@@ -179,29 +177,6 @@ def abstract_state(model_config, optimizer, shardings: TrainState, seed: int, lo
         )
     )
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-
-
-#: The run's config as JSON, in its work folder: what loads the run's checkpoints without the launcher
-#: (``rstar2jax.serve.load_policy`` reads the model and tokenizer from it).
-RUN_CONFIG_FILE = "run_config.json"
-
-
-def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
-    """Writes ``config`` (an ``ml_collections.ConfigDict``) as ``workdir/run_config.json``."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / RUN_CONFIG_FILE
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
-    temporary.replace(path)
-    return path
-
-
-def read_run_config(workdir: str | pathlib.Path):
-    """The run config a run wrote into ``workdir`` (``write_run_config``), as a ``ConfigDict``."""
-    import ml_collections
-
-    text = (pathlib.Path(workdir) / RUN_CONFIG_FILE).read_text(encoding="utf-8")
-    return ml_collections.ConfigDict(json.loads(text))
 
 
 @dataclasses.dataclass

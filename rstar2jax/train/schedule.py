@@ -73,7 +73,6 @@ def _group(
     return [groups[p.id] for p in problems]
 
 
-
 def tag_versions(trajectories: Sequence[Trajectory], version: int) -> list[Trajectory]:
     """``trajectories`` with ``policy_versions`` set where the rollout recorded none: ``version`` on every
     sampled token (loss mask 1), ``NO_POLICY_VERSION`` elsewhere. Tagged records are kept as they are."""
@@ -85,7 +84,6 @@ def tag_versions(trajectories: Sequence[Trajectory], version: int) -> list[Traje
         )
         for t in trajectories
     ]
-
 
 
 def collect_stats(rollout_fn: RolloutFn, into: collections.Counter | None) -> None:

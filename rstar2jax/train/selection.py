@@ -84,7 +84,6 @@ class RLIterationConfig:
             )
 
 
-
 def policy_lag_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dict[str, float]:
     """``rollout/policy_lag_mean`` / ``_max``: ``version`` minus the policy version of each sampled response
     token (loss mask 1) of the step's rollouts (all of them, before selection); 0 / 0 without any."""
@@ -102,7 +101,6 @@ def policy_lag_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> 
         "rollout/policy_lag_mean": float(lag.mean()) if lag.size else 0.0,
         "rollout/policy_lag_max": float(lag.max()) if lag.size else 0.0,
     }
-
 
 
 def check_rewards(groups: list[list[Trajectory]]) -> None:
