@@ -8,9 +8,12 @@
   line (and the config's ``notice``, e.g. that it is a smoke test);
 - JAX's persistent compilation cache, on by default (``--compilation_cache_dir``): a second start loads the
   programs the first one compiled instead of compiling them again;
+- what the library logs (the ``rstar2jax`` loggers: progress lines, resumes, the memory plan) shown as bare
+  lines, INFO on stdout and warnings on stderr (``console_logging``);
 - Ctrl-C: the training loop finishes its step, saves a checkpoint and the launcher exits (status 130) with
   one line saying where; a second Ctrl-C stops at once. SIGTERM (a scheduler's preemption) does the same as
-  the first Ctrl-C;
+  the first Ctrl-C. A launcher that trains wraps the loop in ``stop_on_signals`` and passes the
+  ``StopSignal`` it gives to ``train_rl`` / ``train_sft``; elsewhere either signal interrupts at once;
 - a fault the run cannot ride out (a sandbox that stayed down past ``rollout.sandbox_outage_s``, too many
   non-finite steps in a row, a checkpoint that could not be written): one line ``error: ...`` saying what
   happened and which checkpoint a rerun resumes from, exit 3.
@@ -22,6 +25,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging as pylogging
 import os
 import pathlib
 import re
@@ -94,20 +99,69 @@ def define_config(default: str | None, help_text: str, *, lock_config: bool = Tr
         _unknown_field(sys.argv, e)
 
 
-def _on_signal(signum, frame) -> None:
-    from rstar2jax import train
+def _interrupt(signum, frame) -> None:
+    """SIGINT / SIGTERM outside a training loop: stop at once (exit 130, see ``run``)."""
+    raise KeyboardInterrupt
 
-    name = signal.Signals(signum).name
-    if signum == signal.SIGINT and getattr(_on_signal, "asked", False):
-        raise KeyboardInterrupt  # the second Ctrl-C: stop now
-    _on_signal.asked = True
-    if not train.request_stop():  # no training loop running: nothing to finish
-        raise KeyboardInterrupt
-    print(
-        f"\n{name}: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)",
-        file=sys.stderr,
-        flush=True,
-    )
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """A fresh ``train.StopSignal`` that SIGINT / SIGTERM trigger while the block runs (the loop given it
+    finishes its step, saves a checkpoint and raises ``train.Interrupted``); a second Ctrl-C, or a signal when
+    no loop holds the stop, interrupts at once. The previous handlers come back afterwards, so nothing of
+    this block reaches a later one."""
+    from rstar2jax.train import StopSignal
+
+    stop, asked = StopSignal(), []
+
+    def on_signal(signum, frame) -> None:
+        if signum == signal.SIGINT and asked:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        asked.append(signum)
+        if not stop.request():  # no training loop running: nothing to finish
+            raise KeyboardInterrupt
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+            "(Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class _BelowWarning(pylogging.Filter):
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        return record.levelno < pylogging.WARNING
+
+
+@contextlib.contextmanager
+def console_logging():
+    """While the block runs, the library's log records (the ``rstar2jax`` logger) are shown as bare lines,
+    INFO on stdout and warnings and errors on stderr, not through absl's handler; as before, when they were
+    prints. The logger's level, handlers and propagation come back afterwards."""
+    library = pylogging.getLogger("rstar2jax")
+    out, err = pylogging.StreamHandler(sys.stdout), pylogging.StreamHandler(sys.stderr)
+    out.addFilter(_BelowWarning())
+    err.setLevel(pylogging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(pylogging.Formatter("%(message)s"))
+        library.addHandler(handler)
+    saved = library.level, library.propagate
+    library.setLevel(pylogging.INFO)
+    library.propagate = False
+    try:
+        yield
+    finally:
+        library.removeHandler(out)
+        library.removeHandler(err)
+        library.setLevel(saved[0])
+        library.propagate = saved[1]
 
 
 # --- the persistent compilation cache ---------------------------------------------------------------------
@@ -204,10 +258,11 @@ def run(main: Callable[[list[str]], None]) -> None:
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
         enable_compilation_cache(flags.FLAGS[COMPILATION_CACHE_FLAG].value)
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
-            main(argv)
+            with console_logging():
+                main(argv)
         except ConfigError as e:
             fail(str(e))
         except (SandboxUnavailable, RunFault, CheckpointError) as e:

@@ -91,8 +91,9 @@ def run_ablation(
     evaluations: dict[str, list[dict]] = {LABELS.get(m, m): [] for m in modes}
     metrics_files: dict[str, list[str]] = {LABELS.get(m, m): [] for m in modes}
     with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(_launch.stop_on_signals())
         server = stack.enter_context(start_local(workers=config.sandbox_workers))
-        recipe.prepare_policy(config, paths, server.url, timer)
+        recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
         prompt = policy_lib.prompt_from_config(config)
         for seed in seeds:
             for mode in modes:
@@ -108,7 +109,7 @@ def run_ablation(
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
-                        train.train_rl(rl_config, rollout_fn=rollout_fn)
+                        train.train_rl(rl_config, rollout_fn=rollout_fn, stop=stop)
                         policy_lib.export_policy(rl_config, policy)
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))

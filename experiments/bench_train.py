@@ -28,7 +28,7 @@ shapes); ``rl_step`` tokens/s of the Qwen3-0.6B shape at 4 of its layers, float3
 (--lora_rows x --lora_seq_len), both measured in this process one after the other; and the compiled
 ``rl_step`` peak of ``experiments/configs/paper_qwen3_14b_lora_1gpu.py`` on one device at its 8K stage (the
 dry run's compile on abstract shapes: nothing allocated; on the CPU without XLA:CPU's hoisted float32 upcast
-of the bfloat16 weights, which no accelerator makes, see ``runner.dry_run``; the figure with it is printed
+of the bfloat16 weights, which no accelerator makes, see ``train.dry_run``; the figure with it is printed
 too). JSON keys: lora_state_bytes_ratio, lora_step_tokens_per_s_ratio, lora_14b_train_peak_gib.
 
 ``--gpu``: Qwen3-1.7B (28 layers), float32 master weights and AdamW, bfloat16 compute, remat "full",
@@ -445,11 +445,11 @@ def lora_14b_peak(stand_in: bool) -> tuple[float, list[int]]:
     device). ``stand_in`` False: the CPU compiles as for itself (the float32 upcast of the weights
     hoisted)."""
     from experiments.configs import paper_qwen3_14b_lora_1gpu
-    from rstar2jax.train import runner
+    from rstar2jax.train import dry_run
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.stages = config.stages[:1]  # stage 1: 8K responses
-    report = runner.dry_run(config, kind="rl", cpu_stand_in=stand_in)
+    report = dry_run(config, kind="rl", cpu_stand_in=stand_in)
     return report["peak_estimate_bytes"] / GIB, report["batch_shape"]
 
 

@@ -70,10 +70,11 @@ def main(argv):
         "rstar2jax demo", paths.workdir, runs={"sft": paths.sft_run, "rl": paths.rl_run}, config=config.rl
     )
     with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(_launch.stop_on_signals())
         with timer.phase("sandbox"):
             server = stack.enter_context(start_local(workers=config.sandbox_workers))
             print(f"   {server.url}")
-        recipe.prepare_policy(config, paths, server.url, timer)
+        recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
         rl_config = recipe.rl_run_config(config, paths)
         rollout_fn = policy_lib.policy_rollout(rl_config, server.url, policy_lib.prompt_from_config(config),
                                                restart_sandbox=server.restart_if_dead)
@@ -83,7 +84,7 @@ def main(argv):
         )
         if not (paths.rl_policy / "config.json").exists():
             with timer.phase("rl (GRPO-RoC)", paths.rl_run):
-                train.train_rl(rl_config, rollout_fn=rollout_fn)
+                train.train_rl(rl_config, rollout_fn=rollout_fn, stop=stop)
                 policy_lib.export_policy(rl_config, paths.rl_policy)
         after = recipe.evaluate_saved(
             config, paths.evaluation("rl"), paths.rl_policy, paths.eval_problems, rollout_fn, timer

@@ -27,7 +27,7 @@ from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.sft_data import build_sft_examples, sft_rows
 from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
-from rstar2jax.train import runner
+from rstar2jax.train import runtime, sft_loop
 from rstar2jax.train.policy import (
     evaluate_policy,
     load_policy,
@@ -35,7 +35,8 @@ from rstar2jax.train.policy import (
     prompt_from_config,
     save_evaluation,
 )
-from rstar2jax.train.rl import RolloutFn
+from rstar2jax.train.run import StopSignal
+from rstar2jax.train.schedule import RolloutFn
 
 #: Metrics an evaluation reports, in the order the report lists them.
 EVAL_KEYS = (
@@ -180,8 +181,13 @@ def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     )
 
 
+#: The model preset the demo's ``config.model`` fields refine.
+MODEL_PRESET = "tiny"
+
+
 def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
-    """``ModelConfig`` fields of the demo model, its vocabulary and end-of-turn token from ``tokenizer``."""
+    """``ModelConfig`` fields of the demo model over ``MODEL_PRESET``'s, its vocabulary and end-of-turn token
+    from ``tokenizer``."""
     return {
         **config.model.to_dict(),
         "vocab_size": len(tokenizer),
@@ -204,6 +210,7 @@ def sft_run_config(
         spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
     else:
         spec = model_spec(config, tokenizer)
+    c.model.preset = MODEL_PRESET
     c.model.spec = ml_collections.ConfigDict(spec)
     return c
 
@@ -310,10 +317,16 @@ class PhaseTimer:
 
 
 def prepare_policy(
-    config: ml_collections.ConfigDict, paths: DemoPaths, sandbox_url: str, timer: PhaseTimer
+    config: ml_collections.ConfigDict,
+    paths: DemoPaths,
+    sandbox_url: str,
+    timer: PhaseTimer,
+    *,
+    stop: StopSignal | None = None,
 ) -> ml_collections.ConfigDict:
     """Task, SFT data (tool calls run on the sandbox at ``sandbox_url``), tokenizer, SFT and its export to
-    ``paths.sft_policy``; each phase skipped when its output exists. Returns the SFT run config."""
+    ``paths.sft_policy``; each phase skipped when its output exists (``stop``: stops SFT after a step).
+    Returns the SFT run config."""
     from rstar2jax.agent.sandbox_client import SyncSandboxClient
 
     with timer.phase("task", paths.train_problems.parent):
@@ -335,11 +348,11 @@ def prepare_policy(
             print(f"   vocabulary {len(train_tokenizer(config, paths))}")
     longest = check_prompt_budget(config, paths)
     sft_config = sft_run_config(config, paths, load_tokenizer(paths.tokenizer))
-    runner.prepare_process(sft_config)  # before the first JAX computation
+    runtime.prepare_process(sft_config)  # before the first JAX computation
     if not (paths.sft_policy / "config.json").exists():
         with timer.phase("sft", paths.sft_run):
             print(f"   model {sft_config.model.spec.to_dict()}, longest prompt {longest} tokens")
-            runner.train_sft(sft_config, export_dir=paths.sft_policy)
+            sft_loop.train_sft(sft_config, export_dir=paths.sft_policy, stop=stop)
     return sft_config
 
 
@@ -355,7 +368,7 @@ def evaluate_saved(
     exists); returns the saved record."""
     if not path.exists():
         with timer.phase(f"eval {policy_dir.name}", path):
-            _, params = load_policy(policy_dir)
+            params = load_policy(policy_dir).params
             e = config.eval
             result = evaluate_policy(
                 params,

@@ -47,7 +47,8 @@ def main(argv):
     ):
         return
     policy = train.RunPaths.of(config.workdir).policy
-    train.train_sft(config, max_steps=_MAX_STEPS.value, export_dir=policy)
+    with _launch.stop_on_signals() as stop:
+        train.train_sft(config, max_steps=_MAX_STEPS.value, export_dir=policy, stop=stop)
     print(
         f"policy (HF folder with the tokenizer): {policy}\n"
         f"  RL from it: python -m experiments.train_rl --config=<an RL config> --config.model.path={policy}",

@@ -63,7 +63,9 @@ def main(argv):
     ):
         return
     with contextlib.ExitStack() as stack:
-        train.train_rl(config, rollout_fn=agent_rollout_fn(config, stack), max_steps=_MAX_STEPS.value)
+        rollout_fn = agent_rollout_fn(config, stack)
+        stop = stack.enter_context(_launch.stop_on_signals())
+        train.train_rl(config, rollout_fn=rollout_fn, max_steps=_MAX_STEPS.value, stop=stop)
 
 
 if __name__ == "__main__":

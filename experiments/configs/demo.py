@@ -33,7 +33,7 @@ FIELD_HELP = {
     "tokenizer_vocab_size": "vocabulary of the BPE tokenizer the demo trains",
     "tokenizer_digit_group": "numbers split into groups of up to this many digits, one token each",
     "sandbox_workers": "workers of the local code sandbox",
-    "model.*": "a ModelConfig field of the demo's model (vocabulary from the tokenizer)",
+    "model.*": "a ModelConfig field of the demo's model over the tiny preset (vocabulary: the tokenizer's)",
     "sft": "the SFT phase's train_sft config (model, tokenizer and data filled in by the demo)",
     "rl": "the RL phase's train_rl config (policy, tokenizer and data filled in by the demo)",
     "eval.samples": "samples per held-out problem (average pass@1 over them)",
@@ -120,18 +120,10 @@ def _demo_config() -> ml_collections.ConfigDict:
     c.tokenizer_digit_group = 3
     c.sandbox_workers = 2
 
+    # The tiny preset (models.TINY: 2 Qwen3 layers, 4 heads, 2 KV heads) widened; the vocabulary comes from
+    # the tokenizer the demo trains.
     c.model = ml_collections.ConfigDict(
-        dict(
-            model_type="qwen3",
-            hidden_size=128,
-            intermediate_size=384,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            tie_word_embeddings=True,
-            max_position_embeddings=1024,
-        )
+        dict(hidden_size=128, intermediate_size=384, head_dim=32, max_position_embeddings=1024)
     )
 
     sft = sft_config()

@@ -42,462 +42,56 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
-import secrets
+import logging
 import threading
-import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
 
-import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from rstar2jax.agent.outage import OutagePolicy, OutageTracker
-from rstar2jax.agent.tasks import gather_or_cancel
-from rstar2jax.data.conversation import (
-    PromptConfig,
-    encode_text,
-    format_tool_result,
-    render_prompt_ids,
-    tool_response_ids,
-    truncate_middle,
+from rstar2jax.agent.outage import OutagePolicy
+from rstar2jax.agent.rollout_types import (
+    INFRA_OUTCOMES,
+    Observer,
+    PartialRollout,
+    RolloutConfig,
+    RolloutEngine,
+    RolloutSession,
+    ToolSandbox,
+    _Conversation,
+    drop_infra_failures,
+    tool_outcome,
 )
+from rstar2jax.agent.session import _Rollout
+from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.problems import Problem
-from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
-from rstar2jax.data.trajectory import NO_POLICY_VERSION, Trajectory, answer_tag_counts
+from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.engine.config import page_rounded
-from rstar2jax.engine.scheduler import Engine, EngineConfig, SamplingParams, Segment
+from rstar2jax.engine.scheduler import Engine, EngineConfig
 from rstar2jax.models import ModelConfig
-from rstar2jax.reward import AnswerVerifier, default_verifier, extract_answer
+from rstar2jax.reward import AnswerVerifier, default_verifier
 
-# ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
-_CLIENT_FAILURE_TYPES = frozenset(
-    {"DeadlineExceeded", "ConnectionError", "ClientClosed", "BadResponse", "Unreachable"})
-# Outcomes that are the sandbox service's fault, never the model's: waited out or retried (outage.py), and a
-# trajectory still left with one (a call whose worker died under it every time) is dropped by
-# :class:`PolicyRollout` rather than penalised by RoC.
-INFRA_OUTCOMES = frozenset({"unreachable", "internal"})
+logger = logging.getLogger(__name__)
+#: The options a rollout takes when given none (a frozen record: shared safely as a default).
+DEFAULT_CONFIG = RolloutConfig()
 
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """How a rollout samples and where it stops. Defaults are the paper's RL stage 1 (§5.1).
-
-    Attributes:
-      max_response_length: response budget in tokens, sampled and inserted (tool) tokens together.
-      max_turns: assistant turns allowed, the first included (paper: 10, 15 in stage 3).
-      max_tool_calls_per_turn: a turn's calls run once it holds this many (or when the turn ends).
-      tool_timeout: seconds one sandbox call may run.
-      tool_output_chars: a tool response (sandbox output or parse error) keeps at most this many
-        characters, its head and tail.
-      sampling: temperature / top-p / top-k of the policy (paper: temperature 1.0).
-      prompt: system prompt, user prefix, assistant opener and tool schemas.
-      seed: makes every group's sampling reproducible (group ``i`` is seeded by ``(seed, i)``); None: the
-        engine derives seeds from its own seed and the opening order.
-      segment_tokens: sample at most this many tokens between looks at the text (for showing it live,
-        :func:`converse_async`'s observer); None: a whole turn at once. Either way the tokens are the same.
-      tool_infra_retries: a one-shot call whose worker died under it (``killed`` / ``WorkerDied``: the
-        service answered, the call did not run to its end) is run again up to this many times. A service that
-        does not answer at all is waited for instead, under the rollout's
-        :class:`~rstar2jax.agent.outage.OutagePolicy`.
-      stateful_tool: each trajectory's calls run in one sandbox session (Jupyter-like: variables persist
-        across its turns; an unguessable id per trajectory, closed when it ends). Off by default (the paper's
-        tool is stateless).
-    """
-
-    max_response_length: int = 8192
-    max_turns: int = 10
-    max_tool_calls_per_turn: int = 1
-    tool_timeout: float = 10.0
-    tool_output_chars: int = 2048
-    sampling: SamplingParams = SamplingParams()
-    prompt: PromptConfig = dataclasses.field(default_factory=PromptConfig)
-    seed: int | None = None
-    segment_tokens: int | None = None
-    tool_infra_retries: int = 2
-    stateful_tool: bool = False
-
-    def __post_init__(self):
-        for name in ("max_response_length", "max_turns", "max_tool_calls_per_turn", "tool_output_chars"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {value!r}")
-        if not self.tool_timeout > 0:
-            raise ValueError(f"RolloutConfig.tool_timeout must be > 0 seconds, got {self.tool_timeout!r}")
-        for name, kind in (("sampling", SamplingParams), ("prompt", PromptConfig)):
-            if not isinstance(getattr(self, name), kind):
-                raise TypeError(f"RolloutConfig.{name} must be a {kind.__name__}, "
-                                f"got {type(getattr(self, name)).__name__}")
-        if self.segment_tokens is not None and (
-            not isinstance(self.segment_tokens, int) or isinstance(self.segment_tokens, bool)
-            or self.segment_tokens < 1
-        ):
-            raise ValueError(f"RolloutConfig.segment_tokens must be a positive int or None, got "
-                             f"{self.segment_tokens!r}")
-        if not isinstance(self.tool_infra_retries, int) or self.tool_infra_retries < 0:
-            raise ValueError(
-                f"RolloutConfig.tool_infra_retries must be an int >= 0, got {self.tool_infra_retries!r}")
-        if not isinstance(self.stateful_tool, bool):
-            raise ValueError(f"RolloutConfig.stateful_tool must be a bool, got {self.stateful_tool!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"RolloutConfig.seed must be an int or None, got {self.seed!r}")
-
-
-class RolloutSession(Protocol):
-    """What a rollout needs of one engine sequence (:class:`rstar2jax.engine.Session` has it)."""
-
-    done: bool
-    remaining: int
-
-    async def generate(self, *, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
-                       ) -> Segment: ...
-
-    def append(self, token_ids: Sequence[int]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class RolloutEngine(Protocol):
-    """What a rollout needs of the engine (:class:`rstar2jax.engine.Engine` has it)."""
-
-    async def open(self, prompt_ids: Sequence[int], n: int = 1, *, sampling: SamplingParams,
-                   max_tokens: int, seed: int | None = None) -> list[RolloutSession]: ...
-
-
-class ToolSandbox(Protocol):
-    """What a rollout needs of the code sandbox (:class:`rstar2jax.agent.SandboxClient` has it): ``run``
-    returns a result with ``status``, ``stdout``, ``stderr`` and ``error_type`` and never raises for service
-    failures. With ``RolloutConfig.stateful_tool`` it is also called with ``session=`` and needs an async
-    ``close_session(session)``."""
-
-    async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> Any: ...
-
-
-class Observer(Protocol):
-    """Sees a conversation as it happens (:func:`converse_async`): each piece of model text, each parsed
-    tool call before it runs, and its outcome and the text the model is shown."""
-
-    def on_text(self, text: str) -> None: ...
-
-    def on_call(self, call: ToolCall | ToolCallError) -> None: ...
-
-    def on_result(self, call: ToolCall | ToolCallError, outcome: str, response: str) -> None: ...
-
-
-def tool_outcome(result: Any) -> str:
-    """The :data:`~rstar2jax.data.trajectory.ToolOutcome` of a sandbox result: its status, or
-    ``"unreachable"`` for the ``internal`` results the client returns when no server answered."""
-    error_type = result.error_type or ""
-    if result.status == "internal" and (error_type in _CLIENT_FAILURE_TYPES or error_type.startswith("HTTP")):
-        return "unreachable"
-    if result.status == "killed" and error_type in ("WorkerDied", "SessionClosed"):
-        return "internal"  # its worker died, or the server closed the session (idle past its TTL)
-    if error_type == "SessionNotFound":
-        return "internal"  # the server lost the session this client opened (it was restarted)
-    return result.status
-
-
-def drop_infra_failures(trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
-    """``(kept, number dropped)``: the trajectories none of whose tool calls ended in an
-    :data:`INFRA_OUTCOMES` outcome (the sandbox's fault, which RoC must not count as the model's)."""
-    kept = [t for t in trajectories if INFRA_OUTCOMES.isdisjoint(t.tool_outcomes)]
-    return kept, len(trajectories) - len(kept)
-
-
-class _Clock:
-    """Seconds spent per phase of one trajectory."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - start
-
-
-@dataclasses.dataclass
-class _Conversation:
-    """The growing record of one session: token stream, the model's own text and per-call outcomes."""
-
-    response_ids: list[int] = dataclasses.field(default_factory=list)
-    loss_mask: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    # None once a segment came without versions (an engine that does not record them).
-    policy_versions: list[int] | None = dataclasses.field(default_factory=list)
-    # None once a segment came without entropies (a scripted engine, say).
-    entropies: list[float] | None = dataclasses.field(default_factory=list)
-    model_text: list[str] = dataclasses.field(default_factory=list)
-    tool_outcomes: list[str] = dataclasses.field(default_factory=list)
-    num_turns: int = 1
-    truncated: bool = False
-    tool_session: str | None = None  # the sandbox session of a stateful tool (RolloutConfig.stateful_tool)
-    clock: _Clock = dataclasses.field(default_factory=_Clock)
-
-    def add_sampled(self, segment: Segment, text: str) -> None:
-        self.response_ids += segment.tokens
-        self.loss_mask += [1] * len(segment.tokens)
-        self.logprobs += segment.logprobs
-        versions = getattr(segment, "policy_versions", [])
-        if self.policy_versions is not None and len(versions) == len(segment.tokens):
-            self.policy_versions += versions
-        else:
-            self.policy_versions = None
-        entropies = getattr(segment, "entropies", [])
-        if self.entropies is not None and len(entropies) == len(segment.tokens):
-            self.entropies += entropies
-        else:
-            self.entropies = None
-        self.model_text.append(text)
-
-    def add_inserted(self, token_ids: Sequence[int]) -> None:
-        self.response_ids += token_ids
-        self.loss_mask += [0] * len(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
-        if self.policy_versions is not None:
-            self.policy_versions += [NO_POLICY_VERSION] * len(token_ids)
-        if self.entropies is not None:
-            self.entropies += [0.0] * len(token_ids)
-
-
-@dataclasses.dataclass(eq=False)
-class PartialRollout:
-    """A rollout a token budget stopped before it finished (see :func:`rollout_async`): everything needed to
-    resume it in a later call (``resume=``), with new parameters or not. Its tokens so far keep the log-probs
-    and policy versions of the policy that sampled them.
-
-    Attributes:
-      problem: the problem (its gold answer grades the finished rollout).
-      prompt_ids: the rendered prompt.
-      conversation: the record so far (response tokens, loss mask, log-probs, versions, text, tool outcomes).
-      unparsed: model text of the current turn not yet searched for tool calls (a turn cut mid-way).
-      seed: seed of this rollout's sampling (each resume derives its own from it); None: the engine's.
-      resumes: how many times it was resumed so far.
-    """
-
-    problem: Problem
-    prompt_ids: list[int]
-    conversation: _Conversation
-    unparsed: str = ""
-    seed: int | None = None
-    resumes: int = 0
-
-    @property
-    def problem_id(self) -> str:
-        return self.problem.id
-
-    @property
-    def num_tokens(self) -> int:
-        """Response tokens so far (sampled and inserted)."""
-        return len(self.conversation.response_ids)
-
-    @property
-    def policy_versions(self) -> list[int] | None:
-        return self.conversation.policy_versions
-
-
-class _Rollout:
-    """One ``rollout_async`` call: the shared pieces and the per-group / per-session coroutines."""
-
-    def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
-                 verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None,
-                 token_budget: int | None = None, outage: OutagePolicy | None = None):
-        self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
-            engine, sandbox, tokenizer, verifier, config)
-        where = ", ".join(getattr(sandbox, "urls", ())) or "service"
-        self.outage = OutageTracker(outage or OutagePolicy(), where, worker_retries=config.tool_infra_retries)
-        self.token_budget = token_budget
-        self.sampled = 0  # tokens the sessions of this call sampled, together
-        if not tokenizer.eos_token:
-            raise ValueError("the tokenizer has no eos_token: the rollout needs the end-of-turn token")
-        self.tool_call_end = encode_text(tokenizer, TOOL_CALL_CLOSE)
-        self.stops = [self.tool_call_end, encode_text(tokenizer, tokenizer.eos_token)]
-        self.tool_names = config.prompt.tool_names
-        self.observer = observer
-
-    def group_seed(self, index: int) -> int | None:
-        if self.config.seed is None:
-            return None
-        return int(np.random.SeedSequence([self.config.seed, index]).generate_state(1)[0])
-
-    def out_of_budget(self) -> bool:
-        return self.token_budget is not None and self.sampled >= self.token_budget
-
-    @staticmethod
-    def derived_seed(*entropy: int | None) -> int | None:
-        """A well-mixed seed from ints (None if the first is None: the engine derives one)."""
-        if entropy[0] is None:
-            return None
-        return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(1)[0])
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    async def problem(self, index: int, problem: Problem, n: int) -> list[Trajectory | PartialRollout]:
-        prompt_ids = render_prompt_ids(self.tokenizer, problem.problem, self.config.prompt)
-        seed = self.group_seed(index)
-        if self.out_of_budget():  # not opened: the whole group waits for a later call
-            return [PartialRollout(problem, list(prompt_ids), _Conversation(),
-                                   seed=self.derived_seed(seed, j)) for j in range(n)]
-        start = time.perf_counter()
-        try:
-            sessions = await self.engine.open(prompt_ids, n, sampling=self.config.sampling,
-                                              max_tokens=self.config.max_response_length, seed=seed)
-        except ValueError as error:
-            raise ValueError(f"problem {problem.id!r}: {error}") from error
-        queued = time.perf_counter() - start
-        return await gather_or_cancel(
-            self.session(s, problem, prompt_ids, queued, seed=self.derived_seed(seed, j))
-            for j, s in enumerate(sessions))
-
-    async def resume(self, partial: PartialRollout) -> Trajectory | PartialRollout:
-        """Go on with a rollout an earlier call stopped: a new session whose prompt is the prompt and the
-        response so far (prefilled with this call's parameters), budget what is left of the response's."""
-        if self.out_of_budget():
-            return partial
-        conversation = partial.conversation
-        start = time.perf_counter()
-        left = self.config.max_response_length - len(conversation.response_ids)
-        if left < 1:
-            raise ValueError(f"resume: the partial rollout of problem {partial.problem_id!r} has "
-                             f"{len(conversation.response_ids)} response tokens, no budget left of "
-                             f"max_response_length={self.config.max_response_length}")
-        resumes = partial.resumes + 1
-        (session,) = await self.engine.open(
-            partial.prompt_ids + conversation.response_ids, 1, sampling=self.config.sampling, max_tokens=left,
-            seed=self.derived_seed(partial.seed, resumes))
-        conversation.clock.seconds["queue"] += time.perf_counter() - start
-        return await self.session(session, partial.problem, partial.prompt_ids, 0.0, seed=partial.seed,
-                                  conversation=conversation, unparsed=partial.unparsed, resumes=resumes)
-
-    async def session(self, session: RolloutSession, problem: Problem, prompt_ids: list[int],
-                      queued: float, *, seed: int | None = None, conversation: _Conversation | None = None,
-                      unparsed: str = "", resumes: int = 0) -> Trajectory | PartialRollout:
-        if conversation is None:
-            conversation = _Conversation()
-            if self.config.stateful_tool:  # unguessable: the capability
-                conversation.tool_session = f"rollout-{secrets.token_urlsafe(18)}"
-        conversation.clock.seconds["queue"] += queued
-        interrupted = None
-        try:
-            interrupted = await self.converse(session, conversation, unparsed)
-        finally:
-            session.close()
-            if conversation.tool_session is not None:
-                await self.sandbox.close_session(conversation.tool_session)
-        if interrupted is not None:
-            return PartialRollout(problem, list(prompt_ids), conversation, interrupted, seed, resumes)
-        text = "".join(conversation.model_text)
-        opens, closes, pairs = answer_tag_counts(text)
-        if conversation.truncated:
-            answer, reward = extract_answer(text), 0.0
-        else:
-            with conversation.clock.phase("verify"):
-                grade = await self.verifier.grade(text, problem.answer)
-            answer, reward = grade.extracted_answer, float(grade.is_correct)
-        return Trajectory(
-            problem_id=problem.id,
-            prompt_ids=list(prompt_ids),
-            response_ids=conversation.response_ids,
-            loss_mask=conversation.loss_mask,
-            logprobs=conversation.logprobs,
-            tool_outcomes=conversation.tool_outcomes,
-            num_turns=conversation.num_turns,
-            num_answer_blocks=opens,
-            num_answer_closes=closes,
-            num_answer_pairs=pairs,
-            truncated=conversation.truncated,
-            answer=answer,
-            reward=reward,
-            timings=dict(conversation.clock.seconds),
-            policy_versions=conversation.policy_versions,
-            entropies=conversation.entropies,
-        )
-
-    async def execute(self, call: ToolCall | ToolCallError, session: str | None = None) -> tuple[str, str]:
-        """(outcome, text the model sees) of one parsed call, run under the rollout's outage policy."""
-        limit = self.config.tool_output_chars
-        if self.observer is not None:
-            self.observer.on_call(call)
-        if isinstance(call, ToolCallError):
-            outcome, response = "parse_error", truncate_middle(call.message, limit)
-        else:
-            extra = {} if session is None else {"session": session}
-            timeout = self.config.tool_timeout
-            result = await self.outage.call(
-                lambda: self.sandbox.run(call.code, stdin=call.input, timeout=timeout, **extra),
-                session=session is not None)
-            outcome, response = tool_outcome(result), format_tool_result(result, limit)
-        if self.observer is not None:
-            self.observer.on_result(call, outcome, response)
-        return outcome, response
-
-    async def collect(self, running: list[asyncio.Task], conversation: _Conversation) -> list[str]:
-        """Wait for a turn's dispatched calls, record their outcomes and return the texts the model sees."""
-        with conversation.clock.phase("tool"):
-            results = await asyncio.gather(*running)
-        conversation.tool_outcomes += [outcome for outcome, _ in results]
-        return [response for _, response in results]
-
-    async def converse(self, session: RolloutSession, conversation: _Conversation, unparsed: str = ""
-                       ) -> str | None:
-        """Run the turns of one session until it finishes, is truncated or hits a limit (returns None), or
-        until the call's token budget is spent at a point where it can stop (no tool call running, budget
-        left): then it returns the text of the current turn not yet parsed (``unparsed``: what a resumed
-        conversation starts from)."""
-        config = self.config
-        running: list[asyncio.Task] = []  # this turn's calls, dispatched as soon as they were written
-        try:
-            while True:
-                if self.out_of_budget() and not running and session.remaining > 0:
-                    return unparsed
-                with conversation.clock.phase("generate"):
-                    segment = await session.generate(stop=self.stops, max_new_tokens=config.segment_tokens)
-                self.sampled += len(segment.tokens)
-                text = self.decode(segment.tokens)
-                conversation.add_sampled(segment, text)
-                if self.observer is not None:
-                    self.observer.on_text(text)
-                unparsed += text
-                if segment.finish_reason == "budget":
-                    conversation.truncated = True
-                    await self.collect(running, conversation)  # calls of the cut turn ran: record them
-                    return None
-                called = (segment.finish_reason == "stop"
-                          and segment.tokens[-len(self.tool_call_end):] == self.tool_call_end)
-                turn_over = not called and segment.finish_reason in ("stop", "eos")
-                if not (called or turn_over):
-                    continue  # paused mid-turn ("length"): keep sampling
-                calls = parse_tool_calls(unparsed, tool_names=self.tool_names)
-                unparsed = ""
-                if calls and conversation.num_turns >= config.max_turns and not session.done:
-                    conversation.truncated = True  # no turn is left to show the results in
-                    return None
-                running += [asyncio.ensure_future(self.execute(call, conversation.tool_session))
-                            for call in calls]
-                if called and len(running) < config.max_tool_calls_per_turn:
-                    continue
-                if not running:
-                    return None  # the model ended its turn without calling a tool: finished
-                responses = await self.collect(running, conversation)
-                running = []
-                if session.done:
-                    return None  # the turn ended at an engine EOS: nothing can follow it
-                ids = tool_response_ids(self.tokenizer, responses, config.prompt, turn_closed=turn_over)
-                if len(ids) > session.remaining:
-                    conversation.truncated = True
-                    return None
-                session.append(ids)
-                conversation.add_inserted(ids)
-                conversation.num_turns += 1
-        except BaseException:
-            for task in running:
-                task.cancel()
-            raise
+__all__ = [
+    "INFRA_OUTCOMES",
+    "BackgroundLoop",
+    "Conversation",
+    "Observer",
+    "PartialRollout",
+    "PolicyRollout",
+    "RolloutConfig",
+    "RolloutEngine",
+    "RolloutSession",
+    "ToolSandbox",
+    "converse_async",
+    "drop_infra_failures",
+    "rollout",
+    "rollout_async",
+    "tool_outcome",
+]
 
 
 def _checked_problems(problems: Iterable[Problem]) -> list[Problem]:
@@ -519,7 +113,7 @@ async def rollout_async(
     sandbox: ToolSandbox,
     tokenizer: PreTrainedTokenizerBase,
     verifier: AnswerVerifier | None = None,
-    config: RolloutConfig = RolloutConfig(),
+    config: RolloutConfig = DEFAULT_CONFIG,
     stats: collections.Counter | None = None,
     token_budget: int | None = None,
     resume: Sequence[PartialRollout] = (),
@@ -593,7 +187,7 @@ async def converse_async(
     *,
     sandbox: ToolSandbox,
     tokenizer: PreTrainedTokenizerBase,
-    config: RolloutConfig = RolloutConfig(),
+    config: RolloutConfig = DEFAULT_CONFIG,
     observer: Observer | None = None,
 ) -> Conversation:
     """Runs one opened session as a rollout does (generate, parse calls, run them in the sandbox, append the
@@ -607,19 +201,44 @@ async def converse_async(
                         conversation.tool_outcomes, conversation.num_turns, conversation.truncated)
 
 
-_background_loop: asyncio.AbstractEventLoop | None = None
-_background_loop_lock = threading.Lock()
+class BackgroundLoop:
+    """An event loop on a daemon thread, started on first use and stopped by :meth:`close` (a later use
+    starts a new one). What runs on it keeps its loop across calls: a
+    :class:`~rstar2jax.agent.SandboxClient` is bound by aiohttp to the first loop that uses it."""
 
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
-def _rollout_loop() -> asyncio.AbstractEventLoop:
-    """The event loop behind :func:`rollout`: one per process, on a daemon thread, started on first use."""
-    global _background_loop
-    with _background_loop_lock:
-        if _background_loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="rstar2jax-rollout", daemon=True).start()
-            _background_loop = loop
-        return _background_loop
+    def _running(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="rstar2jax-rollout",
+                                                daemon=True)
+                self._thread.start()
+            return self._loop
+
+    def run(self, coroutine):
+        """Runs ``coroutine`` on the loop and waits for its result (works inside Jupyter's running loop); an
+        interruption (e.g. KeyboardInterrupt) cancels it, stopping its sessions and tool calls too."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._running())
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        """Stops the loop and its thread; closing twice, or a loop never started, is harmless."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
 
 def rollout(
@@ -630,18 +249,19 @@ def rollout(
     sandbox: ToolSandbox,
     tokenizer: PreTrainedTokenizerBase,
     verifier: AnswerVerifier | None = None,
-    config: RolloutConfig = RolloutConfig(),
+    config: RolloutConfig = DEFAULT_CONFIG,
     stats: collections.Counter | None = None,
     token_budget: int | None = None,
     resume: Sequence[PartialRollout] = (),
     outage: OutagePolicy | None = None,
+    loop: BackgroundLoop | None = None,
 ) -> list[Trajectory | PartialRollout]:
     """Blocking :func:`rollout_async` for notebooks and scripts (it works inside Jupyter's running loop).
 
     ``engine`` must not be running: it is started for the call (``async with engine``) and stopped after,
-    keeping its compiled programs for the next call. Calls run on one private event loop that lives as long
-    as the process, so a :class:`~rstar2jax.agent.SandboxClient` (bound by aiohttp to the first loop that
-    uses it) can be passed to every ``rollout`` call; do not use it from another loop as well.
+    keeping its compiled programs for the next call. The call runs on ``loop``; pass the same
+    :class:`BackgroundLoop` to every call that shares a :class:`~rstar2jax.agent.SandboxClient` (bound by
+    aiohttp to the first loop that uses it), and close it when done. None: a loop for this call only.
     """
 
     async def run() -> list[Trajectory]:
@@ -650,32 +270,35 @@ def rollout(
                                        tokenizer=tokenizer, verifier=verifier, config=config, stats=stats,
                                        token_budget=token_budget, resume=resume, outage=outage)
 
-    future = asyncio.run_coroutine_threadsafe(run(), _rollout_loop())
+    if loop is not None:
+        return loop.run(run())
+    own = BackgroundLoop()
     try:
-        return future.result()
-    except BaseException:
-        future.cancel()  # e.g. KeyboardInterrupt: stop the sessions and their tool calls too
-        raise
+        return own.run(run())
+    finally:
+        own.close()
 
 
 @dataclasses.dataclass(eq=False, repr=False)
 class PolicyRollout:
-    """The trainer's ``rollout_fn`` (see :mod:`rstar2jax.train.rl`) on the real engine and sandbox::
+    """The trainer's ``rollout_fn`` (see :mod:`rstar2jax.train.schedule`) on the real engine and sandbox::
 
         rollout_fn = PolicyRollout(model_config, tokenizer, SandboxClient(url),
                                    engine_config=EngineConfig(num_slots=64), max_prompt_length=1024)
         trajectories = rollout_fn(params, problems, samples_per_problem=32, max_response_length=8192,
                                   max_turns=10, seed=step_seed, policy_version=step)
+        finished, unfinished = rollout_fn.partial(params, problems, ..., token_budget=4096, resume=unfinished)
 
     Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
     cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The
     engine's programs are compiled for shapes, never values, so the new parameters of every training step
-    reuse them; only a new response budget (a new stage) compiles again.
+    reuse them; only a new response budget (a new stage) compiles again. Every call runs on this object's
+    own :class:`BackgroundLoop` (the sandbox client is bound to it); :meth:`close` closes both.
 
     Args:
       model_config: the policy's model config (the trainer's, so parameters match).
       tokenizer: the policy's tokenizer.
-      sandbox: the sandbox client, used from :func:`rollout`'s private loop only; :meth:`close` closes it.
+      sandbox: the sandbox client, used from this object's loop only; :meth:`close` closes it.
       engine_config: slots, decode chunk, buckets...; its ``max_len`` is replaced per call.
       max_prompt_length: the longest rendered prompt the engine must hold.
       config: everything but ``max_response_length``, ``max_turns`` and ``seed``, which each call sets.
@@ -690,13 +313,13 @@ class PolicyRollout:
     smaller than ``samples_per_problem``). Each call's counts are in :attr:`last_stats`, which the trainer
     logs as ``rollout/<name>``: ``sandbox_outage_s``, ``sandbox_outages``, ``sandbox_retried_calls``,
     ``sandbox_restarts``, ``sandbox_worker_deaths`` and ``trajectories_dropped_for_sandbox_failures``; a
-    call that met an outage or dropped anything says so in one line.
+    call that met an outage or dropped anything says so in one log line.
 
-    ``policy_version`` (the trainer step of ``params``) tags the sampled tokens. Partial rollouts: with
-    ``token_budget`` the call returns ``(finished trajectories, unfinished PartialRollouts)``, and ``resume``
-    takes the unfinished ones of an earlier call (see :func:`rollout_async`); sessions then sample in
-    segments of ``config.segment_tokens`` (``partial_segment_tokens`` when that is None) between looks at
-    the budget.
+    ``policy_version`` (the trainer step of ``params``) tags the sampled tokens. Partial rollouts
+    (:meth:`partial`) stop at a ``token_budget`` and return ``(finished trajectories, unfinished
+    PartialRollouts)``; ``resume`` takes the unfinished ones of an earlier call (see :func:`rollout_async`);
+    sessions then sample in segments of ``config.segment_tokens`` (``partial_segment_tokens`` when that is
+    None) between looks at the budget.
     """
 
     model_config: ModelConfig
@@ -705,49 +328,68 @@ class PolicyRollout:
     _: dataclasses.KW_ONLY
     engine_config: EngineConfig
     max_prompt_length: int
-    config: RolloutConfig = RolloutConfig()
+    config: RolloutConfig = DEFAULT_CONFIG
     verifier: AnswerVerifier | None = None
     partial_segment_tokens: int = 64
     outage: OutagePolicy = OutagePolicy()
     last_stats: dict = dataclasses.field(default_factory=dict, init=False)
+    loop: BackgroundLoop = dataclasses.field(default_factory=BackgroundLoop, init=False)
 
     def __post_init__(self):
         if not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be a positive int, got {self.max_prompt_length!r}")
 
     def __call__(self, params, problems: Sequence[Problem], *, samples_per_problem: int,
-                 max_response_length: int, max_turns: int, seed: int, policy_version: int = 0,
-                 token_budget: int | None = None, resume: Sequence[PartialRollout] = ()
-                 ) -> list[Trajectory] | tuple[list[Trajectory], list[PartialRollout]]:
+                 max_response_length: int, max_turns: int, seed: int, policy_version: int = 0
+                 ) -> list[Trajectory]:
+        """``samples_per_problem`` finished trajectories per problem (fewer where the sandbox failed)."""
+        finished, _ = self._run(params, problems, samples_per_problem, max_response_length, max_turns, seed,
+                                policy_version, token_budget=None, resume=())
+        return finished
+
+    def partial(self, params, problems: Sequence[Problem], *, samples_per_problem: int,
+                max_response_length: int, max_turns: int, seed: int, policy_version: int = 0,
+                token_budget: int, resume: Sequence[PartialRollout] = ()
+                ) -> tuple[list[Trajectory], list[PartialRollout]]:
+        """Partial rollouts: ``problems`` opened and ``resume`` continued until the sessions sampled
+        ``token_budget`` tokens together; returns ``(finished trajectories, unfinished rollouts)``."""
+        return self._run(params, problems, samples_per_problem, max_response_length, max_turns, seed,
+                         policy_version, token_budget=token_budget, resume=resume)
+
+    def _run(self, params, problems, samples_per_problem, max_response_length, max_turns, seed,
+             policy_version, *, token_budget: int | None, resume: Sequence[PartialRollout]):
         max_len = page_rounded(self.max_prompt_length + max_response_length, self.engine_config.page_size)
         engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
         config = dataclasses.replace(self.config, max_response_length=max_response_length,
                                      max_turns=max_turns, seed=seed)
-        partial = token_budget is not None
-        if partial and config.segment_tokens is None:
+        if token_budget is not None and config.segment_tokens is None:
             config = dataclasses.replace(config, segment_tokens=self.partial_segment_tokens)
         stats = collections.Counter()
         self.last_stats = {}
         engine = self.make_engine(params, engine_config, policy_version)
         results = rollout(problems, samples_per_problem, engine=engine, sandbox=self.sandbox,
                           tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats,
-                          token_budget=token_budget, resume=resume, outage=self.outage)
+                          token_budget=token_budget, resume=resume, outage=self.outage, loop=self.loop)
         trajectories = [t for t in results if isinstance(t, Trajectory)]
         unfinished = [t for t in results if isinstance(t, PartialRollout)]
         kept, dropped = drop_infra_failures(trajectories)
         self.last_stats = {**stats, "trajectories_dropped_for_sandbox_failures": dropped}
         if stats["sandbox_retried_calls"] or dropped:
-            print(f"rollout: sandbox calls retried {stats['sandbox_retried_calls']:g}, outage "
-                  f"{stats['sandbox_outage_s']:.1f} s, restarts {stats['sandbox_restarts']:g}; "
-                  f"{len(kept)} of {len(trajectories)} trajectories kept", flush=True)
-        return (kept, unfinished) if partial else kept
+            logger.info("rollout: sandbox calls retried %g, outage %.1f s, restarts %g; %d of %d "
+                        "trajectories kept", stats["sandbox_retried_calls"], stats["sandbox_outage_s"],
+                        stats["sandbox_restarts"], len(kept), len(trajectories))
+        return kept, unfinished
 
     def make_engine(self, params, engine_config: EngineConfig, policy_version: int) -> RolloutEngine:
         """The engine one call samples with (not started: :func:`rollout` runs it)."""
         return Engine(params, self.model_config, engine_config, policy_version=policy_version)
 
     def close(self) -> None:
-        """Close the sandbox client (on the loop it was used from), if it has an async ``close``."""
+        """Closes the sandbox client (on the loop it was used from), if it has an async ``close``, then the
+        loop; closing twice is harmless."""
         close = getattr(self.sandbox, "close", None)
-        if asyncio.iscoroutinefunction(close):
-            asyncio.run_coroutine_threadsafe(close(), _rollout_loop()).result()
+        try:
+            if asyncio.iscoroutinefunction(close):
+                self.loop.run(close())
+        finally:
+            self.loop.close()

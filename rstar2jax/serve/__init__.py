@@ -4,8 +4,9 @@ on the continuous-batching engine. The launchers are ``experiments/evaluate.py``
 ``experiments/serve.py``; the evaluation and chat they run are :mod:`rstar2jax.serve.evaluation` and
 :mod:`rstar2jax.serve.chat`.
 
-Layering: ``serve`` is the top layer of the library (it imports engine, data, agent, eval and the train
-runner's model config); nothing in the library imports it. Importing it starts nothing: names load on use.
+Layering: ``serve`` is the top layer of the library (it imports engine, data, agent, eval and the policy
+loader of ``train``, :mod:`rstar2jax.train.loader`); nothing in the library imports it. Importing it starts
+nothing: names load on use.
 """
 
 import importlib

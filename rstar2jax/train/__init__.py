@@ -18,29 +18,22 @@ from rstar2jax.train.config import (
     validate_rl_config,
     validate_sft_config,
 )
+from rstar2jax.train.dry_run import check_memory_plan, dry_run, format_dry_run
 from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
 from rstar2jax.train.metrics import MetricsLogger
-from rstar2jax.train.rl import (
-    RLIterationConfig,
-    RolloutCarry,
-    filter_hard_problems,
-    rl_iteration,
-    rollout_metrics,
-    select_and_build_batch,
-)
-from rstar2jax.train.runner import (
-    Interrupted,
-    RunPaths,
-    check_memory_plan,
-    dry_run,
-    format_dry_run,
-    model_config_from,
+from rstar2jax.train.options import RunOptions, StageOptions, run_options
+from rstar2jax.train.rl import RLIterationConfig, filter_hard_problems, rl_iteration
+from rstar2jax.train.rl_loop import train_rl
+from rstar2jax.train.run import Interrupted, RunPaths, StopSignal, model_config_from
+from rstar2jax.train.runtime import (
+    initialize_distributed,
+    mesh_from_config,
     prepare_process,
-    request_stop,
-    train_rl,
-    train_sft,
+    request_host_devices,
 )
-from rstar2jax.train.runtime import initialize_distributed, mesh_from_config, request_host_devices
+from rstar2jax.train.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous, make_schedule
+from rstar2jax.train.selection import rollout_metrics, select_and_build_batch
+from rstar2jax.train.sft_loop import train_sft
 from rstar2jax.train.state import (
     TrainState,
     init_train_state,
@@ -74,9 +67,15 @@ __all__ = [
     "NonFiniteUpdates",
     "RLIterationConfig",
     "RLLossConfig",
-    "RolloutCarry",
+    "OneStepOffPolicy",
+    "Partial",
+    "RolloutSchedule",
+    "StopSignal",
+    "Synchronous",
     "RunFault",
+    "RunOptions",
     "RunPaths",
+    "StageOptions",
     "TokenSequence",
     "TrainState",
     "accumulate_gradients",
@@ -95,15 +94,16 @@ __all__ = [
     "load_sft_sequences",
     "make_optimizer",
     "make_rl_step",
+    "make_schedule",
     "make_sft_step",
     "mesh_from_config",
     "model_config_from",
     "prepare_process",
     "request_host_devices",
-    "request_stop",
     "reset_optimizer",
     "rl_config",
     "rl_iteration",
+    "run_options",
     "rl_loss",
     "rl_step",
     "rollout_metrics",

@@ -13,8 +13,8 @@ is restored instead.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -23,6 +23,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from rstar2jax.train.state import TrainState
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -127,7 +129,7 @@ class Checkpointer:
         """The state (placed as ``abstract_state``'s shardings) and meta of ``step`` (default: the newest
         readable checkpoint), or None when there is no checkpoint yet.
 
-        Without ``step``, a checkpoint that fails to restore is reported in one line on stderr, renamed to
+        Without ``step``, a checkpoint that fails to restore is reported in one warning line, renamed to
         ``<step>.unreadable`` (by process 0; kept for inspection, out of the way of later saves) and the next
         older one is tried. Raises ``CheckpointError`` (one line, naming the folder) when ``step`` is given
         and unreadable, or when no checkpoint is readable.
@@ -149,11 +151,9 @@ class Checkpointer:
                 if step is not None:
                     raise CheckpointError(f"checkpoint {folder} is unreadable: {_one_line(error)}") from error
                 unreadable.append(candidate)
-                print(
-                    f"checkpoint {folder} is unreadable ({_one_line(error)}); "
-                    f"moved to {folder}.unreadable, trying an older one",
-                    file=sys.stderr,
-                    flush=True,
+                logger.warning(
+                    "checkpoint %s is unreadable (%s); moved to %s.unreadable, trying an older one",
+                    folder, _one_line(error), folder,
                 )
                 if jax.process_index() == 0:
                     os.replace(folder, f"{folder}.unreadable")

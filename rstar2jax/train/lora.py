@@ -20,7 +20,7 @@ name, the LoRA shape and a fingerprint of the base weights), checked before a ru
 
 from __future__ import annotations
 
-import inspect
+import functools
 import pathlib
 from typing import Any
 
@@ -31,7 +31,8 @@ import numpy as np
 from rstar2jax import models
 from rstar2jax.models import peft_adapter
 from rstar2jax.train import colocate
-from rstar2jax.train.config import ConfigError, lora_enabled
+from rstar2jax.train.options import lora_enabled
+from rstar2jax.train.validation import ConfigError
 
 #: Checkpoint meta key of the base a LoRA run's adapters belong to.
 META_KEY = "lora_base"
@@ -177,25 +178,39 @@ class FrozenBase:
         """The plain params tree ``W + s A B`` of ``adapters`` (``dtype``: every leaf cast to it)."""
         return models.lora.merge(self.params, adapters, self.lora, dtype)
 
-    def rollout(self, rollout_fn):
-        """``rollout_fn`` taking adapters where it took params: each call samples from the merged weights
-        (in the compute dtype, the engine's) and keeps ``rollout_fn``'s signature, so the keywords it
-        accepts (``policy_version``, ``token_budget`` ...) stay visible to the trainer."""
+    def rollout(self, rollout_fn) -> MergedRollout:
+        """``rollout_fn`` taking adapters where it took params (see :class:`MergedRollout`)."""
+        return MergedRollout(self, rollout_fn)
 
-        def merged_rollout(adapters, problems, **options):
-            merged = self.merged(adapters, self.model_config.compute_dtype)
-            if self.offload:
-                self.params = colocate.to_host(self.params)
-            try:
-                return rollout_fn(merged, problems, **options)
-            finally:
-                del merged
-                if self.offload:
-                    self.params = colocate.to_device(self.params)
 
-        merged_rollout.__signature__ = inspect.signature(rollout_fn)
-        merged_rollout.__doc__ = rollout_fn.__doc__
-        return merged_rollout
+class MergedRollout:
+    """A rollout function that takes a LoRA run's adapters where ``rollout_fn`` takes params: each call
+    samples from the base with the adapters merged in (in the compute dtype, the engine's). It has what
+    ``rollout_fn`` has of the trainer's rollout contract: ``partial`` (partial rollouts), ``last_stats``."""
+
+    def __init__(self, base: FrozenBase, rollout_fn):
+        self.base, self.rollout_fn = base, rollout_fn
+        if hasattr(rollout_fn, "partial"):
+            self.partial = functools.partial(self._merged_call, rollout_fn.partial)
+
+    @property
+    def last_stats(self) -> dict | None:
+        return getattr(self.rollout_fn, "last_stats", None)
+
+    def __call__(self, adapters, problems, **options):
+        return self._merged_call(self.rollout_fn, adapters, problems, **options)
+
+    def _merged_call(self, call, adapters, problems, **options):
+        base = self.base
+        merged = base.merged(adapters, base.model_config.compute_dtype)
+        if base.offload:
+            base.params = colocate.to_host(base.params)
+        try:
+            return call(merged, problems, **options)
+        finally:
+            del merged
+            if base.offload:
+                base.params = colocate.to_device(base.params)
 
 
 def initial_adapters(config, model_config: models.ModelConfig, lora: models.LoraConfig, mesh):

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from rstar2jax.train.colocate import resolve_offload
-from rstar2jax.train.config import ConfigError
+from rstar2jax.train.validation import ConfigError
 
 GIB = float(2**30)
 

@@ -1,6 +1,7 @@
-"""A trained policy as a library user handles it: restore a run's parameters from its checkpoints, export them
-as a Hugging Face folder (what ``config.model.path`` and ``models.load_pretrained`` read), build the real
-rollout function (engine + sandbox + verifier) from an RL config, and evaluate a policy on held-out problems.
+"""A trained policy as a library user handles it: load it (``load_policy``, ``rstar2jax.train.loader``'s),
+export a run's latest checkpoint as a Hugging Face folder (what ``config.model.path`` and
+``models.load_pretrained`` read), build the real rollout function (engine + sandbox + verifier) from an RL
+config, and evaluate a policy on held-out problems.
 
 The staged demo recipe that wires these together lives in ``experiments/demo_recipe.py``.
 """
@@ -14,58 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, render_prompt_ids
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tokenizer import load_tokenizer
 from rstar2jax.eval.evaluate import DatasetEval, aggregate
 from rstar2jax.train import config as config_lib
+from rstar2jax.train import loader
 from rstar2jax.train import lora as lora_lib
-from rstar2jax.train import runner
-from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import prompt_from_config
-from rstar2jax.train.rl import RolloutFn
-from rstar2jax.train.steps import state_shardings
+from rstar2jax.train.loader import Policy as Policy  # re-exported: a policy is loaded here as well
+from rstar2jax.train.loader import load_policy as load_policy
+from rstar2jax.train.run import model_config_from, save_policy
+from rstar2jax.train.schedule import RolloutFn
 
 if TYPE_CHECKING:
     import ml_collections
-
-
-def _restore(run_config: ml_collections.ConfigDict, total_steps: int | None):
-    """``(model_config, trained params, frozen base or None)`` of the latest checkpoint in
-    ``run_config.workdir`` (a LoRA run's trained params are its adapters), or None when it has none."""
-    model_config = runner.model_config_from(run_config)
-    lora = lora_lib.lora_from_config(run_config, model_config)
-    optimizer = config_lib.build_optimizer(run_config, total_steps=total_steps)
-    mesh = runner.mesh_from_config(run_config)
-    reference = config_lib.uses_reference(run_config)
-    shardings = state_shardings(model_config, optimizer, mesh, reference=reference, lora=lora)
-    folder = pathlib.Path(run_config.workdir) / "checkpoints"
-    checkpointer = Checkpointer(folder, async_save=False)
-    try:
-        restored = checkpointer.restore(
-            runner.abstract_state(model_config, optimizer, shardings, run_config.seed, lora)
-        )
-    finally:
-        checkpointer.close()
-    if restored is None:
-        return None
-    (state, meta), base = restored, None
-    if lora is not None:
-        base = lora_lib.FrozenBase(runner.initial_params(run_config, model_config, mesh), model_config, lora)
-        expected = lora_lib.base_record(run_config, lora, base.params)
-        lora_lib.check_base(meta.get(lora_lib.META_KEY), expected, str(folder))
-    return model_config, state.params, base
-
-
-def restore_params(run_config: ml_collections.ConfigDict, *, total_steps: int | None = None):
-    """``(model_config, params)`` of the latest checkpoint in ``run_config.workdir`` (None when it has none);
-    a LoRA run's are its base with the adapters merged in."""
-    restored = _restore(run_config, total_steps)
-    if restored is None:
-        return None
-    model_config, params, base = restored
-    return model_config, params if base is None else base.merged(params)
 
 
 def run_tokenizer(run_config: ml_collections.ConfigDict):
@@ -74,24 +38,19 @@ def run_tokenizer(run_config: ml_collections.ConfigDict):
     return load_tokenizer(path) if path else None
 
 
-def export_policy(
-    run_config: ml_collections.ConfigDict, out: pathlib.Path, *, total_steps: int | None = None
-) -> pathlib.Path:
-    """Writes the latest checkpoint's parameters of a run as a HF folder (config.json, safetensors, the
-    run's tokenizer with its chat template and the run's conversation format, ``prompt_from_config``), the
-    form ``config.model.path`` and ``load_pretrained`` read. A LoRA run's policy is its base with the adapters
-    merged in, and its adapters alone are written beside it as a PEFT folder
-    (``train.lora.adapter_folder(out)``)."""
-    restored = _restore(run_config, total_steps)
+def export_policy(run_config: ml_collections.ConfigDict, out: pathlib.Path) -> pathlib.Path:
+    """Writes the latest checkpoint's parameters of a run (restored as ``load_policy`` restores them,
+    ``loader.latest_run_params``) as a HF folder (config.json, safetensors, the run's tokenizer with its chat
+    template and the run's conversation format, ``prompt_from_config``), the form ``config.model.path`` and
+    ``load_pretrained`` read. A LoRA run's policy is its base with the adapters merged in, and its adapters
+    alone are written beside it as a PEFT folder (``train.lora.adapter_folder(out)``)."""
+    restored = loader.latest_run_params(run_config)
     if restored is None:
         raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
-    model_config, params, base = restored
-    policy = params if base is None else base.merged(params)
-    out = runner.save_policy(
-        policy, model_config, out, tokenizer=run_tokenizer(run_config), prompt=prompt_from_config(run_config)
-    )
-    if base is not None:
-        lora_lib.save_adapter(params, run_config, model_config, base.lora, out)
+    out = save_policy(restored.params, restored.model_config, out, tokenizer=run_tokenizer(run_config),
+                      prompt=prompt_from_config(run_config))
+    if restored.lora is not None:
+        lora_lib.save_adapter(restored.adapters, run_config, restored.model_config, restored.lora, out)
     return out
 
 
@@ -117,7 +76,7 @@ def policy_rollout(
         )
     r = run_config.rollout
     return agent.PolicyRollout(
-        runner.model_config_from(run_config),
+        model_config_from(run_config),
         tokenizer,
         agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
         engine_config=EngineConfig(
@@ -137,11 +96,6 @@ def policy_rollout(
             prompt=prompt,
         ),
     )
-
-
-def load_policy(path: str | pathlib.Path):
-    """``(model_config, params)`` of an exported policy folder."""
-    return models.load_pretrained(path)
 
 
 def evaluate_policy(

@@ -74,3 +74,10 @@ def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
             "devices must be requested before JAX starts: see request_host_devices)"
         )
     return models.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+
+
+def prepare_process(config) -> None:
+    """Before any device query: emulate enough CPU devices for this process's share of ``config.mesh`` (only
+    the CPU backend is touched) and join the multi-host run ``config.distributed`` describes."""
+    request_host_devices(-(-mesh_size(config) // config.distributed.num_processes))
+    initialize_distributed(config)

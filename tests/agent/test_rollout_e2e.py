@@ -183,12 +183,12 @@ def test_partial_rollouts_resume_to_the_uninterrupted_tokens(problems, policy, t
     try:
         reference = rollout_fn(taught, problems, **call)  # no budget: whole turns, nothing stops
         assert len(reference) == 2
-        finished, unfinished = rollout_fn(taught, problems, **call, token_budget=24)
+        finished, unfinished = rollout_fn.partial(taught, problems, **call, token_budget=24)
         assert unfinished and all(isinstance(u, PartialRollout) for u in unfinished)
         version = 0
         while unfinished:
             version += 1
-            done, unfinished = rollout_fn(taught, [], **call, token_budget=24, resume=unfinished,
+            done, unfinished = rollout_fn.partial(taught, [], **call, token_budget=24, resume=unfinished,
                                           policy_version=version)
             finished += done
     finally:
@@ -215,11 +215,11 @@ def test_partial_rollout_resumed_after_an_update_keeps_old_tokens(problems, poli
     rollout_fn.partial_segment_tokens = 4
     call = dict(samples_per_problem=1, max_response_length=BUDGET, max_turns=3, seed=1)
     try:
-        finished, unfinished = rollout_fn(taught, problems[:1], **call, token_budget=6)
+        finished, unfinished = rollout_fn.partial(taught, problems[:1], **call, token_budget=6)
         assert finished == [] and len(unfinished) == 1
         before = unfinished[0].num_tokens
         unfinished = pickle.loads(pickle.dumps(unfinished))  # as a checkpoint keeps it
-        finished, unfinished = rollout_fn(nudged, [], **call, token_budget=10**9, resume=unfinished,
+        finished, unfinished = rollout_fn.partial(nudged, [], **call, token_budget=10**9, resume=unfinished,
                                           policy_version=1)
     finally:
         rollout_fn.close()

@@ -22,7 +22,7 @@ from rstar2jax.serve.chat import ChatSession
 from rstar2jax.serve.evaluation import PROMPTS
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.checkpoint import Checkpointer
-from rstar2jax.train.runner import write_run_config
+from rstar2jax.train.config import write_run_config
 from rstar2jax.train.state import init_train_state
 from sandbox_server import start_local
 

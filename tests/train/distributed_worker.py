@@ -39,7 +39,8 @@ def main(argv):
 
     from rstar2jax import models
     from rstar2jax.data.problems import Problem
-    from rstar2jax.train.rl import put_batch, run_rollouts
+    from rstar2jax.train.multihost import put_batch
+    from rstar2jax.train.schedule import run_rollouts
     from rstar2jax.train.steps import batch_sharding
     from tests.train.conftest import random_sequences, tiny_model_config
     from tests.train.scripted import make_scripted_rollout
@@ -54,7 +55,8 @@ def main(argv):
     problems = [Problem(id=f"p{i}", problem="q", answer="1") for i in range(8)]
     rollout = make_scripted_rollout(vocab_size=128)
     gathered = run_rollouts(
-        rollout, state.params, problems, samples_per_problem=4, max_response_length=24, max_turns=3, seed=0
+        rollout, state.params, problems, samples_per_problem=4, max_response_length=24, max_turns=3, seed=0,
+        policy_version=0,
     )
     # Rollout seeds differ per process (seed + process index), so the update runs on one fixed batch.
     batch = train.build_batch(random_sequences(0, 16), seq_len=32, num_rows=16, with_rl_fields=True)

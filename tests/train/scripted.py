@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 import zlib
 
 import jax
@@ -80,7 +81,9 @@ def make_scripted_rollout(*, vocab_size: int = TINY_VOCAB, model_config=None, de
     (so sampler and recomputed log-probs agree).
     """
 
-    def rollout(params, problems, *, samples_per_problem, max_response_length, max_turns, seed):
+    def rollout(params, problems, *, samples_per_problem, max_response_length, max_turns, seed,
+                policy_version=None):
+        del policy_version  # no versions recorded: the trainer tags the sampled tokens with it
         time.sleep(delay)
         trajectories = []
         for problem in problems:
@@ -137,9 +140,10 @@ class ScriptedPartial:
 
 
 def make_partial_scripted_rollout(*, vocab_size: int = TINY_VOCAB):
-    """A rollout_fn with the partial-rollout protocol (``policy_version``, ``token_budget``, ``resume``):
-    each trajectory is ``make_scripted_rollout``'s, produced token by token, resumed rollouts first, until
-    the call has produced ``token_budget`` tokens; returns ``(finished, unfinished)``."""
+    """A rollout_fn with the partial-rollout protocol, a ``partial(params, problems, ..., policy_version,
+    token_budget, resume)`` method: each trajectory is ``make_scripted_rollout``'s, produced token by token,
+    resumed rollouts first, until the call has produced ``token_budget`` tokens; returns ``(finished,
+    unfinished)``."""
     scripted = make_scripted_rollout(vocab_size=vocab_size)
 
     def rollout(params, problems, *, samples_per_problem, max_response_length, max_turns, seed,
@@ -160,15 +164,17 @@ def make_partial_scripted_rollout(*, vocab_size: int = TINY_VOCAB):
                 unfinished.append(item)
         return finished, unfinished
 
-    return rollout
+    return types.SimpleNamespace(partial=rollout)
 
 
 def main(argv):
+    from experiments import _launch
     from rstar2jax import train
 
     config = _CONFIG.value
     train.prepare_process(config)
-    train.train_rl(config, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
+    with _launch.console_logging():  # the library's lines (e.g. "resuming RL ...") on stdout, as a launcher's
+        train.train_rl(config, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
     jax.effects_barrier()
 
 

@@ -108,7 +108,7 @@ def _truncate_largest_array_file(step_dir):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax reader futures
-def test_unreadable_latest_checkpoints_fall_back_to_the_newest_readable(tmp_path, tiny_model, capfd):
+def test_unreadable_latest_checkpoints_fall_back_to_the_newest_readable(tmp_path, tiny_model, caplog):
     config, params = tiny_model
     state = init_train_state(copy_tree(params), make_optimizer(), 11)
     checkpointer = Checkpointer(tmp_path, save_every=1, keep=5, async_save=False)
@@ -123,8 +123,10 @@ def test_unreadable_latest_checkpoints_fall_back_to_the_newest_readable(tmp_path
     assert meta == {"step": 1}
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    report = capfd.readouterr().err.strip().splitlines()
-    assert len(report) == 2, report  # one line per unreadable checkpoint
+    report = [r.getMessage() for r in caplog.records if r.name == "rstar2jax.train.checkpoint"]
+    assert len(report) == 2, report  # one warning line per unreadable checkpoint
+    assert all("\n" not in line for line in report)
+    assert {r.levelname for r in caplog.records if r.name == "rstar2jax.train.checkpoint"} == {"WARNING"}
     for line, step in zip(report, (3, 2), strict=True):
         assert line.startswith(f"checkpoint {tmp_path / str(step)} is unreadable (") and "older one" in line
     assert "JSONDecodeError" in report[1]

@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rstar2jax import models
 from rstar2jax.train import colocate, memory_plan, train_rl
-from rstar2jax.train.runner import dry_run, model_config_from
+from rstar2jax.train.dry_run import dry_run
+from rstar2jax.train.run import model_config_from
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
 
 TIMING = ("time/", "throughput/")

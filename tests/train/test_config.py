@@ -13,7 +13,7 @@ from rstar2jax.train import (
     validate_rl_config,
     validate_sft_config,
 )
-from rstar2jax.train.config import build_iteration_config, row_multiple
+from rstar2jax.train.config import build_iteration_config, field_help, rl_config, row_multiple
 
 
 def _set(config, path, value):
@@ -160,12 +160,12 @@ def test_missing_local_problem_files_fail_unless_dry_run(tmp_path):
 
 
 def test_validate_checks_each_content_once(monkeypatch, tmp_path):
-    from rstar2jax.train import config as config_lib
+    from rstar2jax.train import validation
 
     calls = []
-    original = config_lib.validate_sft_config
+    original = validation.validate_sft_config
     monkeypatch.setattr(
-        config_lib, "validate_sft_config", lambda c, **kw: (calls.append(kw), original(c, **kw))
+        validation, "validate_sft_config", lambda c, **kw: (calls.append(kw), original(c, **kw))
     )
     sft = tiny_cpu.get_config("sft")
     sft.sft.data = str(tmp_path / "missing.jsonl")
@@ -268,7 +268,7 @@ def test_model_path_wins_over_an_inline_model_and_brings_its_tokenizer(tmp_path,
     from rstar2jax import models
     from rstar2jax.data.tokenizer import train_tiny_tokenizer
     from rstar2jax.train.config import tokenizer_path
-    from rstar2jax.train.runner import model_config_from
+    from rstar2jax.train.run import model_config_from
 
     model_config, params = tiny_model
     folder = tmp_path / "policy"
@@ -318,7 +318,7 @@ def test_the_prompt_is_the_model_folders_unless_the_config_says(tmp_path, tiny_m
 
 def test_model_preset_field():
     from rstar2jax import models
-    from rstar2jax.train.runner import model_config_from
+    from rstar2jax.train.run import model_config_from
 
     config = tiny_cpu.get_config()  # preset "tiny" refined by spec fields (the real Qwen3 vocabulary)
     expected = models.preset("tiny", vocab_size=151936, eos_token_ids=(151645, 151643))
@@ -330,3 +330,45 @@ def test_model_preset_field():
     config.model.preset = "qwen3-15b"
     with pytest.raises(ConfigError, match=r"config.model.preset='qwen3-15b': must be one of \('tiny'"):
         validate_rl_config(config)
+
+
+def test_choice_fields_list_exactly_the_allowed_values_and_rl_defaults_are_the_iterations():
+    import dataclasses
+    import re
+
+    from rstar2jax import algo
+    from rstar2jax.train import RLIterationConfig
+
+    for path, allowed in (
+        ("rl.roc_mode", algo.ROC_MODES),
+        ("rl.format_penalty", algo.FORMAT_PENALTIES),
+        ("rl.std", algo.STD_MODES),
+    ):
+        listed = re.findall(r"(?:^|/ )(\w+) \(", field_help(path).split(": ", 1)[1])
+        assert tuple(listed) == allowed, (path, field_help(path))
+    defaults = rl_config().rl
+    for f in dataclasses.fields(RLIterationConfig):
+        if f.name not in ("seq_len", "pack", "row_multiple"):
+            assert defaults[f.name] == f.default, f.name
+    assert defaults.std == "unbiased"
+
+
+def test_run_options_are_the_configs_values_typed_and_frozen():
+    import dataclasses
+
+    from rstar2jax.train import StageOptions, run_options
+
+    config = tiny_cpu.get_config()
+    config.batch.pack = False
+    config.data.answer_field = "solution"
+    options = run_options(config)
+    assert options.stages[1] == StageOptions("stage2", 2, 96, 3, hard_filter_rollouts=2, reset_optimizer=True)
+    assert options.total_steps == 4 and options.rl.num_rows == 2 * 2 and options.rl.prompts_per_step == 2
+    assert options.data.answer_field == "solution" and options.data.problem_field is None  # '' -> guess
+    assert options.checkpoint.save_every == 1 and options.logging.progress_every == 10
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.seed = 1
+    assert options.sft is None and options.num_microbatches == 2 and options.row_multiple == 2
+    sft = run_options(tiny_cpu.get_config("sft"))
+    assert sft.stages == () and sft.rl is None and sft.data is None and sft.checkpoint.save_every == 5
+    assert (sft.sft.epochs, sft.sft.batch_size, sft.sft.seq_len, sft.sft.steps) == (1, 8, 1024, None)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from tests.conftest import REPO_ROOT
@@ -229,3 +230,52 @@ def test_compilation_cache_folder_defaults_and_switch(monkeypatch, tmp_path):
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
+
+
+def test_two_launches_in_one_process_share_no_stop_state(tmp_path):
+    """Two SFT launches in one process, each as ``experiments.sft`` runs its loop (``console_logging``,
+    ``stop_on_signals``): a Ctrl-C in the first stops only the first (checkpoint, ``Interrupted``); the
+    second runs to its end, and the signal handlers are the ones from before each launch."""
+    import os
+    import threading
+    import time
+
+    from experiments import _launch
+    from experiments.configs import tiny_cpu
+    from rstar2jax import train
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(json.dumps({"input_ids": list(range(2, 20)), "loss_mask": [1] * 18}) + "\n" for _ in range(8))
+    )
+
+    def config(name, steps):
+        c = tiny_cpu.get_config("sft")
+        c.sft.data, c.workdir, c.tokenizer = str(data), str(tmp_path / name), ""
+        c.model.spec.vocab_size, c.model.scan_layers = 32, False
+        c.sft.steps, c.sft.seq_len, c.checkpoint.save_every = steps, 32, 1000
+        c.logging.progress = False
+        return c
+
+    def interrupt_after_first_step(metrics):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    first = config("first", 100000)
+    with _launch.console_logging(), _launch.stop_on_signals() as stop:
+        threading.Thread(
+            target=interrupt_after_first_step, args=(tmp_path / "first" / "metrics.jsonl",), daemon=True
+        ).start()
+        with pytest.raises(train.Interrupted) as stopped:
+            train.train_sft(first, stop=stop)
+    assert 1 <= stopped.value.step < 100000
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert not stop.request()  # the first launch's stop is spent: nothing holds it any more
+
+    with _launch.console_logging(), _launch.stop_on_signals() as stop:
+        history = train.train_sft(config("second", 3), stop=stop)
+    assert [record["step"] for record in history] == [1, 2, 3]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

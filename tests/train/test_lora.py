@@ -18,7 +18,6 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.serve import load_policy
-from rstar2jax.serve.policy import _restore_params
 from rstar2jax.train import (
     ConfigError,
     RLLossConfig,
@@ -31,7 +30,8 @@ from rstar2jax.train import (
 )
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import policy as policy_lib
-from rstar2jax.train.runner import model_config_from
+from rstar2jax.train.loader import restore_state_params
+from rstar2jax.train.run import model_config_from
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
@@ -151,7 +151,7 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     model_config, mesh = model_config_from(continued), models.make_mesh()
     lora = lora_lib.lora_from_config(continued, model_config)
     start = lora_lib.initial_adapters(continued, model_config, lora, mesh)
-    saved_adapters = _restore_params(killed / "checkpoints" / "2" / "state")  # what the run trained
+    saved_adapters = restore_state_params(killed / "checkpoints" / "2" / "state")  # what the run trained
     jax.tree.map(np.testing.assert_array_equal, start, saved_adapters)
     continued.model.lora.rank = 2
     with pytest.raises(ConfigError, match="the adapter has rank=4"):
@@ -216,7 +216,7 @@ def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):
     """``python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run``:
     the paper's recipe with LoRA, compiled on abstract shapes; both phases fit 80 GiB at its longest stage."""
     from experiments.configs import paper_qwen3_14b_lora_1gpu
-    from rstar2jax.train.runner import check_memory_plan, dry_run
+    from rstar2jax.train.dry_run import check_memory_plan, dry_run
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.workdir = str(tmp_path)

@@ -18,8 +18,8 @@ from rstar2jax.train import (
     rl_iteration,
     rollout_metrics,
     select_and_build_batch,
+    selection,
 )
-from rstar2jax.train import rl as rl_lib
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import make_scripted_rollout
 
@@ -99,7 +99,7 @@ def test_release_mode_selection_and_advantages():
     assert batch.loss_mask[2:].sum() == 0
 
     with pytest.raises(ValueError, match="more than samples_per_problem"):
-        from rstar2jax.train.rl import _group
+        from rstar2jax.train.schedule import _group
 
         _group([Problem("a", "q", "1")], a + a, 4)
 
@@ -184,9 +184,9 @@ def test_rl_iteration_is_deterministic_and_updates(tiny_model, monkeypatch):
         return trajectories
 
     penalty_calls = []
-    real_penalties = rl_lib._penalties
+    real_penalties = selection._penalties
     monkeypatch.setattr(
-        rl_lib, "_penalties", lambda *a, **k: penalty_calls.append(1) or real_penalties(*a, **k)
+        selection, "_penalties", lambda *a, **k: penalty_calls.append(1) or real_penalties(*a, **k)
     )
     rescored = iterate(rollout_fn=recording_rollout, reward_fn=lambda problem, t: 0.0)[1]
     assert rescored["reward"] == 0.0 and rescored["groups_rejected"] == 4

@@ -5,6 +5,7 @@ on the run ``tests/train/test_colocate.py`` makes anyway, against ``scripted.MAI
 
 import dataclasses
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -19,10 +20,11 @@ from rstar2jax.train import (
     make_optimizer,
     make_rl_step,
     rl_iteration,
+    selection,
     train_rl,
 )
-from rstar2jax.train import rl as rl_lib
-from rstar2jax.train.rl import RolloutCarry
+from rstar2jax.train import schedule as schedule_lib
+from rstar2jax.train.schedule import OneStepOffPolicy, Partial
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import make_partial_scripted_rollout, make_scripted_rollout, tiny_rl_config
 
@@ -50,16 +52,20 @@ def test_one_step_off_policy_trains_on_the_previous_parameters_rollout(tiny_mode
         calls.append(([p.id for p in problems], _embed_sum(params)))
         return scripted(params, problems, **kwargs)
 
-    state, carry, metrics, before = init_train_state(copy_tree(params), optimizer, 3), RolloutCarry(), [], []
+    state, schedule = init_train_state(copy_tree(params), optimizer, 3), OneStepOffPolicy()
+    metrics, before, drawn, batch_iterator = [], [], [], iter(batches)
     for k in range(3):
         before.append(_embed_sum(state.params))
+        problems = schedule.draw(batch_iterator, stage_last=k == 2)
+        drawn.append([p.id for p in problems])
         state, m = rl_iteration(
-            state, batches[0] if k == 0 else [], rollout_fn=rollout, rl_step=step, config=iteration,
-            max_response_length=24, max_turns=3, num_rows=4, off_policy_steps=1,
-            next_problems=batches[k + 1] if k + 1 < len(batches) else None, carry=carry,
+            state, problems, rollout_fn=rollout, rl_step=step, config=iteration, max_response_length=24,
+            max_turns=3, num_rows=4, schedule=schedule,
         )
         metrics.append(m)
-    assert carry.empty and int(state.step) == 3
+    # Batch 0 drawn for step 0; later steps train on the rollout made ahead and draw nothing new.
+    assert drawn == [[p.id for p in batches[0]], [], []]
+    assert schedule.empty and int(state.step) == 3
     # Batch 0 on-policy at step 0; batch k+1 rolled out with step k's parameters, before step k's update.
     ids = [[p.id for p in b] for b in batches]
     assert calls == [(ids[0], before[0]), (ids[1], before[0]), (ids[2], before[1])]
@@ -79,24 +85,29 @@ def test_partial_rollouts_train_finished_groups_and_resume_the_rest(tiny_model):
     partial = make_partial_scripted_rollout(vocab_size=config.vocab_size)
     finished = []
 
-    def rollout(params, problems, *, policy_version, token_budget, resume, **kwargs):
-        done, unfinished = partial(params, problems, policy_version=policy_version, token_budget=token_budget,
-                                   resume=resume, **kwargs)
+    def recording_partial(params, problems, *, policy_version, token_budget, resume, **kwargs):
+        done, unfinished = partial.partial(params, problems, policy_version=policy_version,
+                                           token_budget=token_budget, resume=resume, **kwargs)
         finished.extend((policy_version, t) for t in done)
         return done, unfinished
 
-    state, carry = init_train_state(copy_tree(params), optimizer, 3), RolloutCarry()
+    rollout = types.SimpleNamespace(partial=recording_partial)
+
+    state, schedule = init_train_state(copy_tree(params), optimizer, 3), Partial(70, prompts_per_step)
     metrics, compiled = [], []
     for _ in range(5):
-        new = iterator.take(prompts_per_step - carry.open_groups)
+        open_before = schedule.open_groups
+        new = schedule.draw(iterator, stage_last=False)
+        assert len(new) == prompts_per_step - open_before
         state, m = rl_iteration(
             state, new, rollout_fn=rollout, rl_step=step, config=iteration, max_response_length=24,
-            max_turns=3, num_rows=prompts_per_step * 2, token_budget=70, carry=carry,
-            num_groups=prompts_per_step,
+            max_turns=3, num_rows=prompts_per_step * 2, schedule=schedule,
         )
         metrics.append(m)
-        compiled.append((step._cache_size(), rl_lib._select._cache_size(), rl_lib._penalties._cache_size()))
-        assert carry.open_groups <= prompts_per_step
+        compiled.append(
+            (step._cache_size(), selection._select._cache_size(), selection._penalties._cache_size())
+        )
+        assert schedule.open_groups <= prompts_per_step
     assert metrics[0]["rollout/policy_lag_max"] == 0.0
     assert any(m["rollout/partial_resumed_tokens"] > 0 for m in metrics)
     lags = [m["rollout/policy_lag_max"] for m in metrics]
@@ -110,9 +121,9 @@ def test_partial_rollouts_train_finished_groups_and_resume_the_rest(tiny_model):
         assert (np.diff(versions[mask]) >= 0).all()  # old tokens keep their version, new ones the new one
         mixed += len(set(versions[mask])) > 1
     assert mixed
-    # Every complete group is trained once; the rest stay open in the carry.
+    # Every complete group is trained once; the rest stay open in the schedule.
     trained = sum(m["num_trajectories"] for m in metrics)
-    assert trained == len(finished) - sum(len(g) for g in carry.held.values())
+    assert trained == len(finished) - sum(len(g) for g in schedule.held.values())
 
 
 @pytest.mark.parametrize("mode", ["off_policy", "partial"])
@@ -153,12 +164,12 @@ def test_versions_are_carried_into_batches_target_aligned():
     np.testing.assert_array_equal(batch.policy_versions[0], [-1, -1, 3, -1, 4, 4, -1, -1])
     assert (batch.policy_versions[1] == -1).all()
     assert build_batch([sequence], seq_len=8, with_rl_fields=True).policy_versions is None
-    lag = rl_lib.policy_lag_metrics([[t]], 5)
+    lag = selection.policy_lag_metrics([[t]], 5)
     assert lag == {"rollout/policy_lag_mean": pytest.approx(4 / 3), "rollout/policy_lag_max": 2.0}
     with pytest.raises(ValueError, match="outside"):
-        rl_lib.policy_lag_metrics([[t]], 3)
+        selection.policy_lag_metrics([[t]], 3)
     with pytest.raises(ValueError, match="policy_versions"):
         Trajectory("p", [1], [2, 3], [1, 1], [0.0, 0.0], policy_versions=[0])
     # Untagged trajectories get the version they were rolled out with on their sampled tokens.
-    (tagged,) = rl_lib.tag_versions([dataclasses.replace(t, policy_versions=None)], 7)
+    (tagged,) = schedule_lib.tag_versions([dataclasses.replace(t, policy_versions=None)], 7)
     assert tagged.policy_versions == [7, -1, 7, 7]

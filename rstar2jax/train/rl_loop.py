@@ -1,0 +1,202 @@
+"""The staged GRPO-RoC recipe behind ``experiments.train_rl``: stages, their data and hard-problem filter,
+the RL steps with exact resume (see ``rstar2jax.train.run`` for what the checkpoint keeps)."""
+
+from __future__ import annotations
+
+import logging
+
+from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
+from rstar2jax.train import colocate
+from rstar2jax.train import config as config_lib
+from rstar2jax.train.faults import NonFiniteStreak
+from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.progress import RL_ALERTS, Progress
+from rstar2jax.train.rl import filter_hard_problems, rl_iteration
+from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
+from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule, make_schedule
+from rstar2jax.train.selection import RewardFn
+from rstar2jax.train.steps import batch_sharding, make_rl_step
+
+logger = logging.getLogger(__name__)
+
+
+def _stage_problems(
+    options: RunOptions, index: int, previous: list[Problem] | None
+) -> tuple[list[Problem], dict]:
+    """Stage ``index``'s dataset (before its filter): its own, else the previous stage's, else ``data``'s."""
+    s, d = options.stages[index], options.data
+    if not s.dataset and previous is not None:
+        return previous, {}
+    loaded = load_problems(
+        s.dataset or d.source,
+        split=d.split,
+        problem_field=d.problem_field,
+        answer_field=d.answer_field,
+        solution_field=d.solution_field,
+        id_field=d.id_field,
+        integer_only=d.integer_only,
+        limit=d.limit,
+    )
+    if not loaded.problems:
+        raise ValueError(
+            f"stage {s.name!r}: no usable problems in {s.dataset or d.source} ({dict(loaded.skipped)})"
+        )
+    return loaded.problems, {f"data_skipped/{k}": v for k, v in loaded.skipped.items()}
+
+
+def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: RolloutFn) -> list[Problem]:
+    """Stage ``index``'s problems after its hard-problem filter (kept ids live in the checkpoint meta)."""
+    s = run.options.stages[index]
+    if not s.hard_filter_rollouts:
+        return problems
+    if run.meta["problem_ids"] is None:
+        kept, stats = filter_hard_problems(
+            run.state.params,
+            problems,
+            rollout_fn=rollout_fn,
+            num_rollouts=s.hard_filter_rollouts,
+            batch_size=run.options.rl.filter_batch_size,
+            max_response_length=s.max_response_length,
+            max_turns=s.max_turns,
+            seed=run.options.seed + 104729 * (index + 1),
+            policy_version=run.step,
+        )
+        if not kept:
+            raise ValueError(f"stage {s.name!r}: the hard-problem filter dropped every problem ({stats})")
+        run.meta["problem_ids"] = [p.id for p in kept]
+        logger.info("stage %s: hard-problem filter kept %d of %d problems", s.name, len(kept), len(problems))
+    keep = set(run.meta["problem_ids"])
+    return [p for p in problems if p.id in keep]
+
+
+class _RLStages:
+    """The RL loop's parts that stay across its stages: the run, its step and rollout functions, the
+    rollout schedule, the non-finite streak and the progress line."""
+
+    def __init__(self, run: Run, step_fn, rollout_fn: RolloutFn, reward_fn: RewardFn | None, total: int):
+        loop = run.options.rl
+        self.run, self.step_fn, self.rollout_fn, self.reward_fn, self.total = (
+            run, step_fn, rollout_fn, reward_fn, total)
+        self.offload = colocate.resolve_offload(loop.optimizer_memory)
+        self.schedule: RolloutSchedule = make_schedule(
+            off_policy_steps=loop.off_policy_steps,
+            partial_token_budget=loop.partial_token_budget,
+            prompts_per_step=loop.prompts_per_step,
+        )
+        self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
+
+    def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
+        """Runs stage ``index`` from where the run stands (its start, or the resumed step)."""
+        run, options = self.run, self.run.options
+        s = options.stages[index]
+        if run.step == run.meta["stage_start"] and s.reset_optimizer:
+            run.reset_optimizer()
+        iterator = ProblemIterator(
+            _hard_problems(run, index, dataset, self.rollout_fn),
+            options.rl.prompts_per_step,
+            seed=options.seed + 7919 * index,
+            position=run.meta["position"],
+        )
+        iteration = config_lib.build_iteration_config(run.config, s.max_response_length)
+        self.schedule.restore(run.meta)
+        while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
+            if self.offload:  # the moments wait in host memory while the engine runs
+                run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
+            # A stage's last step rolls out nothing ahead (max_steps does not count: a run it stopped
+            # resumes exactly).
+            stage_last = run.step - run.meta["stage_start"] + 1 >= s.steps
+            run.state, metrics = rl_iteration(
+                run.state,
+                self.schedule.draw(iterator, stage_last=stage_last),
+                rollout_fn=self.rollout_fn,
+                rl_step=self.step_fn,
+                config=iteration,
+                max_response_length=s.max_response_length,
+                max_turns=s.max_turns,
+                reward_fn=self.reward_fn,
+                num_rows=options.rl.num_rows,
+                batch_sharding=batch_sharding(run.mesh),
+                schedule=self.schedule,
+            )
+            if stage_last:
+                self.schedule.end_stage()  # nothing crosses into the next stage
+            record = run.record(
+                {"stage": index, **data_metrics, **metrics},
+                position=iterator.position,
+                nonfinite_in_a_row=self.streak.observe(metrics),
+                **self.schedule.checkpoint_meta(),
+            )
+            progress.update(record, f"stage {s.name!r} {run.step - run.meta['stage_start']}/{s.steps}")
+            self.streak.check(run.step, run.workdir / CHECKPOINT_DIR)
+            run.stop_if_requested()
+
+
+def train_rl(
+    config,
+    *,
+    rollout_fn: RolloutFn,
+    reward_fn: RewardFn | None = None,
+    max_steps: int | None = None,
+    stop: StopSignal | None = None,
+) -> list[dict]:
+    """Runs (or resumes) the staged GRPO-RoC recipe of ``config``; returns the metrics history.
+
+    ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.schedule``); ``max_steps`` stops early
+    after that many steps in total (for demos and tests); ``stop``: the signal that stops the run after its
+    current step (a launcher's Ctrl-C; default: a new one nobody else holds).
+
+    Rollouts across an update (``config.rl.off_policy_steps`` = 1, ``config.rollout.partial_token_budget``
+    > 0; see ``rstar2jax.train.schedule``): what one step hands to the next (the next step's rollout,
+    unfinished rollouts) is kept in the checkpoint meta (``rollout_carry``), so a resumed run goes on
+    exactly; it does not cross a stage boundary (a stage's last step rolls out nothing ahead, and its
+    unfinished rollouts are dropped: the next stage has its own budget and problems).
+    """
+    config_lib.validate(config, "rl")
+    optimizer = config_lib.build_optimizer(config)
+    options = run_options(config)
+    run = start_run(
+        config,
+        optimizer,
+        config_lib.build_schedule(config),
+        initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
+        stop=stop,
+        options=options,
+    )
+    step_fn = make_rl_step(
+        run.model_config,
+        optimizer,
+        config_lib.build_loss_config(config),
+        num_microbatches=options.num_microbatches,
+        mesh=run.mesh,
+        shardings=run.shardings,
+        lora=run.lora,
+    )
+    if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
+        step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
+    stages = run.options.stages
+    total = run.options.total_steps if max_steps is None else min(max_steps, run.options.total_steps)
+    if run.resumed and run.is_main:
+        current = stages[min(run.meta["stage"], len(stages) - 1)]
+        logger.info(
+            "resuming RL from the checkpoint at step %d in %s: stage %d/%d %r, step %d of %d",
+            run.step, run.workdir / CHECKPOINT_DIR, run.meta["stage"] + 1, len(stages),
+            current.name, run.step - run.meta["stage_start"], current.steps,
+        )
+    loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
+    keys = ("reward", "accuracy", "response_length", "grad_norm")
+    dataset = None
+    with Progress(run, total, "rl", keys, RL_ALERTS) as progress:
+        try:
+            run.accept_stop_requests()
+            for index in range(len(stages)):
+                dataset, data_metrics = _stage_problems(run.options, index, dataset)
+                if index < run.meta["stage"]:
+                    continue
+                loop.stage(index, dataset, data_metrics, progress)
+                if run.step >= total:
+                    break
+                run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
+                run.meta.pop(CARRY_META_KEY, None)
+        finally:
+            run.close()
+    return run.logger.history

@@ -1,0 +1,363 @@
+"""A training run's lifecycle: where it writes (``RunPaths``), its mesh, model and restored-or-fresh state
+(``start_run`` -> ``Run``), its per-run stop request (``StopSignal``), its checkpoints and records, and the
+policy export.
+
+Both loops (``rl_loop.train_rl``, ``sft_loop.train_sft``) keep everything that decides the next step in the
+checkpoint (state: params, optimizer, step, RNG; meta: stage, the step it started at, the step the optimizer
+was last reset at, data-iterator position, filtered problem ids, metrics history), so a run killed at any
+moment and restarted continues with exactly the metrics an uninterrupted run would log. ``state.step`` is the
+only step counter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import shutil
+import threading
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from rstar2jax import models
+from rstar2jax.train import colocate
+from rstar2jax.train import config as config_lib
+from rstar2jax.train import lora as lora_lib
+from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.config import write_run_config
+from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
+from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.runtime import mesh_from_config
+from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
+from rstar2jax.train.steps import state_shardings, trainable_params
+
+
+def model_config_from(config) -> models.ModelConfig:
+    """The ``ModelConfig`` of ``config.model`` (an HF folder, an HF config.json, a named preset refined by
+    ``spec`` fields, or inline fields) with its dtype / remat / scan options applied."""
+    m = config.model
+    options = dict(
+        param_dtype=m.param_dtype,
+        compute_dtype=m.compute_dtype,
+        remat_policy=m.remat_policy,
+        scan_layers=m.scan_layers,
+        attention=m.attention,
+        attention_block_size=m.attention_block_size,
+        mlp_chunk_size=m.mlp_chunk_size,
+    )
+    if m.path or m.config_json:
+        return models.config_from_hf(m.path or m.config_json, **options)
+    if m.get("preset"):
+        return models.preset(m.preset, **{**m.spec.to_dict(), **options})
+    return models.ModelConfig(**{**m.spec.to_dict(), **options})
+
+
+def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
+    """Pretrained weights from ``config.model.path``, else random weights (seeded by ``config.seed``)."""
+    if config.model.path:
+        _, params = models.load_pretrained(
+            config.model.path,
+            dtype=model_config.param_dtype,
+            compute_dtype=model_config.compute_dtype,
+            mesh=mesh,
+            remat_policy=model_config.remat_policy,
+            scan_layers=model_config.scan_layers,
+            attention=model_config.attention,
+            attention_block_size=model_config.attention_block_size,
+            mlp_chunk_size=model_config.mlp_chunk_size,
+        )
+        return params
+    return models.init_params(model_config, jax.random.PRNGKey(config.seed), mesh=mesh)
+
+
+#: Checkpoint step folders go to ``<workdir>/CHECKPOINT_DIR``.
+CHECKPOINT_DIR = "checkpoints"
+#: ``experiments.sft`` exports its policy (an HF folder with the tokenizer) to ``<workdir>/POLICY_DIR``.
+POLICY_DIR = "policy"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """Where a run under ``workdir`` writes: checkpoints, the metrics JSONL and TensorBoard events."""
+
+    workdir: pathlib.Path
+    checkpoints: pathlib.Path
+    metrics: pathlib.Path
+    tensorboard: pathlib.Path
+
+    @property
+    def policy(self) -> pathlib.Path:
+        """Where the SFT launcher exports the trained policy (see ``save_policy``)."""
+        return self.workdir / POLICY_DIR
+
+    @classmethod
+    def of(cls, workdir: str | pathlib.Path) -> RunPaths:
+        w = pathlib.Path(workdir).resolve()
+        return cls(w, w / CHECKPOINT_DIR, w / METRICS_FILE, w / TENSORBOARD_DIR)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop asked for with ``StopSignal.request`` (a launcher's Ctrl-C): the loop finished its step, saved a
+    checkpoint at ``step`` in ``checkpoints`` and stopped; re-running the same config resumes there."""
+
+    def __init__(self, step: int, checkpoints: pathlib.Path):
+        super().__init__(f"stopped at step {step}; checkpoint saved in {checkpoints}")
+        self.step = step
+        self.checkpoints = checkpoints
+
+
+class StopSignal:
+    """A request to stop one training run after its current step (a launcher's Ctrl-C or SIGTERM).
+
+    Each run owns one (``train_rl(..., stop=)`` / ``train_sft(..., stop=)``; a fresh one when none is
+    given), so nothing a stopped run leaves behind reaches the next run in the same process. ``request`` is
+    safe to call from a signal handler: it only sets an event.
+    """
+
+    def __init__(self):
+        self._requested = threading.Event()
+        self._accepting = threading.Event()
+
+    def request(self) -> bool:
+        """Asks the run to stop after its current step; False (and nothing asked) when no loop is running
+        with this signal."""
+        if not self._accepting.is_set():
+            return False
+        self._requested.set()
+        return True
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def accept(self) -> None:
+        """From now until ``release``, ``request`` stops the run (a request made before is not this run's)."""
+        self._requested.clear()
+        self._accepting.set()
+
+    def release(self) -> None:
+        """The loop ended: later requests are refused and a pending one is dropped."""
+        self._accepting.clear()
+        self._requested.clear()
+
+
+def save_policy(
+    params, model_config: models.ModelConfig, out: str | pathlib.Path, *, tokenizer=None, prompt=None
+):
+    """Writes ``params`` as an HF folder at ``out`` (config.json, safetensors and, when given, the tokenizer
+    with its chat template and the conversation format ``prompt``, a ``PromptConfig``, as
+    ``rstar2jax_prompt.json``): the form ``config.model.path`` reads, so RL can start from it. The folder is
+    written beside ``out`` and renamed into place, so a crash never leaves a half policy. With several
+    processes the parameters are gathered and process 0 writes. Returns ``out`` as a path."""
+    out = pathlib.Path(out)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+        if jax.process_index() != 0:
+            return out
+    temporary = out.with_name(out.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    models.save_pretrained(params, model_config, temporary, tokenizer=tokenizer, prompt=prompt)
+    shutil.rmtree(out, ignore_errors=True)
+    temporary.replace(out)
+    return out
+
+
+def abstract_state(model_config, optimizer, shardings: TrainState, seed: int, lora=None) -> TrainState:
+    """Shapes, dtypes and shardings of the train state (with ``lora``: of the adapters'), without allocating
+    it."""
+    reference = shardings.ref_params is not None
+    shapes = jax.eval_shape(
+        lambda: init_train_state(
+            trainable_params(model_config, jax.random.PRNGKey(0), lora), optimizer, seed, reference=reference
+        )
+    )
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+@dataclasses.dataclass
+class Run:
+    """What a training loop needs: mesh, model, optimizer, the (restored or fresh) state and its records.
+    ``options``: the typed options the loops read (``config`` stays for the model, LoRA and export helpers
+    that convert it themselves)."""
+
+    config: Any
+    options: RunOptions
+    workdir: pathlib.Path
+    mesh: Mesh
+    model_config: models.ModelConfig
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    shardings: TrainState
+    state: TrainState
+    meta: dict
+    checkpointer: Checkpointer
+    logger: MetricsLogger
+    is_main: bool
+    base: lora_lib.FrozenBase | None = None  # LoRA: the frozen base; state.params are the adapters
+    stop: StopSignal = dataclasses.field(default_factory=StopSignal)
+    _closed: bool = False
+
+    @property
+    def step(self) -> int:
+        """Steps taken so far: ``state.step``, the one step counter (a step whose update was skipped for a
+        non-finite gradient counts, with ``update_skipped`` in its metrics; stages and the learning-rate
+        schedule record the step they started at, ``meta["stage_start"]`` and ``meta["optimizer_start"]``)."""
+        return int(jax.device_get(self.state.step.addressable_data(0)))
+
+    @property
+    def lora(self) -> models.LoraConfig | None:
+        return None if self.base is None else self.base.lora
+
+    def policy_params(self):
+        """The parameters the policy samples with: ``state.params``, or (LoRA) the base with the adapters
+        merged in."""
+        return self.state.params if self.base is None else self.base.merged(self.state.params)
+
+    def export(self, out: str | pathlib.Path, *, tokenizer=None, prompt=None) -> pathlib.Path:
+        """Writes the policy as an HF folder at ``out`` (``save_policy``, with ``tokenizer`` and the
+        conversation format ``prompt``); a LoRA run also writes its adapters alone as a PEFT folder
+        (``train.lora.adapter_folder(out)``)."""
+        save_policy(self.policy_params(), self.model_config, out, tokenizer=tokenizer, prompt=prompt)
+        if self.base is not None:
+            lora_lib.save_adapter(self.state.params, self.config, self.model_config, self.lora, out)
+        return pathlib.Path(out)
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the run continues from a checkpoint (announced by the loops)."""
+        return self.step > 0
+
+    def accept_stop_requests(self) -> None:
+        """From now until ``close``, ``self.stop.request()`` stops this run after its current step."""
+        self.stop.accept()
+
+    def stop_if_requested(self) -> None:
+        """After a step: when a stop was requested, save a checkpoint now and raise ``Interrupted``."""
+        if self.stop.requested:
+            self.close()
+            raise Interrupted(self.step, self.workdir / CHECKPOINT_DIR)
+
+    def record(self, metrics: dict, **meta_updates) -> dict:
+        """Logs one step's metrics (plus the learning rate it used), updates the resume record and saves a
+        checkpoint when one is due."""
+        step = self.step  # the update just applied is number ``step``; it ran at schedule position step - 1
+        learning_rate = float(self.schedule(step - 1 - self.meta["optimizer_start"]))
+        record = self.logger.log(step, {**metrics, "learning_rate": learning_rate})
+        self.meta.update(meta_updates, history=self.logger.history)
+        self.checkpointer.save(step, self.state, self.meta)
+        return record
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer moments and schedule (a stage start with ``reset_optimizer``)."""
+        reset = functools.partial(reset_optimizer, optimizer=self.optimizer)
+        self.state = jax.jit(reset, out_shardings=self.shardings, donate_argnums=0)(self.state)
+        self.meta["optimizer_start"] = self.step
+
+    def close(self) -> None:
+        """Final save of the last finished step (unless the state was lost mid-step, or a checkpoint write
+        failed: the storage is not trusted any more) and flush; closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop.release()
+        try:
+            lost = any(x.is_deleted() for x in jax.tree.leaves(self.state))
+            if not (lost or self.checkpointer.write_failed):
+                self.checkpointer.save(self.step, self.state, self.meta, force=True)
+        finally:
+            try:
+                self.checkpointer.close()
+            finally:
+                self.logger.close()
+
+
+def _upgrade_meta(meta: dict, step: int) -> None:
+    """Checkpoints written before the step counters became one kept counts of their own
+    (``optimizer_steps``, ``stage_step``); now they hold the step they started at."""
+    if "optimizer_steps" in meta:
+        meta["optimizer_start"] = step - meta.pop("optimizer_steps")
+    if "stage_step" in meta:
+        meta["stage_start"] = step - meta.pop("stage_step")
+
+
+def start_run(
+    config,
+    optimizer,
+    schedule,
+    *,
+    initial_meta: dict,
+    stop: StopSignal | None = None,
+    options: RunOptions | None = None,
+) -> Run:
+    """Builds mesh and model, then restores the latest checkpoint of ``config.workdir`` or starts fresh;
+    ``stop`` (default: a new one) is the signal that stops this run; ``options``: ``run_options(config)``
+    when the caller has them."""
+    options = options or run_options(config)
+    workdir = options.workdir
+    mesh = mesh_from_config(config)
+    model_config = model_config_from(config)
+    lora = lora_lib.lora_from_config(config, model_config)
+    shardings = state_shardings(
+        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
+    )
+    checkpointer = Checkpointer(
+        workdir / CHECKPOINT_DIR,
+        save_every=options.checkpoint.save_every,
+        keep=options.checkpoint.keep,
+        async_save=options.checkpoint.async_save,
+    )
+    base, base_record = None, None
+    if lora is not None:  # the frozen base: loaded at every start, never checkpointed
+        offload = options.rl is not None and colocate.resolve_offload(options.rl.optimizer_memory)
+        base = lora_lib.FrozenBase(
+            initial_params(config, model_config, mesh), model_config, lora, offload=offload
+        )
+        base_record = lora_lib.base_record(config, lora, base.params)
+    lora_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
+    restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, options.seed, lora))
+    if restored is None:
+        if lora is None:
+            params = initial_params(config, model_config, mesh)
+        else:
+            params = lora_lib.initial_adapters(config, model_config, lora, mesh)
+        reference = shardings.ref_params is not None
+        init = functools.partial(
+            init_train_state, optimizer=optimizer, seed=options.seed, reference=reference
+        )
+        state = jax.jit(init, out_shardings=shardings)(params)
+        meta = {**initial_meta, "history": [], "optimizer_start": 0}
+        if base_record is not None:
+            meta[lora_lib.META_KEY] = base_record
+    else:
+        state, meta = restored
+        lora_lib.check_checkpoint(meta, base_record, checkpointer.directory)
+        _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
+    is_main = jax.process_index() == 0
+    if is_main:
+        write_run_config(workdir, config)
+    logger = MetricsLogger(
+        workdir, history=meta["history"], tensorboard=options.logging.tensorboard, enabled=is_main
+    )
+    return Run(
+        config=config,
+        options=options,
+        workdir=workdir,
+        mesh=mesh,
+        model_config=model_config,
+        optimizer=optimizer,
+        schedule=schedule,
+        shardings=shardings,
+        state=state,
+        meta=meta,
+        checkpointer=checkpointer,
+        logger=logger,
+        is_main=is_main,
+        base=base,
+        stop=stop or StopSignal(),
+    )
+
