@@ -91,7 +91,7 @@ def group_advantages(
     mask: jax.Array,
     *,
     estimator: str = "grpo",
-    std: str = "population",
+    std: str = "unbiased",
     eps: float | jax.Array = 1e-6,
 ) -> jax.Array:
     """Per-rollout advantages within each group of rollouts of one prompt.
@@ -112,7 +112,8 @@ def group_advantages(
       rewards: ``[num_groups, group_size]`` rewards, any real dtype.
       mask: ``[num_groups, group_size]`` validity (bool or 0/1).
       estimator: a name in ``ADVANTAGE_ESTIMATORS``.
-      std: ``"population"`` or ``"unbiased"``.
+      std: ``"unbiased"`` (the default: Bessel's n - 1, as the released code's verl ``torch.std``; the paper's
+        Eq. 7 does not say which, and the RL config's ``rl.std`` takes this default) or ``"population"``.
       eps: added to std in ``grpo``.
 
     Returns:

@@ -38,14 +38,16 @@ def test_matches_float64_reference(estimator, std, binary):
     assert np.any(np.asarray(got)[3:])
 
 
-def test_grpo_unit_std_and_zero_mean_on_valid_entries():
+@pytest.mark.parametrize(("std", "ddof"), [("population", 0), ("unbiased", 1), (None, 1)])
+def test_grpo_unit_std_and_zero_mean_on_valid_entries(std, ddof):
     rewards, mask = ragged_rewards(seed=3)
-    adv = np.asarray(algo.group_advantages(rewards, mask, estimator="grpo", eps=0.0))
+    options = {} if std is None else {"std": std}  # None: the default, Bessel-corrected
+    adv = np.asarray(algo.group_advantages(rewards, mask, estimator="grpo", eps=0.0, **options))
     for g in range(3, rewards.shape[0]):
         a = adv[g, mask[g]]
         if len(a) > 1:
             np.testing.assert_allclose(a.mean(), 0.0, atol=1e-5)
-            np.testing.assert_allclose(a.std(), 1.0, rtol=1e-5)
+            np.testing.assert_allclose(a.std(ddof=ddof), 1.0, rtol=1e-5)
         assert not np.any(adv[g, ~mask[g]])
 
 
