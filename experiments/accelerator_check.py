@@ -79,7 +79,7 @@ NEMO_RL_TOKENS_PER_S_PER_GPU = 1562
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """``share``: the stage's fraction of the time left when it starts (against the stages still to run);
-    ``smoke_s``: its time limit under ``--smoke``."""
+    ``smoke_s``: its time limit under ``--smoke`` with the default budget (scaled with ``--budget_s``)."""
 
     name: str
     share: float
@@ -95,6 +95,8 @@ STAGES = (
     Stage("loop", 0.22, 120, "two colocated RL steps of qwen3_1p7b_1gpu.py"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+#: ``--smoke``'s default budget; a larger ``--budget_s`` (a loaded machine) scales each stage's smoke limit.
+SMOKE_BUDGET_S = 120.0
 
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs/accelerator_check", "folder of the JSON files")
 _BUDGET_S = flags.DEFINE_float("budget_s", None, "seconds for all stages (default 540; --smoke 120)")
@@ -630,7 +632,7 @@ def main(argv) -> None:
         run_stage(_STAGE.value)
         return
     unknown = [s for s in _STAGES.value if s not in STAGE_NAMES]
-    budget = _BUDGET_S.value if _BUDGET_S.value is not None else (120.0 if _SMOKE.value else 540.0)
+    budget = _BUDGET_S.value if _BUDGET_S.value is not None else (SMOKE_BUDGET_S if _SMOKE.value else 540.0)
     if unknown or budget <= 0:
         print(f"error: {'--stages: unknown ' + ', '.join(unknown) if unknown else '--budget_s must be > 0'}"
               f" (stages: {', '.join(STAGE_NAMES)})", file=sys.stderr)
@@ -649,7 +651,8 @@ def main(argv) -> None:
     interrupted = False
     for index, stage in enumerate(selected):
         left = budget - (time.perf_counter() - start)
-        limit = min(stage.smoke_s, left) if _SMOKE.value else stage_limits(left, selected[index:])
+        limit = (min(stage.smoke_s * budget / SMOKE_BUDGET_S, left) if _SMOKE.value
+                 else stage_limits(left, selected[index:]))
         try:
             result["stages"][stage.name] = run_one(stage, limit, output)
         except KeyboardInterrupt:

@@ -46,6 +46,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -246,29 +247,22 @@ def rollout(
     samples_per_problem: int,
     *,
     engine: Engine,
-    sandbox: ToolSandbox,
-    tokenizer: PreTrainedTokenizerBase,
-    verifier: AnswerVerifier | None = None,
-    config: RolloutConfig = DEFAULT_CONFIG,
-    stats: collections.Counter | None = None,
-    token_budget: int | None = None,
-    resume: Sequence[PartialRollout] = (),
-    outage: OutagePolicy | None = None,
     loop: BackgroundLoop | None = None,
+    **options: Any,
 ) -> list[Trajectory | PartialRollout]:
     """Blocking :func:`rollout_async` for notebooks and scripts (it works inside Jupyter's running loop).
 
-    ``engine`` must not be running: it is started for the call (``async with engine``) and stopped after,
-    keeping its compiled programs for the next call. The call runs on ``loop``; pass the same
-    :class:`BackgroundLoop` to every call that shares a :class:`~rstar2jax.agent.SandboxClient` (bound by
-    aiohttp to the first loop that uses it), and close it when done. None: a loop for this call only.
+    ``options`` are :func:`rollout_async`'s keywords (``sandbox``, ``tokenizer``, ``verifier``, ``config``,
+    ``stats``, ``token_budget``, ``resume``, ``outage``). ``engine`` must not be running: it is started for
+    the call (``async with engine``) and stopped after, keeping its compiled programs for the next call. The
+    call runs on ``loop``; pass the same :class:`BackgroundLoop` to every call that shares a
+    :class:`~rstar2jax.agent.SandboxClient` (bound by aiohttp to the first loop that uses it), and close it
+    when done. None: a loop for this call only.
     """
 
     async def run() -> list[Trajectory]:
         async with engine:
-            return await rollout_async(problems, samples_per_problem, engine=engine, sandbox=sandbox,
-                                       tokenizer=tokenizer, verifier=verifier, config=config, stats=stats,
-                                       token_budget=token_budget, resume=resume, outage=outage)
+            return await rollout_async(problems, samples_per_problem, engine=engine, **options)
 
     if loop is not None:
         return loop.run(run())
