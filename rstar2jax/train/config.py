@@ -266,11 +266,13 @@ RUN_CONFIG_FILE = "run_config.json"
 
 
 def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
-    """Writes ``config`` (an ``ml_collections.ConfigDict``) as ``workdir/run_config.json``."""
+    """Writes ``config`` (an ``ml_collections.ConfigDict``, or its JSON text: ``RunOptions.record``) as
+    ``workdir/run_config.json``."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / RUN_CONFIG_FILE
     temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
+    text = config if isinstance(config, str) else config.to_json_best_effort(indent=1)
+    temporary.write_text(text, encoding="utf-8")
     temporary.replace(path)
     return path
 
