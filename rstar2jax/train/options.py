@@ -326,6 +326,17 @@ class DistributedOptions:
     process_id: int = 0
 
 
+def process_layout(config) -> tuple[MeshShape, DistributedOptions]:
+    """The mesh and the processes of a run (``config``: its ``RunOptions``, or a config of which only
+    ``mesh`` and ``distributed`` are read: what a process needs before JAX starts)."""
+    if isinstance(config, RunOptions):
+        return config.mesh, config.distributed
+    return (
+        MeshShape(**_fields(MeshShape, config.mesh)),
+        DistributedOptions(**_fields(DistributedOptions, config.distributed)),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutOptions:
     """What the trainer's rollout function is built from (``config.rollout``): the engine's sizes, the
@@ -464,12 +475,13 @@ def run_options(config) -> RunOptions:
             rollout=_rollout_options(config),
             device_memory_gib=config.get("device_memory_gib"),
         )
+    mesh, distributed = process_layout(config)
     return RunOptions(
         workdir=pathlib.Path(config.workdir),
         seed=config.seed,
         policy=policy_options(config),
-        mesh=MeshShape(**_fields(MeshShape, config.mesh)),
-        distributed=DistributedOptions(**_fields(DistributedOptions, config.distributed)),
+        mesh=mesh,
+        distributed=distributed,
         optimizer=_optimizer_options(config),
         record=config.to_json_best_effort(indent=1),
         checkpoint=CheckpointOptions(**_fields(CheckpointOptions, config.checkpoint)),

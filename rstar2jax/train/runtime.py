@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
-from rstar2jax.train.options import DistributedOptions, run_options
+from rstar2jax.train.options import DistributedOptions, process_layout
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
@@ -57,7 +57,7 @@ def initialize_distributed(distributed: DistributedOptions) -> None:
 
 def mesh_size(config) -> int:
     """Devices the run's mesh takes (``config``: a run config or its ``RunOptions``)."""
-    return run_options(config).mesh.size
+    return process_layout(config)[0].size
 
 
 def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
@@ -67,7 +67,7 @@ def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
     With ``allow_emulated`` (dry runs) a mesh larger than the default backend falls back to the host's
     (emulated) CPU devices, so a 64-device plan compiles on a laptop.
     """
-    mesh = run_options(config).mesh
+    mesh, _ = process_layout(config)
     devices = jax.devices()
     if len(devices) < mesh.size and allow_emulated:
         devices = jax.devices("cpu")
@@ -83,7 +83,7 @@ def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
 def prepare_process(config) -> None:
     """Before any device query: emulate enough CPU devices for this process's share of ``config.mesh`` (only
     the CPU backend is touched) and join the multi-host run ``config.distributed`` describes (``config``: a
-    run config or its ``RunOptions``; converting one touches no device)."""
-    options = run_options(config)
-    request_host_devices(-(-options.mesh.size // options.distributed.num_processes))
-    initialize_distributed(options.distributed)
+    run config, of which only ``mesh`` and ``distributed`` are read, or its ``RunOptions``)."""
+    mesh, distributed = process_layout(config)
+    request_host_devices(-(-mesh.size // distributed.num_processes))
+    initialize_distributed(distributed)
