@@ -19,13 +19,10 @@ from rstar2jax.train.field_help import FIELD_HELP, field_help
 from rstar2jax.train.options import (
     build_iteration_config,
     build_loss_config,
-    build_optimizer,
-    build_schedule,
     lora_enabled,
     prompt_from_config,
     row_multiple,
     tokenizer_path,
-    uses_reference,
 )
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.validation import (
@@ -53,8 +50,6 @@ __all__ = [
     "ConfigError",
     "build_iteration_config",
     "build_loss_config",
-    "build_optimizer",
-    "build_schedule",
     "field_help",
     "lora_enabled",
     "placeholder",
@@ -67,7 +62,6 @@ __all__ = [
     "sft_config",
     "stage",
     "tokenizer_path",
-    "uses_reference",
     "validate",
     "validate_rl_config",
     "validate_sft_config",

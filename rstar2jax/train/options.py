@@ -109,24 +109,8 @@ def _optimizer_options(config) -> OptimizerOptions:
     )
 
 
-def build_schedule(config, total_steps: int | None = None):
-    """The learning-rate schedule of ``config.optimizer`` (what ``build_optimizer`` applies)."""
-    return _optimizer_options(config).learning_rate_schedule(total_steps)
-
-
-def build_optimizer(config, total_steps: int | None = None):
-    """The optimizer of ``config.optimizer`` (``warmup_steps=-1``: ``sft.warmup_fraction`` of the run)."""
-    return _optimizer_options(config).optimizer(total_steps)
-
-
 def build_loss_config(config) -> RLLossConfig:
     return RLLossConfig(**config.loss.to_dict())
-
-
-def uses_reference(config) -> bool:
-    """Whether the run keeps a frozen reference policy in its state (RL with ``loss.kl_coef`` > 0 and no
-    LoRA: a LoRA run's reference is its frozen base, the adapters off)."""
-    return "loss" in config and config.loss.kl_coef > 0 and not lora_enabled(config)
 
 
 def build_iteration_config(config, max_response_length: int) -> RLIterationConfig:
