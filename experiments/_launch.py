@@ -351,23 +351,24 @@ def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, c
     print("\n".join(lines), flush=True)
 
 
-def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool) -> bool:
+def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool):
     """What ``experiments.sft`` and ``train_rl`` do before training: ``--print_config``, or validate the
-    config before any compute (one line and exit 2 on a bad value), set up this process's devices and
-    compile-and-report (``--dry_run``), or announce where the run writes. True when the caller goes on to
-    train."""
+    config before any compute (one line and exit 2 on a bad value) and convert it once into the run's typed
+    options (``train.RunOptions``), set up this process's devices and compile-and-report (``--dry_run``), or
+    announce where the run writes. Returns the options when the caller goes on to train, else None."""
     from rstar2jax import train
 
     if print_fields:
         print_config(config)
-        return False
+        return None
     train.validate(config, kind, check_data=not dry_run)
-    train.prepare_process(config)
+    options = train.run_options(config)
+    train.prepare_process(options)
     if dry_run:
-        report = train.dry_run(config, kind=kind)
+        report = train.dry_run(options, kind=kind)
         print(train.format_dry_run(report), flush=True)
-        train.check_memory_plan(config, kind=kind, report=report)
-        return False
-    train.check_memory_plan(config, kind=kind)
+        train.check_memory_plan(options, kind=kind, report=report)
+        return None
+    train.check_memory_plan(options, kind=kind)
     announce(title, config.workdir, config=config)
-    return True
+    return options

@@ -41,20 +41,20 @@ def main(argv):
     del argv
     from rstar2jax import train  # no JAX backend starts on import
 
-    config = _CONFIG.value
-    if not _launch.prologue(
-        config, kind="sft", title="sft", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
-    ):
+    options = _launch.prologue(
+        _CONFIG.value, kind="sft", title="sft", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
+    )
+    if options is None:
         return
-    policy = train.RunPaths.of(config.workdir).policy
+    policy = train.RunPaths.of(options.workdir).policy
     with _launch.stop_on_signals() as stop:
-        train.train_sft(config, max_steps=_MAX_STEPS.value, export_dir=policy, stop=stop)
+        train.train_sft(options, max_steps=_MAX_STEPS.value, export_dir=policy, stop=stop)
     print(
         f"policy (HF folder with the tokenizer): {policy}\n"
         f"  RL from it: python -m experiments.train_rl --config=<an RL config> --config.model.path={policy}",
         flush=True,
     )
-    if train.lora_enabled(config):
+    if options.lora is not None:
         print(f"LoRA adapter alone (PEFT folder): {train.lora.adapter_folder(policy)}", flush=True)
 
 

@@ -36,19 +36,22 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HE
 flags.mark_flag_as_required("config")
 
 
-def agent_rollout_fn(config, stack: contextlib.ExitStack):
-    """The real rollout: the generation engine on the trainer's parameters (no copies on one host), the
-    sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run, restarted if it dies) and
-    the answer verifier."""
-    from rstar2jax.train.policy import policy_rollout, prompt_from_config
+def agent_rollout_fn(config, stack: contextlib.ExitStack, options=None):
+    """The real rollout: the generation engine on the trainer's parameters (no copies on one host; its
+    model, engine and sampling from ``options``, the trainer's own ``RunOptions``, by default converted from
+    ``config``), the sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run,
+    restarted if it dies) and the answer verifier."""
+    from rstar2jax import train
+    from rstar2jax.train.policy import policy_rollout
 
+    options = options or train.run_options(config)
     url, restart = config.rollout.sandbox_url, None
     if not url:
         from sandbox_server import start_local
 
         server = stack.enter_context(start_local(workers=config.rollout.sandbox_workers))
         url, restart = server.url, server.restart_if_dead
-    rollout_fn = policy_rollout(config, url, prompt_from_config(config), restart_sandbox=restart)
+    rollout_fn = policy_rollout(options, url, options.policy.prompt, restart_sandbox=restart)
     stack.callback(rollout_fn.close)
     return rollout_fn
 
@@ -58,14 +61,15 @@ def main(argv):
     from rstar2jax import train  # no JAX backend starts on import
 
     config = _CONFIG.value
-    if not _launch.prologue(
+    options = _launch.prologue(
         config, kind="rl", title="rl", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
-    ):
+    )
+    if options is None:
         return
     with contextlib.ExitStack() as stack:
-        rollout_fn = agent_rollout_fn(config, stack)
+        rollout_fn = agent_rollout_fn(config, stack, options)
         stop = stack.enter_context(_launch.stop_on_signals())
-        train.train_rl(config, rollout_fn=rollout_fn, max_steps=_MAX_STEPS.value, stop=stop)
+        train.train_rl(options, rollout_fn=rollout_fn, max_steps=_MAX_STEPS.value, stop=stop)
 
 
 if __name__ == "__main__":

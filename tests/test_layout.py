@@ -159,7 +159,6 @@ def oversized(path: pathlib.Path) -> list[str]:
     return found
 
 
-@UNTIL_TRAIN_REFACTOR
 def test_only_the_config_edge_imports_ml_collections():
     assert config_edge_violations(library_modules()) == []
 

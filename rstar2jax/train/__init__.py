@@ -21,10 +21,17 @@ from rstar2jax.train.config import (
 from rstar2jax.train.dry_run import check_memory_plan, dry_run, format_dry_run
 from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
 from rstar2jax.train.metrics import MetricsLogger
-from rstar2jax.train.options import RunOptions, StageOptions, run_options
+from rstar2jax.train.options import (
+    PolicyOptions,
+    RunOptions,
+    StageOptions,
+    model_config_from,
+    policy_options,
+    run_options,
+)
 from rstar2jax.train.rl import RLIterationConfig, filter_hard_problems, rl_iteration
 from rstar2jax.train.rl_loop import train_rl
-from rstar2jax.train.run import Interrupted, RunPaths, StopSignal, model_config_from
+from rstar2jax.train.run import Interrupted, RunPaths, StopSignal
 from rstar2jax.train.runtime import (
     initialize_distributed,
     mesh_from_config,
@@ -104,6 +111,8 @@ __all__ = [
     "rl_config",
     "rl_iteration",
     "run_options",
+    "policy_options",
+    "PolicyOptions",
     "rl_loss",
     "rl_step",
     "rollout_metrics",

@@ -19,13 +19,10 @@ from rstar2jax.train.field_help import FIELD_HELP, field_help
 from rstar2jax.train.options import (
     build_iteration_config,
     build_loss_config,
-    build_optimizer,
-    build_schedule,
     lora_enabled,
     prompt_from_config,
     row_multiple,
     tokenizer_path,
-    uses_reference,
 )
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.validation import (
@@ -53,8 +50,6 @@ __all__ = [
     "ConfigError",
     "build_iteration_config",
     "build_loss_config",
-    "build_optimizer",
-    "build_schedule",
     "field_help",
     "lora_enabled",
     "placeholder",
@@ -67,7 +62,6 @@ __all__ = [
     "sft_config",
     "stage",
     "tokenizer_path",
-    "uses_reference",
     "validate",
     "validate_rl_config",
     "validate_sft_config",
@@ -266,11 +260,13 @@ RUN_CONFIG_FILE = "run_config.json"
 
 
 def write_run_config(workdir: pathlib.Path, config) -> pathlib.Path:
-    """Writes ``config`` (an ``ml_collections.ConfigDict``) as ``workdir/run_config.json``."""
+    """Writes ``config`` (an ``ml_collections.ConfigDict``, or its JSON text: ``RunOptions.record``) as
+    ``workdir/run_config.json``."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / RUN_CONFIG_FILE
     temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(config.to_json_best_effort(indent=1), encoding="utf-8")
+    text = config if isinstance(config, str) else config.to_json_best_effort(indent=1)
+    temporary.write_text(text, encoding="utf-8")
     temporary.replace(path)
     return path
 

@@ -17,7 +17,8 @@ from rstar2jax.data.batch import Batch
 from rstar2jax.train import config as config_lib
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
-from rstar2jax.train.run import abstract_state, model_config_from
+from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.run import abstract_state
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
 
@@ -44,34 +45,34 @@ def dry_run(config, *, kind: str, cpu_stand_in: bool = True) -> dict[str, Any]:
     allocated) and returns per-device memory of the compiled executable plus the shapes it was built for.
 
     RL plans for the worst case: every kept trajectory at full length on its own row. CPU devices stand in
-    for accelerators (``cpu_stand_in``): see ``_stand_in_options``.
+    for accelerators (``cpu_stand_in``): see ``_stand_in_options``. ``config``: a run config (validated
+    here, its data not looked for) or its ``RunOptions``.
     """
-    config_lib.validate(config, kind, check_data=False)
+    if not isinstance(config, RunOptions):
+        config_lib.validate(config, kind, check_data=False)
+    options = run_options(config)
     if kind == "rl":
-        optimizer = config_lib.build_optimizer(config)
-        rows = config.rl.prompts_per_step * config.rl.keep
-        seq_len = config.batch.max_prompt_length + max(s.max_response_length for s in config.stages) - 1
+        optimizer = options.optimizer.optimizer()
+        rows = options.rl.prompts_per_step * options.rl.iteration.keep
+        seq_len = options.rl.iteration_for(max(s.max_response_length for s in options.stages)).seq_len
     else:
-        optimizer = config_lib.build_optimizer(config, total_steps=config.sft.steps or 1000)
-        rows, seq_len = config.sft.batch_size, config.sft.seq_len
-    multiple = config_lib.row_multiple(config)
+        optimizer = options.optimizer.optimizer(total_steps=options.sft.steps or 1000)
+        rows, seq_len = options.sft.batch_size, options.sft.seq_len
+    multiple = options.row_multiple
     rows = -(-rows // multiple) * multiple
-    mesh = mesh_from_config(config, allow_emulated=True)
-    model_config = model_config_from(config)
-    lora = lora_lib.lora_from_config(config, model_config)
-    shardings = state_shardings(
-        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
-    )
-    state = abstract_state(model_config, optimizer, shardings, config.seed, lora)
+    mesh = mesh_from_config(options, allow_emulated=True)
+    model_config, lora = options.model, options.lora
+    shardings = state_shardings(model_config, optimizer, mesh, reference=options.uses_reference, lora=lora)
+    state = abstract_state(model_config, optimizer, shardings, options.seed, lora)
     batch = _abstract_batch(rows, seq_len, batch_sharding(mesh), rl=kind == "rl")
     # LoRA: the frozen base is the step's third argument.
     base = () if lora is None else (abstract_base_params(model_config, mesh),)
-    options = dict(num_microbatches=config.num_microbatches, mesh=mesh, shardings=shardings, lora=lora,
-                   compiler_options=_stand_in_options(model_config, mesh) if cpu_stand_in else None)
+    step_options = dict(num_microbatches=options.num_microbatches, mesh=mesh, shardings=shardings, lora=lora,
+                        compiler_options=_stand_in_options(model_config, mesh) if cpu_stand_in else None)
     if kind == "rl":
-        step = make_rl_step(model_config, optimizer, config_lib.build_loss_config(config), **options)
+        step = make_rl_step(model_config, optimizer, options.rl.loss, **step_options)
     else:
-        step = make_sft_step(model_config, optimizer, **options)
+        step = make_sft_step(model_config, optimizer, **step_options)
     start = time.perf_counter()
     compiled = step.lower(state, batch, *base).compile()
     memory = compiled.memory_analysis()
@@ -96,7 +97,7 @@ def dry_run(config, *, kind: str, cpu_stand_in: bool = True) -> dict[str, Any]:
         platform=mesh.devices.flat[0].platform,
         mesh=dict(mesh.shape),
         batch_shape=[rows, seq_len],
-        microbatch_rows=rows // config.num_microbatches,
+        microbatch_rows=rows // options.num_microbatches,
         num_params=num_params,
         frozen_params=frozen_params,
         lora=None if lora is None else lora_lib.describe(lora),
@@ -106,7 +107,7 @@ def dry_run(config, *, kind: str, cpu_stand_in: bool = True) -> dict[str, Any]:
         logprobs="vocabulary chunks (models.sequence_logprobs)",
     )
     if kind == "rl":
-        report["memory_plan"] = memory_plan_lib.memory_plan(config, model_config, state, report, *base)
+        report["memory_plan"] = memory_plan_lib.memory_plan(options, model_config, state, report, *base)
     return report
 
 
@@ -166,13 +167,15 @@ def check_memory_plan(config, *, kind: str, report: dict[str, Any] | None = None
     ``MemoryPlanError`` with its table when it exceeds a known device memory. Without a dry-run ``report`` (a
     real run) the plan is compiled only when the device memory is known (an accelerator, or
     ``config.device_memory_gib``): fail at start-up rather than out of memory mid-run. The extra compile of
-    the step is served by XLA's compilation cache when the run compiles the same step."""
+    the step is served by XLA's compilation cache when the run compiles the same step. ``config``: a run
+    config or its ``RunOptions``."""
     if kind != "rl":
         return
+    options = run_options(config)
     if report is None:
-        if memory_plan_lib.device_memory_gib(config) is None:
+        if memory_plan_lib.device_memory_gib(options) is None:
             return
-        report = dry_run(config, kind=kind)
-    path = memory_plan_lib.write_plan(report["memory_plan"], config.workdir)
+        report = dry_run(options, kind=kind)
+    path = memory_plan_lib.write_plan(report["memory_plan"], options.workdir)
     logger.info("memory plan: %s", path)
     memory_plan_lib.check_plan(report["memory_plan"])

@@ -10,9 +10,10 @@ trained:
   config (``run_config.json``) and its orbax checkpoints: the model config is built from the run config as
   the trainer builds it, the parameters are those of the latest (or a chosen) checkpoint
   (:func:`restore_run_params`, also what ``train.policy.export_policy`` writes out), and the tokenizer is the
-  run's ``config.tokenizer``. A checkpoint folder inside it (``<workdir>/checkpoints`` or
-  ``<workdir>/checkpoints/<step>``) works too. A LoRA run's checkpoints hold its adapters: they are merged
-  into the run's base (``config.model``), after checking it is the base they were trained on.
+  one the run used (``config.tokenizer``, else ``config.model.path``'s). A checkpoint folder inside it
+  (``<workdir>/checkpoints`` or ``<workdir>/checkpoints/<step>``) works too. A LoRA run's checkpoints hold
+  its adapters: they are merged into the run's base (``config.model``), after checking it is the base they
+  were trained on.
 
 An HF base folder with ``adapter=`` a PEFT LoRA folder (``adapter_config.json`` +
 ``adapter_model.safetensors``, as a LoRA run exports and PEFT saves) loads the base with the adapters merged
@@ -34,8 +35,8 @@ from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.config import RUN_CONFIG_FILE, read_run_config
-from rstar2jax.train.options import prompt_from_config
-from rstar2jax.train.run import CHECKPOINT_DIR, initial_params, model_config_from
+from rstar2jax.train.options import PolicyOptions, policy_options
+from rstar2jax.train.run import CHECKPOINT_DIR, initial_params
 
 
 @dataclasses.dataclass
@@ -131,28 +132,28 @@ class RunParams:
     lora: models.LoraConfig | None = None
 
 
-def restore_run_params(run_config, step_dir: pathlib.Path) -> RunParams:
-    """The policy parameters of the run checkpoint ``step_dir`` (a LoRA run's base checked against the
-    checkpoint's record of it before its adapters are merged in)."""
-    model_config = model_config_from(run_config)
+def restore_run_params(policy: PolicyOptions, step_dir: pathlib.Path) -> RunParams:
+    """The policy parameters of the run checkpoint ``step_dir`` (``policy``: the run's, ``policy_options``
+    of its config; a LoRA run's base checked against the checkpoint's record of it before its adapters are
+    merged in)."""
+    model_config, lora = policy.model, policy.lora
     saved = restore_state_params(step_dir / "state")
-    lora = lora_lib.lora_from_config(run_config, model_config)
     if lora is None:
         params = jax.tree.map(lambda x: jnp.asarray(x, model_config.param_dtype), saved)
         return RunParams(model_config, params)
-    base = initial_params(run_config, model_config, None)
-    expected = lora_lib.base_record(run_config, lora, base)
+    base = initial_params(policy.source, model_config, None)
+    expected = lora_lib.base_record(policy.source, lora, base)
     lora_lib.check_base(_restore_meta(step_dir).get(lora_lib.META_KEY), expected, str(step_dir))
     merged = models.lora.merge(base, saved, lora, model_config.param_dtype)
     return RunParams(model_config, merged, adapters=saved, lora=lora)
 
 
-def latest_run_params(run_config) -> RunParams | None:
-    """:func:`restore_run_params` of the latest checkpoint of ``run_config.workdir``; None when it has
+def latest_run_params(policy: PolicyOptions, workdir: pathlib.Path) -> RunParams | None:
+    """:func:`restore_run_params` of the latest checkpoint of the run in ``workdir``; None when it has
     none."""
-    checkpoints = pathlib.Path(run_config.workdir) / CHECKPOINT_DIR
+    checkpoints = pathlib.Path(workdir) / CHECKPOINT_DIR
     steps = _step_folders(checkpoints) if checkpoints.is_dir() else {}
-    return restore_run_params(run_config, steps[max(steps)]) if steps else None
+    return restore_run_params(policy, steps[max(steps)]) if steps else None
 
 
 def _is_hub_name(name: str) -> bool:
@@ -216,15 +217,16 @@ def _chat_tokenizer(path):
 
 def _load_run(path: pathlib.Path, workdir: pathlib.Path, step_dir: pathlib.Path, step: int, *, tokenizer,
               dtype: str) -> Policy:
-    run_config = read_run_config(workdir)
-    run_config.model.param_dtype = dtype
-    run_config.model.compute_dtype = dtype
-    tokenizer_path = tokenizer or run_config.get("tokenizer")
+    policy = policy_options(read_run_config(workdir))
+    policy = dataclasses.replace(
+        policy, model=dataclasses.replace(policy.model, param_dtype=dtype, compute_dtype=dtype)
+    )
+    tokenizer_path = tokenizer or policy.tokenizer
     if not tokenizer_path:
         raise ValueError(f"{workdir / RUN_CONFIG_FILE} names no tokenizer; pass tokenizer=")
-    restored = restore_run_params(run_config, step_dir)
+    restored = restore_run_params(policy, step_dir)
     return Policy(restored.model_config, restored.params, _chat_tokenizer(tokenizer_path), workdir.name,
-                  str(path), "run", step, prompt_from_config(run_config))
+                  str(path), "run", step, policy.prompt)
 
 
 def _load_hf(path: pathlib.Path, model, *, tokenizer, dtype: str, adapter) -> Policy:

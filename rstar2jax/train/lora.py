@@ -1,10 +1,12 @@
 """LoRA training runs (``config.model.lora.rank`` > 0): the frozen base beside the trained adapters.
 
-A LoRA run's ``TrainState.params`` are the adapters (``models.lora``) and its optimizer state is theirs
-alone; the base weights are loaded from ``config.model`` at every start (fresh or resumed, in
-``model.param_dtype``, e.g. bfloat16 while the adapters train in ``model.lora.dtype``) and are never written
-into a checkpoint. The checkpoint meta records instead which base the adapters belong to (``lora_base``: its
-name, the LoRA shape and a fingerprint of the base weights), checked before a run resumes.
+The LoRA options (``PolicyOptions.lora``, checked against the model and any starting adapter folder) come
+from the config edge, ``train.options``. A LoRA run's ``TrainState.params`` are the adapters
+(``models.lora``) and its optimizer state is theirs alone; the base weights are loaded from ``config.model``
+at every start (fresh or resumed, in ``model.param_dtype``, e.g. bfloat16 while the adapters train in
+``model.lora.dtype``) and are never written into a checkpoint. The checkpoint meta records instead which
+base the adapters belong to (``lora_base``: its name, the LoRA shape and a fingerprint of the base
+weights), checked before a run resumes.
 
 :class:`FrozenBase` binds the base to the loops' protocols:
 
@@ -31,58 +33,10 @@ import numpy as np
 from rstar2jax import models
 from rstar2jax.models import peft_adapter
 from rstar2jax.train import colocate
-from rstar2jax.train.options import lora_enabled
-from rstar2jax.train.validation import ConfigError
+from rstar2jax.train.options import ConfigError, ModelSource, PolicyOptions
 
 #: Checkpoint meta key of the base a LoRA run's adapters belong to.
 META_KEY = "lora_base"
-
-
-def base_name(config) -> str:
-    """What the adapters' ``base_model_name_or_path`` says: ``config.model.path`` (or its ``config_json``),
-    else ``preset:<name>`` for random weights of a preset, else ``""``."""
-    m = config.model
-    if m.path or m.config_json:
-        return str(m.path or m.config_json)
-    return f"preset:{m.preset}" if m.get("preset") else ""
-
-
-def lora_from_config(config, model_config: models.ModelConfig) -> models.LoraConfig | None:
-    """``config.model.lora`` as a ``LoraConfig`` checked against the model (None when LoRA is off).
-
-    Raises ``ConfigError`` (one line, launchers exit 2) before any weight is read: a rank larger than a
-    target matrix, or a ``model.lora.adapter`` folder that is not a PEFT LoRA folder, names another base,
-    has another LoRA shape than the config or tensors this model has no place for."""
-    if not lora_enabled(config):
-        return None
-    options = config.model.lora
-    try:
-        lora = models.LoraConfig(
-            rank=options.rank,
-            alpha=float(options.alpha),
-            targets=tuple(options.targets),
-            dropout=float(options.dropout),
-            rslora=bool(options.rslora),
-            dtype=options.dtype,
-        )
-        models.lora.check_lora(model_config, lora)
-    except ValueError as error:
-        raise ConfigError(f"config.model.lora: {error}") from None
-    if options.adapter:
-        folder = f"config.model.lora.adapter={options.adapter!r}"
-        try:
-            saved, _ = peft_adapter.load_peft_adapter(
-                options.adapter, model_config, base_model=base_name(config)
-            )
-        except (ValueError, FileNotFoundError) as error:
-            raise ConfigError(f"{folder}: {error}") from None
-        shape = ("rank", "alpha", "targets", "rslora")
-        if differ := [k for k in shape if getattr(saved, k) != getattr(lora, k)]:
-            raise ConfigError(
-                f"{folder}: the adapter has " + ", ".join(f"{k}={getattr(saved, k)!r}" for k in differ)
-                + "; set config.model.lora's fields to match to continue training it"
-            )
-    return lora
 
 
 @jax.jit
@@ -106,9 +60,10 @@ def describe(lora: models.LoraConfig) -> dict[str, Any]:
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "rslora": lora.rslora}
 
 
-def base_record(config, lora: models.LoraConfig, params) -> dict[str, Any]:
-    """The checkpoint meta's record of the base the adapters belong to (see :func:`check_base`)."""
-    return {"name": base_name(config), "lora": describe(lora), "fingerprint": fingerprint(params)}
+def base_record(source: ModelSource, lora: models.LoraConfig, params) -> dict[str, Any]:
+    """The checkpoint meta's record of the base (from ``source``) the adapters belong to (see
+    :func:`check_base`)."""
+    return {"name": source.base_name, "lora": describe(lora), "fingerprint": fingerprint(params)}
 
 
 def check_checkpoint(meta: dict | None, expected: dict[str, Any] | None, where: str) -> None:
@@ -213,22 +168,24 @@ class MergedRollout:
                 base.params = colocate.to_device(base.params)
 
 
-def initial_adapters(config, model_config: models.ModelConfig, lora: models.LoraConfig, mesh):
-    """The adapters a fresh run starts from: ``config.model.lora.adapter`` (a PEFT folder), else new ones
-    (A random, B zero: the base model's outputs) from ``config.seed``."""
-    if config.model.lora.adapter:
+def initial_adapters(policy: PolicyOptions, mesh):
+    """The adapters a fresh run starts from: the policy's ``source.adapter`` (a PEFT folder, the config's
+    ``model.lora.adapter``), else new ones (A random, B zero: the base model's outputs) from
+    ``source.seed``."""
+    model_config, lora = policy.model, policy.lora
+    if policy.source.adapter:
         _, host = peft_adapter.load_peft_adapter(
-            config.model.lora.adapter, model_config, base_model=base_name(config), dtype=lora.dtype
+            policy.source.adapter, model_config, base_model=policy.source.base_name, dtype=lora.dtype
         )
         return jax.device_put(host, models.lora.lora_shardings(model_config, lora, mesh))
-    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)  # not the key of random base weights
+    key = jax.random.fold_in(jax.random.PRNGKey(policy.source.seed), 1)  # not the key of random base weights
     return models.lora.init_lora(model_config, lora, key, mesh=mesh)
 
 
-def save_adapter(adapters, config, model_config: models.ModelConfig, lora: models.LoraConfig,
+def save_adapter(adapters, source: ModelSource, model_config: models.ModelConfig, lora: models.LoraConfig,
                  policy_folder: str | pathlib.Path) -> pathlib.Path:
     """Writes ``adapters`` as a PEFT folder beside an exported policy (:func:`adapter_folder`), naming the
-    run's base (:func:`base_name`). With several processes the adapters are gathered and process 0
+    run's base (``source.base_name``). With several processes the adapters are gathered and process 0
     writes."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -236,7 +193,7 @@ def save_adapter(adapters, config, model_config: models.ModelConfig, lora: model
         adapters = multihost_utils.process_allgather(adapters, tiled=True)
     out = adapter_folder(policy_folder)
     if jax.process_index() == 0:
-        peft_adapter.save_peft_adapter(adapters, model_config, lora, out, base_model=base_name(config))
+        peft_adapter.save_peft_adapter(adapters, model_config, lora, out, base_model=source.base_name)
     return out
 
 

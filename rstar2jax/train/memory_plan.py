@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from rstar2jax.train.colocate import resolve_offload
-from rstar2jax.train.validation import ConfigError
+from rstar2jax.train.options import ConfigError, RunOptions
 
 GIB = float(2**30)
 
@@ -51,54 +51,55 @@ def kv_bytes_per_token(model_config, dtype: str | None = None) -> int:
     return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
 
 
-def kv_pool_tokens(config) -> int:
-    """Tokens the engine's KV page pool holds: ``config.rollout.kv_cache_tokens``, or when that is 0, every
-    engine slot at the longest prompt + response of any stage."""
-    if config.rollout.kv_cache_tokens:
-        return int(config.rollout.kv_cache_tokens)
-    longest = max((s.max_response_length for s in config.stages), default=0)
-    return config.rollout.engine_slots * (config.batch.max_prompt_length + longest)
+def kv_pool_tokens(options: RunOptions) -> int:
+    """Tokens the engine's KV page pool holds: ``rollout.kv_cache_tokens``, or when that is 0, every engine
+    slot at the longest prompt + response of any stage."""
+    rollout = options.rl.rollout
+    if rollout.kv_cache_tokens:
+        return int(rollout.kv_cache_tokens)
+    longest = max((s.max_response_length for s in options.stages), default=0)
+    return rollout.engine.num_slots * (options.rl.max_prompt_length + longest)
 
 
-def device_memory_gib(config) -> float | None:
-    """``config.device_memory_gib``, else what the first device reports (accelerators), else None."""
-    if config.get("device_memory_gib"):
-        return float(config.device_memory_gib)
+def device_memory_gib(options: RunOptions) -> float | None:
+    """The config's ``device_memory_gib``, else what the first device reports (accelerators), else None."""
+    if options.rl is not None and options.rl.device_memory_gib:
+        return float(options.rl.device_memory_gib)
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return limit / GIB if limit else None
 
 
 def memory_plan(
-    config, model_config, abstract_state, step_report: dict[str, Any], base: Any = None
+    options: RunOptions, model_config, abstract_state, step_report: dict[str, Any], base: Any = None
 ) -> dict[str, Any]:
     """The per-device plan of both phases (GiB), with ``rollout_peak_gib``, ``train_peak_gib``,
     ``device_memory_gib`` and ``fits``. ``step_report`` is ``runner.dry_run``'s compiled-step report;
     ``base``: a LoRA run's frozen base parameters (abstract), whose state holds the adapters."""
-    mesh = config.mesh
-    data_parallel = mesh.data * mesh.fsdp
+    mesh, rl = options.mesh, options.rl
+    data_parallel = mesh.data_parallel
     kv_split = mesh.tensor if model_config.num_kv_heads % mesh.tensor == 0 else 1
     params = tree_bytes_per_device(abstract_state.params)
     optimizer = tree_bytes_per_device(abstract_state.opt_state)
     frozen = 0 if base is None else tree_bytes_per_device(base)
-    reference = params if config.loss.get("kl_coef", 0.0) and base is None else 0
+    reference = params if rl.loss.kl_coef and base is None else 0
     weights = params if base is None else frozen
     cast = (
         weights * np.dtype(model_config.compute_dtype).itemsize // np.dtype(model_config.param_dtype).itemsize
         if model_config.compute_dtype != model_config.param_dtype or base is not None  # LoRA: merged copy
         else 0
     )
-    pool_tokens = kv_pool_tokens(config)
+    pool_tokens = kv_pool_tokens(options)
     kv_pool = pool_tokens * kv_bytes_per_token(model_config) // (data_parallel * kv_split)
     # float32 logits, probabilities and their sort for top-p, one row per engine slot.
-    slots = -(-config.rollout.engine_slots // data_parallel)
+    slots = -(-rl.rollout.engine.num_slots // data_parallel)
     decode_temporaries = 3 * slots * model_config.vocab_size * 4
-    offload = resolve_offload(config.colocate.optimizer_memory, step_report["platform"])
+    offload = resolve_offload(rl.optimizer_memory, step_report["platform"])
     waiting = 0 if offload else optimizer + reference + frozen
     rollout_peak = params + cast + kv_pool + decode_temporaries + waiting
     gradients = params
     train_peak = step_report["peak_estimate_bytes"]  # the KV pool is freed when the rollout ends
-    memory = device_memory_gib(config)
+    memory = device_memory_gib(options)
     plan = {
         "devices": step_report["devices"],
         "platform": step_report["platform"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -19,80 +19,79 @@ from rstar2jax.data.conversation import PromptConfig, render_prompt_ids
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tokenizer import load_tokenizer
 from rstar2jax.eval.evaluate import DatasetEval, aggregate
-from rstar2jax.train import config as config_lib
 from rstar2jax.train import loader
 from rstar2jax.train import lora as lora_lib
-from rstar2jax.train.config import prompt_from_config
 from rstar2jax.train.loader import Policy as Policy  # re-exported: a policy is loaded here as well
 from rstar2jax.train.loader import load_policy as load_policy
-from rstar2jax.train.run import model_config_from, save_policy
+from rstar2jax.train.options import ConfigError, run_options
+from rstar2jax.train.options import (
+    prompt_from_config as prompt_from_config,  # notebooks and demos use it here
+)
+from rstar2jax.train.run import save_policy
 from rstar2jax.train.schedule import RolloutFn
 
-if TYPE_CHECKING:
-    import ml_collections
 
-
-def run_tokenizer(run_config: ml_collections.ConfigDict):
-    """The run's tokenizer (``config.tokenizer``, else the one in ``config.model.path``), or None."""
-    path = config_lib.tokenizer_path(run_config)
+def run_tokenizer(run_config):
+    """The run's tokenizer (``config.tokenizer``, else the one in ``config.model.path``), or None;
+    ``run_config``: a run config or its ``RunOptions``."""
+    path = run_options(run_config).policy.tokenizer
     return load_tokenizer(path) if path else None
 
 
-def export_policy(run_config: ml_collections.ConfigDict, out: pathlib.Path) -> pathlib.Path:
-    """Writes the latest checkpoint's parameters of a run (restored as ``load_policy`` restores them,
-    ``loader.latest_run_params``) as a HF folder (config.json, safetensors, the run's tokenizer with its chat
-    template and the run's conversation format, ``prompt_from_config``), the form ``config.model.path`` and
-    ``load_pretrained`` read. A LoRA run's policy is its base with the adapters merged in, and its adapters
-    alone are written beside it as a PEFT folder (``train.lora.adapter_folder(out)``)."""
-    restored = loader.latest_run_params(run_config)
+def export_policy(run_config, out: pathlib.Path) -> pathlib.Path:
+    """Writes the latest checkpoint's parameters of a run (``run_config``: its config or ``RunOptions``;
+    restored as ``load_policy`` restores them, ``loader.latest_run_params``) as a HF folder (config.json,
+    safetensors, the run's tokenizer with its chat template and the run's conversation format), the form
+    ``config.model.path`` and ``load_pretrained`` read. A LoRA run's policy is its base with the adapters
+    merged in, and its adapters alone are written beside it as a PEFT folder
+    (``train.lora.adapter_folder(out)``)."""
+    options = run_options(run_config)
+    restored = loader.latest_run_params(options.policy, options.workdir)
     if restored is None:
-        raise FileNotFoundError(f"{run_config.workdir}: no checkpoint to export")
-    out = save_policy(restored.params, restored.model_config, out, tokenizer=run_tokenizer(run_config),
-                      prompt=prompt_from_config(run_config))
+        raise FileNotFoundError(f"{options.workdir}: no checkpoint to export")
+    out = save_policy(restored.params, restored.model_config, out, tokenizer=run_tokenizer(options),
+                      prompt=options.policy.prompt)
     if restored.lora is not None:
-        lora_lib.save_adapter(restored.adapters, run_config, restored.model_config, restored.lora, out)
+        source = options.policy.source
+        lora_lib.save_adapter(restored.adapters, source, restored.model_config, restored.lora, out)
     return out
 
 
 def policy_rollout(
-    run_config: ml_collections.ConfigDict,
+    run_config,
     sandbox_url: str,
     prompt: PromptConfig,
     *,
     restart_sandbox: Callable[[], str | None] | None = None,
 ):
-    """The trainer's rollout function from an RL config: the engine on the given parameters, the sandbox at
-    ``sandbox_url`` (waited for up to ``rollout.sandbox_outage_s`` when it does not answer;
+    """The trainer's rollout function from an RL run's config (or its ``RunOptions``, the same object the
+    trainer reads, so the engine's model is the trainer's): the engine on the given parameters, the sandbox
+    at ``sandbox_url`` (waited for up to ``rollout.sandbox_outage_s`` when it does not answer;
     ``restart_sandbox``: for a sandbox the run started, restarts it if it died, see
     ``agent.OutagePolicy.restart``), the default answer verifier; call its ``close()`` when done."""
     from rstar2jax import agent
-    from rstar2jax.engine import EngineConfig, SamplingParams
 
-    tokenizer = run_tokenizer(run_config)
+    options = run_options(run_config)
+    tokenizer = run_tokenizer(options)
     if tokenizer is None:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             "config.tokenizer is empty and config.model.path holds no tokenizer: the rollout needs the "
             "policy's tokenizer"
         )
-    r = run_config.rollout
+    r = options.rl.rollout
     return agent.PolicyRollout(
-        model_config_from(run_config),
+        options.model,
         tokenizer,
         agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
-        engine_config=EngineConfig(
-            num_slots=r.engine_slots,
-            seed=run_config.seed,
-            # The page pool the memory plan counts (+1: the engine's null page); 0: enough for every slot.
-            num_pages=r.kv_cache_tokens // EngineConfig.page_size + 1 if r.kv_cache_tokens else None,
-        ),
-        max_prompt_length=run_config.batch.max_prompt_length,
+        engine_config=r.engine,
+        max_prompt_length=options.rl.max_prompt_length,
         partial_segment_tokens=r.partial_segment_tokens,
         outage=agent.OutagePolicy(budget_s=r.sandbox_outage_s, restart=restart_sandbox),
         config=agent.RolloutConfig(
             max_tool_calls_per_turn=r.max_tool_calls_per_turn,
             tool_timeout=r.tool_timeout,
             tool_output_chars=r.tool_output_chars,
-            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+            sampling=r.sampling,
             prompt=prompt,
         ),
     )

@@ -97,7 +97,7 @@ class _RLStages:
             seed=options.seed + 7919 * index,
             position=run.meta["position"],
         )
-        iteration = config_lib.build_iteration_config(run.config, s.max_response_length)
+        iteration = options.rl.iteration_for(s.max_response_length)
         self.schedule.restore(run.meta)
         while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
@@ -139,7 +139,8 @@ def train_rl(
     max_steps: int | None = None,
     stop: StopSignal | None = None,
 ) -> list[dict]:
-    """Runs (or resumes) the staged GRPO-RoC recipe of ``config``; returns the metrics history.
+    """Runs (or resumes) the staged GRPO-RoC recipe of ``config`` (a run config, validated here, or its
+    ``RunOptions``); returns the metrics history.
 
     ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.schedule``); ``max_steps`` stops early
     after that many steps in total (for demos and tests); ``stop``: the signal that stops the run after its
@@ -151,21 +152,21 @@ def train_rl(
     exactly; it does not cross a stage boundary (a stage's last step rolls out nothing ahead, and its
     unfinished rollouts are dropped: the next stage has its own budget and problems).
     """
-    config_lib.validate(config, "rl")
-    optimizer = config_lib.build_optimizer(config)
+    if not isinstance(config, RunOptions):
+        config_lib.validate(config, "rl")
     options = run_options(config)
+    optimizer = options.optimizer.optimizer()
     run = start_run(
-        config,
+        options,
         optimizer,
-        config_lib.build_schedule(config),
+        options.optimizer.learning_rate_schedule(),
         initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
-        options=options,
     )
     step_fn = make_rl_step(
         run.model_config,
         optimizer,
-        config_lib.build_loss_config(config),
+        options.rl.loss,
         num_microbatches=options.num_microbatches,
         mesh=run.mesh,
         shardings=run.shardings,

@@ -16,7 +16,6 @@ import functools
 import pathlib
 import shutil
 import threading
-from typing import Any
 
 import jax
 import optax
@@ -24,42 +23,23 @@ from jax.sharding import Mesh
 
 from rstar2jax import models
 from rstar2jax.train import colocate
-from rstar2jax.train import config as config_lib
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import write_run_config
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
-from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.options import ModelSource, RunOptions
+from rstar2jax.train.options import model_config_from as model_config_from  # its home before the edge
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import state_shardings, trainable_params
 
 
-def model_config_from(config) -> models.ModelConfig:
-    """The ``ModelConfig`` of ``config.model`` (an HF folder, an HF config.json, a named preset refined by
-    ``spec`` fields, or inline fields) with its dtype / remat / scan options applied."""
-    m = config.model
-    options = dict(
-        param_dtype=m.param_dtype,
-        compute_dtype=m.compute_dtype,
-        remat_policy=m.remat_policy,
-        scan_layers=m.scan_layers,
-        attention=m.attention,
-        attention_block_size=m.attention_block_size,
-        mlp_chunk_size=m.mlp_chunk_size,
-    )
-    if m.path or m.config_json:
-        return models.config_from_hf(m.path or m.config_json, **options)
-    if m.get("preset"):
-        return models.preset(m.preset, **{**m.spec.to_dict(), **options})
-    return models.ModelConfig(**{**m.spec.to_dict(), **options})
-
-
-def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
-    """Pretrained weights from ``config.model.path``, else random weights (seeded by ``config.seed``)."""
-    if config.model.path:
+def initial_params(source: ModelSource, model_config: models.ModelConfig, mesh: Mesh | None):
+    """Pretrained weights from ``source.path``, else random weights of ``model_config`` (seeded by
+    ``source.seed``)."""
+    if source.path:
         _, params = models.load_pretrained(
-            config.model.path,
+            source.path,
             dtype=model_config.param_dtype,
             compute_dtype=model_config.compute_dtype,
             mesh=mesh,
@@ -70,7 +50,7 @@ def initial_params(config, model_config: models.ModelConfig, mesh: Mesh):
             mlp_chunk_size=model_config.mlp_chunk_size,
         )
         return params
-    return models.init_params(model_config, jax.random.PRNGKey(config.seed), mesh=mesh)
+    return models.init_params(model_config, jax.random.PRNGKey(source.seed), mesh=mesh)
 
 
 #: Checkpoint step folders go to ``<workdir>/CHECKPOINT_DIR``.
@@ -181,11 +161,9 @@ def abstract_state(model_config, optimizer, shardings: TrainState, seed: int, lo
 
 @dataclasses.dataclass
 class Run:
-    """What a training loop needs: mesh, model, optimizer, the (restored or fresh) state and its records.
-    ``options``: the typed options the loops read (``config`` stays for the model, LoRA and export helpers
-    that convert it themselves)."""
+    """What a training loop needs: mesh, model, optimizer, the (restored or fresh) state and its records;
+    ``options``: the typed options the loops read."""
 
-    config: Any
     options: RunOptions
     workdir: pathlib.Path
     mesh: Mesh
@@ -224,7 +202,8 @@ class Run:
         (``train.lora.adapter_folder(out)``)."""
         save_policy(self.policy_params(), self.model_config, out, tokenizer=tokenizer, prompt=prompt)
         if self.base is not None:
-            lora_lib.save_adapter(self.state.params, self.config, self.model_config, self.lora, out)
+            source = self.options.policy.source
+            lora_lib.save_adapter(self.state.params, source, self.model_config, self.lora, out)
         return pathlib.Path(out)
 
     @property
@@ -286,25 +265,19 @@ def _upgrade_meta(meta: dict, step: int) -> None:
 
 
 def start_run(
-    config,
+    options: RunOptions,
     optimizer,
     schedule,
     *,
     initial_meta: dict,
     stop: StopSignal | None = None,
-    options: RunOptions | None = None,
 ) -> Run:
-    """Builds mesh and model, then restores the latest checkpoint of ``config.workdir`` or starts fresh;
-    ``stop`` (default: a new one) is the signal that stops this run; ``options``: ``run_options(config)``
-    when the caller has them."""
-    options = options or run_options(config)
-    workdir = options.workdir
-    mesh = mesh_from_config(config)
-    model_config = model_config_from(config)
-    lora = lora_lib.lora_from_config(config, model_config)
-    shardings = state_shardings(
-        model_config, optimizer, mesh, reference=config_lib.uses_reference(config), lora=lora
-    )
+    """Builds mesh and model, then restores the latest checkpoint of ``options.workdir`` or starts fresh;
+    ``stop`` (default: a new one) is the signal that stops this run."""
+    workdir, policy, lora = options.workdir, options.policy, options.lora
+    mesh = mesh_from_config(options)
+    model_config = policy.model
+    shardings = state_shardings(model_config, optimizer, mesh, reference=options.uses_reference, lora=lora)
     checkpointer = Checkpointer(
         workdir / CHECKPOINT_DIR,
         save_every=options.checkpoint.save_every,
@@ -315,16 +288,16 @@ def start_run(
     if lora is not None:  # the frozen base: loaded at every start, never checkpointed
         offload = options.rl is not None and colocate.resolve_offload(options.rl.optimizer_memory)
         base = lora_lib.FrozenBase(
-            initial_params(config, model_config, mesh), model_config, lora, offload=offload
+            initial_params(policy.source, model_config, mesh), model_config, lora, offload=offload
         )
-        base_record = lora_lib.base_record(config, lora, base.params)
+        base_record = lora_lib.base_record(policy.source, lora, base.params)
     lora_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
     restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, options.seed, lora))
     if restored is None:
         if lora is None:
-            params = initial_params(config, model_config, mesh)
+            params = initial_params(policy.source, model_config, mesh)
         else:
-            params = lora_lib.initial_adapters(config, model_config, lora, mesh)
+            params = lora_lib.initial_adapters(policy, mesh)
         reference = shardings.ref_params is not None
         init = functools.partial(
             init_train_state, optimizer=optimizer, seed=options.seed, reference=reference
@@ -339,12 +312,11 @@ def start_run(
         _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     if is_main:
-        write_run_config(workdir, config)
+        write_run_config(workdir, options.record)
     logger = MetricsLogger(
         workdir, history=meta["history"], tensorboard=options.logging.tensorboard, enabled=is_main
     )
     return Run(
-        config=config,
         options=options,
         workdir=workdir,
         mesh=mesh,

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.train.options import DistributedOptions, process_layout
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
@@ -37,12 +38,13 @@ def request_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = _DEVICE_COUNT_FLAG.sub(flag, flags) if match else f"{flags} {flag}".strip()
 
 
-def initialize_distributed(config) -> None:
-    """``jax.distributed.initialize`` from ``config.distributed`` when it names more than one process.
+def initialize_distributed(distributed: DistributedOptions) -> None:
+    """``jax.distributed.initialize`` when ``distributed`` (``config.distributed``) names more than one
+    process.
 
     CPU collectives across processes go through gloo (set here; it only affects the CPU backend).
     """
-    d = config.distributed
+    d = distributed
     if d.num_processes <= 1:
         return
     if not d.coordinator_address:
@@ -54,30 +56,34 @@ def initialize_distributed(config) -> None:
 
 
 def mesh_size(config) -> int:
-    return config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    """Devices the run's mesh takes (``config``: a run config or its ``RunOptions``)."""
+    return process_layout(config)[0].size
 
 
 def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
-    """The ``data x fsdp x tensor`` mesh of ``config.mesh`` over the default backend's devices.
+    """The ``data x fsdp x tensor`` mesh of ``config.mesh`` (``config``: a run config or its
+    ``RunOptions``) over the default backend's devices.
 
     With ``allow_emulated`` (dry runs) a mesh larger than the default backend falls back to the host's
     (emulated) CPU devices, so a 64-device plan compiles on a laptop.
     """
-    need = mesh_size(config)
+    mesh, _ = process_layout(config)
     devices = jax.devices()
-    if len(devices) < need and allow_emulated:
+    if len(devices) < mesh.size and allow_emulated:
         devices = jax.devices("cpu")
-    if len(devices) < need:
+    if len(devices) < mesh.size:
         raise ValueError(
-            f"config.mesh (data={config.mesh.data}, fsdp={config.mesh.fsdp}, tensor={config.mesh.tensor}) "
-            f"needs {need} devices but {len(devices)} {devices[0].platform} devices exist (emulated CPU "
+            f"config.mesh (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) "
+            f"needs {mesh.size} devices but {len(devices)} {devices[0].platform} devices exist (emulated CPU "
             "devices must be requested before JAX starts: see request_host_devices)"
         )
-    return models.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+    return models.make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=devices)
 
 
 def prepare_process(config) -> None:
     """Before any device query: emulate enough CPU devices for this process's share of ``config.mesh`` (only
-    the CPU backend is touched) and join the multi-host run ``config.distributed`` describes."""
-    request_host_devices(-(-mesh_size(config) // config.distributed.num_processes))
-    initialize_distributed(config)
+    the CPU backend is touched) and join the multi-host run ``config.distributed`` describes (``config``: a
+    run config, of which only ``mesh`` and ``distributed`` are read, or its ``RunOptions``)."""
+    mesh, distributed = process_layout(config)
+    request_host_devices(-(-mesh.size // distributed.num_processes))
+    initialize_distributed(distributed)

@@ -15,7 +15,7 @@ from rstar2jax.data.problems import ProblemIterator
 from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.multihost import put_batch
-from rstar2jax.train.options import run_options
+from rstar2jax.train.options import RunOptions, run_options
 from rstar2jax.train.progress import Progress
 from rstar2jax.train.run import CHECKPOINT_DIR, StopSignal, start_run
 from rstar2jax.train.steps import batch_sharding, make_sft_step
@@ -30,7 +30,8 @@ def train_sft(
     export_dir: str | pathlib.Path | None = None,
     stop: StopSignal | None = None,
 ) -> list[dict]:
-    """Runs (or resumes) SFT on ``config.sft.data``; returns the metrics history.
+    """Runs (or resumes) SFT on ``config.sft.data`` (``config``: a run config, validated here, or its
+    ``RunOptions``); returns the metrics history.
 
     ``export_dir``: when the run ends (not when it is interrupted), the policy is written there as an HF
     folder with the tokenizer (``save_policy``), what ``experiments.train_rl --config.model.path=`` starts
@@ -38,12 +39,13 @@ def train_sft(
     (when they share one). ``stop``: the signal that stops the run after its current step (a launcher's
     Ctrl-C; default: a new one nobody else holds).
     """
-    config_lib.validate(config, "sft")
+    if not isinstance(config, RunOptions):
+        config_lib.validate(config, "sft")
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
     options = run_options(config)
     sft = options.sft
-    tokenizer_dir = config_lib.tokenizer_path(config)
+    tokenizer_dir = options.policy.tokenizer
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     sequences, skipped = load_sft_sequences(sft.data, tokenizer)
     if not sequences:
@@ -51,9 +53,9 @@ def train_sft(
     run_steps = sft.steps or sft.epochs * math.ceil(len(sequences) / sft.batch_size)
     total = run_steps if max_steps is None else min(run_steps, max_steps)
     # The schedule spans the whole run, so stopping early (max_steps) and resuming changes nothing.
-    optimizer = config_lib.build_optimizer(config, total_steps=run_steps)
-    schedule = config_lib.build_schedule(config, total_steps=run_steps)
-    run = start_run(config, optimizer, schedule, initial_meta={"position": 0}, stop=stop, options=options)
+    optimizer = options.optimizer.optimizer(total_steps=run_steps)
+    schedule = options.optimizer.learning_rate_schedule(total_steps=run_steps)
+    run = start_run(options, optimizer, schedule, initial_meta={"position": 0}, stop=stop)
     step_fn = make_sft_step(
         run.model_config,
         optimizer,
@@ -95,7 +97,7 @@ def train_sft(
         finally:
             run.close()
     if export_dir is not None:
-        prompt = config_lib.prompt_from_config(config)
+        prompt = options.policy.prompt
         openers = assistant_openers(sft.data)
         if len(openers) == 1:  # the opener the policy was taught to continue from is its data's
             prompt = dataclasses.replace(prompt, assistant_opener=openers.pop())

@@ -14,13 +14,9 @@ from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, S
 from rstar2jax.models.lora import LORA_TARGETS
 from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
-from rstar2jax.train.options import lora_enabled, prompt_from_config, row_multiple
+from rstar2jax.train.options import ConfigError, lora_enabled, prompt_from_config, row_multiple
 from rstar2jax.train.state import SCHEDULES
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES
-
-
-class ConfigError(ValueError):
-    """An invalid config field; the message starts with the field's full name."""
 
 
 def _field(config, path: str) -> Any:

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rstar2jax import models
 from rstar2jax.train import colocate, memory_plan, train_rl
 from rstar2jax.train.dry_run import dry_run
-from rstar2jax.train.run import model_config_from
+from rstar2jax.train.options import model_config_from, run_options
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
 
 TIMING = ("time/", "throughput/")
@@ -95,7 +95,7 @@ def test_memory_plan_adds_up_and_fails_when_too_small(tmp_path):
     assert plan["rollout_peak_gib"] == pytest.approx(sum(plan[k] for k in parts) + waiting)
     assert plan["train_peak_gib"] == pytest.approx(report["peak_estimate_bytes"] / gib)
     # None on the CPU backend; on an accelerator, the memory the device reports.
-    assert plan["device_memory_gib"] == memory_plan.device_memory_gib(config)
+    assert plan["device_memory_gib"] == memory_plan.device_memory_gib(run_options(config))
     if plan["device_memory_gib"] is None:
         assert plan["fits"] is None
 

@@ -1,5 +1,7 @@
 """Invalid configs fail before any compute, naming the field; the shipped configs are valid."""
 
+import json
+
 import pytest
 
 from experiments import _launch
@@ -372,3 +374,36 @@ def test_run_options_are_the_configs_values_typed_and_frozen():
     sft = run_options(tiny_cpu.get_config("sft"))
     assert sft.stages == () and sft.rl is None and sft.data is None and sft.checkpoint.save_every == 5
     assert (sft.sft.epochs, sft.sft.batch_size, sft.sft.seq_len, sft.sft.steps) == (1, 8, 1024, None)
+
+
+def test_run_options_carry_the_typed_objects_the_library_reads():
+    """One conversion gives the trainer and the rollout engine the same model, and every typed option the
+    run lifecycle, the memory plan and the rollout read; converting touches no device."""
+    from jax._src import xla_bridge
+
+    from rstar2jax.engine import EngineConfig, SamplingParams
+    from rstar2jax.train import run_options
+    from rstar2jax.train.options import MeshShape
+    from rstar2jax.train.run import model_config_from
+
+    config = tiny_cpu.get_config()
+    config.rollout.kv_cache_tokens = 4096
+    config.rollout.temperature = 0.7
+    config.loss.kl_coef = 0.1
+    started = dict(xla_bridge._backends)
+    options = run_options(config)
+    assert dict(xla_bridge._backends) == started  # before prepare_process, nothing may start JAX
+    assert run_options(options) is options  # entry points that accept either convert once
+    assert options.model == model_config_from(config) and options.lora is None
+    assert options.mesh == MeshShape(**config.mesh.to_dict()) and options.distributed.num_processes == 1
+    assert options.uses_reference and options.rl.loss.kl_coef == 0.1
+    rollout = options.rl.rollout
+    assert rollout.engine == EngineConfig(
+        num_slots=config.rollout.engine_slots, seed=config.seed, num_pages=4096 // EngineConfig.page_size + 1
+    )
+    assert rollout.sampling == SamplingParams(temperature=0.7, top_p=1.0, top_k=0)
+    stage = options.stages[1]
+    iteration = options.rl.iteration_for(stage.max_response_length)
+    assert iteration == build_iteration_config(config, stage.max_response_length)
+    assert options.optimizer.learning_rate == config.optimizer.learning_rate
+    assert json.loads(options.record) == json.loads(config.to_json_best_effort())  # run_config.json

@@ -137,7 +137,7 @@ def test_sandbox_and_verifier_faults_in_a_real_run(tmp_path, agent_args, compile
     step_2 = [line for line in faulty.stdout.splitlines() if line.startswith("rl step 2/4")]
     assert len(step_2) == 1 and "sandbox down " in step_2[0] and " sandbox calls retried" in step_2[0]
     assert "fault: killed the verifier workers" in faulty.stdout
-    # The outage notice is a warning of the library's log: the launchers show it on stderr.
+    # The outage tracker's lines are warnings (agent.outage's logger): a launcher shows them on stderr.
     assert re.search(r"^sandbox \S+ is not answering .*; the calls wait for it, up to 300 s$", faulty.stderr,
                      re.MULTILINE)
 

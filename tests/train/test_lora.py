@@ -31,7 +31,7 @@ from rstar2jax.train import (
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import policy as policy_lib
 from rstar2jax.train.loader import restore_state_params
-from rstar2jax.train.run import model_config_from
+from rstar2jax.train.options import model_config_from, policy_options
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
@@ -148,14 +148,12 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     # The PEFT folder starts another run where this one stopped (config.model.lora.adapter).
     continued = _lora_config(tmp_path / "continued", base_dir)
     continued.model.lora.adapter = str(adapter)
-    model_config, mesh = model_config_from(continued), models.make_mesh()
-    lora = lora_lib.lora_from_config(continued, model_config)
-    start = lora_lib.initial_adapters(continued, model_config, lora, mesh)
+    start = lora_lib.initial_adapters(policy_options(continued), models.make_mesh())
     saved_adapters = restore_state_params(killed / "checkpoints" / "2" / "state")  # what the run trained
     jax.tree.map(np.testing.assert_array_equal, start, saved_adapters)
     continued.model.lora.rank = 2
     with pytest.raises(ConfigError, match="the adapter has rank=4"):
-        lora_lib.lora_from_config(continued, model_config)
+        policy_options(continued)
 
     renamed = tmp_path / "Some-Other-Model"  # the same files under a name the adapter does not give
     shutil.copytree(base_dir, renamed)
@@ -187,10 +185,9 @@ def test_bad_lora_settings_are_config_errors(tmp_path, tiny_base):
         setattr(broken.model.lora, path, value)
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(broken, "rl", check_data=False)
-    model_config = model_config_from(config)
     config.model.lora.rank = 33  # the tiny model is 32 wide (q_proj: 4 heads x 16)
     with pytest.raises(ConfigError, match="rank=33 is larger than q_proj's 32 x 64 matrix"):
-        lora_lib.lora_from_config(config, model_config)
+        policy_options(config)
 
 
 def test_launchers_refuse_an_adapter_for_another_base_in_one_line(tmp_path, tiny_base):
