@@ -8,8 +8,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 import rstar2jax
 
 ROOT = pathlib.Path(rstar2jax.__file__).parent
@@ -72,7 +70,6 @@ CONFIG_EDGE_MODULES = frozenset({"rstar2jax/train/config.py", "rstar2jax/train/o
 CLI_MODULES = frozenset()
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 120
-UNTIL_TRAIN_REFACTOR = pytest.mark.xfail(strict=False, reason="until the train refactor lands")
 
 
 def library_modules() -> list[pathlib.Path]:
@@ -202,7 +199,6 @@ def test_the_private_import_check_sees_a_name_from_another_package(tmp_path):
     ]
 
 
-@UNTIL_TRAIN_REFACTOR
 def test_the_library_does_not_print():
     printing = {relative(p): print_calls(p) for p in library_modules() if relative(p) not in CLI_MODULES}
     assert {name: lines for name, lines in printing.items() if lines} == {}
@@ -221,7 +217,6 @@ def test_the_print_check_sees_calls_and_not_code_strings(tmp_path):
     assert print_calls(module) == [5]
 
 
-@UNTIL_TRAIN_REFACTOR
 def test_files_and_functions_are_small():
     assert [line for p in library_modules() for line in oversized(p)] == []
 

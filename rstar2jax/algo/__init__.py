@@ -3,6 +3,7 @@
 from rstar2jax.algo._checks import masked as masked_values
 from rstar2jax.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
+    DEFAULT_STD,
     STD_MODES,
     AdvantageEstimator,
     GroupStats,
@@ -37,6 +38,7 @@ from rstar2jax.algo.roc import ROC_MODES, RocSelection, roc_select
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "DEFAULT_STD",
     "FORMAT_PENALTIES",
     "IS_LEVELS",
     "KL_ESTIMATORS",

@@ -15,6 +15,9 @@ import jax.numpy as jnp
 from rstar2jax.algo import _checks
 
 STD_MODES = ("population", "unbiased")
+#: The group std of ``group_advantages`` (and of the RL config's ``rl.std``): Bessel's n - 1, as the released
+#: code's verl ``torch.std``; the paper's Eq. 7 does not say which.
+DEFAULT_STD = "unbiased"
 
 
 class GroupStats(NamedTuple):
@@ -91,7 +94,7 @@ def group_advantages(
     mask: jax.Array,
     *,
     estimator: str = "grpo",
-    std: str = "unbiased",
+    std: str = DEFAULT_STD,
     eps: float | jax.Array = 1e-6,
 ) -> jax.Array:
     """Per-rollout advantages within each group of rollouts of one prompt.
@@ -112,8 +115,7 @@ def group_advantages(
       rewards: ``[num_groups, group_size]`` rewards, any real dtype.
       mask: ``[num_groups, group_size]`` validity (bool or 0/1).
       estimator: a name in ``ADVANTAGE_ESTIMATORS``.
-      std: ``"unbiased"`` (the default: Bessel's n - 1, as the released code's verl ``torch.std``; the paper's
-        Eq. 7 does not say which, and the RL config's ``rl.std`` takes this default) or ``"population"``.
+      std: ``"unbiased"`` (``DEFAULT_STD``) or ``"population"``.
       eps: added to std in ``grpo``.
 
     Returns:

@@ -35,9 +35,8 @@ class RLIterationConfig:
       samples_per_problem: rollouts sampled per problem (2G).
       keep: rollouts kept per problem by RoC (G).
       roc_mode / min_negatives / min_positives / reject_equal_reward / roc_eps: ``algo.roc_select`` options.
-      estimator / std / advantage_eps: ``algo.group_advantages`` options. ``std`` defaults to "unbiased"
-        (Bessel's n - 1, the released verl code's ``torch.std``; the paper's Eq. 7 does not say which), where
-        ``algo.group_advantages`` defaults to "population": this default is the run config's ``rl.std``.
+      estimator / std / advantage_eps: ``algo.group_advantages`` options, with its defaults
+        (``std``: ``algo.DEFAULT_STD``, the run config's ``rl.std`` too).
       seq_len: batch row length in positions (a prompt + response of n tokens takes n - 1).
       pack: pack several trajectories per row (segment ids keep them apart); False = one per row.
       row_multiple: rows divide into micro-batches and data shards (num_microbatches x data x fsdp).
@@ -58,7 +57,7 @@ class RLIterationConfig:
     reject_equal_reward: bool = True
     roc_eps: float = 1e-6
     estimator: str = "grpo"
-    std: str = "unbiased"
+    std: str = algo.DEFAULT_STD
     advantage_eps: float = 1e-6
     seq_len: int = 4096
     pack: bool = True
