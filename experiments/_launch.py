@@ -34,6 +34,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from absl import app, flags, logging
 
@@ -97,6 +98,28 @@ def define_config(default: str | None, help_text: str, *, lock_config: bool = Tr
         return config_flags.DEFINE_config_file("config", default, help_text, lock_config=lock_config)
     except (AttributeError, KeyError) as e:
         _unknown_field(sys.argv, e)
+
+
+class TrainingFlags(NamedTuple):
+    config: flags.FlagHolder
+    dry_run: flags.FlagHolder
+    max_steps: flags.FlagHolder
+    print_config: flags.FlagHolder
+
+
+def define_training_flags(config_help: str, *, step: str, max_steps_help: str) -> TrainingFlags:
+    """The flags the training launchers share: ``--config`` (required, locked), ``--dry_run`` (compiles
+    ``step`` for the configured mesh), ``--max_steps`` and ``--print_config``."""
+    holders = TrainingFlags(
+        config=define_config(None, config_help, lock_config=True),
+        dry_run=flags.DEFINE_bool(
+            "dry_run", False, f"Compile the {step} step for the configured mesh, print per-device memory, "
+            "exit."),
+        max_steps=flags.DEFINE_integer("max_steps", None, max_steps_help),
+        print_config=flags.DEFINE_bool("print_config", False, PRINT_CONFIG_HELP),
+    )
+    flags.mark_flag_as_required("config")
+    return holders
 
 
 def _interrupt(signum, frame) -> None:
@@ -321,6 +344,19 @@ def describe_config(config, extra_help: Mapping[str, str] | None = None) -> list
 
 def print_config(config, extra_help: Mapping[str, str] | None = None) -> None:
     print("\n".join(describe_config(config, extra_help)), flush=True)
+
+
+def demo_config(config, workdir: str | None, print_fields: bool):
+    """The demo config (``experiments/configs/demo.py``) with ``--workdir`` applied, or None once
+    ``--print_config`` has listed its fields (the demo and the ablation launchers share it)."""
+    if workdir:
+        config.workdir = workdir
+    if not print_fields:
+        return config
+    from experiments.configs.demo import FIELD_HELP
+
+    print_config(config, FIELD_HELP)
+    return None
 
 
 def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, config=None) -> None:

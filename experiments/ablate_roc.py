@@ -147,13 +147,8 @@ def run_ablation(
 
 def main(argv):
     del argv
-    config = _CONFIG.value
-    if _DEMO_WORKDIR.value:
-        config.workdir = _DEMO_WORKDIR.value
-    if _PRINT_CONFIG.value:
-        from experiments.configs.demo import FIELD_HELP
-
-        _launch.print_config(config, FIELD_HELP)
+    config = _launch.demo_config(_CONFIG.value, _DEMO_WORKDIR.value, _PRINT_CONFIG.value)
+    if config is None:
         return
     run_ablation(
         config,

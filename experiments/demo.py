@@ -44,13 +44,8 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HE
 
 def main(argv):
     del argv
-    config = _CONFIG.value
-    if _WORKDIR.value:
-        config.workdir = _WORKDIR.value
-    if _PRINT_CONFIG.value:
-        from experiments.configs.demo import FIELD_HELP
-
-        _launch.print_config(config, FIELD_HELP)
+    config = _launch.demo_config(_CONFIG.value, _WORKDIR.value, _PRINT_CONFIG.value)
+    if config is None:
         return
     from experiments import demo_recipe as recipe
     from rstar2jax import train

@@ -19,36 +19,27 @@ template) to <workdir>/policy; RL starts from it with
 
 from __future__ import annotations
 
-from absl import flags
-
 from experiments import _launch
 
-_CONFIG = _launch.define_config(
-    None,
+FLAGS = _launch.define_training_flags(
     "Config file with get_config('sft'), e.g. experiments/configs/tiny_cpu.py:sft; --print_config lists "
     "its fields.",
-    lock_config=True,
+    step="SFT",
+    max_steps_help="Stop after this many steps (default: the whole run).",
 )
-_DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Compile the SFT step for the configured mesh, print per-device memory, exit."
-)
-_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many steps (default: the whole run).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
-flags.mark_flag_as_required("config")
 
 
 def main(argv):
     del argv
     from rstar2jax import train  # no JAX backend starts on import
 
-    options = _launch.prologue(
-        _CONFIG.value, kind="sft", title="sft", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
-    )
+    options = _launch.prologue(FLAGS.config.value, kind="sft", title="sft", dry_run=FLAGS.dry_run.value,
+                               print_fields=FLAGS.print_config.value)
     if options is None:
         return
     policy = train.RunPaths.of(options.workdir).policy
     with _launch.stop_on_signals() as stop:
-        train.train_sft(options, max_steps=_MAX_STEPS.value, export_dir=policy, stop=stop)
+        train.train_sft(options, max_steps=FLAGS.max_steps.value, export_dir=policy, stop=stop)
     print(
         f"policy (HF folder with the tokenizer): {policy}\n"
         f"  RL from it: python -m experiments.train_rl --config=<an RL config> --config.model.path={policy}",

@@ -19,21 +19,13 @@ from __future__ import annotations
 
 import contextlib
 
-from absl import flags
-
 from experiments import _launch
 
-_CONFIG = _launch.define_config(
-    None,
+FLAGS = _launch.define_training_flags(
     "RL config file (experiments/configs/*.py) with get_config(); --print_config lists its fields.",
-    lock_config=True,
+    step="RL",
+    max_steps_help="Stop after this many RL steps in total (default: all).",
 )
-_DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Compile the RL step for the configured mesh, print per-device memory, exit."
-)
-_MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many RL steps in total (default: all).")
-_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
-flags.mark_flag_as_required("config")
 
 
 def agent_rollout_fn(config, stack: contextlib.ExitStack, options=None):
@@ -60,16 +52,16 @@ def main(argv):
     del argv
     from rstar2jax import train  # no JAX backend starts on import
 
-    config = _CONFIG.value
+    config = FLAGS.config.value
     options = _launch.prologue(
-        config, kind="rl", title="rl", dry_run=_DRY_RUN.value, print_fields=_PRINT_CONFIG.value
+        config, kind="rl", title="rl", dry_run=FLAGS.dry_run.value, print_fields=FLAGS.print_config.value
     )
     if options is None:
         return
     with contextlib.ExitStack() as stack:
         rollout_fn = agent_rollout_fn(config, stack, options)
         stop = stack.enter_context(_launch.stop_on_signals())
-        train.train_rl(options, rollout_fn=rollout_fn, max_steps=_MAX_STEPS.value, stop=stop)
+        train.train_rl(options, rollout_fn=rollout_fn, max_steps=FLAGS.max_steps.value, stop=stop)
 
 
 if __name__ == "__main__":
