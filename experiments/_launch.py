@@ -111,12 +111,12 @@ def define_training_flags(config_help: str, *, step: str, max_steps_help: str) -
     """The flags the training launchers share: ``--config`` (required, locked), ``--dry_run`` (compiles
     ``step`` for the configured mesh), ``--max_steps`` and ``--print_config``."""
     holders = TrainingFlags(
-        config=define_config(None, config_help, lock_config=True),
-        dry_run=flags.DEFINE_bool(
+        config=key_flag(define_config(None, config_help, lock_config=True)),
+        dry_run=key_flag(flags.DEFINE_bool(
             "dry_run", False, f"Compile the {step} step for the configured mesh, print per-device memory, "
-            "exit."),
-        max_steps=flags.DEFINE_integer("max_steps", None, max_steps_help),
-        print_config=flags.DEFINE_bool("print_config", False, PRINT_CONFIG_HELP),
+            "exit.")),
+        max_steps=key_flag(flags.DEFINE_integer("max_steps", None, max_steps_help)),
+        print_config=key_flag(flags.DEFINE_bool("print_config", False, PRINT_CONFIG_HELP)),
     )
     flags.mark_flag_as_required("config")
     return holders

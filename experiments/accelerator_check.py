@@ -220,7 +220,9 @@ def _git_commit() -> str | None:
 TEST_PATHS = ("tests/models", "tests/engine", "tests/train/test_steps.py", "tests/train/test_packing.py",
               "tests/train/test_colocate.py")
 # Smoke: one quick device test, to check the stage's mechanics (pytest, its report, the listing).
-SMOKE_TEST_PATHS = ("tests/algo/test_advantages.py::test_grpo_unit_std_and_zero_mean_on_valid_entries",)
+SMOKE_TEST_PATHS = (
+    "tests/algo/test_advantages.py::test_grpo_unit_std_and_zero_mean_on_valid_entries[unbiased-1]",
+)
 # A test's outcome in pytest -v output: "tests/x.py::t PASSED [ 3%]", or with xdist "[gw0] [ 3%] PASSED
 # tests/x.py::t".
 _OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
