@@ -31,7 +31,7 @@ setup(
         "optax>=0.2.8",
         "orbax-checkpoint>=0.12.8",
         "transformers>=5.23",
-        "jinja2>=3.1",  # transformers' apply_chat_template renders chat templates with it (not its own dependency)
+        "jinja2>=3.1",  # transformers' apply_chat_template renders chat templates with it, undeclared there
         "tokenizers>=0.23",
         "safetensors>=0.8",
         "datasets>=5.2",
