@@ -86,6 +86,7 @@ def restore_state_params(state_dir: pathlib.Path):
     a run trained on many devices loads on one); a LoRA run's are its adapters."""
     import orbax.checkpoint as ocp
 
+    state_dir = pathlib.Path(state_dir).resolve()  # orbax finds no item metadata under a relative path
     checkpointer = ocp.PyTreeCheckpointer()
     tree = checkpointer.metadata(state_dir).item_metadata.tree
     if "params" not in tree:
@@ -98,7 +99,7 @@ def _restore_meta(step_dir: pathlib.Path) -> dict:
     """The JSON record saved beside a checkpoint's state (``Checkpointer.save``'s ``meta``)."""
     import orbax.checkpoint as ocp
 
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(pathlib.Path(step_dir).resolve() / "meta")
 
 
 def _locate_run(path: pathlib.Path, step: int | None) -> tuple[pathlib.Path, pathlib.Path, int] | None:

@@ -23,6 +23,8 @@ from rstar2jax.serve.evaluation import PROMPTS
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import write_run_config
+from rstar2jax.train.loader import latest_run_params
+from rstar2jax.train.options import policy_options
 from rstar2jax.train.state import init_train_state
 from sandbox_server import start_local
 
@@ -256,6 +258,11 @@ def test_load_policy_from_a_training_run_folder(tiny_policy, tiny_policy_dir, tm
         assert policy.model_config.vocab_size == tiny_policy.model_config.vocab_size
         jax.tree.map(np.testing.assert_array_equal, policy.params, expected)
         assert policy.tokenizer.chat_template == tiny_policy.tokenizer.chat_template
+    # A run named by a relative work folder, as the demo's export names it (orbax needs absolute paths).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        restored = latest_run_params(policy_options(config), pathlib.Path("run"))
+    jax.tree.map(np.testing.assert_array_equal, restored.params, params)
     with pytest.raises(FileNotFoundError, match="no checkpoint for step 5"):
         load_policy(tmp_path / "run", step=5)
     with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
