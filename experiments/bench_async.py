@@ -11,8 +11,13 @@ JSON object (the keys are a contract):
   TRL samples with its own generation (transformers ``generate``, no vLLM); both update with AdamW at lr
   1e-6, clip 0.2 / 0.28, no KL, token-mean loss, one update per generation batch, float32, on the CPU. Each
   side runs ``--steps`` + 1 steps in its own process; the first (compilation, warm-up) is not timed, the
-  figure is the median of the rest. Ours is one ``rl_iteration`` per step with a rollout function on
-  ``engine.generate`` (see :func:`ours_grpo_step_times`, the one place that calls the training API).
+  figure is the median of the rest, leaving out any later step of ours that compiled something (counted in
+  the table). Ours is one ``rl_iteration`` per step with a rollout function on ``engine.generate`` (see
+  :func:`ours_grpo_step_times`, the one place that calls the training API). Also reported: the ratio of
+  CPU seconds per step (``trl_grpo_step_cpu_ratio``), less sensitive to other jobs on a shared machine.
+  The workload sets the ratio: TRL's generation costs about the same per decode step whatever the batch
+  (8 or 64 sequences), ours grows with the batch, so ``--prompts=1`` (8 sequences of 64 tokens) gives a
+  larger ratio than the default 8 x 8.
 
 TRL is a bench-only dependency (it is not needed by anything else): ``pip install trl==1.16.0`` (setup.py's
 ``bench`` extra), or beside this project without touching its environment,
