@@ -59,7 +59,9 @@ setup(
         # google-tunix, the side `bench_engine --startup` compares decoding with. Bench-only, and for an
         # environment of its own: it pins transformers 5.12. Beside this project, install it into a folder
         # with --no-deps instead (see experiments/bench_engine.py) and pass --tunix_path.
-        "bench": ["google-tunix==0.1.7"],
+        # trl, whose GRPOTrainer `bench_async` compares one GRPO step with (its dependencies are this
+        # project's): beside this project, `pip install --no-deps --target DIR trl==1.16.0`, --trl_path=DIR.
+        "bench": ["google-tunix==0.1.7", "trl==1.16.0"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",
