@@ -172,11 +172,12 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int) -> RLL
         for s in stages
     )
     loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature",)), "temperature": "rollout.temperature"}
+    # rl.* fields that are not the iteration's are the loop's, passed on by name (prompts_per_step, ...).
+    loop = {f.name: values[f"rl.{f.name}"] for f in dataclasses.fields(RLLoopOptions)
+            if f"rl.{f.name}" in values}
     return RLLoopOptions(
-        prompts_per_step=values["rl.prompts_per_step"],
-        off_policy_steps=values["rl.off_policy_steps"],
+        **loop,
         partial_token_budget=values["rollout.partial_token_budget"],
-        max_nonfinite_steps=values["rl.max_nonfinite_steps"],
         filter_batch_size=values["filter_batch_size"],
         num_rows=None if values["batch.pack"] else values["rl.prompts_per_step"] * values["rl.keep"],
         optimizer_memory=values["colocate.optimizer_memory"],

@@ -5,9 +5,14 @@ and ``field_help`` read the meanings from them, and ``parse`` checks every value
 between fields, ``rstar2jax.train.rules``). The fields every config has are ``COMMON``, an SFT config's own
 ``SFT``; an RL config's own and a stage's are ``rstar2jax.train.schema_rl``'s ``RL`` and ``STAGE``.
 
-Adding a field: one ``Field(default, check, meaning)`` entry in its table, then pass its value on where
-``rstar2jax.train.parse`` builds the options the run reads (parsing fails on a field it builds nothing from,
-so none is forgotten); a rule between it and other fields goes to ``rstar2jax.train.rules``.
+Adding a field: one ``Field(default, check, meaning)`` entry in its table, and a field of the same name in
+the typed option that carries it, which ``rstar2jax.train.parse`` fills by name: ``rl.x`` in
+``RLIterationConfig`` (how a step's groups become a batch) or ``RLLoopOptions`` (the loop's),
+``loss.x`` in ``RLLossConfig``, ``rollout.x`` in ``RolloutOptions``, ``data.x`` / ``sft.x`` / ``mesh.x`` /
+``optimizer.x`` / ``checkpoint.x`` / ``logging.x`` / ``distributed.x`` in their options; a value another
+type takes (an ``EngineConfig`` field, say) is passed on in ``parse`` explicitly. Parsing fails on a declared
+field it builds nothing from, so none is forgotten. A rule between the field and others goes to
+``rstar2jax.train.rules``; the config tests then give the field each bad value its check declares.
 """
 
 from __future__ import annotations

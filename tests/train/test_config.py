@@ -533,6 +533,18 @@ def test_values_that_contradict_another_field_are_named(kind, overrides, message
     assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
 
 
+def test_a_declared_field_the_options_do_not_carry_fails_parsing(monkeypatch):
+    """A field added to the schema without a place in the typed options would be checked and then ignored:
+    parsing says so instead (a field in ``RLLoopOptions`` of the same name would be filled by name)."""
+    from rstar2jax.train import checks, schema_rl
+
+    monkeypatch.setitem(schema_rl.RL, "rl.schedule", checks.Field("sync", checks.choice(("sync",)), "x"))
+    config = tiny_cpu.get_config()
+    config.rl.schedule = "sync"
+    with pytest.raises(RuntimeError, match=r"parse builds no option from config.rl.schedule"):
+        parse(config)
+
+
 def test_the_walk_sees_a_field_without_a_check():
     """A field a config file adds without declaring it, and a declared one whose check refuses nothing, fail
     the walk (the test above cannot pass by seeing nothing)."""

@@ -266,7 +266,7 @@ def test_two_launches_in_one_process_share_no_stop_state(tmp_path):
         c.model.spec.vocab_size, c.model.scan_layers = 32, False
         c.sft.steps, c.sft.seq_len, c.checkpoint.save_every = steps, 32, 1000
         c.logging.progress = False
-        return c
+        return train.parse(c)  # what experiments.sft trains: the config's options
 
     def interrupt_after_first_step(metrics):
         deadline = time.monotonic() + 300
