@@ -25,6 +25,7 @@ from typing import Any
 from rstar2jax.data.problems import looks_local
 from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, SamplingParams
 from rstar2jax.train import schema, schema_rl
+from rstar2jax.train.checks import Field
 from rstar2jax.train.options import (
     CheckpointOptions,
     ConfigError,
@@ -88,14 +89,14 @@ def _exists(value: str, kind: str, check_data: bool) -> str:
     return ""
 
 
-def _read(node, fields: Mapping[str, schema.Field], prefix: str, check_data: bool) -> dict[str, Any]:
+def _read(node, fields: Mapping[str, Field], prefix: str, check_data: bool) -> dict[str, Any]:
     """Every field's value, checked; ``prefix``: where ``node`` is in the config (``stages[1].``)."""
     values = {}
     for path, field in fields.items():
         value = _lookup(node, path)
         if value is _MISSING:
-            raise ConfigError(f"config.{prefix}{path} is missing (a config of another kind? --print_config "
-                              "lists the fields)")
+            raise ConfigError(f"config.{prefix}{path} is missing (a run config has every field of "
+                              "config.rl_config() / sft_config(); --print_config lists them)")
         problem = "" if field.check(value) else field.check.expectation
         problem = problem or _exists(value, field.exists, check_data)
         if problem:
@@ -104,7 +105,7 @@ def _read(node, fields: Mapping[str, schema.Field], prefix: str, check_data: boo
     return values
 
 
-def _unknown_fields(node, fields: Mapping[str, schema.Field], where: str = "", prefix: str = "") -> None:
+def _unknown_fields(node, fields: Mapping[str, Field], where: str = "", prefix: str = "") -> None:
     """Raises ``ConfigError`` for the first field of ``node`` (at ``where`` in the config; ``prefix``: its
     path among ``fields``) that ``fields`` does not declare."""
     for key in node.keys():
@@ -120,7 +121,7 @@ def _unknown_fields(node, fields: Mapping[str, schema.Field], where: str = "", p
         raise ConfigError(f"config.{where}{path}: no such field{hint}")
 
 
-def _stages(config, values: Mapping[str, Any], check_data: bool) -> tuple[StageOptions, ...]:
+def _stages(values: Mapping[str, Any], check_data: bool) -> tuple[StageOptions, ...]:
     options = []
     for index, raw in enumerate(values["stages"]):
         if not hasattr(raw, "keys"):
@@ -219,7 +220,7 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     fields = schema.fields(kind)
     values = _Values(_read(config, fields, "", check_data))
     _unknown_fields(config, fields)
-    stages = _stages(config, values, check_data) if kind == "rl" else ()
+    stages = _stages(values, check_data) if kind == "rl" else ()
     common_rules(values)
     if kind == "rl":
         rl_rules(values, stages)

@@ -168,31 +168,23 @@ def test_missing_local_problem_files_fail_unless_dry_run(tmp_path):
 def test_parse_names_the_kind_unknown_and_moved_fields():
     """A launcher's kind against a config of the other kind, a field the schema does not know (a config file
     may add one: ml_collections only refuses unknown command-line overrides) and a field that moved: one line
-    each, naming the field."""
+    each, naming the field; so is a config lacking a field."""
     with pytest.raises(ConfigError, match=r"^config.rl is missing: an SFT config where an RL one is needed"):
         parse(tiny_cpu.get_config("sft"), "rl")
     with pytest.raises(ConfigError, match=r"^config.sft is missing: an RL config where an SFT one"):
         parse(tiny_cpu.get_config("rl"), "sft")
-    config = tiny_cpu.get_config()
-    del config.rollout["top_k"]
-    with pytest.raises(ConfigError, match=r"^config.rollout.top_k is missing"):
-        parse(config)
-    config = tiny_cpu.get_config()
-    config.rl.kep = 3
-    with pytest.raises(ConfigError, match=r"^config.rl.kep: no such field; did you mean rl.keep\?$"):
-        parse(config)
-    config = tiny_cpu.get_config()
-    config.stages[0].turns = 3
-    with pytest.raises(ConfigError, match=r"^config.stages\[0\].turns: no such field"):
-        parse(config)
-    config = tiny_cpu.get_config()
-    config.loss.temperature = 0.6
-    with pytest.raises(ConfigError, match=r"^config.loss.temperature: no such field; use rollout.temp"):
-        parse(config)
-    config = tiny_cpu.get_config()
-    config.model.spec.hidden_sise = 64
-    with pytest.raises(ConfigError, match=r"^config.model.spec.hidden_sise: not a ModelConfig field"):
-        parse(config)
+    for change, message in (
+        (lambda c: setattr(c.rl, "kep", 3), r"^config.rl.kep: no such field; did you mean rl.keep\?$"),
+        (lambda c: setattr(c.stages[0], "turns", 3), r"^config.stages\[0\].turns: no such field"),
+        (lambda c: setattr(c.loss, "temperature", 0.6),
+         r"^config.loss.temperature: no such field; use rollout.temperature"),
+        (lambda c: setattr(c.model.spec, "hidden_sise", 64), r"^config.model.spec.hidden_sise: not a Model"),
+        (lambda c: c.rollout.__delattr__("top_k"), r"^config.rollout.top_k is missing"),
+    ):
+        config = tiny_cpu.get_config()
+        change(config)
+        with pytest.raises(ConfigError, match=message):
+            parse(config)
 
 
 def test_one_sampling_temperature_for_the_rollout_and_the_loss():
