@@ -468,25 +468,25 @@ def stage_loop(record: Recorder, smoke: bool) -> None:
     # is not a result, and two fresh steps never resume from an earlier one.
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="accelerator_check_loop_"))
     config = loop_config(qwen3_1p7b_1gpu.get_config(), workdir, smoke, str(EVAL_SETS_DIR / "aime24.jsonl"))
-    train.validate(config, "rl")
-    train.prepare_process(config)
+    options = train.parse(config, "rl")
+    train.prepare_process(options)
     compiles = CompileEvents()
     steps_seen = []
 
     def on_step(step_record: dict) -> None:
         """Figures after every step, so a stage stopped in the final checkpoint save keeps them."""
         steps_seen.append((step_record, time.perf_counter()))
-        record(**loop_figures(steps_seen, compiles, mesh_size(config)))
+        record(**loop_figures(steps_seen, compiles, mesh_size(options)))
 
     stop_watching = threading.Event()
-    watcher = threading.Thread(target=_follow_metrics, args=(pathlib.Path(config.workdir) / METRICS_FILE,
+    watcher = threading.Thread(target=_follow_metrics, args=(options.workdir / METRICS_FILE,
                                                              on_step, stop_watching), daemon=True)
     record(loop_config=f"{config.rl.prompts_per_step} prompts x {config.rl.samples_per_problem} samples, "
                        f"{config.stages[0].max_response_length}-token responses, model {config.model.preset}")
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         watcher.start()
-        history = train.train_rl(config, rollout_fn=agent_rollout_fn(config, stack), max_steps=2)
+        history = train.train_rl(options, rollout_fn=agent_rollout_fn(options, stack), max_steps=2)
         stop_watching.set()
         watcher.join(timeout=5)
     if len(steps_seen) < len(history):  # the watcher's last look came before the last step's line

@@ -445,11 +445,11 @@ def lora_14b_peak(stand_in: bool) -> tuple[float, list[int]]:
     device). ``stand_in`` False: the CPU compiles as for itself (the float32 upcast of the weights
     hoisted)."""
     from experiments.configs import paper_qwen3_14b_lora_1gpu
-    from rstar2jax.train import dry_run
+    from rstar2jax.train import dry_run, parse
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.stages = config.stages[:1]  # stage 1: 8K responses
-    report = dry_run(config, kind="rl", cpu_stand_in=stand_in)
+    report = dry_run(parse(config, "rl", check_data=False), cpu_stand_in=stand_in)
     return report["peak_estimate_bytes"] / GIB, report["batch_shape"]
 
 

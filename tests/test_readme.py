@@ -93,7 +93,7 @@ COVERED_ELSEWHERE = {
     # refused by the same launcher; the merge of --adapter is load_policy's, tested in the same file).
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run": (
         "tests/train/test_lora.py",
-        ["paper_qwen3_14b_lora_1gpu", "dry_run(config"],
+        ["paper_qwen3_14b_lora_1gpu", "dry_run(options"],
     ),
     "python -m experiments.evaluate --model=BASE --adapter=DIR --datasets=aime24 --workdir=W": (
         "tests/train/test_lora.py",

@@ -35,7 +35,8 @@ from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.config import RUN_CONFIG_FILE, read_run_config
-from rstar2jax.train.options import PolicyOptions, policy_options
+from rstar2jax.train.options import PolicyOptions
+from rstar2jax.train.parse_model import policy_options
 from rstar2jax.train.run import CHECKPOINT_DIR, initial_params
 
 

@@ -51,16 +51,6 @@ def kv_bytes_per_token(model_config, dtype: str | None = None) -> int:
     return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
 
 
-def kv_pool_tokens(options: RunOptions) -> int:
-    """Tokens the engine's KV page pool holds: ``rollout.kv_cache_tokens``, or when that is 0, every engine
-    slot at the longest prompt + response of any stage."""
-    rollout = options.rl.rollout
-    if rollout.kv_cache_tokens:
-        return int(rollout.kv_cache_tokens)
-    longest = max((s.max_response_length for s in options.stages), default=0)
-    return rollout.engine.num_slots * (options.rl.max_prompt_length + longest)
-
-
 def device_memory_gib(options: RunOptions) -> float | None:
     """The config's ``device_memory_gib``, else what the first device reports (accelerators), else None."""
     if options.rl is not None and options.rl.device_memory_gib:
@@ -89,7 +79,7 @@ def memory_plan(
         if model_config.compute_dtype != model_config.param_dtype or base is not None  # LoRA: merged copy
         else 0
     )
-    pool_tokens = kv_pool_tokens(options)
+    pool_tokens = options.rl.rollout.kv_pool_tokens
     kv_pool = pool_tokens * kv_bytes_per_token(model_config) // (data_parallel * kv_split)
     # float32 logits, probabilities and their sort for top-p, one row per engine slot.
     slots = -(-rl.rollout.engine.num_slots // data_parallel)

@@ -1,7 +1,7 @@
 """A trained policy as a library user handles it: load it (``load_policy``, ``rstar2jax.train.loader``'s),
 export a run's latest checkpoint as a Hugging Face folder (what ``config.model.path`` and
 ``models.load_pretrained`` read), build the real rollout function (engine + sandbox + verifier) from an RL
-config, and evaluate a policy on held-out problems.
+run's options, and evaluate a policy on held-out problems.
 
 The staged demo recipe that wires these together lives in ``experiments/demo_recipe.py``.
 """
@@ -23,29 +23,24 @@ from rstar2jax.train import loader
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.loader import Policy as Policy  # re-exported: a policy is loaded here as well
 from rstar2jax.train.loader import load_policy as load_policy
-from rstar2jax.train.options import ConfigError, run_options
-from rstar2jax.train.options import (
-    prompt_from_config as prompt_from_config,  # notebooks and demos use it here
-)
+from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.run import save_policy
 from rstar2jax.train.schedule import RolloutFn
 
 
-def run_tokenizer(run_config):
-    """The run's tokenizer (``config.tokenizer``, else the one in ``config.model.path``), or None;
-    ``run_config``: a run config or its ``RunOptions``."""
-    path = run_options(run_config).policy.tokenizer
+def run_tokenizer(options: RunOptions):
+    """The run's tokenizer (``config.tokenizer``, else the one in ``config.model.path``), or None."""
+    path = options.policy.tokenizer
     return load_tokenizer(path) if path else None
 
 
-def export_policy(run_config, out: pathlib.Path) -> pathlib.Path:
-    """Writes the latest checkpoint's parameters of a run (``run_config``: its config or ``RunOptions``;
-    restored as ``load_policy`` restores them, ``loader.latest_run_params``) as a HF folder (config.json,
-    safetensors, the run's tokenizer with its chat template and the run's conversation format), the form
+def export_policy(options: RunOptions, out: pathlib.Path) -> pathlib.Path:
+    """Writes the latest checkpoint's parameters of a run (its ``RunOptions``; restored as ``load_policy``
+    restores them, ``loader.latest_run_params``) as a HF folder (config.json, safetensors, the run's
+    tokenizer with its chat template and the run's conversation format), the form
     ``config.model.path`` and ``load_pretrained`` read. A LoRA run's policy is its base with the adapters
     merged in, and its adapters alone are written beside it as a PEFT folder
     (``train.lora.adapter_folder(out)``)."""
-    options = run_options(run_config)
     restored = loader.latest_run_params(options.policy, options.workdir)
     if restored is None:
         raise FileNotFoundError(f"{options.workdir}: no checkpoint to export")
@@ -58,20 +53,19 @@ def export_policy(run_config, out: pathlib.Path) -> pathlib.Path:
 
 
 def policy_rollout(
-    run_config,
+    options: RunOptions,
     sandbox_url: str,
     prompt: PromptConfig,
     *,
     restart_sandbox: Callable[[], str | None] | None = None,
 ):
-    """The trainer's rollout function from an RL run's config (or its ``RunOptions``, the same object the
-    trainer reads, so the engine's model is the trainer's): the engine on the given parameters, the sandbox
-    at ``sandbox_url`` (waited for up to ``rollout.sandbox_outage_s`` when it does not answer;
+    """The trainer's rollout function from an RL run's ``RunOptions`` (the same object the trainer reads, so
+    the engine's model and sampling temperature are the trainer's): the engine on the given parameters, the
+    sandbox at ``sandbox_url`` (waited for up to ``rollout.sandbox_outage_s`` when it does not answer;
     ``restart_sandbox``: for a sandbox the run started, restarts it if it died, see
     ``agent.OutagePolicy.restart``), the default answer verifier; call its ``close()`` when done."""
     from rstar2jax import agent
 
-    options = run_options(run_config)
     tokenizer = run_tokenizer(options)
     if tokenizer is None:
         raise ConfigError(

@@ -24,7 +24,7 @@ from rstar2jax.train import config as config_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import write_run_config
 from rstar2jax.train.loader import latest_run_params
-from rstar2jax.train.options import policy_options
+from rstar2jax.train.parse_model import policy_options
 from rstar2jax.train.state import init_train_state
 from sandbox_server import start_local
 
