@@ -8,6 +8,8 @@ Rollout correction (verl's ``rollout_corr``, the "truncated / masked importance 
 reweights the loss by how far the trainer's probabilities pi_train (log-probs of the policy the update starts
 from, evaluated by the trainer) are from the rollout engine's pi_rollout (log-probs the engine recorded while
 sampling), which differ by kernels, precision and batching even for the same weights.
+:func:`rollout_mismatch` measures that difference (mean |delta log p|, the k3 KL estimate, the fraction of
+tokens whose ratio leaves [0.5, 2]): the figure to log when the engine samples in another precision (FP8).
 """
 
 from __future__ import annotations
@@ -161,3 +163,62 @@ def rollout_correction(
         "rollout_is_masked": masked,
     }
     return jax.lax.stop_gradient(weights), metrics
+
+
+# The token ratio band outside which ``rollout_mismatch`` counts a token (as verl's rollout_corr reports).
+MISMATCH_RATIO_BAND = (0.5, 2.0)
+
+
+def rollout_mismatch_sums(
+    train_logp: jax.Array,
+    rollout_logp: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    band: tuple[float, float] = MISMATCH_RATIO_BAND,
+) -> dict[str, jax.Array]:
+    """Sums over the loss tokens of how far the rollout engine's log-probs are from the trainer's (no
+    gradient), so that micro-batches add up; :func:`rollout_mismatch` divides them by the token count.
+
+    With d_t = clip(log pi_train(y_t) - log pi_rollout(y_t), -20, 20) and r_t = exp(d_t) over loss tokens:
+
+      mismatch_abs_log_ratio  = sum_t |d_t|
+      mismatch_k3_kl          = sum_t (r_t - 1 - d_t)    (Schulman's k3: each term >= 0; its mean estimates
+                                                          KL(pi_rollout || pi_train) on the rollout's samples)
+      mismatch_outside_band   = #{t : r_t < band[0] or r_t > band[1]}
+      mismatch_tokens         = #{t}
+
+    ``[B, T]`` inputs; float32 (float64 for float64 inputs) scalars out.
+    """
+    loss_mask, _, arrays = _check_tokens(loss_mask, None, train_logp=train_logp, rollout_logp=rollout_logp)
+    low, high = band
+    if not 0 < low < 1 < high:
+        raise ValueError(f"band must be (low, high) with 0 < low < 1 < high, got {band!r}")
+    dtype = _checks.compute_dtype(arrays["train_logp"].dtype)
+    mask = loss_mask.astype(dtype)
+    train_logp = _masked(arrays["train_logp"].astype(dtype), mask)
+    rollout_logp = _masked(arrays["rollout_logp"].astype(dtype), mask)
+    log_ratio = jax.lax.stop_gradient(jnp.clip(train_logp - rollout_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    ratio = jnp.exp(log_ratio)
+    return {
+        "mismatch_abs_log_ratio": jnp.sum(mask * jnp.abs(log_ratio)),
+        "mismatch_k3_kl": jnp.sum(mask * (ratio - 1.0 - log_ratio)),
+        "mismatch_outside_band": jnp.sum(mask * ((ratio < low) | (ratio > high))),
+        "mismatch_tokens": jnp.sum(mask),
+    }
+
+
+def rollout_mismatch(
+    train_logp: jax.Array,
+    rollout_logp: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    band: tuple[float, float] = MISMATCH_RATIO_BAND,
+) -> dict[str, jax.Array]:
+    """The rollout/trainer mismatch over the loss tokens (:func:`rollout_mismatch_sums`' sums divided by the
+    token count; 0 when there are none): ``mismatch_abs_log_ratio`` (mean |delta log p|),
+    ``mismatch_k3_kl`` (the k3 KL estimate), ``mismatch_outside_band`` (fraction of tokens whose ratio
+    leaves ``band``), and ``mismatch_tokens``."""
+    sums = rollout_mismatch_sums(train_logp, rollout_logp, loss_mask, band=band)
+    tokens = sums["mismatch_tokens"]
+    means = {k: v / jnp.maximum(tokens, 1.0) for k, v in sums.items() if k != "mismatch_tokens"}
+    return {**means, "mismatch_tokens": tokens}

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.engine.config import EngineConfig
-from rstar2jax.engine.paged_attention import PagedKV, pool_shape, resolve_attention
+from rstar2jax.engine.paged_attention import PagedKV, init_pages, pool_shape, resolve_attention
 from rstar2jax.models import ModelConfig
 
 # Slot status codes (``EngineState.status``).
@@ -143,7 +143,7 @@ def init_state(config: ModelConfig, engine_config: EngineConfig) -> EngineState:
 
     Args:
       config: the model config.
-      engine_config: slots, ``max_len``, pages, stop-table capacity, cache dtype, attention (passed whole).
+      engine_config: slots, ``max_len``, pages, stop-table capacity, KV dtype, attention (passed whole).
     """
     eos = _eos_table(config, engine_config)
     return _build_state(engine_model_config(config, engine_config), engine_config, eos)
@@ -154,9 +154,8 @@ def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -
     S = cfg.num_slots
     zeros = lambda: jnp.zeros((S,), jnp.int32)
     shape = pool_shape(config.num_layers, config.num_kv_heads, config.head_dim, cfg.pool_pages, cfg.page_size)
-    dtype = jnp.dtype(cfg.cache_dtype or config.compute_dtype)
     return EngineState(
-        pages=PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
+        pages=init_pages(shape, cfg.kv_dtype or jnp.dtype(config.compute_dtype)),
         page_table=jnp.zeros((S, cfg.max_pages), jnp.int32),
         seq_len=zeros(),
         last_token=zeros(),
@@ -173,7 +172,7 @@ def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -
         stop_seqs=jnp.full((S, cfg.max_stops, cfg.max_stop_len), NO_TOKEN, jnp.int32),
         eos_ids=jnp.asarray(eos, jnp.int32),
         config=config,
-        attention=resolve_attention(cfg.attention),
+        attention=resolve_attention(cfg.attention, cfg.kv_dtype),
         block_pages=cfg.attention_block // cfg.page_size,
         poison_freed=cfg.poison_freed_pages,
     )
