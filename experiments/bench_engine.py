@@ -58,6 +58,9 @@ the HBM floor for 0.6B and 1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_mo
   each half alone. The policy: ``--policy_dir`` (e.g. the demo's SFT export ``<workdir>/policies/sft``) with
   ``--problems`` (its held-out split ``<workdir>/data/eval.jsonl``), by default the tiny taught policy of
   ``experiments.tiny_policy`` built here (its three taught questions and five it was not taught).
+- ``--precision --gpu``: ``fp8_decode_speedup``, decode tokens/s of 64 sequences holding 512 tokens, FP8
+  engine (weights and KV) over bfloat16, Qwen3-1.7B shape (``--precision_shape``), random weights. Goal
+  >= 1.2.
 
 Usage: ``python -m experiments.bench_engine [--scale | --startup | --precision]``. Prints a table and, as the
 last line, a JSON object with the figures.
@@ -278,13 +281,13 @@ class _DecodeRun:
     an engine whose pool holds just them, whatever ``max_len``."""
 
     def __init__(self, params, config, *, slots: int, prompt_len: int, max_len: int, chunk: int = 8,
-                 chunks: int = 7):
+                 chunks: int = 7, **precision):
         steps = chunk * (chunks + 2)  # more than run, so no sequence finishes (and frees its pages)
         self.chunk = chunk
         engine_config = EngineConfig(
             num_slots=slots, max_len=max_len, decode_chunk=chunk, eos_token_ids=(), page_size=16,
             num_pages=slots * page_rounded(prompt_len + steps, 16) // 16 + 1, return_on_stop=False,
-            prefix_sharing=False)
+            prefix_sharing=False, **precision)
         self.core = EngineCore(params, config, engine_config)
         rng = np.random.default_rng(0)
         greedy = SamplingParams(temperature=0.0)
@@ -585,6 +588,25 @@ def precision(args, report) -> None:
     for name in ("fp8", "bf16"):
         report.figures[f"k3_kl_{name}"] = mismatch[name]["mismatch_k3_kl"]
         report.figures[f"outside_band_{name}"] = mismatch[name]["mismatch_outside_band"]
+    if args.gpu:
+        rates = fp8_decode_rates(args.precision_shape)
+        report("fp8_decode_speedup", f"decode tok/s, {args.precision_shape}, 64 slots x 512 tok, FP8 vs bf16",
+               rates["fp8"], rates["bf16"], rates["fp8"] / rates["bf16"], ">= 1.2",
+               f"FP8 weights alone {rates['fp8_weights']:.0f}, FP8 KV alone {rates['fp8_kv']:.0f} tok/s")
+
+
+def fp8_decode_rates(shape: str, slots: int = 64, prompt_len: int = 512) -> dict:
+    """Decode tokens/s of ``slots`` sequences holding ``prompt_len`` tokens, bfloat16 engine and FP8 ones
+    (weights and KV, each alone), timed in turns on the same random weights."""
+    config = _config(shape, "bfloat16")
+    params = init_params(config, jax.random.key(0))
+    weights = dict(weight_dtype="fp8", weight_block=64 if shape == "tiny" else 128)
+    kinds = {"bf16": {}, "fp8": dict(weights, kv_dtype="fp8"), "fp8_weights": weights,
+             "fp8_kv": dict(kv_dtype="fp8")}
+    runs = {name: _DecodeRun(params, config, slots=slots, prompt_len=prompt_len, max_len=prompt_len + 128,
+                             **fields) for name, fields in kinds.items()}
+    decode_steps(list(runs.values()))
+    return {name: slots / run.wall_step_s for name, run in runs.items()}
 
 
 # ---- --startup: ready in seconds
@@ -768,7 +790,8 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "new tokens per sequence (
 _NEW_TOKENS_06B = flags.DEFINE_integer("new_tokens_06b", 256, "new tokens per sequence (0.6B)")
 _SKIP_06B = flags.DEFINE_bool("skip_06b", False, "leave out the two 0.6B measurements")
 _SCALE = flags.DEFINE_bool("scale", False, "measure the paged KV cache (issue 21)")
-_GPU = flags.DEFINE_bool("gpu", False, "with --scale: bfloat16, 1.7B ratios, GPU table")
+_GPU = flags.DEFINE_bool("gpu", False, "with --scale: bfloat16, 1.7B ratios, GPU table; with --precision: "
+                          "FP8 decode speed (fp8_decode_speedup)")
 _GPU_MODELS = flags.DEFINE_list("gpu_models", ["0.6b", "1.7b"], "with --gpu: model shapes")
 _GPU_BATCHES = flags.DEFINE_list("gpu_batches", ["1", "64", "256"], "with --gpu: batch sizes")
 _BIG_ROLLOUT = flags.DEFINE_bool(
@@ -782,6 +805,7 @@ _PRECISION_PROMPTS = flags.DEFINE_integer("precision_prompts", 32, "with --probl
 _PRECISION_SAMPLES = flags.DEFINE_integer("precision_samples", 4, "with --precision: samples per prompt")
 _PRECISION_TOKENS = flags.DEFINE_integer("precision_tokens", 64, "with --precision: new tokens per sample")
 _WEIGHT_BLOCK = flags.DEFINE_integer("weight_block", 32, "with --precision: the policy's FP8 weight block")
+_PRECISION_SHAPE = flags.DEFINE_string("precision_shape", "1.7b", "with --precision --gpu: the decode shape")
 _TUNIX_PATH = flags.DEFINE_string("tunix_path", None, "with --startup: a folder holding google-tunix 0.1.7")
 _PORT = flags.DEFINE_integer("port", 8765, "with --startup: the port experiments.serve listens on")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "with --startup: fresh processes per side of the tunix runs")

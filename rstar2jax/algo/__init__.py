@@ -17,7 +17,6 @@ from rstar2jax.algo.corrections import (
     gspo_log_ratio,
     rollout_correction,
     rollout_mismatch,
-    rollout_mismatch_sums,
     sequence_log_ratio,
     sequence_sum,
 )
@@ -65,7 +64,6 @@ __all__ = [
     "roc_select",
     "rollout_correction",
     "rollout_mismatch",
-    "rollout_mismatch_sums",
     "sequence_log_ratio",
     "sequence_sum",
     "soft_overlong_penalty",

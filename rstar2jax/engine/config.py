@@ -92,7 +92,6 @@ class EngineConfig:
         (``paged_attention``'s docstring: the choice and its error bound); a pool of fixed bytes then holds
         ``2 Dh / (Dh + 2)`` times the tokens of a bfloat16 one (1.97x at ``head_dim`` 128):
         :func:`~rstar2jax.engine.paged_attention.pages_for_bytes` sizes it.
-      cache_dtype: the older name of ``kv_dtype`` (either may be given; both then hold the value).
       weight_dtype: the engine's copy of the weights: None (the model's compute dtype) or ``"fp8"``: the
         linear layers' weights float8_e4m3fn in ``weight_block`` x ``weight_block`` blocks with float32 scales
         (``models.quantization``), made at construction and at every weight update
@@ -122,7 +121,6 @@ class EngineConfig:
     max_stops: int = 4
     max_stop_len: int = 8
     eos_token_ids: tuple[int, ...] | None = None
-    cache_dtype: str | None = None
     seed: int = 0
     unstacked_decode: bool | None = None
     return_on_stop: bool = True
@@ -169,15 +167,10 @@ class EngineConfig:
         object.__setattr__(self, "token_buckets", tuple(sorted(buckets)))
 
     def _check_precision(self) -> None:
-        """The precision fields: valid values, ``kv_dtype`` and its alias ``cache_dtype`` made one."""
-        if None not in (self.cache_dtype, self.kv_dtype) and self.cache_dtype != self.kv_dtype:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} and its older name "
-                             f"cache_dtype={self.cache_dtype!r} disagree; give one")
-        kv = self.kv_dtype if self.kv_dtype is not None else self.cache_dtype
+        """Raise ValueError naming a precision field with a value no engine takes."""
+        kv = self.kv_dtype
         if kv is not None and kv != FP8 and not _is_float_dtype(kv):
             raise ValueError(f"kv_dtype={kv!r}: expected None, 'fp8' or a float dtype name")
-        object.__setattr__(self, "kv_dtype", kv)
-        object.__setattr__(self, "cache_dtype", kv)
         if self.weight_dtype not in (None, FP8):
             raise ValueError(f"weight_dtype={self.weight_dtype!r}: expected None (the compute dtype) or "
                              "'fp8'")
@@ -191,6 +184,11 @@ class EngineConfig:
         if kv == FP8 and self.attention not in FP8_KV_ATTENTION:
             raise ValueError(f"attention={self.attention!r} cannot read FP8 KV pages (kv_dtype='fp8'); "
                              f"use one of {FP8_KV_ATTENTION}")
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """The older name of ``kv_dtype``."""
+        return self.kv_dtype
 
     @property
     def pool_pages(self) -> int:

@@ -176,7 +176,7 @@ def test_rollout_mismatch_on_a_hand_made_pair():
     np.testing.assert_allclose(metrics["mismatch_k3_kl"], (1.75 - np.log(1.5) + np.log(4) - np.log(3)) / 4,
                                rtol=1e-5)
     np.testing.assert_allclose(metrics["mismatch_outside_band"], 2 / 4, rtol=1e-6)  # 1/4 and 3 leave [0.5, 2]
-    sums = algo.rollout_mismatch_sums(train, rollout, mask)
+    sums = algo.rollout_mismatch(train, rollout, mask, sums=True)
     np.testing.assert_allclose(sums["mismatch_abs_log_ratio"], np.log(18.0), rtol=1e-5)
     assert float(sums["mismatch_outside_band"]) == 2 and float(sums["mismatch_tokens"]) == 4
 
