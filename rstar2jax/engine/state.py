@@ -146,11 +146,13 @@ def init_state(config: ModelConfig, engine_config: EngineConfig) -> EngineState:
       engine_config: slots, ``max_len``, pages, stop-table capacity, KV dtype, attention (passed whole).
     """
     eos = _eos_table(config, engine_config)
-    return _build_state(engine_model_config(config, engine_config), engine_config, eos)
+    # Resolved here, not in the compiled builder: it may compile a probe of the Pallas kernel once.
+    attention = resolve_attention(engine_config.attention, engine_config.kv_dtype)
+    return _build_state(engine_model_config(config, engine_config), engine_config, eos, attention)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -> EngineState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...], attention: str) -> EngineState:
     S = cfg.num_slots
     zeros = lambda: jnp.zeros((S,), jnp.int32)
     shape = pool_shape(config.num_layers, config.num_kv_heads, config.head_dim, cfg.pool_pages, cfg.page_size)
@@ -172,7 +174,7 @@ def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -
         stop_seqs=jnp.full((S, cfg.max_stops, cfg.max_stop_len), NO_TOKEN, jnp.int32),
         eos_ids=jnp.asarray(eos, jnp.int32),
         config=config,
-        attention=resolve_attention(cfg.attention, cfg.kv_dtype),
+        attention=attention,
         block_pages=cfg.attention_block // cfg.page_size,
         poison_freed=cfg.poison_freed_pages,
     )
