@@ -12,9 +12,11 @@ from rstar2jax.algo.advantages import (
     register_estimator,
 )
 from rstar2jax.algo.corrections import (
+    MISMATCH_RATIO_BAND,
     SEQUENCE_RATIOS,
     gspo_log_ratio,
     rollout_correction,
+    rollout_mismatch,
     sequence_log_ratio,
     sequence_sum,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "FORMAT_PENALTIES",
     "IS_LEVELS",
     "KL_ESTIMATORS",
+    "MISMATCH_RATIO_BAND",
     "ROC_MODES",
     "SEQUENCE_RATIOS",
     "STD_MODES",
@@ -60,6 +63,7 @@ __all__ = [
     "register_estimator",
     "roc_select",
     "rollout_correction",
+    "rollout_mismatch",
     "sequence_log_ratio",
     "sequence_sum",
     "soft_overlong_penalty",

@@ -10,14 +10,22 @@ agent rollouts and the server; :meth:`Session.stream` yields tokens as they are 
 Modules of the host level: ``scheduler`` (the asyncio API, and how the host side works), ``core`` (the
 synchronous core), ``records`` (sessions' host records and what streams back), ``requests`` (request checks,
 page arithmetic), ``outbox`` (update data queued for the next step), ``programs`` (the process's compiled step
-programs, the engine's weights), ``pages`` (the page allocator and prefix cache).
+programs, the engine's weights: ``engine_weights``, FP8 included), ``pages`` (the page allocator and prefix
+cache). Precision: ``EngineConfig.weight_dtype`` / ``kv_dtype`` (``"fp8"``), checked by ``check_precision``.
 """
 
 from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
 from rstar2jax.engine.core import EngineCore
 from rstar2jax.engine.generate import Generation, generate
-from rstar2jax.engine.paged_attention import PagedCacheView, PagedKV, paged_attention_reference
+from rstar2jax.engine.paged_attention import (
+    PagedCacheView,
+    PagedKV,
+    kv_bytes_per_token,
+    paged_attention_reference,
+    pages_for_bytes,
+)
 from rstar2jax.engine.pages import PageAllocator
+from rstar2jax.engine.programs import check_precision, engine_weights
 from rstar2jax.engine.records import Chunk, Segment
 from rstar2jax.engine.sampling import first_argmax, sample_tokens, truncation_mask
 from rstar2jax.engine.scheduler import Engine, Session
@@ -66,11 +74,15 @@ __all__ = [
     "Session",
     "StepBuilder",
     "StepLayout",
+    "check_precision",
+    "engine_weights",
     "first_argmax",
     "generate",
     "init_state",
+    "kv_bytes_per_token",
     "page_rounded",
     "paged_attention_reference",
+    "pages_for_bytes",
     "sample_tokens",
     "truncation_mask",
 ]

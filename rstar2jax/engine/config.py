@@ -5,8 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
+#: Attention implementations that read FP8 KV pages (``kv_dtype="fp8"``); "pallas_gpu" only where the kernel
+#: compiles for float8 pages (``paged_attention.resolve_attention`` checks on the device).
+FP8_KV_ATTENTION = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
+FP8 = "fp8"
+FP8_MATMULS = ("auto", "native", "reference")
 DEFAULT_PAGE_SIZE = 16
+
+
+def _is_float_dtype(name) -> bool:
+    try:
+        return jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+        return False
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -73,7 +87,20 @@ class EngineConfig:
       poison_freed_pages: fill pages with NaN when they are freed, so that a stale read shows (tests).
       max_stops, max_stop_len: how many stop sequences a segment may have, and their longest length.
       eos_token_ids: tokens that finish a session; None: the model config's.
-      cache_dtype: KV cache dtype; None: the model's compute dtype.
+      kv_dtype: dtype of the KV pages: None (the model's compute dtype), a float dtype name, or ``"fp8"``:
+        float8_e4m3fn keys and values with a power-of-two scale per head for each token slot of a page
+        (``paged_attention``'s docstring: the choice and its error bound); a pool of fixed bytes then holds
+        ``2 Dh / (Dh + 2)`` times the tokens of a bfloat16 one (1.97x at ``head_dim`` 128):
+        :func:`~rstar2jax.engine.paged_attention.pages_for_bytes` sizes it.
+      weight_dtype: the engine's copy of the weights: None (the model's compute dtype) or ``"fp8"``: the
+        linear layers' weights float8_e4m3fn in ``weight_block`` x ``weight_block`` blocks with float32 scales
+        (``models.quantization``), made at construction and at every weight update
+        (``programs.engine_params``); the embedding and the output head stay in the compute dtype.
+      quantize_head: with ``weight_dtype="fp8"``, the output head in FP8 too (tied embeddings: an FP8 copy of
+        the embedding's transpose; the lookup keeps the embedding).
+      weight_block: the FP8 weight block edge; must divide both sides of every quantized weight's matrix.
+      fp8_matmul: ``"auto"`` (float8 matmuls where ``models.platform.fp8_matmul_native()`` finds them:
+        H100/H200, MI300; elsewhere dequantize, then multiply), ``"native"`` or ``"reference"``.
       seed: mixed into the seed of every session opened without one.
       unstacked_decode: how the layers run. False: the layer-stacked weights under one ``lax.scan`` (one
         compiled layer body: compile time does not grow with depth). True: per-layer copies of the weights in
@@ -94,7 +121,6 @@ class EngineConfig:
     max_stops: int = 4
     max_stop_len: int = 8
     eos_token_ids: tuple[int, ...] | None = None
-    cache_dtype: str | None = None
     seed: int = 0
     unstacked_decode: bool | None = None
     return_on_stop: bool = True
@@ -104,8 +130,14 @@ class EngineConfig:
     attention_block: int = 256
     prefix_sharing: bool = True
     poison_freed_pages: bool = False
+    kv_dtype: str | None = None
+    weight_dtype: str | None = None
+    quantize_head: bool = False
+    weight_block: int = 128
+    fp8_matmul: str = "auto"
 
     def __post_init__(self):
+        self._check_precision()
         for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len", "page_size",
                      "attention_block", "prefill_tile"):
             value = getattr(self, name)
@@ -133,6 +165,30 @@ class EngineConfig:
         if max(buckets) < self.num_slots:  # every running session must fit one step
             buckets.add(self.num_slots)
         object.__setattr__(self, "token_buckets", tuple(sorted(buckets)))
+
+    def _check_precision(self) -> None:
+        """Raise ValueError naming a precision field with a value no engine takes."""
+        kv = self.kv_dtype
+        if kv is not None and kv != FP8 and not _is_float_dtype(kv):
+            raise ValueError(f"kv_dtype={kv!r}: expected None, 'fp8' or a float dtype name")
+        if self.weight_dtype not in (None, FP8):
+            raise ValueError(f"weight_dtype={self.weight_dtype!r}: expected None (the compute dtype) or "
+                             "'fp8'")
+        if self.quantize_head and self.weight_dtype != FP8:
+            raise ValueError("quantize_head=True needs weight_dtype='fp8'")
+        block = self.weight_block
+        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+            raise ValueError(f"weight_block must be a positive int, got {block!r}")
+        if self.fp8_matmul not in FP8_MATMULS:
+            raise ValueError(f"fp8_matmul={self.fp8_matmul!r}; expected one of {FP8_MATMULS}")
+        if kv == FP8 and self.attention not in FP8_KV_ATTENTION:
+            raise ValueError(f"attention={self.attention!r} cannot read FP8 KV pages (kv_dtype='fp8'); "
+                             f"use one of {FP8_KV_ATTENTION}")
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """The older name of ``kv_dtype``."""
+        return self.kv_dtype
 
     @property
     def pool_pages(self) -> int:

@@ -15,10 +15,10 @@ import numpy as np
 from rstar2jax.engine.config import EngineConfig, SamplingParams, pages_for
 from rstar2jax.engine.outbox import StepOutbox
 from rstar2jax.engine.pages import PageAllocator
-from rstar2jax.engine.programs import PROGRAMS, abstract_shapes, engine_params
+from rstar2jax.engine.programs import PROGRAMS, abstract_shapes, engine_weights
 from rstar2jax.engine.records import Chunk, Phase, Record, SlotSequence, slot_seed
 from rstar2jax.engine.requests import check_request, pages_needed, stop_table
-from rstar2jax.engine.state import FINISH_REASON_NAMES, EngineState, engine_model_config, init_state
+from rstar2jax.engine.state import FINISH_REASON_NAMES, EngineState, init_state
 from rstar2jax.engine.step import StepBuilder, StepLayout
 from rstar2jax.models import ModelConfig
 
@@ -54,7 +54,7 @@ class EngineCore:
         self.policy_version = int(policy_version)
         self.config = config
         self.engine_config = cfg = engine_config
-        self.params = engine_params(params, engine_model_config(config, cfg), cfg.unstacked_decode)
+        self.params = engine_weights(params, config, cfg)  # checks the precision first: before any work
         self.state: EngineState = init_state(config, cfg)
         self.pages = PageAllocator.of(cfg)
         self._layouts = {t: StepLayout.of(cfg, t) for t in cfg.token_buckets}

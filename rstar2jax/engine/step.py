@@ -51,6 +51,7 @@ from rstar2jax.engine.state import (
     EngineState,
 )
 from rstar2jax.models import forward_hidden, output_head
+from rstar2jax.models.quantization import einsum
 
 DECODE = -1  # a flat token whose id (and position) is the slot's pending token on the device
 
@@ -176,10 +177,14 @@ def _apply_updates(state: EngineState, f: dict) -> EngineState:
     page_table = page_table.at[f["entry_slot"], f["entry_col"]].set(f["entry_page"], mode="drop")
     pages = state.pages
     if state.poison_freed:
-        poison = lambda a: jnp.where(f["poison"][None, None, :, None, None] > 0, jnp.nan, a).astype(a.dtype)
+        # Page axis 2 of every leaf (values [K, L, P, ps, Dh], FP8 scales [K, L, P, ps]).
+        poison = lambda a: jnp.where(f["poison"].reshape(1, 1, -1, *(1,) * (a.ndim - 3)) > 0, jnp.nan,
+                                     a).astype(a.dtype)
         pages = jax.tree.map(poison, pages)
 
-    def copy_page(i, pages):  # the host packs real copies first: as many iterations as there are copies
+    # The host packs real copies first: as many iterations as there are copies. Every leaf of the pool
+    # (FP8 pages: their scales too) is copied.
+    def copy_page(i, pages):
         src, dst = f["copy_src"][i], f["copy_dst"][i]
         move = lambda a: jax.lax.dynamic_update_index_in_dim(
             a, jax.lax.dynamic_index_in_dim(a, src, axis=2, keepdims=True), dst, axis=2)
@@ -250,8 +255,8 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     sample = (decode & valid).at[row_token].get(mode="fill", fill_value=False)
     head, layout = output_head(params, state.config)
     h = x[0].at[row_token].get(mode="fill", fill_value=0)
-    logits = jnp.einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
-                        preferred_element_type=jnp.float32)
+    logits = einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
+                    preferred_element_type=jnp.float32)
     row_pos = pos.at[row_token].get(mode="fill", fill_value=0)
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slot],
                                                                                row_pos + 1)

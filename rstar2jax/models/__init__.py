@@ -1,9 +1,11 @@
-"""Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters."""
+"""Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters, FP8
+weights for decoding (``quantization``)."""
 
-from rstar2jax.models import (  # the modules: LoRA math, PEFT folders
+from rstar2jax.models import (  # the modules: LoRA math, PEFT folders, FP8 weights
     attention,  # the module: attention.attention, .IMPLEMENTATIONS
     lora,
     peft_adapter,
+    quantization,
 )
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
@@ -53,6 +55,7 @@ __all__ = [
     "LoraConfig",
     "lora",
     "peft_adapter",
+    "quantization",
     "REMAT_POLICIES",
     "attention",
     "hidden_states",

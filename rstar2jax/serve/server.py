@@ -51,6 +51,7 @@ from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
+from rstar2jax.engine.paged_attention import pages_for_bytes
 from rstar2jax.serve.choice import ChoiceStream
 from rstar2jax.serve.policy import Policy
 from rstar2jax.serve.protocol import ChatRequest, RequestError, parse_chat_request
@@ -134,8 +135,6 @@ class ChatService:
         self.tool_call_end = encode_text(self.tokenizer, TOOL_CALL_CLOSE)
         stop_len = max(8, len(self.tool_call_end))
         model = policy.model_config
-        kv_bytes_per_page = (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                             * EngineConfig.page_size * jnp.dtype(model.compute_dtype).itemsize)
         self.engine_config = EngineConfig(
             num_slots=config.num_slots,
             max_len=page_rounded(config.max_len),
@@ -143,8 +142,9 @@ class ChatService:
             max_stop_len=stop_len,
             eos_token_ids=tuple(self.eos_ids),
             decode_chunk=config.decode_chunk,
-            num_pages=(None if config.kv_pool_gib is None
-                       else int(config.kv_pool_gib * 2**30) // kv_bytes_per_page),
+            num_pages=(None if config.kv_pool_gib is None  # pages of the engine's KV dtype in those bytes
+                       else pages_for_bytes(config.kv_pool_gib * 2**30, model,
+                                            page_size=EngineConfig.page_size)),
             prefix_sharing=config.prefix_cache,
         )
         self.engine: Engine | None = None
