@@ -26,7 +26,7 @@ from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
-_ADAPTER = flags.DEFINE_string("adapter", None, _policy_flags.ADAPTER_HELP)
+_ADAPTER = _policy_flags.define_adapter_flags()
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=1, upper_bound=65535)
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 16, "Sequences decoded side by side.", lower_bound=1)
