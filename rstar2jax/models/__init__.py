@@ -1,9 +1,10 @@
 """Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters."""
 
-from rstar2jax.models import (  # the modules: LoRA math, PEFT folders
+from rstar2jax.models import (  # the modules: LoRA math, PEFT folders and how peft resolves their config
     attention,  # the module: attention.attention, .IMPLEMENTATIONS
     lora,
     peft_adapter,
+    peft_config,
 )
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
@@ -53,6 +54,7 @@ __all__ = [
     "LoraConfig",
     "lora",
     "peft_adapter",
+    "peft_config",
     "REMAT_POLICIES",
     "attention",
     "hidden_states",

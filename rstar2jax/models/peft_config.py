@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 import re
 from typing import Any
@@ -39,6 +40,9 @@ ALL_LINEAR = "all-linear"
 #: Module path of each projection inside a decoder layer, from the HF tensor names (``self_attn.q_proj``).
 MODULES = {leaf: name.removesuffix(".weight") for leaf, name, _ in _LAYER_TENSORS if leaf in LORA_TARGETS}
 _LAYER_MODULE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Initialisations that rewrite the base weights (W - A B): an adapter saved unconverted needs that base.
+_RESIDUAL_INITS = ("pissa", "olora", "corda")
+_log = logging.getLogger(__name__)
 # peft options that change what an adapter computes beyond W + s A B on the decoder's projections (or add
 # weights elsewhere), each with what it does. Any value but None / False / "none" / empty is refused.
 _REFUSED = {
@@ -225,6 +229,11 @@ def read_adapter_spec(path: str | pathlib.Path, config: ModelConfig) -> AdapterS
     the peft option this library cannot apply, a target it cannot adapt, or a target that matches nothing."""
     raw = read_adapter_config(path)
     _check_options(raw, path)
+    init = str(raw.get("init_lora_weights", "")).lower()
+    if init.startswith(_RESIDUAL_INITS):  # peft loads it as it is: so do we, saying what it needs
+        _log.warning("warning: adapter %s has init_lora_weights=%r: it belongs to the residual base that "
+                     "initialisation left, not the original one, unless it was saved converted (peft's "
+                     "path_initial_model_for_weight_conversion)", path, raw["init_lora_weights"])
     modules = _matched_modules(raw, config, path)
     rank, alpha = _rank_and_alpha(raw, modules, path)
     layers: dict[str, list[int]] = {}

@@ -47,6 +47,8 @@ METRICS = {
     "e2e_request_latency_seconds": ("histogram", "From a request's arrival to its last byte."),
 }
 _PREFIX = "rstar2jax_"
+#: The counters of :attr:`ServerMetrics.counts` (the JSON keys since the server's first version).
+COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cancelled_choices")
 
 
 class Histogram:
@@ -81,9 +83,9 @@ class Histogram:
 class ServerMetrics:
     """The server's counters, gauges it keeps itself (``running``, ``waiting``) and latency histograms.
 
-    ``counts`` holds ``requests``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens`` and
-    ``cancelled_choices`` (the JSON keys since the server's first version); ``finished`` the choices by
-    finish reason, ``rejected`` the refused requests by reason.
+    ``counts`` holds :data:`COUNTS`: ``requests``, ``prompt_tokens``, ``cached_tokens`` (of them, served by
+    the prefix cache), ``completion_tokens`` and ``cancelled_choices``; ``finished`` the choices by finish
+    reason, ``rejected`` the refused requests by reason.
     """
 
     def __init__(self):
@@ -116,7 +118,7 @@ class ServerMetrics:
         """The JSON form: the counters, ``prefix_cache_hit_rate``, the gauges, the refusals and finish
         reasons, and each histogram's count and mean."""
         return {
-            **self.counts,
+            **{key: self.counts[key] for key in COUNTS},
             **self.gauges(engine),
             "rejected": dict(self.rejected),
             "finish_reasons": dict(self.finished),

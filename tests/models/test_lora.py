@@ -321,6 +321,9 @@ def test_base_identity_is_architecture_and_shapes(peft_base, tmp_path, caplog):
     with pytest.raises(ValueError, match="trained on a Qwen3ForCausalLM .* this base is a LlamaForCausalLM"):
         peft_adapter.load_peft_adapter(folder, llama)
     settings = json.loads((folder / peft_adapter.ADAPTER_CONFIG).read_text())
+    (folder / peft_adapter.ADAPTER_CONFIG).write_text(json.dumps({**settings, "init_lora_weights": "pissa"}))
+    assert peft_adapter.load_peft_adapter(folder, config)[0] == LORA  # as peft: loaded, with a warning
+    assert "init_lora_weights='pissa': it belongs to the residual base" in caplog.text
     for broken, message in (({"peft_type": "IA3"}, "only LORA adapters load"),
                             ({"target_modules": None}, "target_modules is not set"),
                             ({"target_modules": ["c_attn"]}, "matches no module of this qwen3 model")):
