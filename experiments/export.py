@@ -37,7 +37,8 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a run folder (def
                              lower_bound=0)
 _DTYPE = flags.DEFINE_enum(
     "dtype", "auto", ["auto", "float32", "bfloat16"],
-    "Stored weight dtype; auto: an HF base's own (its config.json), float32 for a run folder.",
+    "Stored weight dtype; auto: a local HF folder's own (its config.json), else float32 (a run folder, a hub "
+    "name).",
 )
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing non-empty --output folder.")
 flags.mark_flags_as_required(["model", "output"])
