@@ -18,10 +18,15 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def export(compile_cache_env):
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "experiments.export", *args], cwd=REPO,
-                              env={**compile_cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
-                              capture_output=True, text=True, timeout=300)
+    def run(*args, wait=True):
+        """The launcher's completed run, or (``wait=False``) the running process."""
+        process = subprocess.Popen([sys.executable, "-m", "experiments.export", *args], cwd=REPO,
+                                   env={**compile_cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if not wait:
+            return process
+        out, err = process.communicate(timeout=300)
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
     return run
 
@@ -77,8 +82,9 @@ def test_bad_inputs_are_one_line_and_exit_2(export, tiny_policy_dir, tmp_path):
         (f"--model={tiny_policy_dir}", f"--output={tiny_policy_dir.parent}"): "that is, or holds, the input",
         (f"--model={tiny_policy_dir}",): "--output",  # required
     }
-    for args, message in cases.items():
-        done = export(*args)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1 and message in lines[0], (args, done.stderr[-2000:])
+    running = {args: export(*args, wait=False) for args in cases}  # side by side: each is one start-up
+    for args, process in running.items():
+        _, err = process.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert process.returncode == 2 and len(lines) == 1 and cases[args] in lines[0], (args, err[-2000:])
     assert not (tmp_path / "o2").exists() and (full / "something").is_dir()
