@@ -76,6 +76,7 @@ setup(
             "openai>=1.0",  # the serving tests drive the server with the official client
             "torch==2.13.0",
             "peft==0.21.2",  # the LoRA tests load our adapter folders with PEFT itself
+            "prometheus-client>=0.20",  # the serving tests parse /metrics with Prometheus' own parser
             "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
         ],
     },

@@ -99,6 +99,15 @@ COVERED_ELSEWHERE = {
         "tests/train/test_lora.py",
         ['"experiments.evaluate"', "--adapter=", "adapter=adapter"],
     ),
+    # RUN / BASE / DIR / OUT are placeholders: a LoRA RL run's folder and a base with a peft-saved adapter.
+    "python -m experiments.export --model=RUN --output=OUT": (
+        "tests/train/test_lora.py",
+        ['"experiments.export"', "--model={killed}", "--output="],
+    ),
+    "python -m experiments.export --model=BASE --adapter=DIR --output=OUT": (
+        "tests/serve/test_export.py",
+        ['"experiments.export"', "--adapter={adapter}", "--output={out}"],
+    ),
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py "
     "--config.workdir=/shared/runs/paper --config.distributed.coordinator_address=HOST0:12355 "
     "--config.distributed.num_processes=N --config.distributed.process_id=i": (

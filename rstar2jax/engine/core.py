@@ -81,6 +81,22 @@ class EngineCore:
         return self.pages.num_free - self._reserved
 
     @property
+    def num_pages(self) -> int:
+        """Pages of the KV pool sequences can hold (the null page left out): used + cached + free."""
+        return len(self.pages.refcount) - 1
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one sequence (0 when the engine is idle)."""
+        return self.pages.num_used
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages no sequence holds that keep a prefix's keys/values for the prefix cache (evicted, least
+        recently used first, when the pool needs them)."""
+        return self.pages.num_cached
+
+    @property
     def num_active(self) -> int:
         """Sequences with work queued or in flight (prefill, a segment), plus steps and chunks not yet
         read."""

@@ -1,10 +1,11 @@
 """Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters, FP8
 weights for decoding (``quantization``)."""
 
-from rstar2jax.models import (  # the modules: LoRA math, PEFT folders, FP8 weights
+from rstar2jax.models import (  # the modules: LoRA math, PEFT folders and their config, FP8 weights
     attention,  # the module: attention.attention, .IMPLEMENTATIONS
     lora,
     peft_adapter,
+    peft_config,
     quantization,
 )
 from rstar2jax.models.config import (
@@ -55,6 +56,7 @@ __all__ = [
     "LoraConfig",
     "lora",
     "peft_adapter",
+    "peft_config",
     "quantization",
     "REMAT_POLICIES",
     "attention",

@@ -164,7 +164,10 @@ def test_logprobs_and_top_logprobs(client, model):
 
 
 def test_n_choices_and_seed(client, model):
-    kwargs = dict(messages=[{"role": "user", "content": HELLO}], n=3, temperature=1.5, seed=7, max_tokens=12)
+    # An untaught question: the policy's distribution is broad there (its taught answers are near-certain even
+    # at temperature 1.5, so three siblings could agree by chance).
+    kwargs = dict(messages=[{"role": "user", "content": "Name a color."}], n=3, temperature=1.5, seed=7,
+                  max_tokens=12)
     first = client.chat.completions.create(model=model, **kwargs)
     again = client.chat.completions.create(model=model, **kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]

@@ -158,8 +158,23 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
 
     renamed = tmp_path / "Some-Other-Model"  # the same files under a name the adapter does not give
     shutil.copytree(base_dir, renamed)
-    with pytest.raises(ValueError, match="belongs to base model"):
-        load_policy(renamed, adapter=adapter, tokenizer=tokenizer)
+    moved = load_policy(renamed, adapter=adapter, tokenizer=tokenizer)  # shapes fit: a warning, no refusal
+    jax.tree.map(np.testing.assert_array_equal, moved.params, from_adapter)
+    with pytest.raises(ValueError, match=f"names base model '{base_dir}', applied to '{renamed}'"):
+        load_policy(renamed, adapter=adapter, tokenizer=tokenizer, strict_base=True)
+
+    # The export launcher: the run folder as a plain HF folder, the weights export_policy wrote.
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.export", f"--model={killed}", f"--output={tmp_path / 'exported'}",
+         f"--tokenizer={tokenizer}"],
+        cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"exported run {killed}, step 2" in done.stdout
+    jax.tree.map(np.testing.assert_array_equal, models.load_pretrained(tmp_path / "exported")[1],
+                 models.load_pretrained(policy)[1])
+    assert (tmp_path / "exported" / "rstar2jax_prompt.json").is_file()
 
     # Resuming on another base, with another LoRA shape or as full fine-tuning: one-line errors, before the
     # state is restored.
@@ -192,8 +207,8 @@ def test_bad_lora_settings_are_config_errors(tmp_path, tiny_base):
 
 
 def test_launchers_refuse_an_adapter_for_another_base_in_one_line(tmp_path, tiny_base):
-    """``evaluate --model=BASE --adapter=DIR`` with an adapter of another base: exit 2, one line, before any
-    weight is read or the sandbox starts."""
+    """``evaluate --model=BASE --adapter=DIR --strict_base`` with an adapter naming another base: exit 2, one
+    line, before any weight is read or the sandbox starts."""
     base_dir, _ = tiny_base
     model_config = models.config_from_hf(base_dir)
     adapters = models.lora.init_lora(model_config, LORA, jax.random.key(0))
@@ -201,13 +216,14 @@ def test_launchers_refuse_an_adapter_for_another_base_in_one_line(tmp_path, tiny
                                                     base_model="org/Another-Model")
     done = subprocess.run(
         [sys.executable, "-m", "experiments.evaluate", f"--model={base_dir}", f"--adapter={adapter}",
-         f"--workdir={tmp_path / 'eval'}", f"--tokenizer={models.QWEN3_TOKENIZER_DIR}", "--datasets=aime24"],
+         f"--workdir={tmp_path / 'eval'}", f"--tokenizer={models.QWEN3_TOKENIZER_DIR}", "--datasets=aime24",
+         "--strict_base"],
         cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
         timeout=300,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "belongs to base model 'org/Another-Model'" in lines[0], done.stderr
+    assert len(lines) == 1 and "names base model 'org/Another-Model'" in lines[0], done.stderr
 
 
 def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):

@@ -10,8 +10,7 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.engine.paged_attention import kv_bytes_per_token
-from rstar2jax.train import memory_plan
-from rstar2jax.train import parse
+from rstar2jax.train import memory_plan, parse
 from tests.train.scripted import tiny_rl_config
 
 
