@@ -22,11 +22,12 @@ from typing import Any
 import jax
 import ml_collections
 
-from rstar2jax.data.conversation import format_tool_result, render_chat
+from rstar2jax.data.chat_template import render_chat
 from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.sft_data import build_sft_examples, sft_rows
 from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
+from rstar2jax.data.tool_result import format_tool_result
 from rstar2jax.train import runtime, sft_loop
 from rstar2jax.train.policy import (
     evaluate_policy,

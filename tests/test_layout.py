@@ -390,7 +390,8 @@ def cycle_through(graph: dict[str, dict[str, int]], group: list[str]) -> list[st
 
 
 def format_cycle(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
-    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    steps = [f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+    return " -> ".join([*steps, cycle[-1]])
 
 
 def test_no_import_cycle():
@@ -405,7 +406,8 @@ def test_the_cycle_check_sees_cycles_through_functions_type_checking_and_lazy_ta
         "__init__.py": "import importlib\n_LAZY = {'pkg.lazy': ['thing']}\n"
                        "def __getattr__(name):\n    return importlib.import_module(name)\n",
         "a.py": "from pkg import b\n",
-        "b.py": "from typing import TYPE_CHECKING\nfrom pkg.c import C\nif TYPE_CHECKING:\n    from pkg import a\n",
+        "b.py": "from typing import TYPE_CHECKING\nfrom pkg.c import C\n"
+                "if TYPE_CHECKING:\n    from pkg import a\n",
         "c.py": "class C:\n    pass\n",
         "d.py": "from pkg import c\ndef f():\n    import pkg.e.inner\n",
         "e/__init__.py": "",
@@ -467,7 +469,7 @@ def listed_in_all(tree: ast.Module) -> set[str]:
 
 def used_names(tree: ast.Module) -> set[str]:
     """Names the module reads anywhere (``__all__`` entries are strings, not reads)."""
-    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def module_aliases(module: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> dict[str, str]:
@@ -551,10 +553,12 @@ def test_the_reexport_check_sees_listed_unused_and_taken_through_names(tmp_path)
     files = {
         "__init__.py": "from pkg.home import Thing\n__all__ = ['Thing']\n",  # a package hands names on
         "home.py": "class Thing:\n    pass\ndef helper():\n    pass\nCONST = 1\n",
-        "listed.py": "from pkg.home import Thing\n__all__ = ['Thing', 'own']\ndef own():\n    return Thing()\n",
+        "listed.py": "from pkg.home import Thing\n__all__ = ['Thing', 'own']\n"
+                     "def own():\n    return Thing()\n",
         "unused.py": "from pkg.home import helper  # noqa: F401\n",
         "user.py": "from pkg.home import CONST\nX = CONST + 1\n",
-        "through.py": "from pkg.user import CONST\nfrom pkg import user\ndef f():\n    return user.CONST + CONST\n",
+        "through.py": "from pkg.user import CONST\nfrom pkg import user\n"
+                      "def f():\n    return user.CONST + CONST\n",
         "alias.py": "from pkg.home import helper as helper  # its documented old path\n",
         "caller.py": "import pkg.alias as old\nfrom pkg import Thing\nZ = old.helper, Thing\n",
     }

@@ -3,11 +3,11 @@
 - the paper's prompt (Fig. 3): system prompt, user prefix, the ``<reason>`` assistant opener, the Python
   tool's schema (:class:`PromptConfig`, :func:`render_prompt_ids`);
 - the tool-call syntax (Hermes ``<tool_call>`` JSON, parsed by ``rstar2jax.data.tool_parser``) and how a tool
-  result is shown to the model (:func:`format_tool_result`, :func:`tool_response_ids`);
-- the chat template use: :func:`render_chat` / :func:`encode_chat`, and the ChatML + Hermes tools template
-  tiny tokenizers carry (:data:`CHATML_TOOLS_TEMPLATE`);
+  result is shown to the model (``data.tool_result.format_tool_result``, :func:`tool_response_ids`);
+- the chat template use (``data.chat_template``: ``render_chat`` / ``encode_chat``, and the ChatML + Hermes
+  tools template tiny tokenizers carry, ``CHATML_TOOLS_TEMPLATE``);
 - tokenizing a whole conversation for SFT with the loss on exactly the tokens a rollout would sample
-  (:func:`tokenize_conversation`);
+  (``data.chat_template.tokenize_conversation``);
 - the format a policy was trained in, recorded in its folder beside ``config.json``
   (:data:`PROMPT_CONFIG_FILE`: :meth:`PromptConfig.save_pretrained`, :func:`load_prompt_config`), so that
   serving, evaluation, chat and further training prompt it as it was trained.
@@ -24,9 +24,9 @@ the same conversation (with the assistant content starting at the opener ``<reas
 Rendering and encoding are two steps on purpose: the chat template already writes every special token
 (``<|im_start|>`` …, or a BOS for templates that want one), so the rendered text is encoded with
 ``add_special_tokens=False`` (:func:`encode_text`) — otherwise tokenizers that add a BOS would add it twice.
-The chat-template use (:func:`render_chat`, :func:`tokenize_conversation`, …) lives in
-``rstar2jax.data.chat_template`` and the tool-result rendering in ``rstar2jax.data.tool_result``; this
-module re-exports their names, so the whole format is importable from here.
+The chat-template use (:func:`~rstar2jax.data.chat_template.render_chat`,
+:func:`~rstar2jax.data.chat_template.tokenize_conversation`, …) lives in ``rstar2jax.data.chat_template``
+and the tool-result rendering in ``rstar2jax.data.tool_result``: import their names from there.
 Importing this module does not import transformers (tokenizers are passed in).
 """
 
@@ -39,17 +39,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-# Re-exported: the chat-template use and the tool-result rendering are part of the conversation format.
-from rstar2jax.data.chat_template import (  # noqa: F401
-    CHATML_TOOLS_TEMPLATE,
-    HERMES_TOOL_TOKENS,
-    TokenizedConversation,
-    encode_chat,
-    encode_text,
-    render_chat,
-    tokenize_conversation,
-)
-from rstar2jax.data.tool_result import format_tool_result, truncate_middle  # noqa: F401
+from rstar2jax.data.chat_template import encode_text, render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 
 import tqdm.auto as tqdm
 
-from rstar2jax.agent.rollout import RolloutConfig, ToolSandbox, rollout_async
+from rstar2jax.agent.multi_turn import rollout_async
+from rstar2jax.agent.rollout_types import RolloutConfig, ToolSandbox
 from rstar2jax.data.conversation import PromptConfig, render_prompt_ids
 from rstar2jax.data.problems import Problem
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded

@@ -48,7 +48,8 @@ import numpy as np
 from aiohttp import web
 
 from rstar2jax import models
-from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
+from rstar2jax.data.chat_template import encode_text, render_chat
+from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
 from rstar2jax.serve.choice import ChoiceStream

@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from rstar2jax.data.chat_template import encode_text, render_chat
 from rstar2jax.data.conversation import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_PREFIX,
@@ -13,17 +14,15 @@ from rstar2jax.data.conversation import (
     PROMPT_CONFIG_VERSION,
     PYTHON_TOOL_NAME,
     PromptConfig,
-    encode_text,
-    format_tool_result,
     load_prompt_config,
     python_tool_schema,
-    render_chat,
     render_prompt_ids,
     render_prompt_text,
     tool_response_ids,
     tool_response_text,
 )
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
+from rstar2jax.data.tool_result import format_tool_result
 
 PROBLEM = "Find the remainder when $2^{100}$ is divided by $7$."
 
