@@ -68,7 +68,9 @@ def run_ablation(
     from experiments import demo_recipe as recipe
     from rstar2jax import train
     from rstar2jax.eval import report
-    from rstar2jax.train import policy as policy_lib
+    from rstar2jax.train.export import export_policy
+    from rstar2jax.train.options import prompt_from_config
+    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
     paths = recipe.DemoPaths(config.workdir)
@@ -94,7 +96,7 @@ def run_ablation(
         stop = stack.enter_context(_launch.stop_on_signals())
         server = stack.enter_context(start_local(workers=config.sandbox_workers))
         recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
-        prompt = policy_lib.prompt_from_config(config)
+        prompt = prompt_from_config(config)
         for seed in seeds:
             for mode in modes:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
@@ -103,14 +105,14 @@ def run_ablation(
                     config, paths, workdir=out / name, seed=seed, roc_mode=roc_mode, lora=lora
                 )
                 policy = out / name / "policy"
-                rollout_fn = policy_lib.policy_rollout(
+                rollout_fn = policy_rollout(
                     rl_config, server.url, prompt, restart_sandbox=server.restart_if_dead
                 )
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
                         train.train_rl(rl_config, rollout_fn=rollout_fn, stop=stop)
-                        policy_lib.export_policy(rl_config, policy)
+                        export_policy(rl_config, policy)
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))

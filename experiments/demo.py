@@ -49,7 +49,9 @@ def main(argv):
         return
     from experiments import demo_recipe as recipe
     from rstar2jax import train
-    from rstar2jax.train import policy as policy_lib
+    from rstar2jax.train.export import export_policy
+    from rstar2jax.train.options import prompt_from_config
+    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
     paths = recipe.DemoPaths(config.workdir)
@@ -71,8 +73,8 @@ def main(argv):
             print(f"   {server.url}")
         recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
         rl_config = recipe.rl_run_config(config, paths)
-        rollout_fn = policy_lib.policy_rollout(rl_config, server.url, policy_lib.prompt_from_config(config),
-                                               restart_sandbox=server.restart_if_dead)
+        rollout_fn = policy_rollout(rl_config, server.url, prompt_from_config(config),
+                                    restart_sandbox=server.restart_if_dead)
         stack.callback(rollout_fn.close)
         before = recipe.evaluate_saved(
             config, paths.evaluation("sft"), paths.sft_policy, paths.eval_problems, rollout_fn, timer
@@ -80,7 +82,7 @@ def main(argv):
         if not (paths.rl_policy / "config.json").exists():
             with timer.phase("rl (GRPO-RoC)", paths.rl_run):
                 train.train_rl(rl_config, rollout_fn=rollout_fn, stop=stop)
-                policy_lib.export_policy(rl_config, paths.rl_policy)
+                export_policy(rl_config, paths.rl_policy)
         after = recipe.evaluate_saved(
             config, paths.evaluation("rl"), paths.rl_policy, paths.eval_problems, rollout_fn, timer
         )

@@ -34,7 +34,7 @@ def agent_rollout_fn(config, stack: contextlib.ExitStack, options=None):
     ``config``), the sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run,
     restarted if it dies) and the answer verifier."""
     from rstar2jax import train
-    from rstar2jax.train.policy import policy_rollout
+    from rstar2jax.train.rollouts import policy_rollout
 
     options = options or train.run_options(config)
     url, restart = config.rollout.sandbox_url, None

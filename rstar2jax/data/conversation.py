@@ -36,7 +36,7 @@ import dataclasses
 import json
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rstar2jax.data.chat_template import encode_text, render_chat
@@ -212,6 +212,36 @@ def load_prompt_config(folder: str | os.PathLike) -> PromptConfig | None:
     return PromptConfig.from_json_dict(record, where=path)
 
 
+#: Named formats: ``paper`` (the paper's system prompt, user prefix, listed Python tool and ``<reason>``
+#: opener), ``bare`` (no system prompt, no prefix, the tool callable but unlisted: the CPU demo's policies)
+#: and ``plain`` (the paper's instructions and tool with nothing after the generation prompt: how a plain HF
+#: model, which records no format, is evaluated and chatted with).
+PROMPTS: dict[str, Callable[[], PromptConfig]] = {
+    "paper": PromptConfig,
+    "bare": lambda: PromptConfig(system_prompt="", user_prefix="", list_tools=False),
+    "plain": lambda: PromptConfig(assistant_opener=""),
+}
+
+
+def prompt_format(
+    policy,
+    preset: str | None = None,
+    *,
+    system_prompt: str | None = None,
+    user_prefix: str | None = None,
+    assistant_opener: str | None = None,
+) -> PromptConfig:
+    """The format to prompt ``policy`` in: the named ``preset`` (:data:`PROMPTS`) when given, else the one it
+    was trained in (``policy.prompt``: a loaded :class:`~rstar2jax.train.loader.Policy` carries the format
+    its folder records, None for a plain HF folder), else ``plain``; each field given here replaces that
+    format's."""
+    if preset is not None and preset not in PROMPTS:
+        raise ValueError(f"prompt format {preset!r}: expected one of {sorted(PROMPTS)}")
+    base = PROMPTS[preset]() if preset else policy.prompt or PROMPTS["plain"]()
+    overrides = dict(system_prompt=system_prompt, user_prefix=user_prefix, assistant_opener=assistant_opener)
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
 def prompt_messages(problem: str, cfg: PromptConfig | None = None) -> list[dict[str, str]]:
     """The chat messages before the first assistant turn: the system turn (when ``cfg.system_prompt``) and
     the user turn (``cfg.user_prefix`` + the problem). Rollout prompts (:func:`render_prompt_text`) and SFT
@@ -244,6 +274,12 @@ def render_prompt_ids(
 ) -> list[int]:
     """Token ids of :func:`render_prompt_text`; the rollout starts generating right after them."""
     return encode_text(tokenizer, render_prompt_text(tokenizer, problem, cfg))
+
+
+def max_prompt_tokens(tokenizer: PreTrainedTokenizerBase, problems: Iterable, cfg: PromptConfig) -> int:
+    """The longest rendered prompt among ``problems`` (each with a ``.problem`` text): an engine's prompt
+    budget must cover it."""
+    return max(len(render_prompt_ids(tokenizer, p.problem, cfg)) for p in problems)
 
 
 # Probe strings for reading the template's tool-response wrapping; chosen so no template produces them.

@@ -1,0 +1,45 @@
+"""A run's policy out of the run: its latest checkpoint written as a Hugging Face folder
+(:func:`export_policy`, what ``config.model.path``, ``models.load_pretrained``, transformers and vLLM read)
+and the run's tokenizer (:func:`run_tokenizer`).
+
+Loading a policy (an HF folder or a run folder) is ``train.loader.load_policy``; the trainer's rollout
+function built from a run's options is ``train.rollouts.policy_rollout``; evaluating a policy is
+``rstar2jax.eval.evaluate``. The staged demo recipe that wires these together lives in
+``experiments/demo_recipe.py``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from rstar2jax.data.tokenizer import load_tokenizer
+from rstar2jax.train import loader
+from rstar2jax.train import lora as lora_lib
+from rstar2jax.train.options import run_options
+from rstar2jax.train.run import save_policy
+
+
+def run_tokenizer(run_config):
+    """The run's tokenizer (``config.tokenizer``, else the one in ``config.model.path``), or None;
+    ``run_config``: a run config or its ``RunOptions``."""
+    path = run_options(run_config).policy.tokenizer
+    return load_tokenizer(path) if path else None
+
+
+def export_policy(run_config, out: pathlib.Path) -> pathlib.Path:
+    """Writes the latest checkpoint's parameters of a run (``run_config``: its config or ``RunOptions``;
+    restored as ``load_policy`` restores them, ``loader.latest_run_params``) as a HF folder (config.json,
+    safetensors, the run's tokenizer with its chat template and the run's conversation format), the form
+    ``config.model.path`` and ``load_pretrained`` read. A LoRA run's policy is its base with the adapters
+    merged in, and its adapters alone are written beside it as a PEFT folder
+    (``train.lora.adapter_folder(out)``)."""
+    options = run_options(run_config)
+    restored = loader.latest_run_params(options.policy, options.workdir)
+    if restored is None:
+        raise FileNotFoundError(f"{options.workdir}: no checkpoint to export")
+    out = save_policy(restored.params, restored.model_config, out, tokenizer=run_tokenizer(options),
+                      prompt=options.policy.prompt)
+    if restored.lora is not None:
+        source = options.policy.source
+        lora_lib.save_adapter(restored.adapters, source, restored.model_config, restored.lora, out)
+    return out
