@@ -37,8 +37,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.engine.config import ATTENTION_IMPLS
-from rstar2jax.models.platform import accelerator
+from rstar2jax.models.platform import pallas_interpreted
 
 NULL_PAGE = 0
 
@@ -70,15 +69,6 @@ class PagedKV:
 
 def pool_shape(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int):
     return (num_kv_heads, num_layers, num_pages, page_size, head_dim)
-
-
-def resolve_attention(impl: str) -> str:
-    """``"auto"``: ``"pallas_gpu"`` on a CUDA GPU, ``"jnp"`` elsewhere (CPU, ROCm, TPU); others unchanged."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
-    if impl != "auto":
-        return impl
-    return "pallas_gpu" if accelerator() == "cuda" else "jnp"
 
 
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
@@ -209,7 +199,7 @@ class PagedCacheView:
 
     pages: PagedKV
     batch: RaggedBatch
-    attention: str = flax.struct.field(pytree_node=False, default="jnp")
+    attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
 
     def write_and_attend(self, layer, q: jax.Array, k: jax.Array, v: jax.Array):
@@ -221,10 +211,9 @@ class PagedCacheView:
         pages = PagedKV(k=write(pages.k, k), v=write(pages.v, v))
         q = q[0]  # [T, H, Dh]
         rows_q = q.at[batch.row_token].get(mode="fill", fill_value=0)[:, None]  # [R1, 1, H, Dh]
-        if self.attention in ("pallas_gpu", "pallas_interpret"):
+        if self.attention == "pallas_triton":
             rows = paged_decode_attention_pallas(rows_q, pages.k, pages.v, layer, batch.row_pages,
-                                                 batch.row_positions,
-                                                 interpret=self.attention == "pallas_interpret")
+                                                 batch.row_positions, interpret=pallas_interpreted())
         else:
             rows = paged_attention_reference(rows_q, pages.k, pages.v, layer, batch.row_pages,
                                              batch.row_positions, block_pages=self.block_pages)

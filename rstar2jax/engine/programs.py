@@ -19,6 +19,7 @@ import jax
 
 from rstar2jax.engine.step import StepLayout, compile_step
 from rstar2jax.models import ModelConfig, layers_are_unstacked, unstack_layers
+from rstar2jax.models.platform import copies_scanned_weight_slices
 
 __all__ = ["PROGRAMS", "UNROLL_MAX_LAYERS", "ProgramCache", "abstract_shapes", "engine_params"]
 
@@ -41,7 +42,7 @@ def engine_params(params, config: ModelConfig, unstacked: bool | None = None):
     caller's buffers, not copies."""
     compute = jax.numpy.dtype(config.compute_dtype)
     if unstacked is None:
-        unstacked = jax.default_backend() == "cpu" and config.num_layers <= UNROLL_MAX_LAYERS
+        unstacked = copies_scanned_weight_slices() and config.num_layers <= UNROLL_MAX_LAYERS
     if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
         params = jax.device_put(params)  # once, not with every step
     cast = {name: _cast(value, config.compute_dtype)

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.engine.config import EngineConfig
-from rstar2jax.engine.paged_attention import PagedKV, pool_shape, resolve_attention
+from rstar2jax.engine.paged_attention import PagedKV, pool_shape
 from rstar2jax.models import ModelConfig
+from rstar2jax.models.attention import resolve_attention
 
 # Slot status codes (``EngineState.status``).
 FREE, RUNNING, PAUSED, DONE = 0, 1, 2, 3
@@ -72,7 +73,7 @@ class EngineState:
       eos_ids: int32 ``[MAX_EOS_IDS]``: end-of-sequence token ids (shared by all slots), ``NO_TOKEN``-padded.
       config: the model config (static: part of the tree structure, so jitted functions need no config
         argument).
-      attention: the attention implementation (static; see :func:`~rstar2jax.engine.paged_attention.
+      attention: the attention implementation (static; see :func:`~rstar2jax.models.attention.
         resolve_attention`).
       block_pages: pages per block of the ``jnp`` attention's online softmax (static).
       poison_freed: static; when True a step fills the pages freed before it with NaN, so a read of a stale
@@ -96,7 +97,7 @@ class EngineState:
     stop_seqs: jax.Array
     eos_ids: jax.Array
     config: ModelConfig = flax.struct.field(pytree_node=False)
-    attention: str = flax.struct.field(pytree_node=False, default="jnp")
+    attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
     poison_freed: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -173,7 +174,7 @@ def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -
         stop_seqs=jnp.full((S, cfg.max_stops, cfg.max_stop_len), NO_TOKEN, jnp.int32),
         eos_ids=jnp.asarray(eos, jnp.int32),
         config=config,
-        attention=resolve_attention(cfg.attention),
+        attention=resolve_attention(cfg.attention, use="decoding"),
         block_pages=cfg.attention_block // cfg.page_size,
         poison_freed=cfg.poison_freed_pages,
     )

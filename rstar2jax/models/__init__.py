@@ -1,9 +1,10 @@
 """Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters."""
 
 from rstar2jax.models import (  # the modules: LoRA math, PEFT folders
-    attention,  # the module: attention.attention, .IMPLEMENTATIONS
+    attention,  # the module: attention.attention, .resolve_attention, .auto_choice
     lora,
     peft_adapter,
+    segments,  # the module: segment_starts, segment_ends of packed rows
 )
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
@@ -55,6 +56,7 @@ __all__ = [
     "peft_adapter",
     "REMAT_POLICIES",
     "attention",
+    "segments",
     "hidden_states",
     "output_head",
     "sequence_logprobs",

@@ -97,7 +97,7 @@ def _common() -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"
     c.model.remat_policy = "none"  # none | save_projections | save_attention | full (| dots | dots_no_batch)
     c.model.scan_layers = True
-    c.model.attention = "auto"  # auto (tokamax on NVIDIA GPUs, else blockwise) | blockwise | tokamax | xla
+    c.model.attention = "auto"  # auto | blockwise | pallas_triton | jax_pallas_mha | tokamax | dense
     c.model.attention_block_size = 512  # the blockwise attention's query/key block
     c.model.mlp_chunk_size = 0  # > 0: the MLP over rematerialised token chunks of this size
     # LoRA (rank > 0): train low-rank adapters of these projections; the base weights stay frozen.

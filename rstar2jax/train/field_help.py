@@ -55,8 +55,8 @@ FIELD_HELP = {
     "model.compute_dtype": "dtype of activations and matmuls",
     "model.remat_policy": "activation rematerialisation: none / full / ... (memory for compute)",
     "model.scan_layers": "scan over stacked layers (faster compiles) instead of unrolling them",
-    "model.attention": "training attention: auto (tokamax on NVIDIA GPUs, else blockwise) / blockwise / "
-    "tokamax / xla",
+    "model.attention": "training attention: auto (the first GPU kernel that passes its check, else "
+    "blockwise) / blockwise / pallas_triton / jax_pallas_mha / tokamax / dense (old name: xla)",
     "model.attention_block_size": "query/key block of the blockwise attention (a multiple of 8)",
     "model.mlp_chunk_size": "> 0: the MLP over rematerialised token chunks of this size (0: whole sequence)",
     "model.lora.rank": "LoRA rank r (0: off, full fine-tuning); > 0 trains adapters, the base stays frozen",

@@ -10,7 +10,12 @@ from typing import Any
 
 from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
-from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.config import (
+    ATTENTION_ALIASES,
+    ATTENTION_IMPLEMENTATIONS,
+    REMAT_POLICIES,
+    SUPPORTED_DTYPES,
+)
 from rstar2jax.models.lora import LORA_TARGETS
 from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
@@ -80,7 +85,7 @@ def _validate_common(config, *, warmup_may_be_auto: bool = False, check_paths: b
     for name in ("param_dtype", "compute_dtype"):
         _one_of(config, f"model.{name}", SUPPORTED_DTYPES)
     _one_of(config, "model.remat_policy", REMAT_POLICIES)
-    _one_of(config, "model.attention", ATTENTION_IMPLEMENTATIONS)
+    _one_of(config, "model.attention", (*ATTENTION_IMPLEMENTATIONS, *ATTENTION_ALIASES))
     _check(
         config, "model.attention_block_size", lambda v: v > 0 and v % 8 == 0, "must be a multiple of 8 (> 0)"
     )
