@@ -64,15 +64,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The bundled HF config of preset "qwen3-0.6b", read as a file: the PyTorch worker imports no JAX.
 QWEN3_06B = os.path.join(REPO, "rstar2jax", "models", "hf_configs", "qwen3-0.6b.json")
 SMALL = dict(
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    tie_word_embeddings=False,
-)
+    vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
+)  # fmt: skip
 SHAPES = {"small": (SMALL, 8, 256), "qwen3-0.6b": (None, 1, 256)}  # (HF config fields, batch, seq_len)
 
 

@@ -4,6 +4,7 @@ functions stay small. Each check is also fed a bad example, so that it cannot pa
 
 import ast
 import builtins
+import functools
 import pathlib
 import subprocess
 import sys
@@ -82,7 +83,15 @@ def relative(path: pathlib.Path, root: pathlib.Path = REPO) -> str:
 
 
 def parse(path: pathlib.Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"))
+    """The module's syntax tree (parsed once per version of the file: several checks read every module)."""
+    stat = path.stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
+    del mtime_ns, size  # the cache key: a rewritten file is parsed again
+    return ast.parse(pathlib.Path(path).read_text(encoding="utf-8"))
 
 
 def imports_ml_collections(path: pathlib.Path) -> bool:
