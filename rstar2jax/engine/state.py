@@ -75,7 +75,7 @@ class EngineState:
         argument).
       attention: the attention implementation (static; see :func:`~rstar2jax.models.attention.
         resolve_attention`).
-      block_pages: pages per block of the ``jnp`` attention's online softmax (static).
+      block_pages: pages per block of the ``blockwise`` attention's online softmax (static).
       poison_freed: static; when True a step fills the pages freed before it with NaN, so a read of a stale
         page shows up in the outputs (for tests).
     """

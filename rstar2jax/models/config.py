@@ -56,8 +56,9 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` items of a ``llama3``
     scaling dict. ``param_dtype`` is the dtype weights are stored in (float32 master weights by default),
     ``compute_dtype`` the dtype matmuls run in (``"bfloat16"`` for mixed precision); softmax, norms and logits
-    are always float32. ``attention`` picks the training attention's implementation (``models.attention``:
-    ``"auto"`` = the first GPU kernel that passes its on-device check, the blockwise XLA one elsewhere),
+    are always float32. ``attention`` picks the training attention's implementation (a name of
+    :data:`ATTENTION_IMPLEMENTATIONS`, an old name stored as its new one; ``models.attention``: ``"auto"`` =
+    the first GPU kernel that passes its on-device check, the blockwise XLA one elsewhere),
     ``attention_block_size`` the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks
     of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
     the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
