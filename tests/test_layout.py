@@ -600,3 +600,21 @@ def test_documented_aliases_are_documented():
 def test_the_alias_check_sees_an_alias_the_readme_does_not_name():
     aliases = frozenset({("rstar2jax.train.policy", "export_policy"), ("rstar2jax.a.b", "gone")})
     assert undocumented_aliases(aliases, "see `train.policy.export_policy`") == ["rstar2jax.a.b.gone"]
+
+
+def test_every_name_a_package_offers_resolves():
+    """Each name in a package's ``__all__`` loads (the lazy packages' tables name each name's home: a name
+    that moved away from the module a table names fails here, not in a user's import)."""
+    import importlib.util
+
+    missing = []
+    for package in (f"rstar2jax.{sub}" for sub in RANK):
+        module = importlib.import_module(package)
+        for name in getattr(module, "__all__", ()):
+            try:
+                getattr(module, name)
+            except AttributeError as error:
+                missing.append(f"{package}.{name}: {error}")
+    missing += [f"rstar2jax.{name}" for name in rstar2jax.__all__
+                if importlib.util.find_spec(f"rstar2jax.{name}") is None]  # star import loads these
+    assert missing == []

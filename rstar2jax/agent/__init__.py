@@ -14,13 +14,15 @@ _NAMES = {
     "rstar2jax.data.conversation": [
         "PYTHON_TOOL_NAME",
         "PromptConfig",
-        "format_tool_result",
         "load_prompt_config",
         "python_tool_schema",
         "render_prompt_ids",
         "render_prompt_text",
         "tool_response_ids",
         "tool_response_text",
+    ],
+    "rstar2jax.data.tool_result": [
+        "format_tool_result",
     ],
     "rstar2jax.agent.multi_turn": [
         "PolicyRollout",

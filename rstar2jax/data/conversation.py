@@ -224,13 +224,9 @@ PROMPTS: dict[str, Callable[[], PromptConfig]] = {
 
 
 def prompt_format(
-    policy,
-    preset: str | None = None,
-    *,
-    system_prompt: str | None = None,
-    user_prefix: str | None = None,
+    policy, preset: str | None = None, *, system_prompt: str | None = None, user_prefix: str | None = None,
     assistant_opener: str | None = None,
-) -> PromptConfig:
+) -> PromptConfig:  # fmt: skip
     """The format to prompt ``policy`` in: the named ``preset`` (:data:`PROMPTS`) when given, else the one it
     was trained in (``policy.prompt``: a loaded :class:`~rstar2jax.train.loader.Policy` carries the format
     its folder records, None for a plain HF folder), else ``plain``; each field given here replaces that
@@ -411,8 +407,8 @@ def tool_response_ids(
 
     Args:
       tokenizer: the policy's tokenizer (its chat template defines the wrapping).
-      text: the formatted tool output (:func:`format_tool_result` or a parse-error message), or one per
-        tool call when a turn made several calls.
+      text: the formatted tool output (``data.tool_result.format_tool_result`` or a parse-error message), or
+        one per tool call when a turn made several calls.
       cfg: prompt configuration (the opener).
       turn_closed: the model already ended its turn with the eos token (``<|im_end|>``) after the call;
         the continuation then starts after it.
