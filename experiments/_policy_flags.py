@@ -69,8 +69,8 @@ def _given(name: str):
 
 
 def format_from_flags(policy):
-    """The ``PromptConfig`` the flags ask for (see :func:`rstar2jax.serve.policy.prompt_format`)."""
-    from rstar2jax.serve.policy import prompt_format
+    """The ``PromptConfig`` the flags ask for (see :func:`rstar2jax.data.conversation.prompt_format`)."""
+    from rstar2jax.data.conversation import prompt_format
 
     return prompt_format(
         policy,

@@ -69,7 +69,8 @@ def run_ablation(
     from experiments.configs.demo import DemoPaths, rl_run_config, sft_run_config
     from rstar2jax import train
     from rstar2jax.eval import report
-    from rstar2jax.train import policy as policy_lib
+    from rstar2jax.train.export import export_policy
+    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
     paths = DemoPaths(config.workdir)
@@ -101,14 +102,14 @@ def run_ablation(
                     rl_run_config(config, paths, workdir=out / name, seed=seed, roc_mode=roc_mode, lora=lora)
                 )
                 policy = out / name / "policy"
-                rollout_fn = policy_lib.policy_rollout(
+                rollout_fn = policy_rollout(
                     rl, server.url, rl.policy.prompt, restart_sandbox=server.restart_if_dead
                 )
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
                         train.train_rl(rl, rollout_fn=rollout_fn, stop=stop)
-                        policy_lib.export_policy(rl, policy)
+                        export_policy(rl, policy)
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))

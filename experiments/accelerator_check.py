@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import os
 import pathlib
@@ -155,7 +154,6 @@ def stage_environment(record: Recorder, smoke: bool) -> None:
     del smoke  # the same on every backend
     import jax
 
-    from rstar2jax.engine import paged_attention
     from rstar2jax.models import attention
     from rstar2jax.models.platform import SUPPORTED_JAX, accelerator, jax_version_supported
 
@@ -201,9 +199,10 @@ def stage_environment(record: Recorder, smoke: bool) -> None:
     print(f"training attention 'auto': {choice.implementation} ({choice.reason})", flush=True)
     for name, why in choice.rejected:
         print(f"  passed over {name}: {why}", flush=True)
-    # The paged decode attention's pick (the engine's own rule, named by its docstring's first line).
-    record(paged_attention_auto=paged_attention.resolve_attention("auto"),
-           paged_attention_why=inspect.getdoc(paged_attention.resolve_attention).splitlines()[0])
+    # The paged decode attention's pick (the same resolver, its rule per accelerator).
+    rule = ", ".join(f"{name} on {platform_}" for platform_, name in attention.DECODE_AUTO.items())
+    record(paged_attention_auto=attention.resolve_attention("auto", use="decoding"),
+           paged_attention_why=f"'auto' decodes with {rule}, blockwise elsewhere")
     print(f"paged decode attention 'auto': {record.figures['paged_attention_auto']}", flush=True)
 
 
@@ -423,7 +422,8 @@ def _attention_kernels(config, smoke: bool) -> dict:
     import jax
     import numpy as np
 
-    from rstar2jax.models import attention
+    from rstar2jax.models import attention, attention_kernels
+    from rstar2jax.models.platform import accelerator
 
     rows, length = (2, 256) if smoke else (8, 8192)
     rng = np.random.default_rng(0)
@@ -433,8 +433,8 @@ def _attention_kernels(config, smoke: bool) -> dict:
     segments = np.ones((rows, length), np.int32)
     flops = 7 * rows * length**2 * config.num_heads * config.head_dim
     gpu = jax.default_backend() != "cpu"
-    kernels = ["blockwise", *(n for n in attention.AUTO_CANDIDATES.get(attention.accelerator(), ())
-                              if gpu and attention.unavailable_reason(n, config.head_dim) is None)]
+    kernels = ["blockwise", *(n for n in attention.AUTO_CANDIDATES.get(accelerator(), ())
+                              if gpu and attention_kernels.unavailable_reason(n, config.head_dim) is None)]
     results = {}
     for name in kernels:
         loss = lambda q, k, v, name=name: attention.attention(q, k, v, segments, implementation=name).astype(

@@ -55,7 +55,7 @@ import numpy as np
 from absl import app, flags
 
 from rstar2jax import models
-from rstar2jax.data.conversation import encode_text, render_chat
+from rstar2jax.data.chat_template import encode_text, render_chat
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
 from rstar2jax.serve import BackgroundServer, Policy, ServerConfig
 

@@ -41,7 +41,7 @@ flags.mark_flag_as_required("model")
 
 def main(argv):
     del argv
-    from rstar2jax.agent.rollout import RolloutConfig
+    from rstar2jax.agent.rollout_types import RolloutConfig
     from rstar2jax.agent.sandbox_client import SandboxClient
     from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
     from rstar2jax.serve.chat import ChatSession, TerminalObserver

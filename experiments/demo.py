@@ -50,7 +50,8 @@ def main(argv):
     from experiments import demo_recipe as recipe
     from experiments.configs.demo import DemoPaths, rl_run_config, sft_run_config
     from rstar2jax import train
-    from rstar2jax.train import policy as policy_lib
+    from rstar2jax.train.export import export_policy
+    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
     paths = DemoPaths(config.workdir)
@@ -71,8 +72,8 @@ def main(argv):
             print(f"   {server.url}")
         recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
         rl = train.parse(rl_run_config(config, paths))
-        rollout_fn = policy_lib.policy_rollout(rl, server.url, rl.policy.prompt,
-                                               restart_sandbox=server.restart_if_dead)
+        rollout_fn = policy_rollout(rl, server.url, rl.policy.prompt,
+                                    restart_sandbox=server.restart_if_dead)
         stack.callback(rollout_fn.close)
         before = recipe.evaluate_saved(
             config, paths.evaluation("sft"), paths.sft_policy, paths.eval_problems, rollout_fn, timer
@@ -80,7 +81,7 @@ def main(argv):
         if not (paths.rl_policy / "config.json").exists():
             with timer.phase("rl (GRPO-RoC)", paths.rl_run):
                 train.train_rl(rl, rollout_fn=rollout_fn, stop=stop)
-                policy_lib.export_policy(rl, paths.rl_policy)
+                export_policy(rl, paths.rl_policy)
         after = recipe.evaluate_saved(
             config, paths.evaluation("rl"), paths.rl_policy, paths.eval_problems, rollout_fn, timer
         )

@@ -84,8 +84,9 @@ def main(argv):
     datasets = load_datasets(_DATASETS.value, _LIMIT.value)  # before the heavy imports: a bad name fails fast
 
     from rstar2jax.agent.sandbox_client import SandboxClient
+    from rstar2jax.eval.evaluate import EvalProtocol, evaluate_to_files
+    from rstar2jax.eval.samples import format_summary
     from rstar2jax.reward import AnswerVerifier
-    from rstar2jax.serve.evaluation import EvalProtocol, evaluate_to_files, format_summary
 
     protocol = EvalProtocol(
         samples=_SAMPLES.value,

@@ -33,7 +33,7 @@ def agent_rollout_fn(options, stack: contextlib.ExitStack):
     model, engine and sampling from ``options``, the trainer's own ``RunOptions``), the sandbox at
     ``rollout.sandbox_url`` (or a local one started for the run, restarted if it dies) and the answer
     verifier."""
-    from rstar2jax.train.policy import policy_rollout
+    from rstar2jax.train.rollouts import policy_rollout
 
     url, restart = options.rl.rollout.sandbox_url, None
     if not url:

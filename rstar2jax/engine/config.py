@@ -7,10 +7,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
-#: Attention implementations that read FP8 KV pages (``kv_dtype="fp8"``); "pallas_gpu" only where the kernel
-#: compiles for float8 pages (``paged_attention.resolve_attention`` checks on the device).
-FP8_KV_ATTENTION = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
+from rstar2jax.models.config import attention_name
+
+#: Attention implementations that read FP8 KV pages (``kv_dtype="fp8"``); "pallas_triton" only where the
+#: kernel compiles for float8 pages (``paged_attention`` checks on the device).
+FP8_KV_ATTENTION = ("auto", "blockwise", "pallas_triton")
 FP8 = "fp8"
 FP8_MATMULS = ("auto", "native", "reference")
 DEFAULT_PAGE_SIZE = 16
@@ -76,10 +77,12 @@ class EngineConfig:
       page_size: tokens per KV page; must divide ``max_len``.
       num_pages: pages in the pool (page 0, the null page, included); None: enough for every slot at
         ``max_len`` (``num_slots * max_len // page_size + 1``). Admission counts these.
-      attention: ``"auto"`` (the Pallas GPU kernel for decode rows on CUDA GPUs, ``jnp`` elsewhere, as
-        ``models.platform.accelerator()`` says), ``"jnp"``, ``"pallas_gpu"`` or ``"pallas_interpret"`` (the
-        kernel in the Pallas interpreter: tests).
-      attention_block: tokens per block of the ``jnp`` attention's online softmax (a multiple of
+      attention: the decode attention, in the training's vocabulary (``models.attention``): ``"auto"`` (the
+        Pallas kernel for decode rows on CUDA GPUs, ``blockwise`` elsewhere), ``"blockwise"`` (the portable
+        online softmax over pages) or ``"pallas_triton"`` (JAX's Pallas paged-attention kernel, in Pallas'
+        interpreter off GPUs: tests). The old names ``"jnp"``, ``"pallas_gpu"`` and ``"pallas_interpret"``
+        are accepted and stored as their new ones.
+      attention_block: tokens per block of the ``blockwise`` attention's online softmax (a multiple of
         ``page_size``).
       prefix_sharing: prefix cache: whole pages of a prompt prefix already in the pool (another group's
         system prompt, a chat's earlier turns, a finished sequence's tokens) are attached instead of
@@ -153,8 +156,7 @@ class EngineConfig:
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), "
                              f"got {self.num_pages!r}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
+        object.__setattr__(self, "attention", attention_name(self.attention, "decoding"))
         buckets = self.token_buckets
         if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
             raise ValueError(f"token_buckets must be positive ints, got {buckets}")

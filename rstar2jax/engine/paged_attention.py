@@ -55,9 +55,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.engine.config import ATTENTION_IMPLS, FP8, FP8_KV_ATTENTION
+from rstar2jax.engine.config import FP8
 from rstar2jax.models import ModelConfig
-from rstar2jax.models.platform import accelerator
+from rstar2jax.models.attention import resolve_attention
+from rstar2jax.models.config import attention_name
+from rstar2jax.models.platform import pallas_interpreted
 from rstar2jax.models.quantization import FP8_DTYPE, to_fp8
 
 NULL_PAGE = 0
@@ -145,24 +147,19 @@ def pages_for_bytes(num_bytes: float, config: ModelConfig, *, page_size: int, kv
     return int(num_bytes) // (page_size * kv_bytes_per_token(config, kv_dtype))
 
 
-def resolve_attention(impl: str, kv_dtype=None) -> str:
-    """``"auto"``: ``"pallas_gpu"`` on a CUDA GPU, ``"jnp"`` elsewhere (CPU, ROCm, TPU); others unchanged.
-
-    With FP8 pages (``kv_dtype="fp8"``) the Pallas kernel is used only where it compiles for float8 pages
-    (:func:`pallas_reads_fp8`): ``"auto"`` falls back to ``"jnp"``; an explicit ``"pallas_gpu"``, or an
-    implementation outside ``FP8_KV_ATTENTION``, raises ValueError naming it."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
-    if kv_dtype == FP8 and impl not in FP8_KV_ATTENTION:
-        raise ValueError(f"attention={impl!r} cannot read FP8 KV pages (kv_dtype='fp8'); use one of "
-                         f"{FP8_KV_ATTENTION}")
-    resolved = impl if impl != "auto" else "pallas_gpu" if accelerator() == "cuda" else "jnp"
-    if kv_dtype == FP8 and resolved == "pallas_gpu" and not pallas_reads_fp8():
-        if impl == "auto":
-            return "jnp"
+def decode_attention(impl: str, kv_dtype=None) -> str:
+    """The paged decode attention that runs for ``impl`` (``models.attention.resolve_attention`` for
+    decoding: ``"auto"`` is the Pallas kernel on a CUDA GPU, blockwise elsewhere). With FP8 pages
+    (``kv_dtype="fp8"``) the Pallas kernel is used only where it compiles for float8 pages
+    (:func:`pallas_reads_fp8`): ``"auto"`` falls back to ``"blockwise"``, an explicit ``"pallas_triton"``
+    raises ValueError naming it (``EngineConfig`` refuses implementations that cannot read FP8 pages)."""
+    resolved = resolve_attention(impl, use="decoding")
+    if kv_dtype == FP8 and resolved == "pallas_triton" and not pallas_reads_fp8():
+        if attention_name(impl, "decoding") == "auto":
+            return "blockwise"
         raise ValueError(f"attention={impl!r} cannot read FP8 KV pages on {jax.devices()[0].device_kind}: "
-                         "the Pallas GPU kernel does not compile for float8 pages there; use attention='jnp' "
-                         "or kv_dtype=None")
+                         "the Pallas kernel does not compile for float8 pages there; use "
+                         "attention='blockwise' or kv_dtype=None")
     return resolved
 
 
@@ -174,7 +171,7 @@ def pallas_reads_fp8() -> bool:
     q = jax.ShapeDtypeStruct((1, 1, 16, 64), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     attend = lambda q, k, v, ks, vs, table, positions: paged_decode_attention_pallas(
-        q, k, v, 0, table, positions, k_scale=ks, v_scale=vs)
+        q, k, v, 0, table, positions, k_scale=ks, v_scale=vs, interpret=pallas_interpreted())
     try:
         jax.jit(attend).lower(q, pool, pool, scale, scale, rows, rows).compile()
         return True
@@ -327,7 +324,7 @@ class PagedCacheView:
 
     pages: PagedKV
     batch: RaggedBatch
-    attention: str = flax.struct.field(pytree_node=False, default="jnp")
+    attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
 
     def write_and_attend(self, layer, q: jax.Array, k: jax.Array, v: jax.Array):
@@ -338,10 +335,10 @@ class PagedCacheView:
         scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
         q = q[0]  # [T, H, Dh]
         rows_q = q.at[batch.row_token].get(mode="fill", fill_value=0)[:, None]  # [R1, 1, H, Dh]
-        if self.attention in ("pallas_gpu", "pallas_interpret"):
+        if self.attention == "pallas_triton":
             rows = paged_decode_attention_pallas(rows_q, pages.k, pages.v, layer, batch.row_pages,
-                                                 batch.row_positions,
-                                                 interpret=self.attention == "pallas_interpret", **scales)
+                                                 batch.row_positions, interpret=pallas_interpreted(),
+                                                 **scales)
         else:
             rows = paged_attention_reference(rows_q, pages.k, pages.v, layer, batch.row_pages,
                                              batch.row_positions, block_pages=self.block_pages, **scales)

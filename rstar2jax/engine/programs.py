@@ -20,7 +20,7 @@ import threading
 import jax
 
 from rstar2jax.engine.config import FP8, EngineConfig
-from rstar2jax.engine.paged_attention import resolve_attention
+from rstar2jax.engine.paged_attention import decode_attention
 from rstar2jax.engine.state import engine_model_config
 from rstar2jax.engine.step import StepLayout, compile_step
 from rstar2jax.models import ModelConfig, layers_are_unstacked, platform, unstack_layers
@@ -60,7 +60,7 @@ def engine_params(params, config: ModelConfig, unstacked: bool | None = None, *,
     if weight_dtype == FP8:
         check_weight_blocks(config, weight_block, quantize_head)  # before any array is made
     if unstacked is None:
-        unstacked = jax.default_backend() == "cpu" and config.num_layers <= UNROLL_MAX_LAYERS
+        unstacked = platform.copies_scanned_weight_slices() and config.num_layers <= UNROLL_MAX_LAYERS
     if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
         params = jax.device_put(params)  # once, not with every step
     if weight_dtype == FP8:
@@ -86,7 +86,7 @@ def check_precision(config: ModelConfig, engine_config: EngineConfig) -> None:
                          f"{jax.devices()[0].device_kind} ({jax.default_backend()}) does not support")
     if cfg.weight_dtype == FP8:
         check_weight_blocks(config, cfg.weight_block, cfg.quantize_head)
-    resolve_attention(cfg.attention, cfg.kv_dtype)
+    decode_attention(cfg.attention, cfg.kv_dtype)
 
 
 def engine_weights(params, config: ModelConfig, engine_config: EngineConfig):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.engine.config import EngineConfig
-from rstar2jax.engine.paged_attention import PagedKV, init_pages, pool_shape, resolve_attention
+from rstar2jax.engine.paged_attention import PagedKV, decode_attention, init_pages, pool_shape
 from rstar2jax.models import ModelConfig
 
 # Slot status codes (``EngineState.status``).
@@ -72,9 +72,9 @@ class EngineState:
       eos_ids: int32 ``[MAX_EOS_IDS]``: end-of-sequence token ids (shared by all slots), ``NO_TOKEN``-padded.
       config: the model config (static: part of the tree structure, so jitted functions need no config
         argument).
-      attention: the attention implementation (static; see :func:`~rstar2jax.engine.paged_attention.
-        resolve_attention`).
-      block_pages: pages per block of the ``jnp`` attention's online softmax (static).
+      attention: the attention implementation (static; see
+        :func:`~rstar2jax.engine.paged_attention.decode_attention`).
+      block_pages: pages per block of the ``blockwise`` attention's online softmax (static).
       poison_freed: static; when True a step fills the pages freed before it with NaN, so a read of a stale
         page shows up in the outputs (for tests).
     """
@@ -96,7 +96,7 @@ class EngineState:
     stop_seqs: jax.Array
     eos_ids: jax.Array
     config: ModelConfig = flax.struct.field(pytree_node=False)
-    attention: str = flax.struct.field(pytree_node=False, default="jnp")
+    attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
     poison_freed: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -147,7 +147,7 @@ def init_state(config: ModelConfig, engine_config: EngineConfig) -> EngineState:
     """
     eos = _eos_table(config, engine_config)
     # Resolved here, not in the compiled builder: it may compile a probe of the Pallas kernel once.
-    attention = resolve_attention(engine_config.attention, engine_config.kv_dtype)
+    attention = decode_attention(engine_config.attention, engine_config.kv_dtype)
     return _build_state(engine_model_config(config, engine_config), engine_config, eos, attention)
 
 

@@ -2,11 +2,12 @@
 weights for decoding (``quantization``)."""
 
 from rstar2jax.models import (  # the modules: LoRA math, PEFT folders and their config, FP8 weights
-    attention,  # the module: attention.attention, .IMPLEMENTATIONS
+    attention,  # the module: attention.attention, .resolve_attention, .auto_choice
     lora,
     peft_adapter,
     peft_config,
     quantization,
+    segments,  # the module: segment_starts, segment_ends of packed rows
 )
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
@@ -60,6 +61,7 @@ __all__ = [
     "quantization",
     "REMAT_POLICIES",
     "attention",
+    "segments",
     "hidden_states",
     "output_head",
     "sequence_logprobs",

@@ -1,9 +1,10 @@
-"""Which accelerator JAX runs on: the one place that tells an NVIDIA GPU from an AMD one.
-
-Every ``"auto"`` choice of an implementation (training attention, paged decode attention) asks
-:func:`accelerator` rather than looking at ``jax.devices()`` itself, so the two can never disagree about the
-machine. JAX names both CUDA and ROCm devices ``platform == "gpu"``; the client's platform version (and the
-device kind) say which vendor's runtime it is.
+"""Which accelerator JAX runs on: the one place that tells an NVIDIA GPU from an AMD one, and every other
+backend check of the library: ``"auto"`` choices of an implementation (training and decode attention,
+``models.attention.resolve_attention``), whether Pallas kernels are interpreted, whether the engine unrolls
+a small model's layers, whether colocated training parks its optimizer state in host memory. They ask
+:func:`accelerator` (or feature-detect) rather than looking at ``jax.devices()`` themselves, so no two can
+disagree about the machine. JAX names both CUDA and ROCm devices ``platform == "gpu"``; the client's
+platform version (and the device kind) say which vendor's runtime it is.
 
 FP8 support is found by feature, never by device name: :func:`float8_supported` (the backend stores and
 converts float8_e4m3fn) and :func:`fp8_matmul_native` (its compiled float8 dots stay float8), each probed once
@@ -48,6 +49,40 @@ def accelerator(device: jax.Device | None = None) -> str:
             return "rocm"
         return "cuda"
     return device.platform
+
+
+def pallas_interpreted(device: jax.Device | None = None) -> bool:
+    """Whether Pallas kernels run in Pallas' interpreter on ``device``: everywhere but on a CUDA or ROCm GPU,
+    where they are lowered through Triton (the CPU tests run every kernel this way)."""
+    return accelerator(device) not in ("cuda", "rocm")
+
+
+def copies_scanned_weight_slices(device: jax.Device | None = None) -> bool:
+    """Whether the backend copies every weight slice a ``lax.scan`` over stacked layers feeds to a dot, every
+    layer of every step: XLA:CPU does (GPUs slice without copying), so there a small model's decode runs
+    faster with its layers unrolled (``EngineConfig.unstacked_decode``)."""
+    return accelerator(device) == "cpu"
+
+
+#: The JAX memory kind of pinned host memory, where colocated training parks its optimizer state.
+HOST_MEMORY_KIND = "pinned_host"
+
+
+def host_offload_supported(device: jax.Device | None = None) -> bool:
+    """Whether ``device`` (default: the first default-backend device) can hold arrays in pinned host memory
+    (feature detection: the memory kinds it offers)."""
+    device = device or jax.devices()[0]
+    try:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        return False
+    return HOST_MEMORY_KIND in kinds
+
+
+def host_memory_is_device_memory(platform: str | None = None) -> bool:
+    """Whether the device's memory is the host's (the CPU backend; ``platform``: a JAX platform name, default
+    the default backend's): there parking arrays in pinned host memory would only cost a copy."""
+    return (platform or accelerator()) == "cpu"
 
 
 def _backend_key(device: jax.Device | None) -> tuple[str, str]:

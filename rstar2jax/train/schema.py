@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from rstar2jax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, SUPPORTED_DTYPES
+from rstar2jax.models.config import (
+    ATTENTION_ALIASES,
+    ATTENTION_IMPLEMENTATIONS,
+    REMAT_POLICIES,
+    SUPPORTED_DTYPES,
+)
 from rstar2jax.models.lora import LORA_TARGETS
 from rstar2jax.models.presets import PRESETS
 from rstar2jax.train.checks import (
@@ -88,8 +93,9 @@ COMMON: dict[str, Field] = {
         "scan over stacked layers (faster compiles) instead of unrolling them",
     ),
     "model.attention": Field(
-        "auto", choice(ATTENTION_IMPLEMENTATIONS),
-        "training attention: auto (tokamax on NVIDIA GPUs, else blockwise) / blockwise / tokamax / xla",
+        "auto", choice((*ATTENTION_IMPLEMENTATIONS, *ATTENTION_ALIASES)),
+        "training attention: auto (the first GPU kernel that passes its check, else blockwise) / blockwise / "
+        "pallas_triton / jax_pallas_mha / tokamax / dense (old name: xla)",
     ),
     "model.attention_block_size": Field(
         512, Check(lambda v: POSITIVE(v) and v % 8 == 0, "must be a multiple of 8 (> 0)", int, (0, 12, "x")),

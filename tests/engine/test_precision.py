@@ -170,14 +170,14 @@ def test_bad_precision_input_is_rejected_before_any_work(tiny_qwen3, monkeypatch
     compiled = len(PROGRAMS)
     checks = ((dict(weight_dtype="fp8", weight_block=48),
                "FP8 weight block 48 does not divide weight layers/q_proj"),
-              (dict(kv_dtype="fp8", attention="pallas_gpu"),
-               "attention='pallas_gpu' cannot read FP8 KV pages"))
+              (dict(kv_dtype="fp8", attention="pallas_triton"),
+               "attention='pallas_triton' cannot read FP8 KV pages"))
     for fields, message in checks:
-        if fields.get("attention") == "pallas_gpu" and paged_attention.pallas_reads_fp8():
+        if fields.get("attention") == "pallas_triton" and paged_attention.pallas_reads_fp8():
             continue  # a GPU whose kernel reads FP8 pages
         with pytest.raises(ValueError, match=message):
             EngineCore(tiny_qwen3.params, tiny_qwen3.config, dataclasses.replace(ENGINE_CONFIG, **fields))
-    assert paged_attention.resolve_attention("auto", "fp8") in ("jnp", "pallas_gpu")  # auto falls back
+    assert paged_attention.decode_attention("auto", "fp8") in ("blockwise", "pallas_triton")  # auto falls back
     monkeypatch.setattr(platform, "float8_supported", lambda device=None: False)
     for field in ("weight_dtype", "kv_dtype"):
         with pytest.raises(ValueError, match=f"{field}='fp8' needs float8_e4m3fn, which JAX"):

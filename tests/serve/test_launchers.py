@@ -13,13 +13,13 @@ import optax
 import pytest
 
 from experiments.tiny_policy import ARITHMETIC, HELLO, HELLO_ANSWER
-from rstar2jax.agent.rollout import RolloutConfig
+from rstar2jax.agent.rollout_types import RolloutConfig
 from rstar2jax.agent.sandbox_client import SandboxClient
-from rstar2jax.data.conversation import encode_text, render_chat
+from rstar2jax.data.chat_template import encode_text, render_chat
+from rstar2jax.data.conversation import PROMPTS
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.serve import load_policy
 from rstar2jax.serve.chat import ChatSession
-from rstar2jax.serve.evaluation import PROMPTS
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import write_run_config
