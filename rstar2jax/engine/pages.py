@@ -156,6 +156,13 @@ class PageAllocator:
         self._free.extend(freed)
         return freed
 
+    def forget_prefixes(self) -> None:
+        """Unregister every page (their keys/values are stale: new weights): cached pages become free."""
+        self._free.extend(reversed(self._cached))
+        self._cached.clear()
+        self._digest_of.clear()
+        self._page_of.clear()
+
     def _unregister(self, page: int) -> None:
         digest = self._digest_of.pop(page, None)
         if digest is not None:
