@@ -131,7 +131,8 @@ class Engine:
     The core runs on a thread of its own (so the event loop stays free for tool calls and HTTP): it admits
     waiting groups that fit, applies the sessions' segment starts and closes, and runs the pipelined step
     loop, handing each step's tokens to the sessions' streams on the event loop. ``async with`` may be
-    entered again after it exits: the engine keeps its state and compiled programs.
+    entered again after it exits: the engine keeps its state and compiled programs. :meth:`update_weights`
+    swaps the weights between two steps while sessions run.
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = _DEFAULT_CONFIG, *,

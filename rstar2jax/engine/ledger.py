@@ -137,5 +137,6 @@ class PageLedger:
         count = next((i for i, page in enumerate(held) if page not in self._fresh), len(held))
         return count * self.allocator.page_size
 
-    def end_recompute(self) -> None:
+    def forget_fresh(self) -> None:
+        """No page counts as written with the new weights (a recompute begins or ends)."""
         self._fresh.clear()

@@ -38,11 +38,11 @@ __all__ = ["StepRunner"]
 
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
-    """A dispatched step: its outputs (device arrays), the sequence of each decode row, and the policy
-    version of the weights it ran on."""
+    """A dispatched step: its outputs (device arrays), the sequence of each decode row (in row order), and the
+    policy version of the weights it ran on."""
 
     outputs: tuple[jax.Array, jax.Array]
-    rows: tuple[tuple[int, SlotSequence], ...]
+    decoding: tuple[SlotSequence, ...]
     policy_version: int
 
 
@@ -101,7 +101,8 @@ class StepRunner:
         """Build ``plan``'s inputs and dispatch its program (returns before the device has run it); with
         ``plan.weights``, this step and the later ones run on them."""
         builder = StepBuilder(plan.layout)
-        rows = tuple((builder.decode(seq.slot), seq) for seq in plan.decoding)
+        for seq in plan.decoding:  # decode rows first: row i is plan.decoding[i]
+            builder.decode(seq.slot)
         for run in plan.prefills:
             builder.run(run.seq.slot, run.start, run.tokens, singles=run.as_singles)
         builder.decode_iterations(plan.iterations - 1)
@@ -112,7 +113,7 @@ class StepRunner:
             self.params = plan.weights.params
         program = self._program(plan.layout)
         self.state, out_i, out_f = program(self.state, self.params, builder.ints, builder.floats)
-        self._in_flight.append(_InFlight((out_i, out_f), rows, plan.policy_version))
+        self._in_flight.append(_InFlight((out_i, out_f), plan.decoding, plan.policy_version))
 
     def collect(self) -> list[DecodeResult]:
         """Read the oldest step in flight (waiting for the device): each decode row's sampled tokens, their
@@ -121,7 +122,7 @@ class StepRunner:
         done = self._in_flight.popleft()
         out_i, out_f = jax.device_get(done.outputs)
         results = []
-        for row, seq in done.rows:
+        for row, seq in enumerate(done.decoding):
             tokens = out_i[:, row, 0]
             sampled = np.flatnonzero(tokens >= 0)
             chunk = None

@@ -83,6 +83,7 @@ class Scheduler:
         """``on_update="recompute"``: every sequence prefills its keys/values again (a sibling waiting for its
         fork takes them from its source); running ones pause on the device meanwhile."""
         self._recompute_due = False
+        self.sequences.ledger.forget_fresh()  # pages written with weights queued earlier are stale too
         for seq in self.sequences:
             if seq.phase is Phase.FORK_WAIT:
                 continue
@@ -117,7 +118,7 @@ class Scheduler:
         runs, tiles = ([], 0) if decoding and self._last_prefilled else self._plan_prefill(decoding)
         if self._recomputing and not any(s.recompute for s in table):
             self._recomputing = False
-            table.ledger.end_recompute()
+            table.ledger.forget_fresh()
         if not (decoding or runs or table.outbox):
             return None
         tokens = len(decoding) + sum(len(run.tokens) for run in runs)
