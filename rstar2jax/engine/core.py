@@ -57,12 +57,8 @@ class EngineCore:
         return self.scheduler.policy_version
 
     @property
-    def params(self):
-        """The weights of the last dispatched step (as the engine prepared them)."""
-        return self.runner.params
-
-    @property
     def state(self) -> EngineState:
+        """The device state (donated to each step: read it between calls)."""
         return self.runner.state
 
     @property
@@ -140,6 +136,11 @@ class EngineCore:
         are discarded. Idempotent. A group's source closed before its siblings were forked goes on
         prefilling for them, invisibly, and is freed once they are."""
         self.scheduler.sequences.close(record)
+
+    @property
+    def params(self):
+        """The weights of the last dispatched step (as the engine prepared them)."""
+        return self.runner.params
 
     def prepare_weights(self, params, policy_version: int, on_update: str = "keep") -> WeightUpdate:
         """The checks and preparation of :meth:`update_weights` (safe from any thread:

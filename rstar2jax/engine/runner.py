@@ -60,10 +60,6 @@ class StepRunner:
         self._in_flight: collections.deque[_InFlight] = collections.deque()
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
-    @property
     def num_programs(self) -> int:
         """Step programs this engine has used (each compiled once per process)."""
         return len(self._programs)
@@ -84,6 +80,11 @@ class StepRunner:
         """Compile ``layout``'s program in the background unless this engine has it."""
         if layout not in self._programs:
             PROGRAMS.compile_ahead(self._abstract, layout, self.engine_config.return_on_stop)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps dispatched and not collected yet."""
+        return len(self._in_flight)
 
     def prepare_weights(self, params, policy_version: int, on_update: str = "keep") -> WeightUpdate:
         """``params`` prepared like the engine's weights (cast, layers split or stacked); raises ValueError
@@ -106,7 +107,7 @@ class StepRunner:
         for run in plan.prefills:
             builder.run(run.seq.slot, run.start, run.tokens, singles=run.as_singles)
         builder.decode_iterations(plan.iterations - 1)
-        plan.updates.write(builder)
+        plan.updates.write(builder, self.engine_config)
         if plan.compile_ahead is not None:
             self._compile_ahead(plan.compile_ahead)
         if plan.weights is not None:

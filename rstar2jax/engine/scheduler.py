@@ -187,7 +187,7 @@ class Scheduler:
             self.sequences.policy_version = weights.policy_version
         for seq in decoding:
             seq.expect(iterations)
-        updates = self.sequences.outbox.drain(layout.num_entries, self.engine_config)
+        updates = self.sequences.outbox.drain(layout.num_entries)
         return StepPlan(layout, tuple(decoding), tuple(runs), iterations, updates, self.policy_version,
                         weights, compile_ahead)
 
