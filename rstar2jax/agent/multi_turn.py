@@ -65,8 +65,8 @@ from rstar2jax.agent.session import _Rollout
 from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.engine.async_engine import Engine
 from rstar2jax.engine.config import EngineConfig, page_rounded
-from rstar2jax.engine.scheduler import Engine
 from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier
 

@@ -1,8 +1,9 @@
 """The engine's compiled step programs and the weights they run on.
 
 :func:`engine_weights` prepares a caller's weights for an engine (its precision checked, FP8 quantization,
-cast, layers split or stacked: :func:`engine_params`); an engine calls it when it is built and any path that
-gives an engine new weights must call it too.
+cast, layers split or stacked: :func:`engine_params`); an engine calls it when it is built and at every
+weight update (:meth:`~rstar2jax.engine.EngineCore.update_weights`); :func:`check_same_shapes` refuses new
+weights the compiled programs do not take.
 :class:`ProgramCache` compiles :func:`~rstar2jax.engine.step.step` once per shape: every engine in the process
 shares :data:`PROGRAMS`, so a second engine (or a second run in the same process) of equal shapes compiles
 nothing. Sharing it is safe because a compiled program is a pure function of its abstract inputs (the key
@@ -33,7 +34,7 @@ from rstar2jax.models.quantization import (
 )
 
 __all__ = ["PROGRAMS", "UNROLL_MAX_LAYERS", "ProgramCache", "abstract_shapes", "check_precision",
-           "engine_params", "engine_weights"]
+           "check_same_shapes", "engine_params", "engine_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,30 @@ def abstract_shapes(tree):
     """``tree`` as shapes, dtypes and shardings (what a compiled program is keyed and lowered on)."""
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     return jax.tree.map(abstract, tree)
+
+
+def check_same_shapes(expected, actual, what: str = "new weights") -> None:
+    """Raise ValueError naming the first leaf of ``actual`` whose shape, dtype, sharding or weak type differs
+    from ``expected``'s, or that one tree has and the other lacks: a compiled program runs only on the
+    abstract inputs it was compiled for, and new ones would compile it again."""
+    leaves = lambda tree: dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+    want, got = leaves(expected), leaves(actual)
+    for path in want.keys() - got.keys():
+        raise ValueError(f"{what} lack the leaf {jax.tree_util.keystr(path)} the engine's programs take")
+    for path in got.keys() - want.keys():
+        raise ValueError(f"{what} have a leaf {jax.tree_util.keystr(path)} the engine's programs do not take")
+    for path, old in want.items():
+        new = got[path]
+        for field in ("shape", "dtype", "sharding", "weak_type"):
+            before, after = getattr(old, field, None), getattr(new, field, None)
+            if before != after:
+                raise ValueError(
+                    f"{what}: leaf {jax.tree_util.keystr(path)} has {field} {after}, but the engine's "
+                    f"programs were compiled for {before} (new weights must keep every leaf's shape, dtype "
+                    "and sharding: nothing is compiled again)")
+    if jax.tree.structure(expected) != jax.tree.structure(actual):
+        raise ValueError(f"{what} are a {jax.tree.structure(actual)}; the engine's programs take a "
+                         f"{jax.tree.structure(expected)}")
 
 
 class ProgramCache:

@@ -31,7 +31,7 @@ from rstar2jax.models.lora import LoraConfig, check_adapters, lora_specs
 from rstar2jax.models.peft_config import ADAPTER_CONFIG, MODULES, AdapterSpec, architecture, read_adapter_spec
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_peft_adapter", "same_base", "save_peft_adapter"]
+__all__ = ["ADAPTER_WEIGHTS", "load_peft_adapter", "same_base", "save_peft_adapter"]
 _PREFIX = "base_model.model.model.layers"
 _log = logging.getLogger(__name__)
 _warned: set[tuple[str, str, str]] = set()  # (adapter folder, its base, the base given): warned once

@@ -15,7 +15,7 @@ from rstar2jax.train.metrics import MetricsLogger
 from rstar2jax.train.options import ConfigError, PolicyOptions, RunOptions, StageOptions
 from rstar2jax.train.parse import parse
 from rstar2jax.train.parse_model import policy_options
-from rstar2jax.train.rl import RLIterationConfig, filter_hard_problems, rl_iteration
+from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rl_loop import train_rl
 from rstar2jax.train.run import Interrupted, RunPaths, StopSignal
 from rstar2jax.train.runtime import (
@@ -25,7 +25,7 @@ from rstar2jax.train.runtime import (
     request_host_devices,
 )
 from rstar2jax.train.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous, make_schedule
-from rstar2jax.train.selection import rollout_metrics, select_and_build_batch
+from rstar2jax.train.selection import RLIterationConfig, rollout_metrics, select_and_build_batch
 from rstar2jax.train.sft_loop import train_sft
 from rstar2jax.train.state import (
     TrainState,

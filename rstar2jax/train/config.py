@@ -13,6 +13,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any
 
 from rstar2jax.train import schema
+from rstar2jax.train.checks import Field
 
 if TYPE_CHECKING:
     import ml_collections
@@ -36,7 +37,7 @@ def placeholder(field_type: type):
     return ml_collections.config_dict.placeholder(field_type)
 
 
-def _initial(field: schema.Field) -> Any:
+def _initial(field: Field) -> Any:
     """A field's entry: its default (a nested config for a mapping); a field that may be None is a
     placeholder of the check's type (holding the default), so that overrides parse as that type."""
     if isinstance(field.default, dict):
@@ -48,7 +49,7 @@ def _initial(field: schema.Field) -> Any:
     return field.default
 
 
-def _build(fields: dict[str, schema.Field]) -> ml_collections.ConfigDict:
+def _build(fields: dict[str, Field]) -> ml_collections.ConfigDict:
     """The config of ``fields`` (dotted paths) with their defaults, nested in their order."""
     tree: dict[str, Any] = {}
     for path, field in fields.items():

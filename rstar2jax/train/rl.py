@@ -40,7 +40,7 @@ from rstar2jax.train.schedule import (
     run_rollouts,
     unique_problems,
 )
-from rstar2jax.train.selection import (  # RLIterationConfig and score_groups: the notebooks import them here
+from rstar2jax.train.selection import (
     RewardFn,
     RLIterationConfig,
     policy_lag_metrics,
@@ -51,7 +51,7 @@ from rstar2jax.train.selection import (  # RLIterationConfig and score_groups: t
 )
 from rstar2jax.train.state import TrainState
 
-__all__ = ["RLIterationConfig", "filter_hard_problems", "rl_iteration", "score_groups"]
+__all__ = ["filter_hard_problems", "rl_iteration"]
 
 
 @dataclasses.dataclass

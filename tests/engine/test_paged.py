@@ -215,7 +215,7 @@ def test_random_fork_and_free_orders_match_the_dense_reference(tiny_qwen3, data)
     assert len(records) == sum(p["n"] for p in plans)
     for record in records:
         _check_against_dense(tiny_qwen3, *record)
-    assert core.pages.num_used == 0 and core._reserved == 0
+    assert core.pages.num_used == 0 and core.scheduler.sequences.ledger.reserved == 0
     assert np.isnan(np.asarray(core.state.pages.k[:, :, 1:])).any()  # freed pages were poisoned
 
 

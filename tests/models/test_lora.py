@@ -257,7 +257,7 @@ def test_peft_saved_adapters_load_with_peft_logits(peft_base, tmp_path, case):
     model = _peft_folder(tiny, tmp_path, **PEFT_CASES[case])
     with torch.no_grad():
         expected = model(torch.as_tensor(tokens)).logits.numpy()
-    saved = json.loads((tmp_path / peft_adapter.ADAPTER_CONFIG).read_text())
+    saved = json.loads((tmp_path / peft_config.ADAPTER_CONFIG).read_text())
     if case == "all_linear":  # what peft 0.21 writes: every matched module's full path, not the shorthand
         assert "model.layers.0.self_attn.o_proj" in saved["target_modules"]
 
@@ -320,13 +320,13 @@ def test_base_identity_is_architecture_and_shapes(peft_base, tmp_path, caplog):
     llama = dataclasses.replace(config, model_type="llama", qk_norm=None)
     with pytest.raises(ValueError, match="trained on a Qwen3ForCausalLM .* this base is a LlamaForCausalLM"):
         peft_adapter.load_peft_adapter(folder, llama)
-    settings = json.loads((folder / peft_adapter.ADAPTER_CONFIG).read_text())
-    (folder / peft_adapter.ADAPTER_CONFIG).write_text(json.dumps({**settings, "init_lora_weights": "pissa"}))
+    settings = json.loads((folder / peft_config.ADAPTER_CONFIG).read_text())
+    (folder / peft_config.ADAPTER_CONFIG).write_text(json.dumps({**settings, "init_lora_weights": "pissa"}))
     assert peft_adapter.load_peft_adapter(folder, config)[0] == LORA  # as peft: loaded, with a warning
     assert "init_lora_weights='pissa': it belongs to the residual base" in caplog.text
     for broken, message in (({"peft_type": "IA3"}, "only LORA adapters load"),
                             ({"target_modules": None}, "target_modules is not set"),
                             ({"target_modules": ["c_attn"]}, "matches no module of this qwen3 model")):
-        (folder / peft_adapter.ADAPTER_CONFIG).write_text(json.dumps({**settings, **broken}))
+        (folder / peft_config.ADAPTER_CONFIG).write_text(json.dumps({**settings, **broken}))
         with pytest.raises(ValueError, match=message):
             peft_adapter.load_peft_adapter(folder, config)
