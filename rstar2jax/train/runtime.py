@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.engine.config import FP8
 from rstar2jax.engine.programs import check_precision
 from rstar2jax.train.options import ConfigError, DistributedOptions, RunOptions
 
@@ -97,10 +98,11 @@ def check_rollout_precision(options: RunOptions) -> None:
     """After :func:`prepare_process`, before any work: a ``ConfigError`` naming the ``config.rollout`` field
     whose precision the backend cannot run (``engine.check_precision``: FP8 weights or KV pages where JAX or
     the device has no float8_e4m3fn, FP8 pages with an attention kernel that does not compile for them here,
-    an FP8 weight block that does not divide a weight). Starts the backend (parsing could not)."""
-    if options.rl is None:
+    an FP8 weight block that does not divide a weight). Starts the backend (parsing could not) when the
+    rollout has anything in FP8; otherwise there is nothing to check."""
+    engine = options.rl.rollout.engine if options.rl is not None else None
+    if engine is None or FP8 not in (engine.weight_dtype, engine.kv_dtype):
         return
-    engine = options.rl.rollout.engine
     try:
         check_precision(options.model, engine)
     except ValueError as error:

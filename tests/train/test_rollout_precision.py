@@ -104,3 +104,45 @@ def test_what_the_backend_cannot_run_is_a_config_error_before_any_work(monkeypat
     with pytest.raises(ConfigError, match=r"^config\.rollout\.attention='pallas_triton': .*cannot read FP8"):
         check_rollout_precision(_parse({"rollout.kv_dtype": "fp8", "rollout.attention": "pallas_triton"}))
     check_rollout_precision(_parse({"rollout.kv_dtype": "fp8"}))  # "auto" falls back to blockwise
+
+
+_FP8_ARM = """
+import dataclasses, json
+from experiments import ablate_roc
+from experiments.configs import demo
+from rstar2jax.train import parse
+
+config, paths = demo.get_config(), demo.DemoPaths("runs/x")
+def options(run):
+    return parse(demo.before_files(run, config), check_data=False)
+fp8_run = ablate_roc.arm_run_config(config, paths, "fp8", seed=1)
+fp8, plain = options(fp8_run), options(ablate_roc.trainer_precision(fp8_run))
+paper_run = ablate_roc.arm_run_config(config, paths, "paper", seed=1)
+paper = options(paper_run)
+engine = fp8.rl.rollout.engine
+print(json.dumps(dict(
+    engine=[engine.weight_dtype, engine.kv_dtype, engine.weight_block],
+    loss=[fp8.rl.loss.old_logprobs, fp8.rl.loss.rollout_is_cap, paper.rl.loss.rollout_is_cap],
+    evaluator_is_papers=plain.rl.rollout.engine == paper.rl.rollout.engine,
+    paper_is_its_own_evaluator=ablate_roc.trainer_precision(paper_run).rollout == paper_run.rollout,
+    same_otherwise=dataclasses.replace(engine, weight_dtype=None, kv_dtype=None, weight_block=128)
+    == paper.rl.rollout.engine,
+    seed=[fp8.seed, fp8.rl.iterations[0].roc_mode])))
+"""
+
+
+def test_the_fp8_ablation_arm_samples_in_fp8_with_tis_and_is_evaluated_in_the_trainers_precision():
+    """``ablate_roc --modes=paper,fp8``: the fp8 arm is the paper arm with the demo model's FP8 rollout
+    (64 x 64 blocks: the largest edge dividing its projections) and the TIS default; its final policy is
+    evaluated by the paper arm's engine. (A subprocess: the launcher module defines its absl flags on
+    import.)"""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FP8_ARM], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == dict(engine=["fp8", "fp8", 64], loss=["recompute", 2.0, None], evaluator_is_papers=True,
+                          paper_is_its_own_evaluator=True, same_otherwise=True, seed=[1, "paper"])
