@@ -146,3 +146,31 @@ def test_the_fp8_ablation_arm_samples_in_fp8_with_tis_and_is_evaluated_in_the_tr
     result = json.loads(done.stdout.splitlines()[-1])
     assert result == dict(engine=["fp8", "fp8", 64], loss=["recompute", 2.0, None], evaluator_is_papers=True,
                           paper_is_its_own_evaluator=True, same_otherwise=True, seed=[1, "paper"])
+
+
+@pytest.mark.parametrize("launcher, args", [
+    ("experiments.demo", ["--config.rl.rollout.weight_dtype=fp8", "--config.rl.rollout.weight_block=64"]),
+    ("experiments.ablate_roc", ["--modes=paper,fp8", "--seeds=0", "--workdir={out}"]),
+])
+def test_the_demo_launchers_refuse_what_the_backend_cannot_run_before_any_work(launcher, args, tmp_path):
+    """The demo and the ablation check every phase's rollout precision on this backend (float8 made absent
+    here) before they write anything: exit 2, one line naming the field (``tests/train/bad_options.py``'s
+    driver, as ``test_every_bad_option_gets_one_line`` runs the training launchers)."""
+    import json
+    import subprocess
+    import sys
+
+    # The driver sets the demo's work folder (config.workdir) and reports whether it appeared.
+    case = {"args": [*(a.format(out=tmp_path / "out") for a in args), "--compile_cache="],
+            "refuse": "rstar2jax.models.platform:float8_supported"}
+    (tmp_path / "cases.json").write_text(json.dumps([case]))
+    config, cases = "experiments/configs/demo.py", str(tmp_path / "cases.json")
+    driver = ["tests.train.bad_options", launcher, config, cases, str(tmp_path / "runs")]
+    done = subprocess.run([sys.executable, "-m", *driver], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = json.loads(done.stdout.splitlines()[-1])
+    lines = result["stderr"].splitlines()
+    assert result["status"] == 2 and len(lines) == 1, result
+    assert lines[0].startswith("error: config.rollout.weight_dtype='fp8': weight_dtype='fp8' needs float8")
+    assert not result["wrote"] and not (tmp_path / "out").exists(), result
