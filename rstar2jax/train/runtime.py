@@ -106,7 +106,7 @@ def check_rollout_precision(options: RunOptions) -> None:
     try:
         check_precision(options.model, engine)
     except ValueError as error:
-        # The field the message starts from ("attention='pallas_triton' cannot read ... or kv_dtype=None").
+        # The field the message starts from ("attention='pallas_triton' cannot read FP8 KV pages ...").
         found = {m.start(): n for n in _PRECISION_FIELDS if (m := re.search(rf"\b{n}=", str(error)))}
         name = found[min(found)] if found else "weight_block"  # check_block's message names no field
         raise ConfigError(f"config.rollout.{name}={getattr(engine, name)!r}: {error}") from None
