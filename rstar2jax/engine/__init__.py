@@ -19,7 +19,14 @@ from rstar2jax.engine.generate import Generation, generate
 from rstar2jax.engine.paged_attention import PagedCacheView, PagedKV, paged_attention_reference
 from rstar2jax.engine.pages import PageAllocator
 from rstar2jax.engine.records import Chunk, Segment
-from rstar2jax.engine.sampling import first_argmax, sample_tokens, truncation_mask
+from rstar2jax.engine.sampling import (
+    Sampled,
+    first_argmax,
+    gumbel_at,
+    sample_tokens,
+    sample_with_logprobs,
+    truncation_mask,
+)
 from rstar2jax.engine.scheduler import Engine, Session
 from rstar2jax.engine.state import (
     BUDGET,
@@ -61,6 +68,7 @@ __all__ = [
     "PageAllocator",
     "PagedCacheView",
     "PagedKV",
+    "Sampled",
     "SamplingParams",
     "Segment",
     "Session",
@@ -68,9 +76,11 @@ __all__ = [
     "StepLayout",
     "first_argmax",
     "generate",
+    "gumbel_at",
     "init_state",
     "page_rounded",
     "paged_attention_reference",
     "sample_tokens",
+    "sample_with_logprobs",
     "truncation_mask",
 ]

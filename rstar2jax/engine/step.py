@@ -37,7 +37,7 @@ import numpy as np
 
 from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.paged_attention import NULL_PAGE, PagedCacheView, RaggedBatch
-from rstar2jax.engine.sampling import sample_tokens
+from rstar2jax.engine.sampling import sample_with_logprobs
 from rstar2jax.engine.state import (
     BUDGET,
     DONE,
@@ -255,18 +255,14 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     row_pos = pos.at[row_token].get(mode="fill", fill_value=0)
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slot],
                                                                                row_pos + 1)
-    # Idle rows count as greedy so that they never switch on the sampling passes.
-    new = sample_tokens(
+    # Idle rows count as greedy so that they never switch on the sampling passes. The log-probs and entropies
+    # come from the greedy max pass and one more pass (a gather picks the token's logit).
+    new, logprob, entropy = sample_with_logprobs(
         logits, keys, jnp.where(sample, state.temperature[row_slot], 0.0),
         jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0))
-    # A gather, not token_logprobs' select over the whole vocabulary (built for gradients, never taken here).
-    picked = jnp.take_along_axis(logits, new[:, None], axis=-1)[:, 0]
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
-    # H = log Z - sum_v p_v logit_v: one more reduction over the logits, fused with the normaliser's.
-    entropy = log_norm - jnp.sum(jnp.exp(logits - log_norm[:, None]) * logits, axis=-1)
     state, reason = _commit(state, row_slot, sample, row_pos, new)
     outputs = (jnp.where(sample, new, -1), jnp.where(sample, reason, NOT_FINISHED),
-               jnp.where(sample, picked - log_norm, 0.0), jnp.where(sample, entropy, 0.0))
+               jnp.where(sample, logprob, 0.0), jnp.where(sample, entropy, 0.0))
     return state, outputs
 
 
