@@ -20,7 +20,10 @@ from rstar2jax.engine.paged_attention import PagedCacheView, PagedKV, paged_atte
 from rstar2jax.engine.pages import PageAllocator
 from rstar2jax.engine.records import Chunk, Segment
 from rstar2jax.engine.sampling import (
+    CANDIDATES,
+    Candidates,
     Sampled,
+    candidates,
     first_argmax,
     gumbel_at,
     sample_tokens,
@@ -48,6 +51,7 @@ from rstar2jax.engine.step import StepBuilder, StepLayout
 
 __all__ = [
     "BUDGET",
+    "CANDIDATES",
     "DONE",
     "EOS",
     "FINISH_REASON_NAMES",
@@ -59,6 +63,7 @@ __all__ = [
     "PAUSED",
     "RUNNING",
     "STOP",
+    "Candidates",
     "Chunk",
     "Engine",
     "EngineConfig",
@@ -74,6 +79,7 @@ __all__ = [
     "Session",
     "StepBuilder",
     "StepLayout",
+    "candidates",
     "first_argmax",
     "generate",
     "gumbel_at",

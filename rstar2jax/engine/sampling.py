@@ -231,18 +231,41 @@ def _thresholds_on_list(values, vocab: int, top_p, top_k, full_mass):
     return keys >= cut[:, None], fits
 
 
-def _draw_listed(scaled, keys, top_p, top_k, truncate):
-    """Rows' draws from their candidate lists: (tokens int32 ``[B]``, fits bool ``[B]``: whether the row's
-    kept set is listed whole, so its token is right; only rows in ``truncate`` can fit)."""
-    rows, vocab = scaled.shape
-    values, index = jax.lax.top_k(scaled, min(CANDIDATES, vocab))
-    untruncated_k = (top_k <= 0) | (top_k >= vocab)
+class Candidates(NamedTuple):
+    """:func:`candidates`' result: per row, the ``L`` listed tokens (``index``, ``values``: ``lax.top_k`` of
+    the scaled logits), which of them are kept (``kept``) and whether the kept set is listed whole
+    (``fits``; where it is not, ``kept`` means nothing)."""
+
+    index: jax.Array
+    values: jax.Array
+    kept: jax.Array
+    fits: jax.Array
+
+
+def candidates(scaled_logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> Candidates:
+    """:func:`truncation_mask` on a list of each row's ``CANDIDATES`` largest scaled logits: one
+    ``lax.top_k`` pass over the vocabulary (and one exp pass when some row has top-p without top-k)
+    instead of 64. Rows that truncate nothing never fit.
+
+    Args:
+      scaled_logits: float32 ``[B, V]``; top_p: float32 ``[B]``; top_k: int32 ``[B]``.
+    """
+    rows, vocab = scaled_logits.shape
+    values, index = jax.lax.top_k(scaled_logits, min(CANDIDATES, vocab))
     full_mass = jax.lax.cond(
-        jnp.any(truncate & (top_p < 1.0) & untruncated_k),
-        lambda: jnp.sum(jnp.exp(scaled - values[:, :1]), axis=-1),
+        jnp.any((top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab))),
+        lambda: jnp.sum(jnp.exp(scaled_logits - values[:, :1]), axis=-1),
         lambda: jnp.ones((rows,), jnp.float32),
     )
     kept, fits = _thresholds_on_list(values, vocab, top_p, top_k, full_mass)
+    return Candidates(index, values, kept, fits)
+
+
+def _draw_listed(scaled, keys, top_p, top_k):
+    """Rows' draws from their :func:`candidates`: (tokens int32 ``[B]``, fits bool ``[B]``: whether the
+    token is right)."""
+    vocab = scaled.shape[-1]
+    index, values, kept, fits = candidates(scaled, top_p, top_k)
     if indexed_noise_matches(keys):
         noise = gumbel_at(keys, index)
     else:
@@ -250,7 +273,7 @@ def _draw_listed(scaled, keys, top_p, top_k, truncate):
     noised = jnp.where(kept, values + noise, -jnp.inf)
     best = jnp.max(noised, axis=-1, keepdims=True)
     token = jnp.min(jnp.where(noised == best, index, vocab), axis=-1)  # the first maximum, as first_argmax
-    return token, fits & truncate
+    return token, fits
 
 
 def _noise(keys: jax.Array, vocab: int) -> jax.Array:
@@ -283,11 +306,10 @@ def _draw(logits, keys, temperature, top_p, top_k, greedy):
 
     def stochastic():
         scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-        listed, fits = jax.lax.cond(
-            jnp.any(truncate),
-            lambda: _draw_listed(scaled, keys, top_p, top_k, truncate),
-            lambda: (jnp.zeros_like(greedy), jnp.zeros(truncate.shape, bool)),
-        )
+        # Rows that truncate nothing (greedy ones included) get settings that never fit the list.
+        p, k = jnp.where(truncate, top_p, 1.0), jnp.where(truncate, top_k, 0)
+        listed, fits = jax.lax.cond(jnp.any(truncate), lambda: _draw_listed(scaled, keys, p, k),
+                                    lambda: (jnp.zeros_like(greedy), jnp.zeros(truncate.shape, bool)))
         in_full = sampled & ~fits
         drawn = _draw_in_full(scaled, keys, top_p, top_k, truncate, in_full)
         return jnp.where(fits, listed, jnp.where(in_full, drawn, greedy))
