@@ -372,15 +372,19 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array, temperature: jax.Ar
                          top_k: jax.Array) -> Sampled:
     """:func:`sample_tokens` with each token's raw log-prob and each row's entropy.
 
-    The row maximum ``m`` comes from the greedy max pass; one more pass sums ``e = exp(l - m)`` and
-    ``e (l - m)``: ``log Z = m + log sum(e)``, ``H = log sum(e) - sum(e (l - m)) / sum(e)``.
+    The row maximum ``m`` comes from the greedy max pass; ``log Z = m + log sum(e)`` and ``H = log sum(e) -
+    sum(e (l - m)) / sum(e)`` with ``e = exp(l - m)``, each sum a pass that computes its own ``e``.
     """
     logits, blocks, block_max, best = _checked(logits, keys, temperature, top_p, top_k)
     tokens = _draw(logits, keys, temperature, top_p, top_k, _argmax_of_blocks(blocks, block_max, best))
-    shifted = logits - best[:, None]
-    weights = jnp.exp(shifted)
-    sums = jnp.sum(jnp.stack([weights, jnp.where(weights > 0, weights * shifted, np.float32(0))], axis=1),
-                   axis=-1)  # one reduction of both sums: XLA:CPU reads the logits once
-    log_sum = jnp.log(sums[:, 0])
+    # The two sums are written over differently shaped views so that XLA keeps them apart: each fuses its own
+    # exp into its reduction. A shared exp would be written out whole first and read twice (~15% of a
+    # 16-row decode step on this 2-core CPU, against ~6% for the two fused passes).
+    total = jnp.sum(jnp.sum(jnp.exp(blocks - best[:, None, None]), axis=-1), axis=-1)
+    # -inf logits: exp gives 0, and 0 * (the lowest float) is 0 where 0 * -inf is NaN (no select: XLA:CPU's
+    # fused reductions take max, not select).
+    shifted = jnp.maximum(logits - best[:, None], np.finfo(np.float32).min)
+    weighted = jnp.sum(jnp.exp(shifted) * shifted, axis=-1)
+    log_sum = jnp.log(total)
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return Sampled(tokens, picked - (best + log_sum), log_sum - sums[:, 1] / sums[:, 0])
+    return Sampled(tokens, picked - (best + log_sum), log_sum - weighted / total)

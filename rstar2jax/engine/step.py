@@ -250,8 +250,9 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     sample = (decode & valid).at[row_token].get(mode="fill", fill_value=False)
     head, layout = output_head(params, state.config)
     h = x[0].at[row_token].get(mode="fill", fill_value=0)
-    logits = jnp.einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
-                        preferred_element_type=jnp.float32)
+    # h @ head.T, not einsum("rd,vd->rv"): XLA:CPU fuses the former into a two-thread vector-matrix loop at
+    # one row (the einsum's dot takes ~1.35x the CPU time there); both give the same dot at more rows.
+    logits = jnp.dot(h, head.T if layout == "vd" else head, preferred_element_type=jnp.float32)
     row_pos = pos.at[row_token].get(mode="fill", fill_value=0)
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slot],
                                                                                row_pos + 1)
