@@ -111,6 +111,16 @@ class EngineCore:
                                                             self.engine_config.return_on_stop)
         return program
 
+    def _variant(self, layout: StepLayout) -> StepLayout:
+        """``layout``'s greedy program (``StepLayout.greedy``) while no sequence samples, unless only the
+        general one is compiled or compiling (it serves greedy rows as well); else ``layout``."""
+        if any(seq.sampling.temperature > 0 for seq in self._seqs.values()):
+            return layout
+        greedy = dataclasses.replace(layout, greedy=True)
+        general_held = layout in self._programs or PROGRAMS.holds(self._abstract, layout,
+                                                                  self.engine_config.return_on_stop)
+        return greedy if greedy in self._programs or not general_held else layout
+
     def _compile_ahead(self, layout: StepLayout) -> None:
         """Compile ``layout``'s program in the background unless this engine has it."""
         if layout not in self._programs:
@@ -389,8 +399,8 @@ class EngineCore:
             if runs:  # the decode steps after this prefill: their program may compile meanwhile
                 starting = sum(s.phase == Phase.READY and s.start is not None for s in self._seqs.values())
                 n = min(len(decoding) + starting, self.engine_config.num_slots)
-                self._compile_ahead(self._bucket(n, n, 0))
-            program = self._program(layout)
+                self._compile_ahead(self._variant(self._bucket(n, n, 0)))
+            program = self._program(self._variant(layout))
             self.state, out_i, out_f = program(self.state, self.params, builder.ints, builder.floats)
             for _, seq in rows:
                 seq.in_flight.append(iterations)

@@ -23,7 +23,6 @@ exp pass.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -145,7 +144,7 @@ def gumbel_at(keys: jax.Array, index: jax.Array) -> jax.Array:
 
     JAX's partitionable threefry (its default) makes entry ``i`` of a draw the hash of the key and ``i``
     alone; this hashes only the requested entries. :func:`indexed_noise_matches` says whether this JAX
-    draws that way (checked against ``jax.random.gumbel`` once per process).
+    draws that way.
 
     Args:
       keys: ``[B]`` typed threefry PRNG keys; index: int ``[B, L]``.
@@ -163,29 +162,13 @@ def gumbel_at(keys: jax.Array, index: jax.Array) -> jax.Array:
     return _gumbel_from_bits(bits1 ^ bits2)
 
 
-@functools.cache
-def _noise_matches(impl: str, partitionable: bool, high_range: bool) -> bool:
-    del partitionable, high_range  # part of the cache key: they change what jax.random.gumbel draws
-    if impl != "threefry2x32":
-        return False
-    with jax.ensure_compile_time_eval():
-        keys = jax.random.split(jax.random.key(20250, impl=impl), 2)
-        vocab = 4099
-        index = jnp.stack([jnp.arange(vocab), jnp.arange(vocab)[::-1]])
-        drawn = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-        try:
-            ours = gumbel_at(keys, index)
-        except Exception:  # noqa: BLE001 - a JAX without this primitive's calling convention: no shortcut
-            return False
-        return bool(jnp.all(ours == jnp.take_along_axis(drawn, index, axis=-1)))
-
-
 def indexed_noise_matches(keys: jax.Array) -> bool:
-    """Whether :func:`gumbel_at` gives ``jax.random.gumbel``'s values for ``keys``' PRNG in this JAX (its
-    threefry is partitionable and its Gumbel transform the one above). Without it, truncated rows draw the
-    whole vocabulary's noise: the same tokens, more work."""
-    return _noise_matches(str(jax.random.key_impl(keys)), bool(jax.config.jax_threefry_partitionable),
-                          bool(getattr(jax.config, "jax_use_high_dynamic_range_gumbel", False)))
+    """Whether :func:`gumbel_at` gives ``jax.random.gumbel``'s values for ``keys`` in this JAX: a threefry
+    key, the partitionable threefry (JAX's default since 0.5) and the default low-range Gumbel transform
+    (both are config flags a user can flip). The tests check the transform against ``jax.random.gumbel``.
+    Without it, truncated rows draw the whole vocabulary's noise: the same tokens, more work."""
+    return (str(jax.random.key_impl(keys)) == "threefry2x32" and bool(jax.config.jax_threefry_partitionable)
+            and not getattr(jax.config, "jax_use_high_dynamic_range_gumbel", False))
 
 
 # ---- drawing
@@ -327,7 +310,8 @@ def _checked(logits, keys, temperature, top_p, top_k):
             raise ValueError(f"{name} must have shape ({rows},), got {value.shape}")
     logits = logits.astype(jnp.float32)
     blocks = _blocks(logits)
-    block_max = jnp.max(blocks, axis=-1)
+    # The barrier keeps XLA from rewriting the row maximum as a second pass over the blocks.
+    block_max = jax.lax.optimization_barrier(jnp.max(blocks, axis=-1))
     return logits, blocks, block_max, jnp.max(block_max, axis=-1)
 
 
@@ -369,22 +353,24 @@ class Sampled(NamedTuple):
 
 
 def sample_with_logprobs(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                         top_k: jax.Array) -> Sampled:
-    """:func:`sample_tokens` with each token's raw log-prob and each row's entropy.
+                         top_k: jax.Array, *, greedy_only: bool = False) -> Sampled:
+    """:func:`sample_tokens` with each token's raw log-prob and each row's entropy; ``greedy_only`` takes
+    every row's :func:`first_argmax` (and compiles none of the sampling paths).
 
     The row maximum ``m`` comes from the greedy max pass; ``log Z = m + log sum(e)`` and ``H = log sum(e) -
-    sum(e (l - m)) / sum(e)`` with ``e = exp(l - m)``, each sum a pass that computes its own ``e``.
+    sum(e (l - m)) / sum(e)`` with ``e = exp(l - m)``, each sum one more pass.
     """
     logits, blocks, block_max, best = _checked(logits, keys, temperature, top_p, top_k)
-    tokens = _draw(logits, keys, temperature, top_p, top_k, _argmax_of_blocks(blocks, block_max, best))
-    # The two sums are written over differently shaped views so that XLA keeps them apart: each fuses its own
-    # exp into its reduction. A shared exp would be written out whole first and read twice (~15% of a
-    # 16-row decode step on this 2-core CPU, against ~6% for the two fused passes).
-    total = jnp.sum(jnp.sum(jnp.exp(blocks - best[:, None, None]), axis=-1), axis=-1)
-    # -inf logits: exp gives 0, and 0 * (the lowest float) is 0 where 0 * -inf is NaN (no select: XLA:CPU's
-    # fused reductions take max, not select).
-    shifted = jnp.maximum(logits - best[:, None], np.finfo(np.float32).min)
-    weighted = jnp.sum(jnp.exp(shifted) * shifted, axis=-1)
+    tokens = _argmax_of_blocks(blocks, block_max, best)
+    if not greedy_only:
+        tokens = _draw(logits, keys, temperature, top_p, top_k, tokens)
+    # Both sums run over the [rows, blocks, 128] view (XLA:CPU splits those reductions across threads, a
+    # flat row's not), each from the logits with its own exp: a shared ``l - m`` or exp would be written
+    # out whole, then read twice. The second clips -inf logits to the lowest float first (exp gives 0, and
+    # 0 * lowest is 0 where 0 * -inf is NaN).
+    total = jnp.sum(jnp.exp(blocks - best[:, None, None]), axis=(1, 2))
+    clipped = jnp.maximum(blocks, np.finfo(np.float32).min) - best[:, None, None]
+    weighted = jnp.sum(jnp.exp(clipped) * clipped, axis=(1, 2))
     log_sum = jnp.log(total)
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     return Sampled(tokens, picked - (best + log_sum), log_sum - weighted / total)

@@ -67,6 +67,8 @@ class StepLayout:
       (2 S + max_pages): page-table entries; copies (S): pages copied; poison: P when freed pages are
       poisoned, else 0.
       iterations: C = ``decode_chunk``, device iterations at most (the ragged one included).
+      greedy: the program samples every row greedily, whatever its slot's settings (compiled in about half
+        the time: the host runs it only while no sequence samples).
     """
 
     tokens: int
@@ -78,6 +80,7 @@ class StepLayout:
     num_pages: int
     poison: bool
     iterations: int
+    greedy: bool = False
 
     @classmethod
     def of(cls, engine_config: EngineConfig, tokens: int) -> StepLayout:
@@ -217,9 +220,10 @@ def _stop_matched(state: EngineState, slots: jax.Array, recent: jax.Array, new_l
     return jnp.any(jnp.all(equal | ~used, axis=-1) & jnp.any(used, axis=-1), axis=-1)
 
 
-def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_token, tile_token):
-    """Feed the flat batch, sample each running decode row and commit. Returns (state, outputs of the
-    rows: token (-1: none), finish code, log-prob, entropy)."""
+def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_token, tile_token, *,
+                 greedy: bool):
+    """Feed the flat batch, sample each running decode row (``greedy``: by argmax, whatever its settings)
+    and commit. Returns (state, outputs of the rows: token (-1: none), finish code, log-prob, entropy)."""
     S, P, ps = state.num_slots, state.num_pages, state.page_size
     real = tok_slot < S
     slot = jnp.minimum(tok_slot, S - 1)
@@ -260,7 +264,8 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     # come from the greedy max pass and one more pass (a gather picks the token's logit).
     new, logprob, entropy = sample_with_logprobs(
         logits, keys, jnp.where(sample, state.temperature[row_slot], 0.0),
-        jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0))
+        jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0),
+        greedy_only=greedy)
     state, reason = _commit(state, row_slot, sample, row_pos, new)
     outputs = (jnp.where(sample, new, -1), jnp.where(sample, reason, NOT_FINISHED),
                jnp.where(sample, logprob, 0.0), jnp.where(sample, entropy, 0.0))
@@ -321,7 +326,7 @@ def step(state: EngineState, params, ints: jax.Array, floats: jax.Array, *, layo
     def body(carry):
         i, state, out_i, out_f, _ = carry
         inputs = jax.tree.map(lambda a, b: jnp.where(i == 0, a, b), first, later)
-        state, (tokens, reason, logprob, entropy) = _ragged_step(state, params, *inputs)
+        state, (tokens, reason, logprob, entropy) = _ragged_step(state, params, *inputs, greedy=layout.greedy)
         out_i = out_i.at[i].set(jnp.stack([tokens, reason], axis=-1))
         out_f = out_f.at[i].set(jnp.stack([logprob, entropy], axis=-1))
         go = (i + 1 < limit) & jnp.any(_runnable(state, row_slot, row_slot < S))

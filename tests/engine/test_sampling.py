@@ -3,6 +3,8 @@ a sort-based reference, every draw against the reference definition (Gumbel nois
 kept set from a sort), draw frequencies against the reference probabilities, log-probs and entropies, greedy
 rows."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,8 @@ import pytest
 
 from rstar2jax.engine import (
     CANDIDATES,
+    EngineCore,
+    SamplingParams,
     candidates,
     first_argmax,
     gumbel_at,
@@ -18,6 +22,7 @@ from rstar2jax.engine import (
     truncation_mask,
 )
 from rstar2jax.engine.sampling import indexed_noise_matches
+from tests.engine.conftest import ENGINE_CONFIG
 
 
 def _sortable(x: np.ndarray) -> np.ndarray:
@@ -249,3 +254,41 @@ def test_logprobs_and_entropies():
     probs = np.exp(log_probs)
     entropy = -np.sum(probs * np.where(probs > 0, log_probs, 0.0), axis=-1)
     np.testing.assert_allclose(got.entropies, entropy, rtol=1e-5, atol=1e-5)
+
+
+# ---- the greedy-only step program
+
+
+def _run_core(core: EngineCore, requests):
+    """Run ``requests`` (prompt, temperature) to their 6-token budgets; returns each one's tokens."""
+    records = []
+    for i, (prompt, temperature) in enumerate(requests):
+        ((record,),) = core.admit([(prompt, 1, SamplingParams(temperature=temperature), 6, (0, i))])
+        core.start(record)
+        records.append(record)
+    while core.num_active:
+        for record, chunk in core.step():
+            record.receive(chunk)
+    return [record.response_ids for record in records]
+
+
+def test_greedy_steps_run_the_greedy_program_with_the_same_tokens(tiny_qwen3):
+    """While no sequence samples, an engine runs each bucket's greedy-only program (unless the general one
+    is compiled already, e.g. by warm-up); both give the same tokens. A sampling sequence uses the general
+    one."""
+    config = dataclasses.replace(ENGINE_CONFIG, decode_chunk=3)  # shapes no other test compiles
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 11)]
+    greedy = [(prompt, 0.0) for prompt in prompts]
+    core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
+    tokens = _run_core(core, greedy)
+    assert core._programs and all(layout.greedy for layout in core._programs)
+
+    warm = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
+    warm.warmup()
+    assert _run_core(warm, greedy) == tokens
+    assert not any(layout.greedy for layout in warm._programs)
+
+    mixed = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
+    assert _run_core(mixed, [greedy[0], (prompts[1], 1.0)])[0] == tokens[0]
+    assert not any(layout.greedy for layout in mixed._programs)
