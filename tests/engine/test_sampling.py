@@ -187,6 +187,22 @@ def test_candidate_list_keeps_the_reference_support():
             np.testing.assert_array_equal(mask, reference, err_msg=f"row {b}: p={top_p[b]} k={top_k[b]}")
 
 
+def test_candidate_list_with_signed_zeros_at_its_end():
+    """-0.0 sorts just below +0.0 (whichever order lax.top_k lists them in): a top-k threshold at +0.0 keeps
+    both +0.0 entries and not -0.0, and with zeros at the list's end the list cannot decide it (the row falls
+    back); a threshold above them it can."""
+    big = CANDIDATES - 2
+    row = np.concatenate([np.linspace(5.0, 1.0, big), [0.0, -0.0, 0.0, -1.0, -1.0]]).astype(np.float32)
+    for top_k, fits in ((big + 1, False), (big, True)):
+        got = candidates(jnp.asarray(row[None]), jnp.ones(1), jnp.array([top_k]))
+        assert bool(got.fits[0]) == fits
+        if fits:
+            mask = np.zeros(len(row), bool)
+            mask[np.asarray(got.index[0])[np.asarray(got.kept[0])]] = True
+            np.testing.assert_array_equal(mask, _reference_mask(row, 1.0, top_k))
+    assert _reference_mask(row, 1.0, big + 1).tolist() == [True] * (big + 1) + [False, True, False, False]
+
+
 def test_indexed_noise_is_jax_random_gumbel():
     keys = jax.random.split(jax.random.key(3), 3)
     assert indexed_noise_matches(keys)
