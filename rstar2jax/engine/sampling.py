@@ -17,8 +17,8 @@ each kind of row costs:
 
 Every path gives the tokens of the reference definition (Gumbel noise over the whole vocabulary, kept set
 from a sort): only a probability mass that equals ``top_p`` to within float32 rounding can decide otherwise.
-:func:`sample_with_logprobs` also returns each row's raw log-prob and entropy, from the same max pass and one
-exp pass.
+:func:`sample_with_logprobs` also returns each row's raw log-prob and entropy, from the same max pass and two
+exp-and-sum passes; its ``greedy_only`` compiles none of the sampled paths (the engine's greedy program).
 """
 
 from __future__ import annotations
