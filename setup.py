@@ -59,7 +59,9 @@ setup(
         # google-tunix, the side `bench_engine --startup` compares decoding with. Bench-only, and for an
         # environment of its own: it pins transformers 5.12. Beside this project, install it into a folder
         # with --no-deps instead (see experiments/bench_engine.py) and pass --tunix_path.
-        "bench": ["google-tunix==0.1.7"],
+        # trl, whose GRPOTrainer `bench_async` compares one GRPO step with (its dependencies are this
+        # project's): beside this project, `pip install --no-deps --target DIR trl==1.16.0`, --trl_path=DIR.
+        "bench": ["google-tunix==0.1.7", "trl==1.16.0"],
         # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
         "test": [
             "pytest>=9.2",
@@ -74,6 +76,7 @@ setup(
             "openai>=1.0",  # the serving tests drive the server with the official client
             "torch==2.13.0",
             "peft==0.21.2",  # the LoRA tests load our adapter folders with PEFT itself
+            "prometheus-client>=0.20",  # the serving tests parse /metrics with Prometheus' own parser
             "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
         ],
     },

@@ -88,7 +88,19 @@ def _unknown_field(argv: list[str], error: Exception) -> None:
     key, _, hint = str(detail).partition("\n")
     key = key.strip("'\"")
     arg = _override_arg(argv[1:], key)
+    hint = _moved_field(arg) or hint
     fail(f"{arg or 'config override'}: no config field {key!r}{'; ' + hint if hint else ''}")
+
+
+def _moved_field(arg: str) -> str:
+    """Where the field an override names went, when it is one that moved (``train.parse.MOVED``), else ''."""
+    from rstar2jax.train.parse import MOVED
+
+    parts = arg.lstrip("-").split("=", 1)[0].split(".")[1:]  # config.rl.loss.temperature -> rl, loss, ...
+    for start in range(len(parts)):
+        if (path := ".".join(parts[start:])) in MOVED:
+            return MOVED[path]
+    return ""
 
 
 def define_config(default: str | None, help_text: str, *, lock_config: bool = True):
@@ -372,7 +384,7 @@ def _leaves(node, prefix: str = ""):
 
 def describe_config(config, extra_help: Mapping[str, str] | None = None) -> list[str]:
     """One line per config field: ``path = value  # meaning``."""
-    from rstar2jax.train.config import field_help
+    from rstar2jax.train.field_help import field_help
 
     rows = [
         (path, repr(value.to_dict() if hasattr(value, "to_dict") else value))
@@ -403,10 +415,10 @@ def demo_config(config, workdir: str | None, print_fields: bool):
     return None
 
 
-def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, config=None) -> None:
+def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, options=None) -> None:
     """Prints where a launcher writes: its work folder, then per run (``runs``: name -> run folder; default
-    the work folder itself) the checkpoint folder and metrics file, then the TensorBoard command and the
-    config's ``notice``."""
+    the work folder itself) the checkpoint folder and metrics file, then the TensorBoard command (unless the
+    run's ``options`` turn TensorBoard off) and the run's ``notice``."""
     from rstar2jax.train import RunPaths
 
     workdir = pathlib.Path(workdir).resolve()
@@ -417,7 +429,7 @@ def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, c
         label = f"{name} " if name else ""
         lines += [f"  {label}checkpoints: {paths.checkpoints}", f"  {label}metrics:     {paths.metrics}"]
         _announced.append(paths.checkpoints)
-    tensorboard = config is None or config.logging.tensorboard
+    tensorboard = options is None or options.logging.tensorboard
     if tensorboard:
         logdir = RunPaths.of(workdir).tensorboard if list(runs.values()) == [workdir] else workdir
         missing = "" if shutil.which("tensorboard") else "   (pip install -e '.[tensorboard]')"
@@ -425,30 +437,29 @@ def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, c
     else:
         lines.append("  tensorboard: off (config.logging.tensorboard=False)")
     lines.append(f"  {compilation_cache_line()}")
-    notice = config.get("notice", "") if config is not None else ""
+    notice = options.notice if options is not None else ""
     if notice:
         lines.append(f"NOTE: {notice}")
     print("\n".join(lines), flush=True)
 
 
 def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool):
-    """What ``experiments.sft`` and ``train_rl`` do before training: ``--print_config``, or validate the
-    config before any compute (one line and exit 2 on a bad value) and convert it once into the run's typed
-    options (``train.RunOptions``), set up this process's devices and compile-and-report (``--dry_run``), or
-    announce where the run writes. Returns the options when the caller goes on to train, else None."""
+    """What ``experiments.sft`` and ``train_rl`` do before training: ``--print_config``, or parse the config
+    once into the run's typed options (``train.parse``: a bad value is one line and exit 2, before any
+    compute), set up this process's devices and compile-and-report (``--dry_run``), or announce where the run
+    writes. Returns the options when the caller goes on to train, else None."""
     from rstar2jax import train
 
     if print_fields:
         print_config(config)
         return None
-    train.validate(config, kind, check_data=not dry_run)
-    options = train.run_options(config)
+    options = train.parse(config, kind, check_data=not dry_run)
     train.prepare_process(options)
     if dry_run:
-        report = train.dry_run(options, kind=kind)
+        report = train.dry_run(options)
         print(train.format_dry_run(report), flush=True)
-        train.check_memory_plan(options, kind=kind, report=report)
+        train.check_memory_plan(options, report=report)
         return None
-    train.check_memory_plan(options, kind=kind)
-    announce(title, config.workdir, config=config)
+    train.check_memory_plan(options)
+    announce(title, options.workdir, options=options)
     return options

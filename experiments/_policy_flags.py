@@ -34,8 +34,12 @@ _SERVE_FLAG_HELP = {
     "opener ('' for none; a plain HF folder records none).",
 }
 PRESET_CHOICES = ("paper", "bare", "plain")
-#: The ``--adapter`` flag of evaluate / chat / serve.
+#: The ``--adapter`` flag of evaluate / chat / serve / export.
 ADAPTER_HELP = "PEFT LoRA adapter folder merged into --model (then an HF base folder or hub name)."
+STRICT_BASE_HELP = (
+    "Refuse an --adapter whose base_model_name_or_path names another model than --model (by default that "
+    "only warns: the architecture and every tensor's shape decide whether it fits)."
+)
 
 
 def define_format_flags(*, problem_prompt: bool) -> None:
@@ -53,13 +57,20 @@ def define_format_flags(*, problem_prompt: bool) -> None:
         _launch.key_flag(flags.DEFINE_string(name, None, texts[name]))
 
 
+def define_adapter_flags() -> flags.FlagHolder:
+    """Defines ``--adapter`` and ``--strict_base`` (listed in the launcher's ``--help``); returns the first.
+    :func:`load_policy_or_exit` reads ``--strict_base``."""
+    _launch.key_flag(flags.DEFINE_bool("strict_base", False, STRICT_BASE_HELP))
+    return _launch.key_flag(flags.DEFINE_string("adapter", None, ADAPTER_HELP))
+
+
 def _given(name: str):
     return flags.FLAGS[name].value if name in flags.FLAGS else None
 
 
 def format_from_flags(policy):
-    """The ``PromptConfig`` the flags ask for (see :func:`rstar2jax.serve.policy.prompt_format`)."""
-    from rstar2jax.serve.policy import prompt_format
+    """The ``PromptConfig`` the flags ask for (see :func:`rstar2jax.data.conversation.prompt_format`)."""
+    from rstar2jax.data.conversation import prompt_format
 
     return prompt_format(
         policy,
@@ -87,15 +98,18 @@ def describe_format(policy, prompt) -> str:
     return f"prompt format: {source}{also}; system prompt {system}; assistant opener {opener!r}"
 
 
-def load_policy_or_exit(model: str, *, tokenizer: str | None, dtype: str, adapter: str | None = None):
-    """``rstar2jax.serve.load_policy``; a folder that is missing or not a policy (no config, weights,
-    tokenizer or checkpoint, an unreadable format file, an adapter for another base) is one line naming it and
-    exit 2."""
+def load_policy_or_exit(model: str, *, tokenizer: str | None, dtype: str, adapter: str | None = None,
+                        step: int | None = None):
+    """``rstar2jax.serve.load_policy`` (with ``--strict_base`` where the launcher defines it); a folder that
+    is missing or not a policy (no config, weights, tokenizer or checkpoint, an unreadable format file, an
+    adapter of another architecture or shapes, or with a peft option this library cannot apply) is one line
+    naming it and exit 2."""
     from rstar2jax.serve import load_policy
 
     try:
-        return load_policy(model, tokenizer=tokenizer, dtype=dtype, adapter=adapter)
+        return load_policy(model, tokenizer=tokenizer, dtype=dtype, adapter=adapter, step=step,
+                           strict_base=bool(_given("strict_base")))
     except (OSError, ValueError) as error:  # FileNotFoundError, a hub name that cannot be fetched, ...
         given = f"--model={model}" + (f" --tokenizer={tokenizer}" if tokenizer else "") + (
-            f" --adapter={adapter}" if adapter else "")
+            f" --adapter={adapter}" if adapter else "") + (f" --step={step}" if step is not None else "")
         _launch.fail(f"{given}: {error}")

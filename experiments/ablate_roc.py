@@ -66,24 +66,24 @@ def run_ablation(
     ``notebooks/roc_ablation.ipynb``). The SFT policy is made first when ``config.workdir`` has none; finished
     runs are skipped, interrupted ones resume."""
     from experiments import demo_recipe as recipe
+    from experiments.configs.demo import DemoPaths, rl_run_config, sft_run_config
     from rstar2jax import train
     from rstar2jax.eval import report
-    from rstar2jax.train import policy as policy_lib
+    from rstar2jax.train.export import export_policy
+    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
-    paths = recipe.DemoPaths(config.workdir)
+    paths = DemoPaths(config.workdir)
     if unknown := [m for m in modes if m not in ARMS]:
         raise train.ConfigError(f"--modes: {unknown[0]!r} is not an arm; expected any of {tuple(ARMS)}")
-    train.validate(recipe.sft_run_config(config, paths), "sft", check_paths=False)
-    for mode in modes:  # every run's config is checked before the first starts
-        roc_mode, lora = ARMS[mode]
-        train.validate(recipe.rl_run_config(config, paths, roc_mode=roc_mode, lora=lora), "rl",
-                       check_paths=False)
+    arms = [rl_run_config(config, paths, roc_mode=ARMS[m][0], lora=ARMS[m][1]) for m in modes]
+    # Every run's config is checked before the first starts.
+    checked = recipe.check_run_configs(config, sft_run_config(config, paths), *arms)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"{mode}-seed{seed}" for seed in seeds for mode in modes]
     _launch.announce(
-        "RoC ablation", out, runs={"sft": paths.sft_run, **{n: out / n for n in names}}, config=config.rl
+        "RoC ablation", out, runs={"sft": paths.sft_run, **{n: out / n for n in names}}, options=checked[-1]
     )
     recipe.configure_compile_cache(compile_cache)
     timer = recipe.PhaseTimer()
@@ -94,23 +94,22 @@ def run_ablation(
         stop = stack.enter_context(_launch.stop_on_signals())
         server = stack.enter_context(start_local(workers=config.sandbox_workers))
         recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
-        prompt = policy_lib.prompt_from_config(config)
         for seed in seeds:
             for mode in modes:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
                 roc_mode, lora = ARMS[mode]
-                rl_config = recipe.rl_run_config(
-                    config, paths, workdir=out / name, seed=seed, roc_mode=roc_mode, lora=lora
+                rl = train.parse(
+                    rl_run_config(config, paths, workdir=out / name, seed=seed, roc_mode=roc_mode, lora=lora)
                 )
                 policy = out / name / "policy"
-                rollout_fn = policy_lib.policy_rollout(
-                    rl_config, server.url, prompt, restart_sandbox=server.restart_if_dead
+                rollout_fn = policy_rollout(
+                    rl, server.url, rl.policy.prompt, restart_sandbox=server.restart_if_dead
                 )
                 stack.callback(rollout_fn.close)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
-                        train.train_rl(rl_config, rollout_fn=rollout_fn, stop=stop)
-                        policy_lib.export_policy(rl_config, policy)
+                        train.train_rl(rl, rollout_fn=rollout_fn, stop=stop)
+                        export_policy(rl, policy)
                 metrics_path = out / name / "metrics.jsonl"
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))

@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import os
 import pathlib
@@ -155,7 +154,6 @@ def stage_environment(record: Recorder, smoke: bool) -> None:
     del smoke  # the same on every backend
     import jax
 
-    from rstar2jax.engine import paged_attention
     from rstar2jax.models import attention
     from rstar2jax.models.platform import SUPPORTED_JAX, accelerator, jax_version_supported
 
@@ -201,9 +199,10 @@ def stage_environment(record: Recorder, smoke: bool) -> None:
     print(f"training attention 'auto': {choice.implementation} ({choice.reason})", flush=True)
     for name, why in choice.rejected:
         print(f"  passed over {name}: {why}", flush=True)
-    # The paged decode attention's pick (the engine's own rule, named by its docstring's first line).
-    record(paged_attention_auto=paged_attention.resolve_attention("auto"),
-           paged_attention_why=inspect.getdoc(paged_attention.resolve_attention).splitlines()[0])
+    # The paged decode attention's pick (the same resolver, its rule per accelerator).
+    rule = ", ".join(f"{name} on {platform_}" for platform_, name in attention.DECODE_AUTO.items())
+    record(paged_attention_auto=attention.resolve_attention("auto", use="decoding"),
+           paged_attention_why=f"'auto' decodes with {rule}, blockwise elsewhere")
     print(f"paged decode attention 'auto': {record.figures['paged_attention_auto']}", flush=True)
 
 
@@ -423,7 +422,8 @@ def _attention_kernels(config, smoke: bool) -> dict:
     import jax
     import numpy as np
 
-    from rstar2jax.models import attention
+    from rstar2jax.models import attention, attention_kernels
+    from rstar2jax.models.platform import accelerator
 
     rows, length = (2, 256) if smoke else (8, 8192)
     rng = np.random.default_rng(0)
@@ -433,8 +433,8 @@ def _attention_kernels(config, smoke: bool) -> dict:
     segments = np.ones((rows, length), np.int32)
     flops = 7 * rows * length**2 * config.num_heads * config.head_dim
     gpu = jax.default_backend() != "cpu"
-    kernels = ["blockwise", *(n for n in attention.AUTO_CANDIDATES.get(attention.accelerator(), ())
-                              if gpu and attention.unavailable_reason(n, config.head_dim) is None)]
+    kernels = ["blockwise", *(n for n in attention.AUTO_CANDIDATES.get(accelerator(), ())
+                              if gpu and attention_kernels.unavailable_reason(n, config.head_dim) is None)]
     results = {}
     for name in kernels:
         loss = lambda q, k, v, name=name: attention.attention(q, k, v, segments, implementation=name).astype(
@@ -468,25 +468,25 @@ def stage_loop(record: Recorder, smoke: bool) -> None:
     # is not a result, and two fresh steps never resume from an earlier one.
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="accelerator_check_loop_"))
     config = loop_config(qwen3_1p7b_1gpu.get_config(), workdir, smoke, str(EVAL_SETS_DIR / "aime24.jsonl"))
-    train.validate(config, "rl")
-    train.prepare_process(config)
+    options = train.parse(config, "rl")
+    train.prepare_process(options)
     compiles = CompileEvents()
     steps_seen = []
 
     def on_step(step_record: dict) -> None:
         """Figures after every step, so a stage stopped in the final checkpoint save keeps them."""
         steps_seen.append((step_record, time.perf_counter()))
-        record(**loop_figures(steps_seen, compiles, mesh_size(config)))
+        record(**loop_figures(steps_seen, compiles, mesh_size(options)))
 
     stop_watching = threading.Event()
-    watcher = threading.Thread(target=_follow_metrics, args=(pathlib.Path(config.workdir) / METRICS_FILE,
+    watcher = threading.Thread(target=_follow_metrics, args=(options.workdir / METRICS_FILE,
                                                              on_step, stop_watching), daemon=True)
     record(loop_config=f"{config.rl.prompts_per_step} prompts x {config.rl.samples_per_problem} samples, "
                        f"{config.stages[0].max_response_length}-token responses, model {config.model.preset}")
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         watcher.start()
-        history = train.train_rl(config, rollout_fn=agent_rollout_fn(config, stack), max_steps=2)
+        history = train.train_rl(options, rollout_fn=agent_rollout_fn(options, stack), max_steps=2)
         stop_watching.set()
         watcher.join(timeout=5)
     if len(steps_seen) < len(history):  # the watcher's last look came before the last step's line

@@ -49,8 +49,26 @@ the HBM floor for 0.6B and 1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_mo
   ``pip install --no-deps --target DIR google-tunix==0.1.7 google-metrax clu wrapt sentencepiece perfetto``,
   and pass ``--tunix_path=DIR`` (without it the tunix keys are left out).
 
-Usage: ``python -m experiments.bench_engine [--scale | --startup]``. Prints a table and, as the last line, a
-JSON object with the figures.
+``--precision`` (issue 41), the low-precision engine (``EngineConfig.weight_dtype`` / ``kv_dtype`` = "fp8"):
+
+- ``kv_tokens_per_gib_ratio_fp8``: tokens a page pool of fixed bytes holds, FP8 over bfloat16, from the bytes
+  of one page of each engine's real state (Qwen3-1.7B shape, ``jax.eval_shape``: nothing allocated). Goal
+  >= 1.9.
+- ``weight_bytes_ratio_fp8``: bytes of the engine's weights (``engine_params``: linear layers FP8 in 128 x
+  128 blocks, embedding and norms bfloat16) over the bfloat16 engine's, Qwen3-1.7B shape. Goal <= 0.6.
+- ``logprob_mismatch_fp8``: mean |delta log p| between an FP8 engine's (weights and KV pages) sampled-token
+  log-probs and the trainer's (``models.sequence_logprobs``, teacher-forced, the policy's weights in
+  bfloat16 compute), over held-out prompts (``--precision_samples`` samples each at temperature 1);
+  ``logprob_mismatch_bf16``: the same for the bfloat16 engine, beside it; ``_fp8_weights`` / ``_fp8_kv``:
+  each half alone. The policy: ``--policy_dir`` (e.g. the demo's SFT export ``<workdir>/policies/sft``) with
+  ``--problems`` (its held-out split ``<workdir>/data/eval.jsonl``), by default the tiny taught policy of
+  ``experiments.tiny_policy`` built here (its three taught questions and five it was not taught).
+- ``--precision --gpu``: ``fp8_decode_speedup``, decode tokens/s of 64 sequences holding 512 tokens, FP8
+  engine (weights and KV) over bfloat16, Qwen3-1.7B shape (``--precision_shape``), random weights. Goal
+  >= 1.2.
+
+Usage: ``python -m experiments.bench_engine [--scale | --startup | --precision]``. Prints a table and, as the
+last line, a JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -77,6 +95,7 @@ from absl import app, flags
 from rstar2jax import models
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate, page_rounded
 from rstar2jax.engine.programs import engine_params
+from rstar2jax.engine.state import init_state
 from rstar2jax.models import init_params, load_pretrained
 
 # Shapes (random weights), all from the presets.
@@ -267,13 +286,13 @@ class _DecodeRun:
     an engine whose pool holds just them, whatever ``max_len``."""
 
     def __init__(self, params, config, *, slots: int, prompt_len: int, max_len: int, chunk: int = 8,
-                 chunks: int = 7):
+                 chunks: int = 7, **precision):
         steps = chunk * (chunks + 2)  # more than run, so no sequence finishes (and frees its pages)
         self.chunk = chunk
         engine_config = EngineConfig(
             num_slots=slots, max_len=max_len, decode_chunk=chunk, eos_token_ids=(), page_size=16,
             num_pages=slots * page_rounded(prompt_len + steps, 16) // 16 + 1, return_on_stop=False,
-            prefix_sharing=False)
+            prefix_sharing=False, **precision)
         self.core = EngineCore(params, config, engine_config)
         rng = np.random.default_rng(0)
         greedy = SamplingParams(temperature=0.0)
@@ -465,6 +484,134 @@ def scale(args, report) -> None:
         report("big_rollout_kv_over_dense", "64 x 2048-tok prompts x 16 samples x 64 tok: KV GiB",
                big["peak_kv"] / 2**30, big["dense_kv"] / 2**30, big["peak_kv"] / big["dense_kv"], "fits",
                f"{big['seconds']:.0f} s, 1.7B, no OOM")
+
+
+# ---- --precision: FP8 weights and KV pages
+
+TINY_HELD_OUT = ("What is 5 times 8?", "What is 6 plus 7?", "Say goodbye.", "What is the weather in Rome?",
+                 "What is 9 times 9?")
+
+
+def _tree_bytes(tree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def precision_bytes(shape: models.ModelConfig) -> dict:
+    """KV page bytes and engine weight bytes of ``shape``, bfloat16 and FP8, from abstract shapes."""
+    page = {}
+    for kv in (None, "fp8"):
+        engine_config = EngineConfig(num_slots=1, max_len=16, num_pages=2, kv_dtype=kv)
+        page[kv] = jax.eval_shape(lambda c=engine_config: init_state(shape, c)).pages.nbytes_per_page
+    abstract = jax.eval_shape(lambda: init_params(shape, jax.random.key(0)))
+    weights = {}
+    for kind in (None, "fp8"):
+        prepare = lambda p, kind=kind: engine_params(p, shape, False, weight_dtype=kind,
+                                                     fp8_matmul="reference")
+        weights[kind] = _tree_bytes(jax.eval_shape(prepare, abstract))
+    return dict(page=page, weights=weights)
+
+
+def _held_out_prompts(args, policy) -> tuple[list[list[int]], str]:
+    """Prompt ids of the held-out problems (``--problems``, else the tiny policy's), and where from."""
+    from rstar2jax.data.conversation import render_prompt_ids
+    from rstar2jax.data.problems import load_problems
+
+    if args.problems:
+        problems = [p.problem for p in load_problems(args.problems).problems][: args.precision_prompts]
+        source = args.problems
+    else:
+        from experiments.tiny_policy import ARITHMETIC, HELLO, WEATHER
+
+        problems = [HELLO, WEATHER, ARITHMETIC, *TINY_HELD_OUT]
+        source = "the tiny taught policy: its 3 questions and 5 others"
+    return [render_prompt_ids(policy.tokenizer, p, policy.prompt) for p in problems], source
+
+
+def logprob_mismatch(args) -> dict:
+    """Mean |delta log p| of each engine precision's sampled tokens against the trainer (module docstring)."""
+    from rstar2jax import algo
+    from rstar2jax.serve import load_policy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.policy_dir:
+            policy_dir = args.policy_dir
+        else:
+            from experiments.tiny_policy import build_tiny_policy
+
+            policy_dir = build_tiny_policy(pathlib.Path(tmp) / "tiny-policy")
+        policy = load_policy(policy_dir)
+    config = dataclasses.replace(policy.model_config, compute_dtype="bfloat16")  # the trainer's compute
+    prompts, source = _held_out_prompts(args, policy)
+    new, samples = args.precision_tokens, args.precision_samples
+    repeated = [p for p in prompts for _ in range(samples)]
+    width = page_rounded(max(map(len, prompts)) + new)
+    base = EngineConfig(num_slots=min(64, samples * len(prompts)), max_len=width, decode_chunk=16,
+                        weight_block=args.weight_block)
+    block = base.weight_block
+    variants = {"bf16": {}, "fp8": dict(weight_dtype="fp8", kv_dtype="fp8"),
+                "fp8_weights": dict(weight_dtype="fp8"), "fp8_kv": dict(kv_dtype="fp8")}
+    logprobs = jax.jit(lambda p, tokens, targets: models.sequence_logprobs(p, config, tokens, targets)[0])
+    out = {"source": source, "prompts": len(prompts), "samples": samples, "block": block}
+    for name, fields in variants.items():
+        engine_config = dataclasses.replace(base, **fields)
+        results = generate(policy.params, config, repeated, max_new_tokens=new, temperature=1.0, seed=0,
+                           engine_config=engine_config)
+        tokens = np.zeros((len(results), width), np.int32)
+        rollout, mask = np.zeros((len(results), width - 1), np.float32), np.zeros((len(results), width - 1))
+        for row, (prompt, result) in enumerate(zip(repeated, results, strict=True)):
+            sequence = prompt + result.tokens
+            tokens[row, : len(sequence)] = sequence
+            start, end = len(prompt) - 1, len(sequence) - 1
+            rollout[row, start:end], mask[row, start:end] = result.logprobs, 1
+        train = logprobs(policy.params, tokens[:, :-1], tokens[:, 1:])
+        metrics = algo.rollout_mismatch(train, rollout, mask)
+        out[name] = {k: float(v) for k, v in metrics.items()}
+        print(f"{name}: {out[name]}", flush=True)
+    return out
+
+
+def precision(args, report) -> None:
+    """The ``--precision`` measurements (see the module docstring)."""
+    shape = dataclasses.replace(SHAPES["1.7b"], param_dtype="bfloat16", compute_dtype="bfloat16")
+    sizes = precision_bytes(shape)
+    gib = 2**30
+    tokens = {kv: gib // sizes["page"][kv] * 16 for kv in (None, "fp8")}
+    report("kv_tokens_per_gib_ratio_fp8", "KV tokens per GiB of pool, 1.7B shape", tokens["fp8"],
+           tokens[None], tokens["fp8"] / tokens[None], ">= 1.9",
+           f"page {sizes['page']['fp8']} vs {sizes['page'][None]} bytes")
+    weights = sizes["weights"]
+    report("weight_bytes_ratio_fp8", "engine weights GiB, 1.7B shape", weights["fp8"] / gib,
+           weights[None] / gib, weights["fp8"] / weights[None], "<= 0.6",
+           "embedding (tied head) stays bfloat16")
+    mismatch = logprob_mismatch(args)
+    low, high = mismatch["fp8"]["mismatch_abs_log_ratio"], mismatch["bf16"]["mismatch_abs_log_ratio"]
+    report("logprob_mismatch_fp8", "mean |delta log p| vs trainer, FP8 vs bf16 engine", low, high,
+           low, "report", f"{mismatch['prompts']} prompts x {mismatch['samples']}: {mismatch['source']}")
+    report.figures["logprob_mismatch_bf16"] = high
+    for half in ("fp8_weights", "fp8_kv"):
+        report.figures[f"logprob_mismatch_{half}"] = mismatch[half]["mismatch_abs_log_ratio"]
+    for name in ("fp8", "bf16"):
+        report.figures[f"k3_kl_{name}"] = mismatch[name]["mismatch_k3_kl"]
+        report.figures[f"outside_band_{name}"] = mismatch[name]["mismatch_outside_band"]
+    if args.gpu:
+        rates = fp8_decode_rates(args.precision_shape)
+        report("fp8_decode_speedup", f"decode tok/s, {args.precision_shape}, 64 slots x 512 tok, FP8 vs bf16",
+               rates["fp8"], rates["bf16"], rates["fp8"] / rates["bf16"], ">= 1.2",
+               f"FP8 weights alone {rates['fp8_weights']:.0f}, FP8 KV alone {rates['fp8_kv']:.0f} tok/s")
+
+
+def fp8_decode_rates(shape: str, slots: int = 64, prompt_len: int = 512) -> dict:
+    """Decode tokens/s of ``slots`` sequences holding ``prompt_len`` tokens, bfloat16 engine and FP8 ones
+    (weights and KV, each alone), timed in turns on the same random weights."""
+    config = _config(shape, "bfloat16")
+    params = init_params(config, jax.random.key(0))
+    weights = dict(weight_dtype="fp8", weight_block=64 if shape == "tiny" else 128)
+    kinds = {"bf16": {}, "fp8": dict(weights, kv_dtype="fp8"), "fp8_weights": weights,
+             "fp8_kv": dict(kv_dtype="fp8")}
+    runs = {name: _DecodeRun(params, config, slots=slots, prompt_len=prompt_len, max_len=prompt_len + 128,
+                             **fields) for name, fields in kinds.items()}
+    decode_steps(list(runs.values()))
+    return {name: slots / run.wall_step_s for name, run in runs.items()}
 
 
 # ---- --startup: ready in seconds
@@ -683,13 +830,22 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "new tokens per sequence (
 _NEW_TOKENS_06B = flags.DEFINE_integer("new_tokens_06b", 256, "new tokens per sequence (0.6B)")
 _SKIP_06B = flags.DEFINE_bool("skip_06b", False, "leave out the two 0.6B measurements")
 _SCALE = flags.DEFINE_bool("scale", False, "measure the paged KV cache (issue 21)")
-_GPU = flags.DEFINE_bool("gpu", False, "with --scale: bfloat16, 1.7B ratios, GPU table")
+_GPU = flags.DEFINE_bool("gpu", False, "with --scale: bfloat16, 1.7B ratios, GPU table; with --precision: "
+                          "FP8 decode speed (fp8_decode_speedup)")
 _GPU_MODELS = flags.DEFINE_list("gpu_models", ["0.6b", "1.7b"], "with --gpu: model shapes")
 _GPU_BATCHES = flags.DEFINE_list("gpu_batches", ["1", "64", "256"], "with --gpu: batch sizes")
 _BIG_ROLLOUT = flags.DEFINE_bool(
     "big_rollout", False, "with --scale --gpu: 64 prompts x 2048 tokens x 16 samples on one GPU"
 )
 _STARTUP = flags.DEFINE_bool("startup", False, "measure compilation and start-up (issue 31)")
+_PRECISION = flags.DEFINE_bool("precision", False, "measure the FP8 engine (issue 41)")
+_POLICY_DIR = flags.DEFINE_string("policy_dir", None, "with --precision: a policy folder (default: tiny)")
+_PROBLEMS = flags.DEFINE_string("problems", None, "with --precision --policy_dir: held-out problems (JSONL)")
+_PRECISION_PROMPTS = flags.DEFINE_integer("precision_prompts", 32, "with --problems: problems used")
+_PRECISION_SAMPLES = flags.DEFINE_integer("precision_samples", 4, "with --precision: samples per prompt")
+_PRECISION_TOKENS = flags.DEFINE_integer("precision_tokens", 64, "with --precision: new tokens per sample")
+_WEIGHT_BLOCK = flags.DEFINE_integer("weight_block", 32, "with --precision: the policy's FP8 weight block")
+_PRECISION_SHAPE = flags.DEFINE_string("precision_shape", "1.7b", "with --precision --gpu: the decode shape")
 _TUNIX_PATH = flags.DEFINE_string("tunix_path", None, "with --startup: a folder holding google-tunix 0.1.7")
 _PORT = flags.DEFINE_integer("port", 8765, "with --startup: the port experiments.serve listens on")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "with --startup: fresh processes per side of the tunix runs")
@@ -730,6 +886,10 @@ def main(argv) -> None:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
     report.figures = figures
+    if args.precision:
+        precision(args, report)
+        finish("(baselines: the bfloat16 pool / engine weights / engine)")
+        return
     if args.startup:
         startup(args, report)
         finish("(baselines: the goals; google-tunix 0.1.7's Sampler in a fresh process of its own)")

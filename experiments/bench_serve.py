@@ -25,13 +25,27 @@ to the HTTP round trip; with the tiny model both are round trips.
 Prints a table, then (last line) one JSON object: ``batching_speedup``, ``tokens_per_s_64`` (tiny, 64
 clients), ``qwen3_0p6b_tokens_per_s_1`` / ``_16`` / ``_64``, ``prefix_cache_speedup``, and per shape the
 level figures.
+
+``--soak_s=150`` runs a soak instead (tiny model): ``--soak_clients`` (48) clients send mixed traffic for that
+long, each its next request as soon as the last one is answered, cycling through plain, streamed, ``n=3``,
+with ``tools``, abandoned streams (the client leaves after the first event), ``max_tokens=1`` and bad requests
+(400 expected); every answer is checked (status, body, ``[DONE]``, usage). The baseline is the process's
+memory and the server's asyncio tasks after a warm-up round of every kind; after the soak it reports them
+again, and whether the server is idle (no request running or waiting, no KV page held). JSON keys:
+``soak_requests``, ``soak_errors``, ``soak_5xx``, ``rss_mib_before``, ``rss_mib_after``,
+``server_tasks_before``, ``server_tasks_after``, ``idle_after``.
+
+  python -m experiments.bench_serve --soak_s=150
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import gc
 import json
+import resource
 import tempfile
 import time
 
@@ -41,7 +55,7 @@ import numpy as np
 from absl import app, flags
 
 from rstar2jax import models
-from rstar2jax.data.conversation import encode_text, render_chat
+from rstar2jax.data.chat_template import encode_text, render_chat
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
 from rstar2jax.serve import BackgroundServer, Policy, ServerConfig
 
@@ -57,6 +71,8 @@ _SKIP_PREFIX = flags.DEFINE_bool("skip_prefix_cache", False, "Leave out the pref
 _PREFIX_LAYERS = flags.DEFINE_integer("prefix_layers", 4, "Layers of the prefix-cache chat's model.")
 _PREFIX_WIDTH = flags.DEFINE_integer("prefix_width", 256, "Width of the prefix-cache chat's model.")
 _HISTORY_TOKENS = flags.DEFINE_integer("history_tokens", 2000, "Tokens of the chat history at its 8th turn.")
+_SOAK_S = flags.DEFINE_float("soak_s", 0.0, "Run the soak instead (mixed traffic for this many seconds).")
+_SOAK_CLIENTS = flags.DEFINE_integer("soak_clients", 48, "Concurrent clients of the soak.")
 _BASELINE = 16  # batching_speedup: this many requests sequential vs at once
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about numbers."}]
@@ -215,8 +231,138 @@ def bench_prefix_cache() -> dict:
     return result
 
 
+SOAK_KINDS = ("plain", "stream", "n3", "tools", "abandon", "one_token", "bad")
+_CODE = {"type": "object", "properties": {"code": {"type": "string"}}}
+_TOOL = {"type": "function",
+         "function": {"name": "python", "description": "Runs Python code.", "parameters": _CODE}}
+
+
+def _soak_body(kind: str, i: int) -> dict:
+    body = {"messages": MESSAGES, "max_tokens": 48, "temperature": 1.0, "seed": i}
+    extra = {"stream": {"stream": True, "stream_options": {"include_usage": True}}, "n3": {"n": 3},
+             "tools": {"tools": [_TOOL]}, "abandon": {"stream": True}, "one_token": {"max_tokens": 1},
+             "bad": {"temperature": 5}}
+    return {**body, **extra.get(kind, {})}
+
+
+async def soak_request(http: aiohttp.ClientSession, url: str, kind: str, i: int) -> tuple[int, str | None]:
+    """(HTTP status, what was wrong with the answer or None) of one soak request of ``kind``."""
+    async with http.post(url, json=_soak_body(kind, i)) as response:
+        if kind == "abandon":
+            await response.content.readline()
+            response.close()  # the client leaves mid-stream
+            return response.status, None if response.status == 200 else "not 200"
+        text = await response.text()
+    if kind == "bad":
+        ok = response.status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
+        return response.status, None if ok else "not a 400 invalid_request_error"
+    if response.status != 200:
+        return response.status, f"HTTP {response.status}: {text[:200]}"
+    if kind == "stream":
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        ok = events and events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] > 0
+        return 200, None if ok else "a stream without usage or [DONE]"
+    body = json.loads(text)
+    want = 3 if kind == "n3" else 1
+    ok = len(body["choices"]) == want and all(c["finish_reason"] for c in body["choices"])
+    if kind == "one_token":
+        ok = ok and body["usage"]["completion_tokens"] == 1
+    return 200, None if ok else f"an unexpected body: {text[:200]}"
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process (server and clients), MiB."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    except OSError:  # not Linux: the peak instead
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+async def soak_traffic(url: str, clients: int, seconds: float) -> dict:
+    """``clients`` closed-loop clients cycling through :data:`SOAK_KINDS` for ``seconds``."""
+    counts, errors, statuses = collections.Counter(), collections.Counter(), collections.Counter()
+    failures: list[str] = []
+    end = time.monotonic() + seconds
+
+    async def client(http, index):
+        i = index
+        while time.monotonic() < end:
+            kind = SOAK_KINDS[i % len(SOAK_KINDS)]
+            try:
+                status, problem = await soak_request(http, url, kind, i)
+            except (aiohttp.ClientError, ValueError, KeyError) as error:
+                status, problem = 0, f"{type(error).__name__}: {error}"
+            counts[kind] += 1
+            statuses[status] += 1
+            if problem:
+                errors[kind] += 1
+                failures.append(f"{kind}: {problem}")
+            i += clients
+
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        await asyncio.gather(*(client(http, i) for i in range(clients)))
+    return {"counts": counts, "errors": errors, "statuses": statuses, "failures": failures}
+
+
+def soak() -> dict:
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        policy = make_policy(shape_config("tiny"), tokenizer_dir, "tiny")
+    config = ServerConfig(num_slots=16, max_len=1024, assistant_opener="", warmup=True)  # tools: ~460 tokens
+
+    async def server_tasks():
+        return len(asyncio.all_tasks())
+
+    with BackgroundServer(policy, config) as server:
+        url = server.url + "/v1/chat/completions"
+        asyncio.run(soak_traffic(url, len(SOAK_KINDS), 5.0))  # every kind once at least: one-off costs
+        gc.collect()
+        before = {"rss": _rss_mib(), "tasks": server.call(server_tasks())}
+        start = time.perf_counter()
+        result = asyncio.run(soak_traffic(url, _SOAK_CLIENTS.value, _SOAK_S.value))
+        wall = time.perf_counter() - start
+        deadline = time.monotonic() + 30
+        while server.service.admission.in_flight and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the engine's last steps release the pages of the last sessions
+        gc.collect()
+        gauges = {**server.service.engine_gauges(), "running": server.service.metrics.running,
+                  "waiting": server.service.metrics.waiting}
+        after = {"rss": _rss_mib(), "tasks": server.call(server_tasks())}
+    return {**result, "wall_s": wall, "before": before, "after": after, "gauges": gauges}
+
+
+def print_soak(result: dict) -> None:
+    print("| kind | requests | errors |")
+    print("|---|---|---|")
+    for kind in SOAK_KINDS:
+        print(f"| {kind} | {result['counts'][kind]} | {result['errors'][kind]} |")
+    for failure in result["failures"][:10]:
+        print(f"  {failure}")
+    total, gauges = sum(result["counts"].values()), result["gauges"]
+    idle = gauges["running"] == gauges["waiting"] == gauges["kv_pages_used"] == 0
+    fivexx = sum(n for status, n in result["statuses"].items() if status >= 500)
+    print(f"soak: {total} requests in {result['wall_s']:.0f} s from {_SOAK_CLIENTS.value} clients, "
+          f"{sum(result['errors'].values())} errors, {fivexx} 5xx, statuses {dict(result['statuses'])}; "
+          f"memory {result['before']['rss']:.0f} -> {result['after']['rss']:.0f} MiB; server tasks "
+          f"{result['before']['tasks']} -> {result['after']['tasks']}; after: {gauges}", flush=True)
+    print(json.dumps({
+        "soak_s": _SOAK_S.value, "soak_clients": _SOAK_CLIENTS.value, "soak_requests": total,
+        "soak_errors": sum(result["errors"].values()), "soak_5xx": fivexx,
+        "requests_per_s": round(total / result["wall_s"], 2),
+        "rss_mib_before": round(result["before"]["rss"], 1),
+        "rss_mib_after": round(result["after"]["rss"], 1),
+        "server_tasks_before": result["before"]["tasks"], "server_tasks_after": result["after"]["tasks"],
+        "idle_after": idle,
+    }))
+
+
 def main(argv):
     del argv
+    if _SOAK_S.value > 0:
+        print_soak(soak())
+        return
     results = {}
     print("| model | clients | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms |")
     print("|---|---|---|---|---|---|---|")

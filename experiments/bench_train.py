@@ -64,15 +64,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The bundled HF config of preset "qwen3-0.6b", read as a file: the PyTorch worker imports no JAX.
 QWEN3_06B = os.path.join(REPO, "rstar2jax", "models", "hf_configs", "qwen3-0.6b.json")
 SMALL = dict(
-    vocab_size=8192,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    tie_word_embeddings=False,
-)
+    vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
+)  # fmt: skip
 SHAPES = {"small": (SMALL, 8, 256), "qwen3-0.6b": (None, 1, 256)}  # (HF config fields, batch, seq_len)
 
 
@@ -281,7 +275,7 @@ def memory_main() -> None:
         assert batch.shape == (1, tokens), batch.shape  # one packed row
         temp[tokens] = compiled_temp_bytes(long_context, batch)
         print(f"{tokens:>8}{'blockwise':>12}{temp[tokens] / GIB:>10.3f}", flush=True)
-    dense = compiled_temp_bytes(dataclasses.replace(long_context, attention="xla"), batch)
+    dense = compiled_temp_bytes(dataclasses.replace(long_context, attention="dense"), batch)
     print(f"{8192:>8}{'dense':>12}{dense / GIB:>10.3f}", flush=True)
     logits_gib = 8192 * long_context.vocab_size * 4 / GIB
     print(f"(the float32 [8192, V] logits the trainer used to materialise: {logits_gib:.2f} GiB)", flush=True)
@@ -305,7 +299,7 @@ def memory_main() -> None:
     # No regression at 2048 tokens: the small shape, one full row of 2048, blockwise vs dense attention.
     row_2048 = _packed_batch([2049], 2048, small.vocab_size, pack=False)
     blockwise_s = time_rl_step(small, row_2048, _STEPS.value)
-    dense_s = time_rl_step(dataclasses.replace(small, attention="xla"), row_2048, _STEPS.value)
+    dense_s = time_rl_step(dataclasses.replace(small, attention="dense"), row_2048, _STEPS.value)
     print(
         f"small shape, 1 x 2048 tokens: blockwise attention {2048 / blockwise_s:.0f} tokens/s, dense "
         f"{2048 / dense_s:.0f} tokens/s (ratio {dense_s / blockwise_s:.2f})",
@@ -445,11 +439,11 @@ def lora_14b_peak(stand_in: bool) -> tuple[float, list[int]]:
     device). ``stand_in`` False: the CPU compiles as for itself (the float32 upcast of the weights
     hoisted)."""
     from experiments.configs import paper_qwen3_14b_lora_1gpu
-    from rstar2jax.train import dry_run
+    from rstar2jax.train import dry_run, parse
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.stages = config.stages[:1]  # stage 1: 8K responses
-    report = dry_run(config, kind="rl", cpu_stand_in=stand_in)
+    report = dry_run(parse(config, "rl", check_data=False), cpu_stand_in=stand_in)
     return report["peak_estimate_bytes"] / GIB, report["batch_shape"]
 
 

@@ -23,7 +23,7 @@ from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
-_ADAPTER = flags.DEFINE_string("adapter", None, _policy_flags.ADAPTER_HELP)
+_ADAPTER = _policy_flags.define_adapter_flags()
 _PROMPT = flags.DEFINE_string("prompt", None, "Answer this one message and exit (for scripts).")
 _policy_flags.define_format_flags(problem_prompt=True)
 _MAX_TOKENS = flags.DEFINE_integer(
@@ -41,7 +41,7 @@ flags.mark_flag_as_required("model")
 
 def main(argv):
     del argv
-    from rstar2jax.agent.rollout import RolloutConfig
+    from rstar2jax.agent.rollout_types import RolloutConfig
     from rstar2jax.agent.sandbox_client import SandboxClient
     from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
     from rstar2jax.serve.chat import ChatSession, TerminalObserver

@@ -48,39 +48,40 @@ def main(argv):
     if config is None:
         return
     from experiments import demo_recipe as recipe
+    from experiments.configs.demo import DemoPaths, rl_run_config, sft_run_config
     from rstar2jax import train
-    from rstar2jax.train import policy as policy_lib
+    from rstar2jax.train.export import export_policy
+    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
-    paths = recipe.DemoPaths(config.workdir)
+    paths = DemoPaths(config.workdir)
     # Both phases' configs are checked now, not when RL starts after SFT (their files come later).
-    train.validate(recipe.sft_run_config(config, paths), "sft", check_paths=False)
-    train.validate(recipe.rl_run_config(config, paths), "rl", check_paths=False)
+    phases = sft_run_config(config, paths), rl_run_config(config, paths)
+    _, rl_checked = recipe.check_run_configs(config, *phases)
     if _FRESH.value:
         shutil.rmtree(paths.workdir, ignore_errors=True)
     paths.workdir.mkdir(parents=True, exist_ok=True)
     recipe.configure_compile_cache(_COMPILE_CACHE.value)
     timer = recipe.PhaseTimer()
-    _launch.announce(
-        "rstar2jax demo", paths.workdir, runs={"sft": paths.sft_run, "rl": paths.rl_run}, config=config.rl
-    )
+    _launch.announce("rstar2jax demo", paths.workdir, runs={"sft": paths.sft_run, "rl": paths.rl_run},
+                     options=rl_checked)
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(_launch.stop_on_signals())
         with timer.phase("sandbox"):
             server = stack.enter_context(start_local(workers=config.sandbox_workers))
             print(f"   {server.url}")
         recipe.prepare_policy(config, paths, server.url, timer, stop=stop)
-        rl_config = recipe.rl_run_config(config, paths)
-        rollout_fn = policy_lib.policy_rollout(rl_config, server.url, policy_lib.prompt_from_config(config),
-                                               restart_sandbox=server.restart_if_dead)
+        rl = train.parse(rl_run_config(config, paths))
+        rollout_fn = policy_rollout(rl, server.url, rl.policy.prompt,
+                                    restart_sandbox=server.restart_if_dead)
         stack.callback(rollout_fn.close)
         before = recipe.evaluate_saved(
             config, paths.evaluation("sft"), paths.sft_policy, paths.eval_problems, rollout_fn, timer
         )
         if not (paths.rl_policy / "config.json").exists():
             with timer.phase("rl (GRPO-RoC)", paths.rl_run):
-                train.train_rl(rl_config, rollout_fn=rollout_fn, stop=stop)
-                policy_lib.export_policy(rl_config, paths.rl_policy)
+                train.train_rl(rl, rollout_fn=rollout_fn, stop=stop)
+                export_policy(rl, paths.rl_policy)
         after = recipe.evaluate_saved(
             config, paths.evaluation("rl"), paths.rl_policy, paths.eval_problems, rollout_fn, timer
         )

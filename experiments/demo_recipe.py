@@ -4,7 +4,10 @@ policy export -> held-out evaluation -> GRPO-RoC stages -> evaluation -> report.
 Each phase writes its output under one work folder and is skipped when that output is already there; SFT
 and RL resume from their own checkpoints. The launchers (``experiments/demo.py``,
 ``experiments/ablate_roc.py``) only wire these together, so a notebook can run, inspect or replace any
-single phase. The library parts (restore, export, rollout, evaluate a policy) are ``rstar2jax.train.policy``.
+single phase. The phases' run configs and where they write are data, in ``experiments/configs/demo.py``; the
+library parts: parsing a run config (``rstar2jax.train.parse``), export (``rstar2jax.train.export``), the
+rollout function (``rstar2jax.train.rollouts``), loading (``rstar2jax.train.loader``) and evaluation, the
+paper's protocol (``rstar2jax.eval.evaluate.evaluate_policy``, the evaluate launcher's module too).
 """
 
 from __future__ import annotations
@@ -22,19 +25,18 @@ from typing import Any
 import jax
 import ml_collections
 
-from rstar2jax.data.conversation import format_tool_result, render_chat
+from experiments.configs.demo import MODEL_PRESET, DemoPaths, before_files, sft_run_config
+from rstar2jax import models, train
+from rstar2jax.data.chat_template import render_chat
+from rstar2jax.data.conversation import max_prompt_tokens
 from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.sft_data import build_sft_examples, sft_rows
 from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
-from rstar2jax.train import runtime, sft_loop
-from rstar2jax.train.policy import (
-    evaluate_policy,
-    load_policy,
-    max_prompt_tokens,
-    prompt_from_config,
-    save_evaluation,
-)
+from rstar2jax.data.tool_result import format_tool_result
+from rstar2jax.eval.evaluate import evaluate_policy, save_evaluation
+from rstar2jax.train.loader import load_policy
+from rstar2jax.train.parse_model import prompt_from_config
 from rstar2jax.train.run import StopSignal
 from rstar2jax.train.schedule import RolloutFn
 
@@ -47,55 +49,6 @@ EVAL_KEYS = (
     "response_length",
     "truncation_rate",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoPaths:
-    """Where each phase of a demo run writes, under ``workdir``."""
-
-    workdir: pathlib.Path
-
-    def __post_init__(self):
-        object.__setattr__(self, "workdir", pathlib.Path(self.workdir))
-
-    @property
-    def train_problems(self) -> pathlib.Path:
-        return self.workdir / "data" / "train.jsonl"
-
-    @property
-    def eval_problems(self) -> pathlib.Path:
-        return self.workdir / "data" / "eval.jsonl"
-
-    @property
-    def sft_data(self) -> pathlib.Path:
-        return self.workdir / "data" / "sft.jsonl"
-
-    @property
-    def tokenizer(self) -> pathlib.Path:
-        return self.workdir / "tokenizer"
-
-    @property
-    def sft_run(self) -> pathlib.Path:
-        return self.workdir / "sft"
-
-    @property
-    def sft_policy(self) -> pathlib.Path:
-        return self.workdir / "policies" / "sft"
-
-    @property
-    def rl_run(self) -> pathlib.Path:
-        return self.workdir / "rl"
-
-    @property
-    def rl_policy(self) -> pathlib.Path:
-        return self.workdir / "policies" / "rl"
-
-    @property
-    def report(self) -> pathlib.Path:
-        return self.workdir / "report"
-
-    def evaluation(self, name: str) -> pathlib.Path:
-        return self.workdir / "eval" / f"{name}.json"
 
 
 def _write_jsonl(path: pathlib.Path, rows: Sequence[dict]) -> None:
@@ -181,66 +134,30 @@ def train_tokenizer(config: ml_collections.ConfigDict, paths: DemoPaths):
     )
 
 
-#: The model preset the demo's ``config.model`` fields refine.
-MODEL_PRESET = "tiny"
-
-
-def model_spec(config: ml_collections.ConfigDict, tokenizer) -> dict[str, Any]:
-    """``ModelConfig`` fields of the demo model over ``MODEL_PRESET``'s, its vocabulary and end-of-turn token
-    from ``tokenizer``."""
-    return {
+def write_model_config(config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer) -> models.ModelConfig:
+    """The demo model (``MODEL_PRESET`` refined by ``config.model``) with the vocabulary and end-of-turn token
+    of the demo's ``tokenizer``, written as an HF ``config.json`` at ``paths.model_config`` (what the SFT
+    phase's ``model.config_json`` names)."""
+    model = models.preset(
+        MODEL_PRESET,
         **config.model.to_dict(),
-        "vocab_size": len(tokenizer),
-        "eos_token_ids": (tokenizer.convert_tokens_to_ids(tokenizer.eos_token),),
-    }
+        vocab_size=len(tokenizer),
+        eos_token_ids=(tokenizer.convert_tokens_to_ids(tokenizer.eos_token),),
+    )
+    paths.model_config.parent.mkdir(parents=True, exist_ok=True)
+    temporary = paths.model_config.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(models.config_to_hf(model), indent=1), encoding="utf-8")
+    temporary.replace(paths.model_config)
+    return model
 
 
-def sft_run_config(
-    config: ml_collections.ConfigDict, paths: DemoPaths, tokenizer=None
-) -> ml_collections.ConfigDict:
-    """The ``train_sft`` config of the demo's SFT phase (``tokenizer`` None, before the demo trains it: the
-    vocabulary is ``config.tokenizer_vocab_size``, enough to check the config)."""
-    c = ml_collections.ConfigDict(config.sft.to_dict())
-    c.seed = config.seed
-    c.workdir = str(paths.sft_run)
-    c.tokenizer = str(paths.tokenizer)
-    c.sft.data = str(paths.sft_data)
-    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data are written in
-    if tokenizer is None:
-        spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
-    else:
-        spec = model_spec(config, tokenizer)
-    c.model.preset = MODEL_PRESET
-    c.model.spec = ml_collections.ConfigDict(spec)
-    return c
-
-
-def rl_run_config(
-    config: ml_collections.ConfigDict,
-    paths: DemoPaths,
-    *,
-    workdir: str | pathlib.Path | None = None,
-    seed: int | None = None,
-    roc_mode: str | None = None,
-    lora: bool = False,
-) -> ml_collections.ConfigDict:
-    """The ``train_rl`` config of the demo's RL phase: starts from the exported SFT policy, trains on the
-    train split. ``workdir`` / ``seed`` / ``roc_mode`` override the demo's (the ablation's runs); ``lora``
-    trains the demo's LoRA adapters (``config.lora``) instead of all weights."""
-    c = ml_collections.ConfigDict(config.rl.to_dict())
-    c.seed = config.seed if seed is None else seed
-    c.workdir = str(workdir or paths.rl_run)
-    c.tokenizer = str(paths.tokenizer)
-    c.model.path = str(paths.sft_policy)
-    c.data.source = str(paths.train_problems)
-    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data were written in
-    if roc_mode is not None:
-        c.rl.roc_mode = roc_mode
-    if lora:
-        from experiments.configs.demo import with_lora
-
-        with_lora(c, config.lora)
-    return c
+def check_run_configs(
+    config: ml_collections.ConfigDict, *runs: ml_collections.ConfigDict
+) -> list[train.RunOptions]:
+    """Parses the phases' run configs (``configs.demo.sft_run_config`` / ``rl_run_config``) before the demo
+    writes their files (``configs.demo.before_files``), so a bad value fails now, in one line, not when its
+    phase starts; returns their options."""
+    return [train.parse(before_files(run, config), check_data=False) for run in runs]
 
 
 def check_prompt_budget(config: ml_collections.ConfigDict, paths: DemoPaths) -> int:
@@ -323,10 +240,10 @@ def prepare_policy(
     timer: PhaseTimer,
     *,
     stop: StopSignal | None = None,
-) -> ml_collections.ConfigDict:
-    """Task, SFT data (tool calls run on the sandbox at ``sandbox_url``), tokenizer, SFT and its export to
-    ``paths.sft_policy``; each phase skipped when its output exists (``stop``: stops SFT after a step).
-    Returns the SFT run config."""
+) -> train.RunOptions:
+    """Task, SFT data (tool calls run on the sandbox at ``sandbox_url``), tokenizer and the model's
+    ``config.json``, SFT and its export to ``paths.sft_policy``; each phase skipped when its output exists
+    (``stop``: stops SFT after a step). Returns the SFT run's options."""
     from rstar2jax.agent.sandbox_client import SyncSandboxClient
 
     with timer.phase("task", paths.train_problems.parent):
@@ -346,14 +263,18 @@ def prepare_policy(
     if not (paths.tokenizer / "tokenizer.json").exists():
         with timer.phase("tokenizer", paths.tokenizer):
             print(f"   vocabulary {len(train_tokenizer(config, paths))}")
+    if not paths.model_config.exists():
+        write_model_config(config, paths, load_tokenizer(paths.tokenizer))
     longest = check_prompt_budget(config, paths)
-    sft_config = sft_run_config(config, paths, load_tokenizer(paths.tokenizer))
-    runtime.prepare_process(sft_config)  # before the first JAX computation
+    sft = train.parse(sft_run_config(config, paths))
+    train.prepare_process(sft)  # before the first JAX computation
     if not (paths.sft_policy / "config.json").exists():
         with timer.phase("sft", paths.sft_run):
-            print(f"   model {sft_config.model.spec.to_dict()}, longest prompt {longest} tokens")
-            sft_loop.train_sft(sft_config, export_dir=paths.sft_policy, stop=stop)
-    return sft_config
+            m = sft.model
+            print(f"   model {m.num_layers} layers x {m.hidden_size}, vocabulary {m.vocab_size}, "
+                  f"longest prompt {longest} tokens")
+            train.train_sft(sft, export_dir=paths.sft_policy, stop=stop)
+    return sft
 
 
 def evaluate_saved(

@@ -26,7 +26,7 @@ from experiments import _launch, _policy_flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF model folder, hub name, or training run folder.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer folder (default: the model's).")
-_ADAPTER = flags.DEFINE_string("adapter", None, _policy_flags.ADAPTER_HELP)
+_ADAPTER = _policy_flags.define_adapter_flags()
 _DATASETS = flags.DEFINE_list(
     "datasets", ["aime24", "aime25", "math500", "hmmt25"], "Eval-set names or .jsonl files (problem, answer)."
 )
@@ -86,8 +86,9 @@ def main(argv):
     clock.mark("datasets")
 
     from rstar2jax.agent.sandbox_client import SandboxClient
+    from rstar2jax.eval.evaluate import EvalProtocol, evaluate_to_files
+    from rstar2jax.eval.samples import format_summary
     from rstar2jax.reward import AnswerVerifier
-    from rstar2jax.serve.evaluation import EvalProtocol, evaluate_to_files, format_summary
 
     clock.watch_programs()
     clock.mark("imports")

@@ -36,9 +36,10 @@ _WORKERS = flags.DEFINE_integer("sandbox_workers", 2, "Sandbox worker processes.
 def main(argv):
     del argv
     from rstar2jax.agent.sandbox_client import SyncSandboxClient
-    from rstar2jax.data.conversation import PromptConfig, format_tool_result
+    from rstar2jax.data.conversation import PromptConfig
     from rstar2jax.data.sft_data import build_sft_examples, sft_rows
     from rstar2jax.data.synthetic import make_task
+    from rstar2jax.data.tool_result import format_tool_result
     from sandbox_server import start_local
 
     prompt = PromptConfig()

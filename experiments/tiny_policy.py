@@ -29,13 +29,8 @@ import numpy as np
 import optax
 
 from rstar2jax import models
-from rstar2jax.data.conversation import (
-    PYTHON_TOOL_NAME,
-    PromptConfig,
-    encode_text,
-    render_chat,
-    render_prompt_text,
-)
+from rstar2jax.data.chat_template import encode_text, render_chat
+from rstar2jax.data.conversation import PYTHON_TOOL_NAME, PromptConfig, render_prompt_text
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
 
 WEATHER_TOOL = {

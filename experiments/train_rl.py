@@ -28,20 +28,18 @@ FLAGS = _launch.define_training_flags(
 )
 
 
-def agent_rollout_fn(config, stack: contextlib.ExitStack, options=None):
+def agent_rollout_fn(options, stack: contextlib.ExitStack):
     """The real rollout: the generation engine on the trainer's parameters (no copies on one host; its
-    model, engine and sampling from ``options``, the trainer's own ``RunOptions``, by default converted from
-    ``config``), the sandbox at ``config.rollout.sandbox_url`` (or a local one started for the run,
-    restarted if it dies) and the answer verifier."""
-    from rstar2jax import train
-    from rstar2jax.train.policy import policy_rollout
+    model, engine and sampling from ``options``, the trainer's own ``RunOptions``), the sandbox at
+    ``rollout.sandbox_url`` (or a local one started for the run, restarted if it dies) and the answer
+    verifier."""
+    from rstar2jax.train.rollouts import policy_rollout
 
-    options = options or train.run_options(config)
-    url, restart = config.rollout.sandbox_url, None
+    url, restart = options.rl.rollout.sandbox_url, None
     if not url:
         from sandbox_server import start_local
 
-        server = stack.enter_context(start_local(workers=config.rollout.sandbox_workers))
+        server = stack.enter_context(start_local(workers=options.rl.rollout.sandbox_workers))
         url, restart = server.url, server.restart_if_dead
     rollout_fn = policy_rollout(options, url, options.policy.prompt, restart_sandbox=restart)
     stack.callback(rollout_fn.close)
@@ -52,14 +50,14 @@ def main(argv):
     del argv
     from rstar2jax import train  # no JAX backend starts on import
 
-    config = FLAGS.config.value
     options = _launch.prologue(
-        config, kind="rl", title="rl", dry_run=FLAGS.dry_run.value, print_fields=FLAGS.print_config.value
+        FLAGS.config.value, kind="rl", title="rl", dry_run=FLAGS.dry_run.value,
+        print_fields=FLAGS.print_config.value,
     )
     if options is None:
         return
     with contextlib.ExitStack() as stack:
-        rollout_fn = agent_rollout_fn(config, stack, options)
+        rollout_fn = agent_rollout_fn(options, stack)
         stop = stack.enter_context(_launch.stop_on_signals())
         train.train_rl(options, rollout_fn=rollout_fn, max_steps=FLAGS.max_steps.value, stop=stop)
 

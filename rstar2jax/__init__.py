@@ -1,7 +1,7 @@
 """rstar2jax: agentic reasoning RL (rStar2-Agent, GRPO-RoC) in JAX.
 
-Layers point one way: ``algo`` and ``models`` <- ``engine`` <- ``reward`` <- ``data`` <- ``agent``,
-``eval`` <- ``train`` <- ``experiments``. Import the subpackage you need, e.g.
+Layers point one way: ``algo`` and ``models`` <- ``engine`` <- ``reward`` <- ``data`` <- ``agent`` <-
+``eval`` <- ``train`` <- ``serve`` <- ``experiments``. Import the subpackage you need, e.g.
 ``from rstar2jax import algo``.
 """
 

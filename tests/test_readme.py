@@ -93,11 +93,20 @@ COVERED_ELSEWHERE = {
     # refused by the same launcher; the merge of --adapter is load_policy's, tested in the same file).
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run": (
         "tests/train/test_lora.py",
-        ["paper_qwen3_14b_lora_1gpu", "dry_run(config"],
+        ["paper_qwen3_14b_lora_1gpu", "dry_run(options"],
     ),
     "python -m experiments.evaluate --model=BASE --adapter=DIR --datasets=aime24 --workdir=W": (
         "tests/train/test_lora.py",
         ['"experiments.evaluate"', "--adapter=", "adapter=adapter"],
+    ),
+    # RUN / BASE / DIR / OUT are placeholders: a LoRA RL run's folder and a base with a peft-saved adapter.
+    "python -m experiments.export --model=RUN --output=OUT": (
+        "tests/train/test_lora.py",
+        ['"experiments.export"', "--model={killed}", "--output="],
+    ),
+    "python -m experiments.export --model=BASE --adapter=DIR --output=OUT": (
+        "tests/serve/test_export.py",
+        ['"experiments.export"', "--adapter={adapter}", "--output={out}"],
     ),
     "python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b.py "
     "--config.workdir=/shared/runs/paper --config.distributed.coordinator_address=HOST0:12355 "

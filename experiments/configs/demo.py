@@ -8,6 +8,9 @@ trajectory). Override any field: --config.rl.optimizer.learning_rate=1e-4 --conf
   python -m experiments.demo --config=experiments/configs/demo.py --config.workdir=runs/demo
 """
 
+import dataclasses
+import pathlib
+
 import ml_collections
 
 from rstar2jax.train.config import rl_config, sft_config, stage
@@ -54,6 +57,8 @@ def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
       python -m experiments.sft --config=experiments/configs/demo.py:sft --config.workdir=runs/demo_sft2
       python -m experiments.train_rl --config=experiments/configs/demo.py:rl --config.workdir=runs/demo_rl2
       python -m experiments.demo --config=experiments/configs/demo.py:lora
+
+    A config is data: nothing is read here (the phases' files are checked when the launcher parses it).
     """
     kind, _, demo_workdir = kind.partition(",")
     c = _demo_config()
@@ -68,16 +73,8 @@ def get_config(kind: str = "demo") -> ml_collections.ConfigDict:
         raise ValueError(
             f"get_config: kind={kind!r}; expected 'demo', 'lora', 'sft' or 'rl' (optionally ',WORKDIR')"
         )
-    from experiments import demo_recipe as recipe
-
-    paths = recipe.DemoPaths(c.workdir)
-    if kind == "rl":
-        run = recipe.rl_run_config(c, paths)
-    else:
-        from rstar2jax.data.tokenizer import load_tokenizer
-
-        have_tokenizer = (paths.tokenizer / "tokenizer.json").exists()
-        run = recipe.sft_run_config(c, paths, load_tokenizer(paths.tokenizer) if have_tokenizer else None)
+    paths = DemoPaths(c.workdir)
+    run = rl_run_config(c, paths) if kind == "rl" else sft_run_config(c, paths)
     run.notice = (
         f"the demo's {kind.upper()} phase on the files `python -m experiments.demo --workdir={c.workdir}` "
         "wrote (run it first)"
@@ -92,6 +89,118 @@ def with_lora(rl: ml_collections.ConfigDict, lora: ml_collections.ConfigDict) ->
     rl.model.lora.alpha = lora.alpha
     rl.optimizer.learning_rate = lora.learning_rate
     return rl
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoPaths:
+    """Where each phase of a demo run writes, under ``workdir``."""
+
+    workdir: pathlib.Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "workdir", pathlib.Path(self.workdir))
+
+    @property
+    def train_problems(self) -> pathlib.Path:
+        return self.workdir / "data" / "train.jsonl"
+
+    @property
+    def eval_problems(self) -> pathlib.Path:
+        return self.workdir / "data" / "eval.jsonl"
+
+    @property
+    def sft_data(self) -> pathlib.Path:
+        return self.workdir / "data" / "sft.jsonl"
+
+    @property
+    def tokenizer(self) -> pathlib.Path:
+        return self.workdir / "tokenizer"
+
+    @property
+    def model_config(self) -> pathlib.Path:
+        """The demo model's HF ``config.json``: the shape below with the vocabulary of the demo's tokenizer
+        (written after the tokenizer is trained; the SFT phase initialises random weights of it)."""
+        return self.workdir / "model" / "config.json"
+
+    @property
+    def sft_run(self) -> pathlib.Path:
+        return self.workdir / "sft"
+
+    @property
+    def sft_policy(self) -> pathlib.Path:
+        return self.workdir / "policies" / "sft"
+
+    @property
+    def rl_run(self) -> pathlib.Path:
+        return self.workdir / "rl"
+
+    @property
+    def rl_policy(self) -> pathlib.Path:
+        return self.workdir / "policies" / "rl"
+
+    @property
+    def report(self) -> pathlib.Path:
+        return self.workdir / "report"
+
+    def evaluation(self, name: str) -> pathlib.Path:
+        return self.workdir / "eval" / f"{name}.json"
+
+
+#: The model preset the demo's ``config.model`` fields refine.
+MODEL_PRESET = "tiny"
+
+
+def sft_run_config(config: ml_collections.ConfigDict, paths: DemoPaths) -> ml_collections.ConfigDict:
+    """The ``train_sft`` config of the demo's SFT phase: random weights of the demo model
+    (``paths.model_config``), the demo's tokenizer and SFT data, the prompt the data are written in."""
+    c = ml_collections.ConfigDict(config.sft.to_dict())
+    c.seed = config.seed
+    c.workdir = str(paths.sft_run)
+    c.tokenizer = str(paths.tokenizer)
+    c.sft.data = str(paths.sft_data)
+    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data are written in
+    c.model.config_json = str(paths.model_config)
+    return c
+
+
+def rl_run_config(
+    config: ml_collections.ConfigDict,
+    paths: DemoPaths,
+    *,
+    workdir: str | pathlib.Path | None = None,
+    seed: int | None = None,
+    roc_mode: str | None = None,
+    lora: bool = False,
+) -> ml_collections.ConfigDict:
+    """The ``train_rl`` config of the demo's RL phase: starts from the exported SFT policy, trains on the
+    train split. ``workdir`` / ``seed`` / ``roc_mode`` override the demo's (the ablation's runs); ``lora``
+    trains the demo's LoRA adapters (``config.lora``) instead of all weights."""
+    c = ml_collections.ConfigDict(config.rl.to_dict())
+    c.seed = config.seed if seed is None else seed
+    c.workdir = str(workdir or paths.rl_run)
+    c.tokenizer = str(paths.tokenizer)
+    c.model.path = str(paths.sft_policy)
+    c.data.source = str(paths.train_problems)
+    c.prompt = ml_collections.ConfigDict(config.prompt.to_dict())  # the prompt the SFT data were written in
+    if roc_mode is not None:
+        c.rl.roc_mode = roc_mode
+    if lora:
+        with_lora(c, config.lora)
+    return c
+
+
+def before_files(
+    run: ml_collections.ConfigDict, config: ml_collections.ConfigDict
+) -> ml_collections.ConfigDict:
+    """A phase's run config as it can be checked before the demo wrote its files: the demo model inline
+    (``MODEL_PRESET`` refined by ``config.model``, at ``config.tokenizer_vocab_size``) instead of the model
+    file or the SFT policy, no tokenizer; parse it with ``check_data=False``."""
+    c = ml_collections.ConfigDict(run.to_dict())
+    c.tokenizer = c.model.path = c.model.config_json = ""
+    c.model.preset = MODEL_PRESET
+    spec = {**config.model.to_dict(), "vocab_size": config.tokenizer_vocab_size}
+    c.model.spec = ml_collections.ConfigDict(spec)
+    return c
 
 
 def _demo_config() -> ml_collections.ConfigDict:

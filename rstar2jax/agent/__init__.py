@@ -14,7 +14,6 @@ _NAMES = {
     "rstar2jax.data.conversation": [
         "PYTHON_TOOL_NAME",
         "PromptConfig",
-        "format_tool_result",
         "load_prompt_config",
         "python_tool_schema",
         "render_prompt_ids",
@@ -22,18 +21,23 @@ _NAMES = {
         "tool_response_ids",
         "tool_response_text",
     ],
-    "rstar2jax.agent.rollout": [
-        "PartialRollout",
+    "rstar2jax.data.tool_result": [
+        "format_tool_result",
+    ],
+    "rstar2jax.agent.multi_turn": [
         "PolicyRollout",
+        "Conversation",
+        "converse_async",
+        "rollout",
+        "rollout_async",
+    ],
+    "rstar2jax.agent.rollout_types": [
+        "PartialRollout",
         "RolloutConfig",
         "RolloutEngine",
         "RolloutSession",
         "ToolSandbox",
-        "Conversation",
         "Observer",
-        "converse_async",
-        "rollout",
-        "rollout_async",
         "tool_outcome",
     ],
     "rstar2jax.agent.outage": [
@@ -42,9 +46,11 @@ _NAMES = {
     ],
     "rstar2jax.agent.sandbox_client": [
         "SandboxClient",
-        "SandboxResult",
         "SyncSandboxClient",
         "run_code_sync",
+    ],
+    "rstar2jax.agent.sandbox_wire": [
+        "SandboxResult",
     ],
     "rstar2jax.data.tool_parser": [
         "FunctionCall",
@@ -70,9 +76,7 @@ __all__ = sorted(_MODULE_OF)
 def __getattr__(name: str):
     if name in _MODULE_OF:
         module = importlib.import_module(_MODULE_OF[name])
-        # Bind all of the module's names at once: importing ``agent.rollout`` binds the submodule as
-        # ``agent.rollout``, which the function of that name must win over.
-        for attr in _NAMES[_MODULE_OF[name]]:
+        for attr in _NAMES[_MODULE_OF[name]]:  # the module's other names too: one import, one lookup
             globals()[attr] = getattr(module, attr)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,8 @@ from rstar2jax.data.conversation import (
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import ToolCall, ToolCallError
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, Trajectory
-from rstar2jax.engine.scheduler import SamplingParams, Segment
+from rstar2jax.engine.config import SamplingParams
+from rstar2jax.engine.records import Segment
 
 # ``error_type`` of the ``internal`` results the sandbox client makes up when no server answered.
 _CLIENT_FAILURE_TYPES = frozenset(

@@ -30,65 +30,30 @@ How it behaves:
     ``run`` never hangs and never raises for service failures: they come back as ``internal`` results
     whose ``stderr`` says what happened.
 
-:class:`SandboxResult` and the wire format (request bodies, decoding answers) live in ``agent.sandbox_wire``,
-the blocking wrapper (:class:`SyncSandboxClient`, :func:`run_code_sync`) in ``agent.sandbox_sync``; this
-module re-exports them. ``agent.sandbox_sessions`` keeps the session names and the server sessions behind
-them. The only thing imported from the server package is its dependency-free wire schema.
+:class:`SandboxResult` and the wire format (request bodies, decoding answers) live in ``agent.sandbox_wire``;
+the HTTP side (servers, pooled session, routing, one batch attempt) in ``agent.sandbox_http``; the delivery
+of a batch with its retries and deadlines in ``agent.sandbox_batches``; the session names and the server
+sessions behind them in ``agent.sandbox_sessions``. This module holds the client and its blocking wrapper
+(:class:`SyncSandboxClient`, :func:`run_code_sync`). The only thing imported from the server package is its
+dependency-free wire schema.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
-import random
+import threading
 import time
 from collections.abc import Iterable, Sequence
 
-import aiohttp
-
+from rstar2jax.agent.sandbox_batches import PendingCall, closed_result, deliver
+from rstar2jax.agent.sandbox_http import SandboxConnection
 from rstar2jax.agent.sandbox_sessions import ClientSessions
-from rstar2jax.agent.sandbox_wire import (
-    SandboxResult,
-    batch_results,
-    encode_batch,
-    retry_after_seconds,
-)
+from rstar2jax.agent.sandbox_wire import SandboxResult
 from sandbox_server import schema
 
-__all__ = ["SandboxClient", "SandboxResult", "SyncSandboxClient", "run_code_sync"]  # noqa: F822 (see __getattr__)
-
-#: Names of ``rstar2jax.agent.sandbox_sync``, re-exported here on first use: that module builds on this one.
-_SYNC_NAMES = ("SyncSandboxClient", "run_code_sync")
-
-
-def __getattr__(name: str):
-    if name in _SYNC_NAMES:
-        from rstar2jax.agent import sandbox_sync
-
-        return getattr(sandbox_sync, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclasses.dataclass(eq=False)
-class _Call:
-    request: dict
-    future: asyncio.Future
-    deadline: float
-    url: str | None = None  # the server a session call must go to
-
+__all__ = ["SandboxClient", "SyncSandboxClient", "run_code_sync"]
 
 CLIENT_REQUEST_FIELDS = ("code", "stdin", "timeout", "session")
-
-
-class _Retry(Exception):
-    """A batch attempt failed in a way worth retrying (``delivered``: the server may have run it)."""
-
-    def __init__(self, message: str, *, delivered: bool, wait: float | None = None, refused: bool = False):
-        super().__init__(message)
-        self.delivered = delivered
-        self.wait = wait
-        self.refused = refused  # no server accepted the connection
 
 
 class SandboxClient:
@@ -123,43 +88,26 @@ class SandboxClient:
         connect_timeout: float = 5.0,
         connect_attempts: int = 3,
     ):
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise ValueError("need at least one server URL")
-        if any(not u.startswith(("http://", "https://")) for u in self.urls):
-            raise ValueError(f"server URLs must start with http:// or https://, got {self.urls}")
-        if min(max_batch, connect_attempts) < 1 or (
-            min(batch_window, deadline_slack) < 0 or default_timeout <= 0
-        ):
+        self.connection = SandboxConnection(
+            urls, token=token, wire=wire, backoff=backoff, connect_timeout=connect_timeout,
+            connect_attempts=connect_attempts,
+        )  # fmt: skip
+        if max_batch < 1 or min(batch_window, deadline_slack) < 0 or default_timeout <= 0:
             raise ValueError(
-                "need max_batch >= 1, batch_window >= 0, default_timeout > 0, deadline_slack >= 0, "
-                "connect_attempts >= 1"
+                "need max_batch >= 1, batch_window >= 0, default_timeout > 0, deadline_slack >= 0; got "
+                f"{max_batch}, {batch_window}, {default_timeout}, {deadline_slack}"
             )
-        if wire not in ("msgpack", "json"):
-            raise ValueError(f"wire must be 'msgpack' or 'json', got {wire!r}")
-        if not 0 < backoff[0] <= backoff[1]:
-            raise ValueError(f"backoff must be (first, largest) with 0 < first <= largest, got {backoff}")
-        self.urls = [u.rstrip("/") for u in self.urls]
-        self.token = token
+        self.urls = self.connection.urls
         self.max_batch = max_batch
         self.batch_window = batch_window
         self.default_timeout = default_timeout
         self.deadline_slack = deadline_slack
-        self.backoff = backoff
-        self.wire = wire
-        self.connect_timeout = connect_timeout
-        self.connect_attempts = connect_attempts
-        self.outstanding = dict.fromkeys(self.urls, 0)  # calls in flight per server
-        self._avoid_until = dict.fromkeys(self.urls, 0.0)  # back-off after connection failures
-        self._round_robin = itertools.count()
-        self._pending: list[_Call] = []
+        self._pending: list[PendingCall] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._http: aiohttp.ClientSession | None = None
         self._closed = False
-        self._sessions = ClientSessions(self)
+        self._sessions = ClientSessions(self.connection, open_timeout=deadline_slack + 5)
 
-    # ------------------------------------------------------------------------------------------ public
     async def run(
         self, code: str, stdin: str = "", timeout: float | None = None, session: str | None = None
     ) -> SandboxResult:
@@ -171,7 +119,6 @@ class SandboxClient:
         timeout = self.default_timeout if timeout is None else float(timeout)
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        loop = asyncio.get_running_loop()
         request = {"code": code, "stdin": stdin, "timeout": timeout, "session": None}
         handle = None
         if session is not None:
@@ -179,23 +126,19 @@ class SandboxClient:
             if isinstance(handle, SandboxResult):  # could not open it
                 return handle
             request.update(session=handle.id, session_token=handle.token)
-        call = _Call(
+        call = PendingCall(
             request=request,
-            future=loop.create_future(),
+            future=asyncio.get_running_loop().create_future(),
             deadline=time.monotonic() + timeout + self.deadline_slack,
             url=None if handle is None else handle.url,
         )
-        self._pending.append(call)
-        if len(self._pending) >= self.max_batch:
-            self._flush()
-        elif self._flush_handle is None:
-            self._flush_handle = loop.call_later(self.batch_window, self._flush)
+        self._submit(call)
         try:
             result = await asyncio.wait_for(
                 asyncio.shield(call.future), max(0.0, call.deadline - time.monotonic()) + 1.0
             )
         except TimeoutError:
-            return _deadline_result(call)
+            return call.deadline_result()
         if handle is not None and result.error_type in (schema.SESSION_CLOSED, schema.SESSION_NOT_FOUND):
             self._sessions.forget(session, handle)  # gone on the server: the next call opens a new one
         return result
@@ -225,10 +168,10 @@ class SandboxClient:
         return await self._sessions.close(session)
 
     async def health(self, url: str | None = None) -> dict:
-        return await self._get(url or self.urls[0], schema.PATH_HEALTH)
+        return await self.connection.get_json(url or self.urls[0], schema.PATH_HEALTH)
 
     async def metrics(self, url: str | None = None) -> dict:
-        return await self._get(url or self.urls[0], schema.PATH_METRICS)
+        return await self.connection.get_json(url or self.urls[0], schema.PATH_METRICS)
 
     async def close(self) -> None:
         self._closed = True
@@ -236,16 +179,13 @@ class SandboxClient:
             self._flush_handle.cancel()
             self._flush_handle = None
         for call in self._pending:
-            if not call.future.done():
-                call.future.set_result(SandboxResult.failure("client closed", error_type="ClientClosed"))
+            call.resolve(closed_result())
         self._pending.clear()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self.connection.close()
 
     async def __aenter__(self) -> SandboxClient:
         return self
@@ -253,151 +193,84 @@ class SandboxClient:
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    # ---------------------------------------------------------------------------------------- batching
+    def _submit(self, call: PendingCall) -> None:
+        """Queues ``call``: its batch goes out when full, or ``batch_window`` seconds after its first call."""
+        self._pending.append(call)
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(self.batch_window, self._flush)
+
     def _flush(self) -> None:
+        """Sends the queued calls: a batch of up to ``max_batch`` per target (a session's server, or any)."""
         self._flush_handle = None
         pending, self._pending = self._pending, []
-        by_target: dict[str | None, list[_Call]] = {}
+        by_target: dict[str | None, list[PendingCall]] = {}
         for call in pending:
             by_target.setdefault(call.url, []).append(call)
         for url, calls in by_target.items():
             for start in range(0, len(calls), self.max_batch):
-                task = asyncio.get_running_loop().create_task(
-                    self._deliver(calls[start : start + self.max_batch], url)
-                )
+                batch = calls[start : start + self.max_batch]
+                task = asyncio.get_running_loop().create_task(deliver(self.connection, batch, url))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    def _pick_url(self) -> str:
-        now = time.monotonic()
-        usable = [u for u in self.urls if self._avoid_until[u] <= now] or self.urls
-        least = min(self.outstanding[u] for u in usable)
-        tied = [u for u in usable if self.outstanding[u] == least]
-        return tied[next(self._round_robin) % len(tied)]
 
-    async def _deliver(self, calls: list[_Call], fixed_url: str | None) -> None:
-        """Send one batch until every call has a result or its deadline has passed."""
-        try:
-            await self._deliver_until_done(calls, fixed_url)
-        except asyncio.CancelledError:  # the client is closing: nobody may be left waiting
-            for call in calls:
-                _resolve(call, SandboxResult.failure("client closed", error_type="ClientClosed"))
-            raise
+class SyncSandboxClient:
+    """Blocking wrapper for notebooks and scripts: a private event loop on a background thread.
 
-    async def _deliver_until_done(self, calls: list[_Call], fixed_url: str | None) -> None:
-        delay = self.backoff[0]
-        refusals = 0  # consecutive attempts that found no server listening
-        while True:
-            now = time.monotonic()
-            for call in calls:
-                if call.deadline <= now:
-                    _resolve(call, _deadline_result(call))
-            calls = [c for c in calls if not c.future.done()]
-            if not calls:
-                return
-            url = fixed_url or self._pick_url()
-            self.outstanding[url] += len(calls)
-            try:
-                outcome = await self._post_batch(url, calls)
-            except (_Retry, _TooLarge) as error:
-                outcome = error
-            finally:
-                self.outstanding[url] -= len(calls)
-            if isinstance(outcome, list):
-                for call, result in zip(calls, outcome, strict=True):
-                    _resolve(call, result)
-                return
-            if isinstance(outcome, _TooLarge):
-                if len(calls) == 1:
-                    failure = SandboxResult.failure(
-                        "request larger than the server accepts",
-                        status="invalid_request",
-                        error_type="RequestTooLarge",
-                    )
-                    _resolve(calls[0], failure)
-                    return
-                half = len(calls) // 2
-                await asyncio.gather(
-                    self._deliver(calls[:half], fixed_url), self._deliver(calls[half:], fixed_url)
-                )
-                return
-            if outcome.delivered:  # the server may have run them: re-running a session call is not safe
-                for call in calls:
-                    if call.request["session"] is not None:
-                        failure = SandboxResult.failure(
-                            f"{outcome}; session call not retried", error_type="ConnectionError"
-                        )
-                        _resolve(call, failure)
-            else:
-                self._avoid_until[url] = time.monotonic() + delay
-            refusals = refusals + 1 if outcome.refused else 0
-            if refusals >= self.connect_attempts * (1 if fixed_url else len(self.urls)):
-                down = SandboxResult.failure(f"{outcome} (is the server down?)", error_type="Unreachable")
-                for call in calls:  # nothing listens: say so now, not at the deadline
-                    _resolve(call, down)
-                return
-            wait = delay if outcome.wait is None else min(outcome.wait, self.backoff[1])
-            await asyncio.sleep(wait * random.uniform(0.5, 1.5))
-            delay = min(2 * delay, self.backoff[1])
+    Works whether or not the caller already runs an event loop (as Jupyter does). Same arguments as
+    ``SandboxClient``. The loop and its thread belong to this object: :meth:`close` stops both (calls after
+    it raise ``RuntimeError``), and a new client in the same process starts its own.
+    """
 
-    async def _post_batch(self, url: str, calls: list[_Call]) -> list[SandboxResult]:
-        http = await self._session()
-        body, content_type = encode_batch([c.request for c in calls], self.wire)
-        budget = max(c.deadline for c in calls) - time.monotonic()
-        try:
-            async with http.post(
-                url + schema.PATH_BATCH,
-                data=body,
-                headers=self._headers(content_type),
-                timeout=aiohttp.ClientTimeout(total=budget, connect=self.connect_timeout),
-            ) as response:
-                raw = await response.read()
-                status = response.status
-                retry_after = response.headers.get("Retry-After")
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as error:
-            raise _Retry(f"cannot connect to {url}: {error}", delivered=False, refused=True) from error
-        except (TimeoutError, aiohttp.ClientError, OSError) as error:
-            raise _Retry(f"request to {url} failed: {error!r}", delivered=True) from error
-        if status == 503:
-            raise _Retry(f"{url} is busy (503)", delivered=False, wait=retry_after_seconds(retry_after))
-        if status == 413:
-            raise _TooLarge()
-        return batch_results(status, raw, content_type, url, len(calls))
+    def __init__(self, urls: str | Sequence[str], **kwargs):
+        self._client = SandboxClient(urls, **kwargs)  # first: bad arguments must not leave a thread running
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sandbox-client", daemon=True)
+        self._thread.start()
 
-    # ------------------------------------------------------------------------------------------- plumbing
-    async def _session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-            self._http = aiohttp.ClientSession(connector=connector)
-        return self._http
+    def _call(self, coroutine):
+        if self._loop.is_closed():
+            coroutine.close()
+            raise RuntimeError("SyncSandboxClient is closed")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def _headers(self, content_type: str | None = None) -> dict:
-        headers = {}
-        if content_type is not None:
-            headers["Content-Type"] = content_type
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        return headers
+    def run(
+        self, code: str, stdin: str = "", timeout: float | None = None, session: str | None = None
+    ) -> SandboxResult:
+        return self._call(self._client.run(code, stdin=stdin, timeout=timeout, session=session))
 
-    async def _get(self, url: str, path: str) -> dict:
-        http = await self._session()
-        async with http.get(url + path, headers=self._headers()) as response:
-            response.raise_for_status()
-            return await response.json()
+    def run_many(
+        self, requests: Iterable[str | dict], *, timeout: float | None = None, session: str | None = None
+    ) -> list[SandboxResult]:
+        return self._call(self._client.run_many(list(requests), timeout=timeout, session=session))
+
+    def close_session(self, session: str) -> bool:
+        return self._call(self._client.close_session(session))
+
+    def health(self) -> dict:
+        return self._call(self._client.health())
+
+    def close(self) -> None:
+        """Closes the client, then stops and closes the event loop and joins its thread; idempotent."""
+        if self._loop.is_closed():
+            return
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncSandboxClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
-class _TooLarge(Exception):
-    """The server answered 413 for a batch."""
-
-
-def _resolve(call: _Call, result: SandboxResult) -> None:
-    if not call.future.done():
-        call.future.set_result(result)
-
-
-def _deadline_result(call: _Call) -> SandboxResult:
-    limit = call.request["timeout"]
-    return SandboxResult.failure(
-        f"no result before the call's deadline (timeout {limit:g} s + slack); the service may be overloaded",
-        error_type="DeadlineExceeded",
-    )
+def run_code_sync(
+    code: str, url: str, stdin: str = "", timeout: float | None = None, **kwargs
+) -> SandboxResult:
+    """Run one snippet on the server at ``url`` and wait for its result (opens and closes a client)."""
+    with SyncSandboxClient(url, **kwargs) as client:
+        return client.run(code, stdin=stdin, timeout=timeout)

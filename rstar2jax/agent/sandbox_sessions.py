@@ -13,15 +13,12 @@ import dataclasses
 import random
 import urllib.parse
 import zlib
-from typing import TYPE_CHECKING
 
 import aiohttp
 
+from rstar2jax.agent.sandbox_http import SandboxConnection
 from rstar2jax.agent.sandbox_wire import SandboxResult, decode_body
 from sandbox_server import schema
-
-if TYPE_CHECKING:
-    from rstar2jax.agent.sandbox_client import SandboxClient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,16 +32,18 @@ class SessionHandle:
 
 class ClientSessions:
     """The sessions one :class:`~rstar2jax.agent.sandbox_client.SandboxClient` opened, by the caller's name.
-    Opening and closing go through the client's HTTP session, headers and retry settings."""
+    Opening and closing go through the client's connection (HTTP session, headers, retry settings);
+    ``open_timeout``: seconds one ``POST /sessions`` may take."""
 
-    def __init__(self, client: SandboxClient):
-        self._client = client
+    def __init__(self, connection: SandboxConnection, open_timeout: float):
+        self._connection = connection
+        self._open_timeout = open_timeout
         self.opened: dict[str, SessionHandle] = {}  # the caller's session name -> the server's
         self._opening: dict[str, asyncio.Future] = {}  # names whose session is being opened
 
     def server_of(self, name: str) -> str:
         """The server the session ``name`` lives on: chosen by hashing the name, as a session lives in one."""
-        urls = self._client.urls
+        urls = self._connection.urls
         return urls[zlib.crc32(name.encode("utf-8", "surrogatepass")) % len(urls)]
 
     async def handle(self, name: str) -> SessionHandle | SandboxResult:
@@ -84,27 +83,27 @@ class ClientSessions:
         handle = self.opened.pop(name, None)
         if handle is None:
             return False
-        http = await self._client._session()
+        http = await self._connection.session()
         path = f"{schema.PATH_SESSIONS}/{urllib.parse.quote(handle.id, safe='')}"
-        headers = {**self._client._headers(), schema.SESSION_TOKEN_HEADER: handle.token}
+        headers = {**self._connection.headers(), schema.SESSION_TOKEN_HEADER: handle.token}
         async with http.delete(handle.url + path, headers=headers) as response:
             return response.status == 200
 
     async def _open(self, url: str) -> SessionHandle | SandboxResult:
         """``POST /sessions`` on ``url``, retrying refused connections and 503 like calls are retried."""
-        client = self._client
-        http = await client._session()
-        delay = client.backoff[0]
-        for attempt in range(client.connect_attempts):
+        connection = self._connection
+        http = await connection.session()
+        delay = connection.backoff[0]
+        for attempt in range(connection.connect_attempts):
             if attempt:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(2 * delay, client.backoff[1])
+                delay = min(2 * delay, connection.backoff[1])
             try:
                 async with http.post(
                     url + schema.PATH_SESSIONS,
-                    headers=client._headers(),
+                    headers=connection.headers(),
                     timeout=aiohttp.ClientTimeout(
-                        total=client.deadline_slack + 5, connect=client.connect_timeout
+                        total=self._open_timeout, connect=connection.connect_timeout
                     ),
                 ) as response:
                     status, raw = response.status, await response.read()

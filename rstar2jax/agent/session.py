@@ -1,6 +1,6 @@
-"""The session loop of one rollout call (see :mod:`rstar2jax.agent.rollout`): each problem's group opened on
-the engine, and each session's coroutine generating, running its tool calls in the sandbox, appending their
-responses, stopping at a limit or the token budget, and grading the answer.
+"""The session loop of one rollout call (see :mod:`rstar2jax.agent.multi_turn`): each problem's group opened
+on the engine, and each session's coroutine generating, running its tool calls in the sandbox, appending
+their responses, stopping at a limit or the token budget, and grading the answer.
 """
 
 from __future__ import annotations
@@ -25,15 +25,11 @@ from rstar2jax.agent.rollout_types import (
     tool_outcome,
 )
 from rstar2jax.agent.tasks import gather_or_cancel
-from rstar2jax.data.conversation import (
-    encode_text,
-    format_tool_result,
-    render_prompt_ids,
-    tool_response_ids,
-    truncate_middle,
-)
+from rstar2jax.data.chat_template import encode_text
+from rstar2jax.data.conversation import render_prompt_ids, tool_response_ids
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
+from rstar2jax.data.tool_result import format_tool_result, truncate_middle
 from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.reward import AnswerVerifier, extract_answer
 

@@ -29,7 +29,7 @@ from rstar2jax.agent import (
     render_prompt_text,
     tool_response_ids,
 )
-from rstar2jax.data.conversation import encode_text
+from rstar2jax.data.chat_template import encode_text
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
 

@@ -8,6 +8,8 @@ Rollout correction (verl's ``rollout_corr``, the "truncated / masked importance 
 reweights the loss by how far the trainer's probabilities pi_train (log-probs of the policy the update starts
 from, evaluated by the trainer) are from the rollout engine's pi_rollout (log-probs the engine recorded while
 sampling), which differ by kernels, precision and batching even for the same weights.
+:func:`rollout_mismatch` measures that difference (mean |delta log p|, the k3 KL estimate, the fraction of
+tokens whose ratio leaves [0.5, 2]): the figure to log when the engine samples in another precision (FP8).
 """
 
 from __future__ import annotations
@@ -137,11 +139,8 @@ def rollout_correction(
     for name, value in (("token_cap", token_cap), ("mask_threshold", mask_threshold)):
         if value is not None and not value > 1.0:
             raise ValueError(f"{name} must be > 1, got {value!r}")
-    dtype = _checks.compute_dtype(arrays["train_logp"].dtype)
-    mask = loss_mask.astype(dtype)
-    train_logp = _masked(arrays["train_logp"].astype(dtype), mask)
-    rollout_logp = _masked(arrays["rollout_logp"].astype(dtype), mask)
-    log_ratio = jax.lax.stop_gradient(jnp.clip(train_logp - rollout_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    mask, log_ratio = _clipped_log_ratio(arrays["train_logp"], arrays["rollout_logp"], loss_mask)
+    dtype = mask.dtype
     ratio = jnp.exp(log_ratio)
     weights = mask
     capped = jnp.zeros((), dtype)
@@ -161,3 +160,55 @@ def rollout_correction(
         "rollout_is_masked": masked,
     }
     return jax.lax.stop_gradient(weights), metrics
+
+
+# The token ratio band outside which ``rollout_mismatch`` counts a token (as verl's rollout_corr reports).
+MISMATCH_RATIO_BAND = (0.5, 2.0)
+
+
+def _clipped_log_ratio(train_logp, rollout_logp, loss_mask) -> tuple[jax.Array, jax.Array]:
+    """(mask, clip(log pi_train - log pi_rollout, -20, 20)) in the compute dtype, masked positions 0, no
+    gradient."""
+    dtype = _checks.compute_dtype(train_logp.dtype)
+    mask = loss_mask.astype(dtype)
+    train_logp = _masked(train_logp.astype(dtype), mask)
+    rollout_logp = _masked(rollout_logp.astype(dtype), mask)
+    return mask, jax.lax.stop_gradient(jnp.clip(train_logp - rollout_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
+def rollout_mismatch(
+    train_logp: jax.Array,
+    rollout_logp: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    band: tuple[float, float] = MISMATCH_RATIO_BAND,
+    sums: bool = False,
+) -> dict[str, jax.Array]:
+    """How far the rollout engine's log-probs are from the trainer's over the loss tokens (no gradient).
+
+    With d_t = clip(log pi_train(y_t) - log pi_rollout(y_t), -20, 20) and r_t = exp(d_t), n loss tokens:
+
+      mismatch_abs_log_ratio  = (1/n) sum_t |d_t|                  (mean |delta log p|)
+      mismatch_k3_kl          = (1/n) sum_t (r_t - 1 - d_t)        (Schulman's k3: each term >= 0, the mean
+                                                                    estimates KL(pi_rollout || pi_train))
+      mismatch_outside_band   = (1/n) #{t : r_t < band[0] or r_t > band[1]}
+      mismatch_tokens         = n
+
+    The means are 0 when there are no loss tokens. With ``sums`` the first three are sums instead (divide by
+    the total of ``mismatch_tokens`` after adding micro-batches up). ``[B, T]`` inputs; float32 (float64 for
+    float64 inputs) scalars out.
+    """
+    loss_mask, _, arrays = _check_tokens(loss_mask, None, train_logp=train_logp, rollout_logp=rollout_logp)
+    low, high = band
+    if not 0 < low < 1 < high:
+        raise ValueError(f"band must be (low, high) with 0 < low < 1 < high, got {band!r}")
+    mask, log_ratio = _clipped_log_ratio(arrays["train_logp"], arrays["rollout_logp"], loss_mask)
+    ratio = jnp.exp(log_ratio)
+    tokens = jnp.sum(mask)
+    scale = 1.0 if sums else 1.0 / jnp.maximum(tokens, 1.0)
+    return {
+        "mismatch_abs_log_ratio": scale * jnp.sum(mask * jnp.abs(log_ratio)),
+        "mismatch_k3_kl": scale * jnp.sum(mask * (ratio - 1.0 - log_ratio)),
+        "mismatch_outside_band": scale * jnp.sum(mask * ((ratio < low) | (ratio > high))),
+        "mismatch_tokens": tokens,
+    }

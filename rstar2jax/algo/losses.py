@@ -4,6 +4,11 @@ Token-level inputs are ``[batch, seq_len]`` with a ``loss_mask`` (1 on policy-sa
 padding and inserted tool tokens). Parity targets are verl's ``compute_policy_loss`` (vanilla, and GSPO),
 ``kl_penalty`` and ``agg_loss``; see ``policy_loss`` for the formulas and where this differs.
 
+``policy_loss`` is composed of small pure pieces, each usable alone (as rlax's are), each with its formula:
+:func:`importance_log_ratio` (PPO's per-token or GSPO's per-sequence log-ratio), :func:`clipped_surrogate`,
+:func:`dual_clipped`, :func:`importance_weighted`, :func:`kl_penalty` (k1/k2/k3 and straight-through
+estimators), :func:`aggregate_loss` with :func:`loss_normalizer`, and the clip metrics.
+
 Masked-out positions never reach the arithmetic: every token input is replaced by 0 where ``loss_mask`` is 0
 before anything is computed from it, so a NaN or Inf there (e.g. a padding position's log-prob) changes
 neither the loss nor its gradient.
@@ -145,6 +150,74 @@ def aggregate_loss(
     return _aggregate(values.astype(dtype), loss_mask.astype(dtype), agg, normalizer)
 
 
+def importance_log_ratio(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    level: str = "token",
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """The log importance ratio x of each token, bounded to +-20 (so exp(x) is finite):
+
+      level "token"     x_t = clip(logp_t - old_logp_t, -20, 20)                                  (PPO)
+      level "sequence"  x_t = clip(sg[mean_{s in seq(t)} (logp_s - old_logp_s)] + logp_t - sg[logp_t],
+                               -20, 20)                         (GSPO-token: ``corrections.gspo_log_ratio``)
+
+    The mean runs over the loss tokens of t's sequence (its row, or its segment of ``segment_ids``). Inputs
+    ``[B, T]``; at the token level ``loss_mask`` only fixes the shape (the caller masks the inputs)."""
+    _checks.check_option("level", level, IS_LEVELS)
+    _checks.check_shape("old_logp", old_logp, logp.shape, "logp")
+    _checks.check_shape("loss_mask", loss_mask, logp.shape, "logp")
+    if level == "sequence":
+        log_ratio = gspo_log_ratio(logp, old_logp, loss_mask, segment_ids=segment_ids)
+    else:
+        log_ratio = logp - old_logp
+    return jnp.clip(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def clipped_surrogate(
+    advantages: jax.Array, ratio: jax.Array, *, eps_low: float | jax.Array, eps_high: float | jax.Array
+) -> jax.Array:
+    """PPO's clipped surrogate with clip-higher (DAPO; rStar2-Agent Eq. 6), per token, to minimise:
+
+      l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))
+
+    ``advantages`` A and ``ratio`` rho of one shape (``[B, T]``)."""
+    _checks.check_shape("ratio", ratio, advantages.shape, "advantages")
+    clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return jnp.maximum(-advantages * ratio, -advantages * clipped_ratio)
+
+
+def dual_clipped(token_loss: jax.Array, advantages: jax.Array, c: float | jax.Array) -> jax.Array:
+    """Dual-clip PPO (Ye et al. 2020; verl's ``clip_ratio_c``): a negative advantage's loss is bounded by
+    -A c, however large the ratio grows:
+
+      l'_t = min(l_t, -A_t c)   where A_t < 0;   l'_t = l_t   elsewhere          (c > 1)"""
+    _checks.check_shape("token_loss", token_loss, advantages.shape, "advantages")
+    return jnp.where(advantages < 0, jnp.minimum(token_loss, -advantages * c), token_loss)
+
+
+def importance_weighted(token_loss: jax.Array, weights: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """Per-token importance weights (e.g. ``rollout_correction``'s), constants of the loss:
+
+      l'_t = sg[w_t m_t] l_t          (w zeroed where the mask m is 0, so NaN there never reaches l')"""
+    _checks.check_shape("weights", weights, token_loss.shape, "token_loss")
+    _checks.check_shape("loss_mask", loss_mask, token_loss.shape, "token_loss")
+    mask = loss_mask.astype(token_loss.dtype)
+    return token_loss * jax.lax.stop_gradient(_masked(weights.astype(token_loss.dtype), mask))
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, *, estimator: str = "k3") -> jax.Array:
+    """The per-token estimate of KL(pi || pi_ref) from x_t = logp_t - ref_logp_t, a_t ~ pi (Schulman):
+
+      k1 = x,   k2 = x^2 / 2,   k3 = clip(exp(-x') + x' - 1, -10, 10) with x' = clip(x, -20, 20)
+      "k1+" / "k3+": that value with the gradient of k2 (verl's straight-through estimators)"""
+    _checks.check_option("estimator", estimator, KL_ESTIMATORS)
+    _checks.check_shape("ref_logp", ref_logp, logp.shape, "logp")
+    return KL_ESTIMATORS[estimator](logp - ref_logp)
+
+
 def _token_array(name: str, x, shape) -> jax.Array:
     x = _checks.as_array(name, x)
     _checks.check_floating(name, x)
@@ -158,6 +231,35 @@ def _require_term(coef_name: str, coef, input_name: str, given) -> None:
         raise ValueError(f"{coef_name}={coef!r} needs {input_name}; pass it or set {coef_name}=0")
 
 
+def _checked_tokens(loss_mask, logp, old_logp, advantages, *, agg: str):
+    """``policy_loss``'s token inputs as arrays, their shapes, dtypes and ``agg`` checked."""
+    loss_mask = _checked_mask(loss_mask, agg)
+    shape = loss_mask.shape
+    logp = _token_array("logp", logp, shape)
+    old_logp = _token_array("old_logp", old_logp, shape)
+    return loss_mask, logp, old_logp, _checked_advantages(advantages, shape)
+
+
+def _checked_advantages(advantages, shape) -> jax.Array:
+    advantages = _checks.as_array("advantages", advantages)
+    _checks.check_real("advantages", advantages)
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be per sequence {shape[:1]} or per token {shape} (loss_mask is {shape}), "
+            f"got {advantages.shape}"
+        )
+    return advantages
+
+
+def _token_advantages(advantages: jax.Array, mask: jax.Array) -> jax.Array:
+    """Advantages as constants of the loss, per token (a per-sequence A broadcast over its row), zero where
+    ``mask`` is 0, in the mask's dtype."""
+    advantages = jax.lax.stop_gradient(advantages.astype(mask.dtype))
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]
+    return _masked(jnp.broadcast_to(advantages, mask.shape), mask)
+
+
 def _check_policy_loss_options(*, kl, importance_sampling_level, kl_coef, ref_logp, entropy_coef, entropy,
                                dual_clip) -> None:
     """:func:`policy_loss`'s option checks: known names, a coefficient's input given, dual-clip c > 1."""
@@ -169,6 +271,26 @@ def _check_policy_loss_options(*, kl, importance_sampling_level, kl_coef, ref_lo
         concrete = _checks.concrete_value(dual_clip)
         if concrete is not None and not concrete > 1.0:
             raise ValueError(f"dual_clip must be > 1 (it bounds -A*rho at -A*c for A < 0), got {dual_clip!r}")
+
+
+def _with_kl_and_entropy(loss, metrics: dict, logp, mask, *, ref_logp, kl, kl_coef, entropy, entropy_coef,
+                         agg, normalizer) -> jax.Array:
+    """``loss + kl_coef * agg(KL) - entropy_coef * agg(H)``, each term only when its input is given (its
+    aggregate is added to ``metrics``: ``kl_loss``, ``entropy``). ``logp`` and ``mask`` are checked and
+    masked."""
+    shape, dtype = mask.shape, mask.dtype
+    if ref_logp is not None:
+        ref_logp = _token_array("ref_logp", ref_logp, shape).astype(dtype)
+        ref_logp = jax.lax.stop_gradient(_masked(ref_logp, mask))
+        kl_loss = _aggregate(kl_penalty(logp, ref_logp, estimator=kl), mask, agg, normalizer)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+    if entropy is not None:
+        entropy = _masked(_token_array("entropy", entropy, shape).astype(dtype), mask)
+        entropy_loss = _aggregate(entropy, mask, agg, normalizer)
+        loss = loss - entropy_coef * entropy_loss
+        metrics["entropy"] = entropy_loss
+    return loss
 
 
 def _clip_metrics(advantages, ratio, token_log_ratio, mask, *, eps_low, eps_high, dual_clip) -> dict:
@@ -243,61 +365,32 @@ def policy_loss(
     Returns:
       (loss, metrics): a scalar in float32 (float64 for float64 inputs) and a dict of scalars.
     """
-    loss_mask = _checked_mask(loss_mask, agg)
-    shape = loss_mask.shape
-    logp = _token_array("logp", logp, shape)
-    old_logp = _token_array("old_logp", old_logp, shape)
-    advantages = _checks.as_array("advantages", advantages)
-    _checks.check_real("advantages", advantages)
-    if advantages.shape not in (shape[:1], shape):
-        raise ValueError(
-            f"advantages must be per sequence {shape[:1]} or per token {shape} (loss_mask is {shape}), "
-            f"got {advantages.shape}"
-        )
+    loss_mask, logp, old_logp, advantages = _checked_tokens(loss_mask, logp, old_logp, advantages, agg=agg)
     _check_policy_loss_options(kl=kl, importance_sampling_level=importance_sampling_level, kl_coef=kl_coef,
                                ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy,
                                dual_clip=dual_clip)
     if is_weights is not None:
-        is_weights = _token_array("is_weights", is_weights, shape)
+        is_weights = _token_array("is_weights", is_weights, loss_mask.shape)
 
     dtype = _checks.compute_dtype(logp.dtype)
     mask = loss_mask.astype(dtype)
     logp = _masked(logp.astype(dtype), mask)
     old_logp = jax.lax.stop_gradient(_masked(old_logp.astype(dtype), mask))
-    advantages = jax.lax.stop_gradient(advantages.astype(dtype))
-    if advantages.ndim == 1:
-        advantages = advantages[:, None]
-    advantages = _masked(jnp.broadcast_to(advantages, shape), mask)
+    advantages = _token_advantages(advantages, mask)
 
-    token_log_ratio = jnp.clip(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    token_log_ratio = importance_log_ratio(logp, old_logp, mask)
+    log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":
-        log_ratio = jnp.clip(
-            gspo_log_ratio(logp, old_logp, mask, segment_ids=segment_ids), -LOG_RATIO_BOUND, LOG_RATIO_BOUND
-        )
-    else:
-        log_ratio = token_log_ratio
+        log_ratio = importance_log_ratio(logp, old_logp, mask, level="sequence", segment_ids=segment_ids)
     ratio = jnp.exp(log_ratio)
-    clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    token_loss = jnp.maximum(-advantages * ratio, -advantages * clipped_ratio)
-    negative = advantages < 0
+    token_loss = clipped_surrogate(advantages, ratio, eps_low=eps_low, eps_high=eps_high)
     if dual_clip is not None:
-        token_loss = jnp.where(negative, jnp.minimum(token_loss, -advantages * dual_clip), token_loss)
+        token_loss = dual_clipped(token_loss, advantages, dual_clip)
     if is_weights is not None:
-        token_loss = token_loss * jax.lax.stop_gradient(_masked(is_weights.astype(dtype), mask))
-
+        token_loss = importance_weighted(token_loss, is_weights, mask)
     pg_loss = _aggregate(token_loss, mask, agg, normalizer)
-    loss = pg_loss
     metrics = {"pg_loss": pg_loss, **_clip_metrics(advantages, ratio, token_log_ratio, mask, eps_low=eps_low,
                                                    eps_high=eps_high, dual_clip=dual_clip)}
-    if ref_logp is not None:
-        ref_logp = _token_array("ref_logp", ref_logp, shape).astype(dtype)
-        ref_logp = jax.lax.stop_gradient(_masked(ref_logp, mask))
-        kl_loss = _aggregate(KL_ESTIMATORS[kl](logp - ref_logp), mask, agg, normalizer)
-        loss = loss + kl_coef * kl_loss
-        metrics["kl_loss"] = kl_loss
-    if entropy is not None:
-        entropy = _masked(_token_array("entropy", entropy, shape).astype(dtype), mask)
-        entropy_loss = _aggregate(entropy, mask, agg, normalizer)
-        loss = loss - entropy_coef * entropy_loss
-        metrics["entropy"] = entropy_loss
+    loss = _with_kl_and_entropy(pg_loss, metrics, logp, mask, ref_logp=ref_logp, kl=kl, kl_coef=kl_coef,
+                                entropy=entropy, entropy_coef=entropy_coef, agg=agg, normalizer=normalizer)
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -151,6 +151,35 @@ def _roc_select(key, rewards, p_total, valid, min_negatives, min_positives, reje
     )
 
 
+def _checked_groups(rewards, p_total, valid) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``roc_select``'s per-rollout inputs as arrays, each ``[num_groups, group_size]`` and of its kind."""
+    rewards = _checks.as_array("rewards", rewards)
+    p_total = _checks.as_array("p_total", p_total)
+    valid = _checks.as_array("valid", valid)
+    _checks.check_rank("rewards", rewards, 2)
+    _checks.check_real("rewards", rewards)
+    _checks.check_real("p_total", p_total)
+    _checks.check_mask("valid", valid)
+    _checks.check_shape("p_total", p_total, rewards.shape, "rewards")
+    _checks.check_shape("valid", valid, rewards.shape, "rewards")
+    return rewards, p_total, valid
+
+
+def _check_selection_options(group_size: int, *, keep, mode, min_negatives, min_positives, eps) -> None:
+    """``roc_select``'s options: a known mode, 1 <= keep <= group_size, floors >= 0 and eps > 0 (the
+    traced ones are data: checked where concrete)."""
+    _checks.check_option("mode", mode, ROC_MODES)
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= group_size:
+        raise ValueError(f"keep must be a Python int in [1, group_size={group_size}], got {keep!r}")
+    for name, value in (("min_negatives", min_negatives), ("min_positives", min_positives)):
+        concrete = _checks.concrete_value(value)
+        if concrete is not None and (concrete.shape != () or concrete < 0):
+            raise ValueError(f"{name} must be a non-negative integer scalar, got {value!r}")
+    concrete_eps = _checks.concrete_value(eps)
+    if concrete_eps is not None and (concrete_eps.shape != () or not concrete_eps > 0):
+        raise ValueError(f"eps must be a positive scalar (it guards p_total = 0), got {eps!r}")
+
+
 def roc_select(
     key: jax.Array,
     rewards: jax.Array,
@@ -201,27 +230,9 @@ def roc_select(
     Returns:
       A ``RocSelection``; ``selection.gather(x)`` picks the kept rollouts out of any per-rollout array.
     """
-    rewards = _checks.as_array("rewards", rewards)
-    p_total = _checks.as_array("p_total", p_total)
-    valid = _checks.as_array("valid", valid)
-    _checks.check_rank("rewards", rewards, 2)
-    _checks.check_real("rewards", rewards)
-    _checks.check_real("p_total", p_total)
-    _checks.check_mask("valid", valid)
-    _checks.check_shape("p_total", p_total, rewards.shape, "rewards")
-    _checks.check_shape("valid", valid, rewards.shape, "rewards")
-    _checks.check_option("mode", mode, ROC_MODES)
-    group_size = rewards.shape[1]
-    if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= group_size:
-        raise ValueError(f"keep must be a Python int in [1, group_size={group_size}], got {keep!r}")
-    for name, value, lowest in (("min_negatives", min_negatives, 0), ("min_positives", min_positives, 0)):
-        concrete = _checks.concrete_value(value)
-        if concrete is not None and (concrete.shape != () or concrete < lowest):
-            raise ValueError(f"{name} must be a non-negative integer scalar, got {value!r}")
-    concrete_eps = _checks.concrete_value(eps)
-    if concrete_eps is not None and (concrete_eps.shape != () or not concrete_eps > 0):
-        raise ValueError(f"eps must be a positive scalar (it guards p_total = 0), got {eps!r}")
-
+    rewards, p_total, valid = _checked_groups(rewards, p_total, valid)
+    _check_selection_options(rewards.shape[1], keep=keep, mode=mode, min_negatives=min_negatives,
+                             min_positives=min_positives, eps=eps)
     return _roc_select(
         key,
         rewards,

@@ -3,11 +3,11 @@
 - the paper's prompt (Fig. 3): system prompt, user prefix, the ``<reason>`` assistant opener, the Python
   tool's schema (:class:`PromptConfig`, :func:`render_prompt_ids`);
 - the tool-call syntax (Hermes ``<tool_call>`` JSON, parsed by ``rstar2jax.data.tool_parser``) and how a tool
-  result is shown to the model (:func:`format_tool_result`, :func:`tool_response_ids`);
-- the chat template use: :func:`render_chat` / :func:`encode_chat`, and the ChatML + Hermes tools template
-  tiny tokenizers carry (:data:`CHATML_TOOLS_TEMPLATE`);
+  result is shown to the model (``data.tool_result.format_tool_result``, :func:`tool_response_ids`);
+- the chat template use (``data.chat_template``: ``render_chat`` / ``encode_chat``, and the ChatML + Hermes
+  tools template tiny tokenizers carry, ``CHATML_TOOLS_TEMPLATE``);
 - tokenizing a whole conversation for SFT with the loss on exactly the tokens a rollout would sample
-  (:func:`tokenize_conversation`);
+  (``data.chat_template.tokenize_conversation``);
 - the format a policy was trained in, recorded in its folder beside ``config.json``
   (:data:`PROMPT_CONFIG_FILE`: :meth:`PromptConfig.save_pretrained`, :func:`load_prompt_config`), so that
   serving, evaluation, chat and further training prompt it as it was trained.
@@ -24,9 +24,9 @@ the same conversation (with the assistant content starting at the opener ``<reas
 Rendering and encoding are two steps on purpose: the chat template already writes every special token
 (``<|im_start|>`` …, or a BOS for templates that want one), so the rendered text is encoded with
 ``add_special_tokens=False`` (:func:`encode_text`) — otherwise tokenizers that add a BOS would add it twice.
-The chat-template use (:func:`render_chat`, :func:`tokenize_conversation`, …) lives in
-``rstar2jax.data.chat_template`` and the tool-result rendering in ``rstar2jax.data.tool_result``; this
-module re-exports their names, so the whole format is importable from here.
+The chat-template use (:func:`~rstar2jax.data.chat_template.render_chat`,
+:func:`~rstar2jax.data.chat_template.tokenize_conversation`, …) lives in ``rstar2jax.data.chat_template``
+and the tool-result rendering in ``rstar2jax.data.tool_result``: import their names from there.
 Importing this module does not import transformers (tokenizers are passed in).
 """
 
@@ -36,20 +36,10 @@ import dataclasses
 import json
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-# Re-exported: the chat-template use and the tool-result rendering are part of the conversation format.
-from rstar2jax.data.chat_template import (  # noqa: F401
-    CHATML_TOOLS_TEMPLATE,
-    HERMES_TOOL_TOKENS,
-    TokenizedConversation,
-    encode_chat,
-    encode_text,
-    render_chat,
-    tokenize_conversation,
-)
-from rstar2jax.data.tool_result import format_tool_result, truncate_middle  # noqa: F401
+from rstar2jax.data.chat_template import encode_text, render_chat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -222,6 +212,32 @@ def load_prompt_config(folder: str | os.PathLike) -> PromptConfig | None:
     return PromptConfig.from_json_dict(record, where=path)
 
 
+#: Named formats: ``paper`` (the paper's system prompt, user prefix, listed Python tool and ``<reason>``
+#: opener), ``bare`` (no system prompt, no prefix, the tool callable but unlisted: the CPU demo's policies)
+#: and ``plain`` (the paper's instructions and tool with nothing after the generation prompt: how a plain HF
+#: model, which records no format, is evaluated and chatted with).
+PROMPTS: dict[str, Callable[[], PromptConfig]] = {
+    "paper": PromptConfig,
+    "bare": lambda: PromptConfig(system_prompt="", user_prefix="", list_tools=False),
+    "plain": lambda: PromptConfig(assistant_opener=""),
+}
+
+
+def prompt_format(
+    policy, preset: str | None = None, *, system_prompt: str | None = None, user_prefix: str | None = None,
+    assistant_opener: str | None = None,
+) -> PromptConfig:  # fmt: skip
+    """The format to prompt ``policy`` in: the named ``preset`` (:data:`PROMPTS`) when given, else the one it
+    was trained in (``policy.prompt``: a loaded :class:`~rstar2jax.train.loader.Policy` carries the format
+    its folder records, None for a plain HF folder), else ``plain``; each field given here replaces that
+    format's."""
+    if preset is not None and preset not in PROMPTS:
+        raise ValueError(f"prompt format {preset!r}: expected one of {sorted(PROMPTS)}")
+    base = PROMPTS[preset]() if preset else policy.prompt or PROMPTS["plain"]()
+    overrides = dict(system_prompt=system_prompt, user_prefix=user_prefix, assistant_opener=assistant_opener)
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
 def prompt_messages(problem: str, cfg: PromptConfig | None = None) -> list[dict[str, str]]:
     """The chat messages before the first assistant turn: the system turn (when ``cfg.system_prompt``) and
     the user turn (``cfg.user_prefix`` + the problem). Rollout prompts (:func:`render_prompt_text`) and SFT
@@ -254,6 +270,12 @@ def render_prompt_ids(
 ) -> list[int]:
     """Token ids of :func:`render_prompt_text`; the rollout starts generating right after them."""
     return encode_text(tokenizer, render_prompt_text(tokenizer, problem, cfg))
+
+
+def max_prompt_tokens(tokenizer: PreTrainedTokenizerBase, problems: Iterable, cfg: PromptConfig) -> int:
+    """The longest rendered prompt among ``problems`` (each with a ``.problem`` text): an engine's prompt
+    budget must cover it."""
+    return max(len(render_prompt_ids(tokenizer, p.problem, cfg)) for p in problems)
 
 
 # Probe strings for reading the template's tool-response wrapping; chosen so no template produces them.
@@ -385,8 +407,8 @@ def tool_response_ids(
 
     Args:
       tokenizer: the policy's tokenizer (its chat template defines the wrapping).
-      text: the formatted tool output (:func:`format_tool_result` or a parse-error message), or one per
-        tool call when a turn made several calls.
+      text: the formatted tool output (``data.tool_result.format_tool_result`` or a parse-error message), or
+        one per tool call when a turn made several calls.
       cfg: prompt configuration (the opener).
       turn_closed: the model already ended its turn with the eos token (``<|im_end|>``) after the call;
         the continuation then starts after it.

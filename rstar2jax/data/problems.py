@@ -221,6 +221,53 @@ def _rows_of(source: Any, split: str) -> tuple[Iterable[Any], str]:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """The column names tried, in order, for each part of a problem row (dotted names reach into nested
+    fields)."""
+
+    problem: tuple[str, ...]
+    answer: tuple[str, ...]
+    solution: tuple[str, ...]
+    id: tuple[str, ...]
+
+    @classmethod
+    def chosen(cls, problem_field, answer_field, solution_field, id_field) -> _Fields:
+        """The given names, else the defaults (``PROBLEM_FIELDS``, ...)."""
+        return cls(
+            (problem_field,) if problem_field else PROBLEM_FIELDS,
+            (answer_field,) if answer_field else ANSWER_FIELDS,
+            (solution_field,) if solution_field else SOLUTION_FIELDS,
+            (id_field,) if id_field else ID_FIELDS,
+        )
+
+    @property
+    def used(self) -> set[str]:
+        """The top-level fields a problem is read from (the others go to ``Problem.metadata``)."""
+        return {n.split(".")[0] for n in (*self.problem, *self.answer, *self.id)}
+
+
+def _problem_of(row: Mapping[str, Any], index: int, fields: _Fields, *, integer_only: bool) -> Problem | str:
+    """Row ``index`` as a problem (its id: the id field, else the index), or the reason it is rejected."""
+    text = _problem_text(_first_present(row, fields.problem))
+    if text is None:
+        return "missing problem"
+    answer = _as_text(_first_present(row, fields.answer))
+    if answer is None:
+        solution = _as_text(_first_present(row, fields.solution))
+        if solution is None:
+            return "missing answer"
+        answer = last_boxed(solution)
+        if not answer:
+            return "no \\boxed{} in solution"
+    if integer_only and as_integer(answer) is None:
+        return "non-integer answer"
+    row_id = _first_present(row, fields.id)
+    problem_id = str(row_id) if row_id is not None else str(index)
+    metadata = {k: v for k, v in row.items() if k not in fields.used}
+    return Problem(id=problem_id, problem=text, answer=answer, metadata=metadata)
+
+
 def load_problems(
     source: str | os.PathLike | Iterable[Mapping[str, Any]],
     *,
@@ -258,50 +305,24 @@ def load_problems(
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     rows, name = _rows_of(source, split)
-    problem_names = (problem_field,) if problem_field else PROBLEM_FIELDS
-    answer_names = (answer_field,) if answer_field else ANSWER_FIELDS
-    solution_names = (solution_field,) if solution_field else SOLUTION_FIELDS
-    id_names = (id_field,) if id_field else ID_FIELDS
-    used = {n.split(".")[0] for n in (*problem_names, *answer_names, *id_names)}
-
+    fields = _Fields.chosen(problem_field, answer_field, solution_field, id_field)
     loaded = ProblemSet(problems=[], skipped=collections.Counter(), source=name)
     seen_ids: set[str] = set()
-
-    def reject(index: int, reason: str, row: Any) -> None:
-        loaded.skipped[reason] += 1
-        if len(loaded.examples) < SHOWN_REJECTIONS:
-            loaded.examples.append((index, reason, _excerpt(row)))
-
     for index, row in enumerate(rows):
         if limit is not None and len(loaded.problems) >= limit:
             break
         if not isinstance(row, Mapping):
             raise ValueError(f"{name}: row {index} is a {type(row).__name__}, expected a mapping of fields")
-        text = _problem_text(_first_present(row, problem_names))
-        if text is None:
-            reject(index, "missing problem", row)
+        problem = _problem_of(row, index, fields, integer_only=integer_only)
+        if isinstance(problem, Problem) and problem.id in seen_ids:
+            problem = "duplicate id"
+        if isinstance(problem, str):
+            loaded.skipped[problem] += 1
+            if len(loaded.examples) < SHOWN_REJECTIONS:
+                loaded.examples.append((index, problem, _excerpt(row)))
             continue
-        answer = _as_text(_first_present(row, answer_names))
-        if answer is None:
-            solution = _as_text(_first_present(row, solution_names))
-            if solution is None:
-                reject(index, "missing answer", row)
-                continue
-            answer = last_boxed(solution)
-            if not answer:
-                reject(index, "no \\boxed{} in solution", row)
-                continue
-        if integer_only and as_integer(answer) is None:
-            reject(index, "non-integer answer", row)
-            continue
-        row_id = _first_present(row, id_names)
-        problem_id = str(row_id) if row_id is not None else str(index)
-        if problem_id in seen_ids:
-            reject(index, "duplicate id", row)
-            continue
-        seen_ids.add(problem_id)
-        metadata = {k: v for k, v in row.items() if k not in used}
-        loaded.problems.append(Problem(id=problem_id, problem=text, answer=answer, metadata=metadata))
+        seen_ids.add(problem.id)
+        loaded.problems.append(problem)
     if report and loaded.num_skipped:
         logger.warning("%s", loaded.report())
     return loaded

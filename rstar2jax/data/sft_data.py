@@ -34,7 +34,8 @@ from typing import Any
 import tqdm.auto as tqdm
 
 from rstar2jax.data.batch import TokenSequence
-from rstar2jax.data.conversation import PromptConfig, prompt_messages, tokenize_conversation
+from rstar2jax.data.chat_template import tokenize_conversation
+from rstar2jax.data.conversation import PromptConfig, prompt_messages
 from rstar2jax.data.synthetic import SyntheticProblem
 
 #: ``run_code(code, stdin) -> {"status": "ok" | "error" | "timeout" | ..., "stdout": str, "stderr": str}``.

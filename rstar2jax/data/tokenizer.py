@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from rstar2jax.data.conversation import CHATML_TOOLS_TEMPLATE, HERMES_TOOL_TOKENS, encode_text
+from rstar2jax.data.chat_template import CHATML_TOOLS_TEMPLATE, HERMES_TOOL_TOKENS, encode_text
 
 #: ChatML control tokens (special: ``skip_special_tokens=True`` strips them), in Qwen's id order.
 CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

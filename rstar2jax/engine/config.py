@@ -5,8 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTION_IMPLS = ("auto", "jnp", "pallas_gpu", "pallas_interpret")
+import jax.numpy as jnp
+
+from rstar2jax.models.config import attention_name
+
+#: Attention implementations that read FP8 KV pages (``kv_dtype="fp8"``); "pallas_triton" only where the
+#: kernel compiles for float8 pages (``paged_attention`` checks on the device).
+FP8_KV_ATTENTION = ("auto", "blockwise", "pallas_triton")
+FP8 = "fp8"
+FP8_MATMULS = ("auto", "native", "reference")
 DEFAULT_PAGE_SIZE = 16
+
+
+def _is_float_dtype(name) -> bool:
+    try:
+        return jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+        return False
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -62,10 +77,12 @@ class EngineConfig:
       page_size: tokens per KV page; must divide ``max_len``.
       num_pages: pages in the pool (page 0, the null page, included); None: enough for every slot at
         ``max_len`` (``num_slots * max_len // page_size + 1``). Admission counts these.
-      attention: ``"auto"`` (the Pallas GPU kernel for decode rows on CUDA GPUs, ``jnp`` elsewhere, as
-        ``models.platform.accelerator()`` says), ``"jnp"``, ``"pallas_gpu"`` or ``"pallas_interpret"`` (the
-        kernel in the Pallas interpreter: tests).
-      attention_block: tokens per block of the ``jnp`` attention's online softmax (a multiple of
+      attention: the decode attention, in the training's vocabulary (``models.attention``): ``"auto"`` (the
+        Pallas kernel for decode rows on CUDA GPUs, ``blockwise`` elsewhere), ``"blockwise"`` (the portable
+        online softmax over pages) or ``"pallas_triton"`` (JAX's Pallas paged-attention kernel, in Pallas'
+        interpreter off GPUs: tests). The old names ``"jnp"``, ``"pallas_gpu"`` and ``"pallas_interpret"``
+        are accepted and stored as their new ones.
+      attention_block: tokens per block of the ``blockwise`` attention's online softmax (a multiple of
         ``page_size``).
       prefix_sharing: prefix cache: whole pages of a prompt prefix already in the pool (another group's
         system prompt, a chat's earlier turns, a finished sequence's tokens) are attached instead of
@@ -73,7 +90,20 @@ class EngineConfig:
       poison_freed_pages: fill pages with NaN when they are freed, so that a stale read shows (tests).
       max_stops, max_stop_len: how many stop sequences a segment may have, and their longest length.
       eos_token_ids: tokens that finish a session; None: the model config's.
-      cache_dtype: KV cache dtype; None: the model's compute dtype.
+      kv_dtype: dtype of the KV pages: None (the model's compute dtype), a float dtype name, or ``"fp8"``:
+        float8_e4m3fn keys and values with a power-of-two scale per head for each token slot of a page
+        (``paged_attention``'s docstring: the choice and its error bound); a pool of fixed bytes then holds
+        ``2 Dh / (Dh + 2)`` times the tokens of a bfloat16 one (1.97x at ``head_dim`` 128):
+        :func:`~rstar2jax.engine.paged_attention.pages_for_bytes` sizes it.
+      weight_dtype: the engine's copy of the weights: None (the model's compute dtype) or ``"fp8"``: the
+        linear layers' weights float8_e4m3fn in ``weight_block`` x ``weight_block`` blocks with float32 scales
+        (``models.quantization``), made at construction and at every weight update
+        (``programs.engine_params``); the embedding and the output head stay in the compute dtype.
+      quantize_head: with ``weight_dtype="fp8"``, the output head in FP8 too (tied embeddings: an FP8 copy of
+        the embedding's transpose; the lookup keeps the embedding).
+      weight_block: the FP8 weight block edge; must divide both sides of every quantized weight's matrix.
+      fp8_matmul: ``"auto"`` (float8 matmuls where ``models.platform.fp8_matmul_native()`` finds them:
+        H100/H200, MI300; elsewhere dequantize, then multiply), ``"native"`` or ``"reference"``.
       seed: mixed into the seed of every session opened without one.
       unstacked_decode: how the layers run. False: the layer-stacked weights under one ``lax.scan`` (one
         compiled layer body: compile time does not grow with depth). True: per-layer copies of the weights in
@@ -94,7 +124,6 @@ class EngineConfig:
     max_stops: int = 4
     max_stop_len: int = 8
     eos_token_ids: tuple[int, ...] | None = None
-    cache_dtype: str | None = None
     seed: int = 0
     unstacked_decode: bool | None = None
     return_on_stop: bool = True
@@ -104,8 +133,14 @@ class EngineConfig:
     attention_block: int = 256
     prefix_sharing: bool = True
     poison_freed_pages: bool = False
+    kv_dtype: str | None = None
+    weight_dtype: str | None = None
+    quantize_head: bool = False
+    weight_block: int = 128
+    fp8_matmul: str = "auto"
 
     def __post_init__(self):
+        self._check_precision()
         for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len", "page_size",
                      "attention_block", "prefill_tile"):
             value = getattr(self, name)
@@ -121,8 +156,7 @@ class EngineConfig:
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), "
                              f"got {self.num_pages!r}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLS}")
+        object.__setattr__(self, "attention", attention_name(self.attention, "decoding"))
         buckets = self.token_buckets
         if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
             raise ValueError(f"token_buckets must be positive ints, got {buckets}")
@@ -133,6 +167,30 @@ class EngineConfig:
         if max(buckets) < self.num_slots:  # every running session must fit one step
             buckets.add(self.num_slots)
         object.__setattr__(self, "token_buckets", tuple(sorted(buckets)))
+
+    def _check_precision(self) -> None:
+        """Raise ValueError naming a precision field with a value no engine takes."""
+        kv = self.kv_dtype
+        if kv is not None and kv != FP8 and not _is_float_dtype(kv):
+            raise ValueError(f"kv_dtype={kv!r}: expected None, 'fp8' or a float dtype name")
+        if self.weight_dtype not in (None, FP8):
+            raise ValueError(f"weight_dtype={self.weight_dtype!r}: expected None (the compute dtype) or "
+                             "'fp8'")
+        if self.quantize_head and self.weight_dtype != FP8:
+            raise ValueError("quantize_head=True needs weight_dtype='fp8'")
+        block = self.weight_block
+        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+            raise ValueError(f"weight_block must be a positive int, got {block!r}")
+        if self.fp8_matmul not in FP8_MATMULS:
+            raise ValueError(f"fp8_matmul={self.fp8_matmul!r}; expected one of {FP8_MATMULS}")
+        if kv == FP8 and self.attention not in FP8_KV_ATTENTION:
+            raise ValueError(f"attention={self.attention!r} cannot read FP8 KV pages (kv_dtype='fp8'); "
+                             f"use one of {FP8_KV_ATTENTION}")
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """The older name of ``kv_dtype``."""
+        return self.kv_dtype
 
     @property
     def pool_pages(self) -> int:

@@ -1,136 +1,122 @@
-"""The synchronous engine: :class:`EngineCore` owns the device state, maps sequences to slots and pages and
-drives the device one :func:`~rstar2jax.engine.step.step` at a time, keeping one step in flight (the design:
-:mod:`rstar2jax.engine.scheduler`)."""
+"""The synchronous engine: :class:`EngineCore` joins the scheduler and the runner into the pipelined step
+loop (scheduler -> plan -> runner -> outputs -> scheduler), keeping one step in flight."""
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import dataclasses
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
-from rstar2jax.engine.config import EngineConfig, SamplingParams, pages_for
-from rstar2jax.engine.outbox import StepOutbox
+from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.pages import PageAllocator
-from rstar2jax.engine.programs import PROGRAMS, abstract_shapes, engine_params
-from rstar2jax.engine.records import Chunk, Phase, Record, SlotSequence, slot_seed
+from rstar2jax.engine.plan import WeightUpdate, check_policy_version
+from rstar2jax.engine.records import Chunk, Record
 from rstar2jax.engine.requests import check_request, pages_needed, stop_table
-from rstar2jax.engine.state import FINISH_REASON_NAMES, EngineState, engine_model_config, init_state
-from rstar2jax.engine.step import StepBuilder, StepLayout
+from rstar2jax.engine.runner import StepRunner
+from rstar2jax.engine.scheduler import Scheduler
+from rstar2jax.engine.sequences import GroupRequest
+from rstar2jax.engine.state import EngineState
 from rstar2jax.models import ModelConfig
 
 __all__ = ["EngineCore"]
 
 
-@dataclasses.dataclass
-class _Dispatched:
-    """A step in flight: its outputs (device arrays) and which session each decode row belongs to."""
-
-    outputs: tuple
-    rows: list[tuple[int, SlotSequence]]
-    iterations: int
-
-
 class EngineCore:
-    """Synchronous engine: owns the device state, maps sequences to slots and pages, and runs the pipelined
-    step loop (:mod:`rstar2jax.engine.scheduler`'s docstring).
+    """Synchronous engine: a :class:`~rstar2jax.engine.scheduler.Scheduler` (admission, pages, forks, the
+    prefix cache, what runs next) and a :class:`~rstar2jax.engine.runner.StepRunner` (build, compile,
+    dispatch, collect). Each :meth:`step` asks the scheduler for a :class:`~rstar2jax.engine.plan.StepPlan`,
+    has the runner dispatch it, then has it read the step before (one step in flight beside the new one) and
+    hands those outputs back to the scheduler.
 
     Not thread-safe: one caller at a time. :class:`~rstar2jax.engine.Engine` drives it from a thread of its
     own; :func:`~rstar2jax.engine.generate` drives it directly. Use: :meth:`admit` groups (when
     :meth:`admissible`), :meth:`start` their segments, call :meth:`step` while :attr:`num_active` (it returns
-    the chunks of tokens that arrived), :meth:`close` sessions.
+    the chunks of tokens that arrived), :meth:`close` sessions; :meth:`update_weights` between steps.
 
     ``policy_version`` (an int >= 0, the trainer step whose parameters ``params`` are) tags every token the
-    engine samples (``Segment.policy_versions``); inserted tokens get ``NO_POLICY_VERSION`` (-1).
+    engine samples with these weights (``Segment.policy_versions``); inserted tokens get ``NO_POLICY_VERSION``
+    (-1). ``params``' buffers are used as they are where no cast is needed: do not donate them meanwhile.
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, policy_version: int = 0):
-        if not isinstance(policy_version, (int, np.integer)) or isinstance(policy_version, bool) or (
-                policy_version < 0):
-            raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
-        self.policy_version = int(policy_version)
+        check_policy_version(policy_version)
         self.config = config
-        self.engine_config = cfg = engine_config
-        self.params = engine_params(params, engine_model_config(config, cfg), cfg.unstacked_decode)
-        self.state: EngineState = init_state(config, cfg)
-        self.pages = PageAllocator.of(cfg)
-        self._layouts = {t: StepLayout.of(cfg, t) for t in cfg.token_buckets}
-        self._abstract = (abstract_shapes(self.state), abstract_shapes(self.params))
-        self._programs: dict[StepLayout, object] = {}  # this engine's compiled steps, by bucket
-        self._reserved = 0  # pages promised to admitted sequences, not yet taken from the pool
-        self._free = collections.deque(range(cfg.num_slots))
-        self._seqs: dict[int, SlotSequence] = {}  # id(record) -> sequence
-        self._outbox = StepOutbox()  # update data for the next steps
-        self._in_flight: collections.deque[_Dispatched] = collections.deque()
-        self._last_prefilled = False  # whether the last step prefilled (the next one decodes a chunk)
-        self._reported: list[tuple[Record, Chunk]] = []
+        self.engine_config = engine_config
         self.stats = collections.Counter()  # steps, prompt_tokens, cached_tokens, sampled_tokens
+        self.runner = StepRunner(params, config, engine_config)
+        self.scheduler = Scheduler(engine_config, config.vocab_size, self.stats,
+                                   policy_version=policy_version)
 
-    # ---- sizes
+    # ---- what the rooms hold
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version of the weights the last planned step runs on (the constructor's until a step
+        carries new ones)."""
+        return self.scheduler.policy_version
+
+    @property
+    def state(self) -> EngineState:
+        """The device state (donated to each step: read it between calls)."""
+        return self.runner.state
+
+    @property
+    def pages(self) -> PageAllocator:
+        """The page tables, reference counts and prefix cache (read them between calls)."""
+        return self.scheduler.sequences.ledger.allocator
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free)
+        return self.scheduler.sequences.num_free_slots
 
     @property
     def num_free_pages(self) -> int:
         """Pages neither held by a sequence nor promised to one (cached pages count as free)."""
-        return self.pages.num_free - self._reserved
+        return self.scheduler.sequences.ledger.num_free
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the KV pool sequences can hold (the null page left out): used + cached + free."""
+        return len(self.pages.refcount) - 1
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one sequence (0 when the engine is idle)."""
+        return self.pages.num_used
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages no sequence holds that keep a prefix's keys/values for the prefix cache (evicted, least
+        recently used first, when the pool needs them)."""
+        return self.pages.num_cached
 
     @property
     def num_active(self) -> int:
         """Sequences with work queued or in flight (prefill, a segment), plus steps and chunks not yet
         read."""
-        queued = (Phase.PREFILL, Phase.FORK_WAIT, Phase.RUNNING)
-        busy = sum(bool(s.phase in queued or s.start is not None or s.siblings) for s in self._seqs.values())
-        return busy + len(self._in_flight) + len(self._reported)
+        return self.scheduler.sequences.num_pending + self.runner.num_in_flight
 
     @property
     def kv_bytes_held(self) -> int:
         """Bytes of the pages sequences hold now."""
         return self.pages.num_used * self.state.pages.nbytes_per_page
 
-    def warmup(self, threads: int = 2) -> None:
-        """Compile every bucket's step program ahead of time (in ``threads`` threads; nothing runs), so that
-        serving never compiles."""
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(self._program, reversed(self._layouts.values())))
-
     @property
     def programs(self) -> int:
         """Step programs this engine has used (each compiled once per process)."""
-        return len(self._programs)
+        return self.runner.num_programs
 
-    def _program(self, layout: StepLayout):
-        program = self._programs.get(layout)
-        if program is None:
-            program = self._programs[layout] = PROGRAMS.get(self._abstract, layout,
-                                                            self.engine_config.return_on_stop)
-        return program
+    def warmup(self, threads: int = 2) -> None:
+        """Compile every bucket's step program ahead of time (in ``threads`` threads; nothing runs), so that
+        serving never compiles."""
+        self.runner.warmup(self.scheduler.layouts, threads)
 
-    def _variant(self, layout: StepLayout) -> StepLayout:
-        """``layout``'s greedy program (``StepLayout.greedy``) while no sequence samples, unless only the
-        general one is compiled or compiling (it serves greedy rows as well); else ``layout``."""
-        if any(seq.sampling.temperature > 0 for seq in self._seqs.values()):
-            return layout
-        greedy = dataclasses.replace(layout, greedy=True)
-        general_held = layout in self._programs or PROGRAMS.holds(self._abstract, layout,
-                                                                  self.engine_config.return_on_stop)
-        return greedy if greedy in self._programs or not general_held else layout
-
-    def _compile_ahead(self, layout: StepLayout) -> None:
-        """Compile ``layout``'s program in the background unless this engine has it."""
-        if layout not in self._programs:
-            PROGRAMS.compile_ahead(self._abstract, layout, self.engine_config.return_on_stop)
+    # ---- requests
 
     def stop_table(self, stop: Sequence[Sequence[int]]) -> np.ndarray:
         """``[max_stops, max_stop_len]`` right-aligned stop table; raises ValueError if it does not fit."""
         return stop_table(self.engine_config, stop)
-
-    # ---- requests
 
     def pages_needed(self, prompt_ids: Sequence[int], n: int, max_tokens: int, *, shared: int = 0) -> int:
         """Pages a group can ever take from the pool (:func:`~rstar2jax.engine.requests.pages_needed`)."""
@@ -140,311 +126,84 @@ class EngineCore:
         """Raise ValueError for a request that could never be admitted."""
         check_request(self.engine_config, self.config.vocab_size, prompt_ids, n, max_tokens)
 
-    def _shared_prefix(self, prompt_ids: Sequence[int]) -> list[int]:
-        return self.pages.match(prompt_ids) if self.engine_config.prefix_sharing else []
-
-    def admissible(self, requests: Sequence[tuple[Sequence[int], int, SamplingParams, int, Sequence[int]]]
-                   ) -> int:
+    def admissible(self, requests: Sequence[GroupRequest]) -> int:
         """How many of ``requests`` (in order) fit in the free slots and unpromised pages now (host
         arithmetic only)."""
-        slots, pages = self.num_free_slots, self.num_free_pages
-        for count, (prompt_ids, n, _, max_tokens, _) in enumerate(requests):
-            shared = self._shared_prefix(prompt_ids)
-            needed = self.pages_needed(prompt_ids, n, max_tokens, shared=len(shared))
-            needed += self.pages.num_cached_in(shared)  # attached cached pages stop counting as free
-            if n > slots or needed > pages:
-                return count
-            slots, pages = slots - n, pages - needed
-        return len(requests)
+        return self.scheduler.sequences.admissible(requests)
 
-    def admit(
-        self, requests: Sequence[tuple[Sequence[int], int, SamplingParams, int, Sequence[int]]]
-    ) -> list[list[Record]]:
-        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``: each
+    def admit(self, requests: Sequence[GroupRequest]) -> list[list[Record]]:
+        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seeds)``: each
         prompt is prefilled once by the next steps (but whole pages of a prefix already in the pool) and
-        forked to its siblings (sibling ``j`` seeded by ``(*seed_entropy, j)``), which share its full pages.
+        forked to its siblings (sibling ``j`` seeded by ``(*seeds, j)``, or ``seeds.seeds[j]`` for
+        :class:`~rstar2jax.engine.records.StreamSeeds`), which share its full pages.
 
         Returns each group's records (paused once prefilled: :meth:`start` them). Raises ValueError if they do
         not fit (see :meth:`admissible`).
         """
-        for prompt_ids, n, _, max_tokens, _ in requests:
-            self.check_request(prompt_ids, n, max_tokens)
-        if self.admissible(requests) < len(requests):
-            raise ValueError(f"{len(requests)} groups requested; {self.num_free_slots} slots and "
-                             f"{self.num_free_pages} pages are free")
-        ps = self.engine_config.page_size
-        groups = []
-        for prompt_ids, n, sampling, max_tokens, entropy in requests:
-            prompt_ids = [int(t) for t in prompt_ids]
-            shared = self._shared_prefix(prompt_ids)
-            self._reserved += self.pages_needed(prompt_ids, n, max_tokens, shared=len(shared))
-            seqs = []
-            for j in range(n):
-                record = Record(prompt_ids, max_tokens)
-                seq = SlotSequence(record, self._free.popleft(), slot_seed((*entropy, j)), sampling)
-                record.slot = seq.slot
-                seq.reserve = pages_for(record.budget_end, ps)  # all its pages, shared ones deducted below
-                self._seqs[id(record)] = seq
-                self._outbox.updates[seq.slot] = (seq, True)
-                seqs.append(seq)
-            src = seqs[0]
-            if shared:
-                self.pages.attach(src.slot, shared)
-                self._outbox.entries += [(src.slot, col, page) for col, page in enumerate(shared)]
-                src.reserve -= len(shared)
-                src.kv = len(shared) * ps
-                src.record.cached_tokens = src.kv
-            self._grow(src, len(prompt_ids))
-            if n > 1:  # the siblings' pages now; the device copies src's last page once it is prefilled
-                copies = self.pages.fork(src.slot, [s.slot for s in seqs[1:]], len(prompt_ids))
-                self._reserved -= len(copies)  # each took its copy of the prompt's last page
-                for sibling, pair in zip(seqs[1:], copies, strict=True):
-                    sibling.reserve -= int(self.pages.held[sibling.slot])
-                    sibling.phase, sibling.source, sibling.copy = Phase.FORK_WAIT, src, pair
-                src.siblings = seqs[1:]
-            if src.kv >= len(prompt_ids) - 1:
-                src.phase = Phase.READY  # nothing to prefill: all but the pending token came from the cache
-            self.stats["prompt_tokens"] += len(prompt_ids)
-            self.stats["cached_tokens"] += src.kv
-            groups.append([s.record for s in seqs])
-        return groups
+        return self.scheduler.sequences.admit(requests)
 
     def start(self, record: Record, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None,
               appended: Sequence[int] = ()) -> None:
         """Queue a generation segment for ``record`` (run by the next :meth:`step`), after inserting the
         ``appended`` tokens (a tool response: prefilled first)."""
-        seq = self._seqs.get(id(record))
-        if seq is None or seq.phase == Phase.CLOSED:
-            raise ValueError("the session is closed or finished")
-        if seq.start is not None or seq.phase == Phase.RUNNING:
-            raise RuntimeError("the session already has a segment in flight")
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if len(seq.tokens) + len(appended) > record.budget_end:
-            raise ValueError(f"{len(appended)} tokens appended but only "
-                             f"{record.budget_end - len(seq.tokens)} remain in the budget")
-        seq.start = (self.stop_table(stop), max_new_tokens, [int(t) for t in appended])
-        self._prepare_start(seq)
-
-    def _prepare_start(self, seq: SlotSequence) -> None:
-        """Insert a queued segment's appended tokens once ``seq`` may take them (not before its group is
-        forked: the siblings copy its prompt's last page); a session with no budget left is done at once."""
-        table, limit, appended = seq.start
-        if seq.siblings or seq.phase == Phase.FORK_WAIT:
-            return
-        if appended:
-            seq.tokens += appended
-            seq.start = (table, limit, [])
-            if seq.phase == Phase.READY:
-                seq.phase = Phase.PREFILL
-        if len(seq.tokens) >= seq.budget_end:  # nothing may be sampled
-            self._reported.append((seq.record, Chunk([], [], [], self.policy_version, "budget")))
-            self._release(seq)
+        self.scheduler.sequences.start(record, stop, max_new_tokens, appended)
 
     def close(self, record: Record) -> None:
         """Free the record's slot and pages (on the device with the next step); its outputs still in flight
         are discarded. Idempotent. A group's source closed before its siblings were forked goes on
         prefilling for them, invisibly, and is freed once they are."""
-        record.slot = None
-        seq = self._seqs.get(id(record))
-        if seq is not None:
-            self._release(seq)
+        self.scheduler.sequences.close(record)
 
-    def _release(self, seq: SlotSequence) -> None:
-        seq.start = None
-        if seq.siblings:
-            seq.closing = True
-            return
-        del self._seqs[id(seq.record)]
-        seq.phase = Phase.CLOSED
-        source = seq.source
-        if source is not None and seq in source.siblings:  # closed before its fork: none will come
-            source.siblings.remove(seq)
-            if source.closing and not source.siblings:
-                self._release(source)
-        if self.engine_config.prefix_sharing:  # its written pages stay findable: a chat's next turn hits
-            self.pages.register(seq.slot, seq.tokens, min(seq.kv, len(seq.tokens) - 1))
-        self._outbox.freed += self.pages.release(seq.slot)
-        self._reserved -= seq.reserve
-        seq.reserve = 0
-        self._outbox.updates[seq.slot] = (None, True)
-        self._free.append(seq.slot)
+    @property
+    def params(self):
+        """The weights of the last dispatched step (as the engine prepared them)."""
+        return self.runner.params
 
-    # ---- device work
+    def prepare_weights(self, params, policy_version: int, on_update: str = "keep") -> WeightUpdate:
+        """The checks and preparation of :meth:`update_weights` (safe from any thread:
+        :meth:`Engine.update_weights` runs them in the caller's); :meth:`queue_weights` queues the result."""
+        return self.runner.prepare_weights(params, policy_version, on_update)
 
-    def _grow(self, seq: SlotSequence, num_tokens: int) -> None:
-        """Take pages from the pool (promised at admission) for ``num_tokens`` tokens of ``seq``."""
-        new = self.pages.grow(seq.slot, min(num_tokens, seq.budget_end))
-        self._outbox.entries += [(seq.slot, col, page) for col, page in new]
-        seq.reserve -= len(new)
-        self._reserved -= len(new)
-        if seq.reserve < 0:
-            raise AssertionError(f"slot {seq.slot} took more pages than promised")
+    def queue_weights(self, update: WeightUpdate) -> None:
+        """Queue prepared weights for the next step (:meth:`update_weights`)."""
+        self.scheduler.queue_weights(update)
 
-    def _bucket(self, tokens: int, rows: int, tiles: int) -> StepLayout:
-        for layout in self._layouts.values():
-            if layout.tokens >= tokens and layout.rows >= rows and layout.tiles >= tiles:
-                return layout
-        raise AssertionError(f"no bucket holds {tokens} tokens, {rows} rows, {tiles} tiles")
+    def update_weights(self, params, policy_version: int, *, on_update: str = "keep") -> None:
+        """Decode with ``params`` (the trainer step ``policy_version``'s) from the next step on.
 
-    def _fork_ready(self) -> None:
-        """Fork on the device the siblings of every source whose prompt prefill went out in an earlier step
-        (the page copies run before this step's writes)."""
-        cfg = self.engine_config
-        for src in list(self._seqs.values()):
-            if not src.siblings or src.phase == Phase.PREFILL:
-                continue
-            queued = max(len(self._outbox.copies), len(self._outbox.forks))
-            if len(src.siblings) > cfg.num_slots - queued:
-                continue
-            for sibling in src.siblings:
-                (page, copy), col = sibling.copy, int(self.pages.held[sibling.slot]) - 1
-                self._outbox.copies.append((page, copy))
-                self._outbox.forks.append((src.slot, sibling.slot, col, copy))
-                sibling.tokens, sibling.kv, sibling.phase = list(src.tokens), src.kv, Phase.READY
-                self._outbox.updates[sibling.slot] = (sibling, False)
-            src.siblings = []
-            if src.closing:
-                self._release(src)
+        The step in flight keeps the old weights; the next one dispatched runs on the new ones, and every
+        token carries the version of the weights that sampled it. Sessions keep their slots, pages and
+        segments (a session paused on a tool call stays paused). ``on_update="keep"``: running sequences
+        decode on over their keys/values as written (by the old weights); ``"recompute"``: once the step in
+        flight is read, every sequence's keys/values are prefilled again with the new weights first (running
+        segments are suspended meanwhile and resume where they were). Either way no prefix written before is
+        reused. Nothing compiles again: raises ValueError naming the leaf unless ``params`` has, once
+        prepared (cast to the compute dtype, layers split or stacked), the shapes, dtypes and shardings of
+        the current weights; nothing changes then. ``params``' buffers are used as they are where no cast is
+        needed: do not donate them meanwhile.
+        """
+        self.queue_weights(self.prepare_weights(params, policy_version, on_update))
 
-    def _begin(self, seq: SlotSequence) -> None:
-        """Make a ready sequence with a queued segment RUNNING from this step."""
-        table, limit, _ = seq.start
-        # The device clips the segment to the budget, so "no limit" is the whole budget.
-        end = seq.budget_end if limit is None else min(len(seq.tokens) + limit, seq.budget_end)
-        seq.start, seq.phase = None, Phase.RUNNING
-        seq.stop_table, seq.segment_start, seq.segment_end = table, len(seq.tokens), end
-        self._outbox.updates[seq.slot] = (seq, self._outbox.updates.get(seq.slot, (None, False))[1])
-
-    def _startable(self, seq: SlotSequence) -> bool:
-        return (seq.phase == Phase.READY and seq.start is not None and not seq.start[2] and not seq.siblings
-                and not seq.closing)
-
-    def _schedule(self, updates_only: bool = False):
-        """Decide the next step: (bucket, decoding sequences, prefill runs, iterations), or None if there is
-        nothing to send. ``updates_only``: no decode or prefill, just the update data."""
-        cfg = self.engine_config
-        tile = cfg.prefill_tile
-        if updates_only:
-            if not self._outbox:
-                return None
-            return self._layouts[cfg.token_buckets[0]], [], [], 1
-        self._fork_ready()
-        for seq in list(self._seqs.values()):
-            if seq.start is not None and seq.start[2]:
-                self._prepare_start(seq)  # appended tokens waiting for the group's fork
-            if self._startable(seq):
-                self._begin(seq)
-        decoding = [s for s in self._seqs.values() if s.phase == Phase.RUNNING]
-        for seq in decoding:  # pages a step ahead: the step in flight and this one may each fill a chunk
-            self._grow(seq, len(seq.tokens) + sum(seq.in_flight) + cfg.decode_chunk)
-        largest = self._layouts[cfg.max_step_tokens]
-        room = largest.num_entries
-        blocked = {slot for slot, _, _ in self._outbox.entries[room:]}  # their pages reach the device later
-        room -= len(self._outbox.entries)
-        tokens, rows, tiles, runs = len(decoding), len(decoding), 0, []
-        # Prefill goes into every other step while sessions decode: a prefill step decodes one token per
-        # session, the decode step after it a whole chunk, so arriving work never starves the running.
-        prefill = not (decoding and self._last_prefilled)
-        for seq in self._seqs.values() if prefill else ():
-            if seq.phase != Phase.PREFILL:
-                continue
-            if seq.slot in blocked:
-                break  # first come, first served
-            n = min(len(seq.tokens) - 1 - seq.kv, cfg.max_step_tokens - tokens)  # the last one stays pending
-            singles = n <= tile // 2 and rows + n <= largest.rows
-            if not singles:
-                n = min(n, (largest.tiles - tiles) * tile)
-            new_pages = pages_for(seq.kv + n + 1, cfg.page_size) - int(self.pages.held[seq.slot])
-            if n <= 0 or new_pages > room:
-                break
-            rows, tiles = (rows + n, tiles) if singles else (rows, tiles + -(-n // tile))
-            tokens += n
-            runs.append((seq, seq.kv, seq.tokens[seq.kv : seq.kv + n], singles))
-            seq.kv += n
-            self._grow(seq, seq.kv + 1)
-            room = largest.num_entries - len(self._outbox.entries)
-            if cfg.prefix_sharing:
-                self.pages.register(seq.slot, seq.tokens, seq.kv)
-            if seq.kv == len(seq.tokens) - 1:  # prefilled: it may run in this very step
-                seq.phase = Phase.READY
-                if self._startable(seq) and rows < largest.rows and tokens < cfg.max_step_tokens:
-                    self._begin(seq)
-                    decoding.append(seq)
-                    tokens, rows = tokens + 1, rows + 1
-        if not (decoding or runs or self._outbox):
-            return None
-        iterations = 1 if runs else cfg.decode_chunk
-        self._last_prefilled = bool(runs)
-        return self._bucket(tokens, rows, tiles), decoding, runs, iterations
-
-    def _build(self, layout: StepLayout, decoding, runs, iterations) -> tuple[StepBuilder, list]:
-        builder = StepBuilder(layout)
-        rows = [(builder.decode(seq.slot), seq) for seq in decoding]
-        for seq, start, tokens, singles in runs:
-            builder.run(seq.slot, start, tokens, singles=singles)
-        builder.decode_iterations(iterations - 1)
-        self._outbox.write(builder, self.engine_config)
-        return builder, rows
+    # ---- the step loop
 
     def step(self, *, updates_only: bool = False) -> list[tuple[Record, Chunk]]:
         """Dispatch the next step if there is work (keeping at most one step in flight beside it), then read
         the oldest step's outputs once a newer one is queued (or nothing more is to come). Returns the chunks
         of tokens that arrived, per record, in order; a chunk with a ``finish_reason`` ends its segment (a
         finished session's slot and pages are freed)."""
-        plan = self._schedule(updates_only)
+        runner = self.runner
+        plan = self.scheduler.schedule(updates_only=updates_only, steps_in_flight=runner.num_in_flight)
         if plan is not None:
-            layout, decoding, runs, iterations = plan
-            builder, rows = self._build(layout, decoding, runs, iterations)
-            if runs:  # the decode steps after this prefill: their program may compile meanwhile
-                starting = sum(s.phase == Phase.READY and s.start is not None for s in self._seqs.values())
-                n = min(len(decoding) + starting, self.engine_config.num_slots)
-                self._compile_ahead(self._variant(self._bucket(n, n, 0)))
-            program = self._program(self._variant(layout))
-            self.state, out_i, out_f = program(self.state, self.params, builder.ints, builder.floats)
-            for _, seq in rows:
-                seq.in_flight.append(iterations)
-            self._in_flight.append(_Dispatched((out_i, out_f), rows, iterations))
+            runner.dispatch(plan)
             self.stats["steps"] += 1
-        if self._in_flight and (plan is None or len(self._in_flight) > 1):
-            self._collect(self._in_flight.popleft())
-        reported, self._reported = self._reported, []
-        return reported
+        if runner.num_in_flight and (plan is None or runner.num_in_flight > 1):
+            self.scheduler.update_from_output(runner.collect())
+        return self.scheduler.sequences.take_reported()
 
     def flush(self) -> list[tuple[Record, Chunk]]:
         """Send what is queued (releases, page entries) and read every step in flight, starting nothing new
         (running sessions stay running for later steps); returns the chunks that arrived."""
         reported = []
-        while self._in_flight or self._outbox:
+        while self.runner.num_in_flight or self.scheduler.sequences.outbox:
             reported += self.step(updates_only=True)
         return reported
-
-    def _collect(self, done: _Dispatched) -> None:
-        out_i, out_f = jax.device_get(done.outputs)
-        for row, seq in done.rows:
-            seq.in_flight.popleft()
-            if seq.phase != Phase.RUNNING or self._seqs.get(id(seq.record)) is not seq:
-                continue  # closed by the host meanwhile: its overshoot is discarded
-            tokens = out_i[:, row, 0]
-            sampled = np.flatnonzero(tokens >= 0)
-            if not len(sampled):
-                continue
-            new = tokens[sampled].tolist()
-            seq.tokens += new
-            seq.kv = len(seq.tokens) - 1
-            self.stats["sampled_tokens"] += len(new)
-            reasons = out_i[sampled, row, 1]
-            finish = int(reasons[-1])
-            chunk = Chunk(new, out_f[sampled, row, 0].tolist(), out_f[sampled, row, 1].tolist(),
-                          self.policy_version, FINISH_REASON_NAMES.get(finish))
-            self._reported.append((seq.record, chunk))
-            if finish:
-                seq.phase = Phase.READY
-                if chunk.finish_reason in ("eos", "budget"):
-                    self._release(seq)
-                else:  # paused (a tool call, a segment limit): the pages given ahead, never written, go back
-                    freed = self.pages.shrink(seq.slot, len(seq.tokens))
-                    self._outbox.freed += freed
-                    seq.reserve += len(freed)
-                    self._reserved += len(freed)
-

@@ -27,28 +27,59 @@ CUDA GPUs the single-query rows use JAX's maintained Pallas/Triton kernel
 offsetting the page ids by ``layer * num_pages``), tested against the reference on CPU in Pallas interpret
 mode. tokamax 0.0.12 was checked: its attention API takes a ``PagingInfo`` but every kernel of it raises
 ``NotImplementedError`` for paging, so it offers no paged kernel to select.
+
+FP8 pages (``EngineConfig.kv_dtype="fp8"``): ``k``, ``v`` are float8_e4m3fn and ``k_scale``, ``v_scale``
+``[K, L, P, page_size]`` (bfloat16) hold a power-of-two scale per head for each token slot of a page::
+
+    s = 2^ceil(log2(max_d |x_d| / 448)),   q_d = round_e4m3(x_d / s),   x^_d = q_d s
+
+(``x``: one token's key or value of one head, ``d`` over ``head_dim``). Each token is quantized once, when its
+key/value is written, from its own maximum: a page filled token by token never requantizes what it holds
+(no double rounding, no rewrite of the page), prefill and decode write alike, and a page copied for a fork
+or attached from the prefix cache carries its scales with it (they live in the page's slots). Error bound,
+per element: ``|x^_d - x_d| <= max(2^-4 |x_d|, 2^-10 s) <= max(2^-4 |x_d|, max_d |x_d| / 229376)``. The
+scales cost 2 bytes per token, head and layer beside ``head_dim`` bytes of values: a pool of fixed bytes holds
+``2 Dh / (Dh + 2)`` times the tokens of a bfloat16 pool (1.97 at ``Dh`` = 128). Attention folds the scales
+into the scores and probabilities (``s_j = (q . k_j) s^k_j``, ``acc += (p_j s^v_j) v_j``), which is how
+the Pallas kernel reads them too (its ``k_scales_pages`` / ``v_scales_pages``, per token slot). A per-page
+scale would need requantizing the page whenever a later token raised its maximum, and the kernel would need
+it broadcast to every slot of the whole pool at every layer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.engine.config import ATTENTION_IMPLS
-from rstar2jax.models.platform import accelerator
+from rstar2jax.engine.config import FP8
+from rstar2jax.models import ModelConfig
+from rstar2jax.models.attention import resolve_attention
+from rstar2jax.models.config import attention_name
+from rstar2jax.models.platform import pallas_interpreted
+from rstar2jax.models.quantization import FP8_DTYPE, to_fp8
 
 NULL_PAGE = 0
+KV_SCALE_DTYPE = jnp.bfloat16  # powers of two: exact in bfloat16
 
 
 @flax.struct.dataclass
 class PagedKV:
-    """The page pool: ``k``, ``v``: ``[num_kv_heads, num_layers, num_pages, page_size, head_dim]``."""
+    """The page pool: ``k``, ``v``: ``[num_kv_heads, num_layers, num_pages, page_size, head_dim]``; for FP8
+    pages also ``k_scale``, ``v_scale``: ``[num_kv_heads, num_layers, num_pages, page_size]`` (module
+    docstring). Every leaf has the pages on axis 2, so a page is copied or poisoned leaf by leaf."""
 
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def num_layers(self) -> int:
@@ -64,26 +95,94 @@ class PagedKV:
 
     @property
     def nbytes_per_page(self) -> int:
-        """Bytes one page holds over all layers, keys and values."""
-        return 2 * self.k.dtype.itemsize * math.prod(self.k.shape) // self.num_pages
+        """Bytes one page holds over all layers, keys and values (and their scales)."""
+        leaves = jax.tree.leaves(self)
+        return sum(jnp.dtype(x.dtype).itemsize * math.prod(x.shape) for x in leaves) // self.num_pages
+
+    def write(self, layer, page: jax.Array, offset: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
+        """The pool with ``k``, ``v`` (``[T, K, Dh]``, one token per row) written at ``layer`` into
+        ``page[t]`` at ``offset[t]`` (a page of ``num_pages``: dropped); FP8 pages quantize each token."""
+        put = lambda pool, x: pool.at[:, layer, page, offset].set(
+            jnp.swapaxes(x, 0, 1).astype(pool.dtype), mode="drop")
+        if not self.quantized:
+            return PagedKV(k=put(self.k, k), v=put(self.v, v))
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        return PagedKV(k=put(self.k, kq), v=put(self.v, vq), k_scale=put(self.k_scale, ks),
+                       v_scale=put(self.v_scale, vs))
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys or values ``[..., Dh]`` as float8_e4m3fn with a power-of-two scale per vector (module
+    docstring): (values, ``KV_SCALE_DTYPE`` scales ``[...]``)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    _, exponent = jnp.frexp(amax / 448.0)  # amax / 448 = m 2^e with m in [0.5, 1): 2^e covers it (0 -> 1)
+    scale = jnp.ldexp(jnp.float32(1.0), jnp.clip(exponent, -126, 127))
+    return to_fp8(x, scale[..., None]), scale.astype(KV_SCALE_DTYPE)
 
 
 def pool_shape(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int):
     return (num_kv_heads, num_layers, num_pages, page_size, head_dim)
 
 
-def resolve_attention(impl: str) -> str:
-    """``"auto"``: ``"pallas_gpu"`` on a CUDA GPU, ``"jnp"`` elsewhere (CPU, ROCm, TPU); others unchanged."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention={impl!r}; expected one of {ATTENTION_IMPLS}")
-    if impl != "auto":
-        return impl
-    return "pallas_gpu" if accelerator() == "cuda" else "jnp"
+def init_pages(shape: tuple[int, ...], kv_dtype) -> PagedKV:
+    """An all-zero pool of :func:`pool_shape` ``shape``: ``kv_dtype`` a float dtype, or ``"fp8"``."""
+    if kv_dtype != FP8:
+        return PagedKV(k=jnp.zeros(shape, kv_dtype), v=jnp.zeros(shape, kv_dtype))
+    values, scales = lambda: jnp.zeros(shape, FP8_DTYPE), lambda: jnp.zeros(shape[:-1], KV_SCALE_DTYPE)
+    return PagedKV(k=values(), v=values(), k_scale=scales(), v_scale=scales())
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype=None) -> int:
+    """Bytes of one token's keys and values over all layers: ``2 L K Dh itemsize``, or for FP8 pages
+    ``2 L K (Dh + 2)`` (a byte per element and a bfloat16 scale per head)."""
+    L, K, Dh = config.num_layers, config.num_kv_heads, config.head_dim
+    if kv_dtype == FP8:
+        return 2 * L * K * (Dh * jnp.dtype(FP8_DTYPE).itemsize + jnp.dtype(KV_SCALE_DTYPE).itemsize)
+    return 2 * L * K * Dh * jnp.dtype(kv_dtype or config.compute_dtype).itemsize
+
+
+def pages_for_bytes(num_bytes: float, config: ModelConfig, *, page_size: int, kv_dtype=None) -> int:
+    """Pages of ``page_size`` tokens that ``num_bytes`` of pool hold (the ``EngineConfig.num_pages`` of a
+    pool sized in bytes): an FP8 pool holds about twice a bfloat16 one's."""
+    return int(num_bytes) // (page_size * kv_bytes_per_token(config, kv_dtype))
+
+
+def decode_attention(impl: str, kv_dtype=None) -> str:
+    """The paged decode attention that runs for ``impl`` (``models.attention.resolve_attention`` for
+    decoding: ``"auto"`` is the Pallas kernel on a CUDA GPU, blockwise elsewhere). With FP8 pages
+    (``kv_dtype="fp8"``) the Pallas kernel is used only where it compiles for float8 pages
+    (:func:`pallas_reads_fp8`): ``"auto"`` falls back to ``"blockwise"``, an explicit ``"pallas_triton"``
+    raises ValueError naming it (``EngineConfig`` refuses implementations that cannot read FP8 pages)."""
+    resolved = resolve_attention(impl, use="decoding")
+    if kv_dtype == FP8 and resolved == "pallas_triton" and not pallas_reads_fp8():
+        if attention_name(impl, "decoding") == "auto":
+            return "blockwise"
+        raise ValueError(f"attention={impl!r} cannot read FP8 KV pages on {jax.devices()[0].device_kind}: "
+                         "the Pallas kernel does not compile for float8 pages there; use "
+                         "attention='blockwise' or kv_dtype=None")
+    return resolved
+
+
+@functools.cache
+def pallas_reads_fp8() -> bool:
+    """Whether the Pallas GPU decode kernel compiles for FP8 pages on the default device (tried once)."""
+    pool = jax.ShapeDtypeStruct((1, 1, 2, 16, 64), FP8_DTYPE)
+    scale = jax.ShapeDtypeStruct((1, 1, 2, 16), KV_SCALE_DTYPE)
+    q = jax.ShapeDtypeStruct((1, 1, 16, 64), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    attend = lambda q, k, v, ks, vs, table, positions: paged_decode_attention_pallas(
+        q, k, v, 0, table, positions, k_scale=ks, v_scale=vs, interpret=pallas_interpreted())
+    try:
+        jax.jit(attend).lower(q, pool, pool, scale, scale, rows, rows).compile()
+        return True
+    except Exception:  # noqa: BLE001 - whatever stops it compiling, the kernel cannot serve FP8 pages here
+        return False
 
 
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                               page_table: jax.Array, positions: jax.Array, *,
-                              block_pages: int = 16) -> jax.Array:
+                              block_pages: int = 16, k_scale: jax.Array | None = None,
+                              v_scale: jax.Array | None = None) -> jax.Array:
     """Causal attention of rows of queries at ``positions`` over the pages of their rows (module docstring).
 
     Args:
@@ -95,6 +194,7 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
       page_table: int32 ``[R, max_pages]``: each row's page-table row.
       positions: int32 ``[R, n]``: each query's position; -1 for padding (its output is 0).
       block_pages: pages per block of the online softmax.
+      k_scale, v_scale: ``[K, L, P, page_size]`` the scales of FP8 pools (module docstring), or None.
 
     Returns:
       ``[R, n, H, Dh]`` in ``q.dtype``. Keys after a row's last query position are never read into the sums
@@ -122,16 +222,23 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
         kb = k_pool[:, layer, ids].reshape(K, R, block_tokens, Dh)  # one gather from the stacked pool
         vb = v_pool[:, layer, ids].reshape(K, R, block_tokens, Dh)
         key_pos = i * block_tokens + jnp.arange(block_tokens)
-        vb = jnp.where((key_pos[None, :] <= last[:, None])[None, :, :, None], vb, 0).astype(q.dtype)
+        readable = (key_pos[None, :] <= last[:, None])[None]  # [1, R, S]
+        vb = jnp.where(readable[..., None], vb, 0).astype(q.dtype)
         s = jnp.einsum("krqd,krsd->krqs", qg, kb.astype(q.dtype), preferred_element_type=jnp.float32)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None])[None]  # [1, R, nG, S]
+        # FP8 pages: the scales multiply scores and probabilities, per key (zero past the row's end).
+        scales = lambda pool: jnp.where(readable, pool[:, layer, ids].reshape(K, R, block_tokens), 0)[
+            :, :, None, :].astype(jnp.float32)
+        if k_scale is not None:
+            s = s * scales(k_scale)
         s = jnp.where(mask, s, floor)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         norm = norm * correction + jnp.sum(p, axis=-1)
+        weights = p if v_scale is None else p * scales(v_scale)
         acc = acc * correction[..., None] + jnp.einsum(
-            "krqs,krsd->krqd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
+            "krqs,krsd->krqd", weights.astype(q.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, norm, acc
 
     init = (jnp.full((K, R, n * G), floor, jnp.float32), jnp.zeros((K, R, n * G), jnp.float32),
@@ -150,13 +257,15 @@ def _kernel_blocking(max_pages: int) -> tuple[int, int]:
 
 def paged_decode_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                                   page_table: jax.Array, positions: jax.Array, *,
-                                  interpret: bool = False) -> jax.Array:
+                                  interpret: bool = False, k_scale: jax.Array | None = None,
+                                  v_scale: jax.Array | None = None) -> jax.Array:
     """:func:`paged_attention_reference` for one query per row (``n == 1``) with JAX's Pallas GPU kernel.
 
     The kernel gets the whole stacked pool as ``[K, L * P, page_size, Dh]`` (a free reshape) and the row's
     page ids offset by ``layer * P``, so no layer slice of the pool is made. Row ``b`` reads the
     ``ceil((positions[b] + 1) / page_size)`` pages it holds; padding rows (position -1) read none and give
-    0. ``interpret=True`` runs the kernel in the Pallas interpreter (any backend: tests).
+    0. ``interpret=True`` runs the kernel in the Pallas interpreter (any backend: tests). FP8 pools go to
+    the kernel as they are, with their per-slot scales (``k_scale``, ``v_scale`` ``[K, L, P, page_size]``).
     """
     from jax.experimental.pallas.ops.gpu import paged_attention as kernel  # GPU-only import chain
 
@@ -165,11 +274,17 @@ def paged_decode_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.A
         raise ValueError(f"the Pallas paged kernel decodes one query per row, got {n}")
     K, L, P, page_size, _ = k_pool.shape
     k_splits, per_block = _kernel_blocking(page_table.shape[1])
-    flat = lambda pool: pool.reshape(K, L * P, page_size, Dh).astype(q.dtype)
+    if k_scale is None:
+        flat = lambda pool: pool.reshape(K, L * P, page_size, Dh).astype(q.dtype)
+        scales = {}
+    else:  # the kernel casts float8 blocks to the query's dtype itself, after the scales
+        flat = lambda pool: pool.reshape(K, L * P, page_size, Dh)
+        scales = dict(k_scales_pages=k_scale.reshape(K, L * P, page_size),
+                      v_scales_pages=v_scale.reshape(K, L * P, page_size))
     out = kernel.paged_attention(
         q[:, 0], flat(k_pool), flat(v_pool), (page_table + layer * P).astype(jnp.int32),
-        (positions[:, 0] + 1).astype(jnp.int32), k_splits=k_splits, pages_per_compute_block=per_block,
-        interpret=interpret)
+        (positions[:, 0] + 1).astype(jnp.int32), **scales, k_splits=k_splits,
+        pages_per_compute_block=per_block, interpret=interpret)
     return out[:, None]
 
 
@@ -209,29 +324,28 @@ class PagedCacheView:
 
     pages: PagedKV
     batch: RaggedBatch
-    attention: str = flax.struct.field(pytree_node=False, default="jnp")
+    attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
 
     def write_and_attend(self, layer, q: jax.Array, k: jax.Array, v: jax.Array):
         """Scatter the batch's keys/values (``[1, T, K, Dh]``) into their pages at ``layer``, then attend
         (``q``: ``[1, T, H, Dh]``, scaled) through both views. Returns (``[1, T, H, Dh]``, updated view)."""
-        batch, pages = self.batch, self.pages
-        write = lambda pool, x: pool.at[:, layer, batch.token_page, batch.token_offset].set(
-            jnp.transpose(x[0], (1, 0, 2)).astype(pool.dtype), mode="drop")
-        pages = PagedKV(k=write(pages.k, k), v=write(pages.v, v))
+        batch = self.batch
+        pages = self.pages.write(layer, batch.token_page, batch.token_offset, k[0], v[0])
+        scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
         q = q[0]  # [T, H, Dh]
         rows_q = q.at[batch.row_token].get(mode="fill", fill_value=0)[:, None]  # [R1, 1, H, Dh]
-        if self.attention in ("pallas_gpu", "pallas_interpret"):
+        if self.attention == "pallas_triton":
             rows = paged_decode_attention_pallas(rows_q, pages.k, pages.v, layer, batch.row_pages,
-                                                 batch.row_positions,
-                                                 interpret=self.attention == "pallas_interpret")
+                                                 batch.row_positions, interpret=pallas_interpreted(),
+                                                 **scales)
         else:
             rows = paged_attention_reference(rows_q, pages.k, pages.v, layer, batch.row_pages,
-                                             batch.row_positions, block_pages=self.block_pages)
+                                             batch.row_positions, block_pages=self.block_pages, **scales)
         out = jnp.zeros_like(q).at[batch.row_token].set(rows[:, 0], mode="drop")
         if batch.tile_token.shape[0]:
             tiles_q = q.at[batch.tile_token].get(mode="fill", fill_value=0)  # [R2, Q, H, Dh]
             tiles = paged_attention_reference(tiles_q, pages.k, pages.v, layer, batch.tile_pages,
-                                              batch.tile_positions, block_pages=self.block_pages)
+                                              batch.tile_positions, block_pages=self.block_pages, **scales)
             out = out.at[batch.tile_token.reshape(-1)].set(tiles.reshape(-1, *q.shape[1:]), mode="drop")
         return out[None], self.replace(pages=pages)

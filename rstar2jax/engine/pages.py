@@ -32,7 +32,7 @@ import numpy as np
 from rstar2jax.engine.config import EngineConfig, pages_for
 from rstar2jax.engine.paged_attention import NULL_PAGE
 
-__all__ = ["PageAllocator", "pages_for"]
+__all__ = ["PageAllocator"]
 
 
 class PageAllocator:
@@ -155,6 +155,13 @@ class PageAllocator:
                 freed.append(page)
         self._free.extend(freed)
         return freed
+
+    def forget_prefixes(self) -> None:
+        """Unregister every page (their keys/values are stale: new weights): cached pages become free."""
+        self._free.extend(reversed(self._cached))
+        self._cached.clear()
+        self._digest_of.clear()
+        self._page_of.clear()
 
     def _unregister(self, page: int) -> None:
         digest = self._digest_of.pop(page, None)

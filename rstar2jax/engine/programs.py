@@ -1,6 +1,9 @@
 """The engine's compiled step programs and the weights they run on.
 
-:func:`engine_params` prepares a caller's weights once for decoding (cast, layers split or stacked).
+:func:`engine_weights` prepares a caller's weights for an engine (its precision checked, FP8 quantization,
+cast, layers split or stacked: :func:`engine_params`); an engine calls it when it is built and at every
+weight update (:meth:`~rstar2jax.engine.EngineCore.update_weights`); :func:`check_same_shapes` refuses new
+weights the compiled programs do not take.
 :class:`ProgramCache` compiles :func:`~rstar2jax.engine.step.step` once per shape: every engine in the process
 shares :data:`PROGRAMS`, so a second engine (or a second run in the same process) of equal shapes compiles
 nothing. Sharing it is safe because a compiled program is a pure function of its abstract inputs (the key
@@ -17,10 +20,21 @@ import threading
 
 import jax
 
+from rstar2jax.engine.config import FP8, EngineConfig
+from rstar2jax.engine.paged_attention import decode_attention
+from rstar2jax.engine.state import engine_model_config
 from rstar2jax.engine.step import StepLayout, compile_step
-from rstar2jax.models import ModelConfig, layers_are_unstacked, unstack_layers
+from rstar2jax.models import ModelConfig, layers_are_unstacked, platform, unstack_layers
+from rstar2jax.models.quantization import (
+    DEFAULT_BLOCK,
+    cast_floats,
+    check_weight_blocks,
+    is_fp8_weight,
+    quantize_params,
+)
 
-__all__ = ["PROGRAMS", "UNROLL_MAX_LAYERS", "ProgramCache", "abstract_shapes", "engine_params"]
+__all__ = ["PROGRAMS", "UNROLL_MAX_LAYERS", "ProgramCache", "abstract_shapes", "check_precision",
+           "check_same_shapes", "engine_params", "engine_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,33 +43,91 @@ logger = logging.getLogger(__name__)
 #: time there).
 UNROLL_MAX_LAYERS = 4
 
-_cast = jax.jit(lambda params, dtype: jax.tree.map(lambda p: p.astype(dtype), params),
-                static_argnames=("dtype",))
+_cast = jax.jit(cast_floats, static_argnames=("dtype",))
 _unstack = jax.jit(lambda params: unstack_layers({"layers": params})["layers"])
 
 
-def engine_params(params, config: ModelConfig, unstacked: bool | None = None):
-    """The weights an engine decodes from: the caller's tree, cast once to ``config.compute_dtype`` where a
-    leaf differs, and with ``unstacked`` (see ``EngineConfig.unstacked_decode``) its layers split into
-    per-layer buffers (layers unrolled) or left stacked (layers scanned). Leaves needing neither are the
-    caller's buffers, not copies."""
+def engine_params(params, config: ModelConfig, unstacked: bool | None = None, *,
+                  weight_dtype: str | None = None, weight_block: int = DEFAULT_BLOCK,
+                  quantize_head: bool = False, fp8_matmul: str = "auto"):
+    """The weights an engine decodes from: the caller's tree, with ``weight_dtype="fp8"`` its linear layers
+    (and with ``quantize_head`` the output head) quantized from the caller's values into FP8 copies
+    (``models.quantization.quantize_params``; ``fp8_matmul``: see ``EngineConfig``), every other leaf cast
+    once to ``config.compute_dtype`` where it differs, and with ``unstacked`` (see
+    ``EngineConfig.unstacked_decode``) the layers split into per-layer buffers (layers unrolled) or left
+    stacked (layers scanned). Leaves needing none of it are the caller's buffers, not copies: the caller's
+    weights are never changed."""
     compute = jax.numpy.dtype(config.compute_dtype)
+    if weight_dtype == FP8:
+        check_weight_blocks(config, weight_block, quantize_head)  # before any array is made
     if unstacked is None:
-        unstacked = jax.default_backend() == "cpu" and config.num_layers <= UNROLL_MAX_LAYERS
+        unstacked = platform.copies_scanned_weight_slices() and config.num_layers <= UNROLL_MAX_LAYERS
     if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
         params = jax.device_put(params)  # once, not with every step
+    if weight_dtype == FP8:
+        native = fp8_matmul == "native" or (fp8_matmul == "auto" and platform.fp8_matmul_native())
+        params = quantize_params(params, config, block=weight_block, head=quantize_head, native=native)
+    plain = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=is_fp8_weight) if not is_fp8_weight(x)]
     cast = {name: _cast(value, config.compute_dtype)
-            if any(leaf.dtype != compute for leaf in jax.tree.leaves(value)) else value
+            if any(leaf.dtype != compute for leaf in plain(value)) else value
             for name, value in params.items()}
     if unstacked and not layers_are_unstacked(cast):
         cast["layers"] = _unstack(cast["layers"])
     return cast
 
 
+def check_precision(config: ModelConfig, engine_config: EngineConfig) -> None:
+    """Raise ValueError naming the problem when ``engine_config``'s precision cannot run here, before any
+    work: FP8 weights or KV pages on a backend (or JAX) without float8_e4m3fn, an FP8 weight block that does
+    not divide a weight, FP8 pages with an attention implementation that cannot read them."""
+    cfg = engine_config
+    if FP8 in (cfg.weight_dtype, cfg.kv_dtype) and not platform.float8_supported():
+        which = "weight_dtype" if cfg.weight_dtype == FP8 else "kv_dtype"
+        raise ValueError(f"{which}='fp8' needs float8_e4m3fn, which JAX {jax.__version__} on "
+                         f"{jax.devices()[0].device_kind} ({jax.default_backend()}) does not support")
+    if cfg.weight_dtype == FP8:
+        check_weight_blocks(config, cfg.weight_block, cfg.quantize_head)
+    decode_attention(cfg.attention, cfg.kv_dtype)
+
+
+def engine_weights(params, config: ModelConfig, engine_config: EngineConfig):
+    """What an engine built with ``engine_config`` decodes from (:func:`engine_params` with its precision
+    fields, after :func:`check_precision`): the one call for a new engine and for every weight update."""
+    cfg = engine_config
+    check_precision(config, cfg)
+    return engine_params(params, engine_model_config(config, cfg), cfg.unstacked_decode,
+                         weight_dtype=cfg.weight_dtype, weight_block=cfg.weight_block,
+                         quantize_head=cfg.quantize_head, fp8_matmul=cfg.fp8_matmul)
+
+
 def abstract_shapes(tree):
     """``tree`` as shapes, dtypes and shardings (what a compiled program is keyed and lowered on)."""
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     return jax.tree.map(abstract, tree)
+
+
+def check_same_shapes(expected, actual, what: str = "new weights") -> None:
+    """Raise ValueError naming the first leaf of ``actual`` whose shape, dtype, sharding or weak type differs
+    from ``expected``'s, or that one tree has and the other lacks: a compiled program runs only on the
+    abstract inputs it was compiled for, and new ones would compile it again."""
+    leaves = lambda tree: dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+    want, got = leaves(expected), leaves(actual)
+    for path in want.keys() - got.keys():
+        raise ValueError(f"{what} lack the leaf {jax.tree_util.keystr(path)} the engine's programs take")
+    for path in got.keys() - want.keys():
+        raise ValueError(f"{what} have a leaf {jax.tree_util.keystr(path)} the engine's programs do not take")
+    for path, old in want.items():
+        new = got[path]
+        for field in ("shape", "dtype", "sharding", "weak_type"):
+            before, after = getattr(old, field, None), getattr(new, field, None)
+            if before != after:
+                raise ValueError(
+                    f"{what}: leaf {jax.tree_util.keystr(path)} has {field} {after}, but the engine's "
+                    f"programs were compiled for {before} (new weights must keep every leaf's shape, dtype "
+                    "and sharding: nothing is compiled again)")
+    if jax.tree.structure(expected) != jax.tree.structure(actual):
+        raise ValueError(f"{what} are a {jax.tree.structure(actual)}; the engine's programs take a "
+                         f"{jax.tree.structure(expected)}")
 
 
 class ProgramCache:

@@ -1,11 +1,13 @@
 """Host records of the engine's sessions: what a session owns (:class:`Record`: prompt, response, loss mask,
-log-probs, the trainer's view), what the core tracks per slot (:class:`SlotSequence`: its tokens, how far its
-keys/values are written, its :class:`Phase`), and what streams back (:class:`Chunk`, :class:`Segment`)."""
+log-probs, the trainer's view), what the scheduler tracks per slot (:class:`SlotSequence`: its tokens, how far
+its keys/values are written, its :class:`Phase`, its queued :class:`SegmentRequest`), and what streams back
+(:class:`Chunk`, :class:`Segment`)."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,7 +15,8 @@ import numpy as np
 from rstar2jax.engine.config import SamplingParams
 from rstar2jax.engine.state import NO_POLICY_VERSION
 
-__all__ = ["Chunk", "Phase", "Record", "Segment", "SlotSequence", "slot_seed"]
+__all__ = ["Chunk", "Phase", "Record", "Segment", "SegmentRequest", "SlotSequence", "StreamSeeds",
+           "sibling_seeds", "slot_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +26,8 @@ class Segment:
     on; ``"eos"`` or ``"budget"`` (``max_tokens`` used up): the session is done. ``entropies``: for each
     token, the entropy of the raw policy distribution it was sampled from (see
     :class:`~rstar2jax.engine.EngineState`). ``policy_versions``: for each token, the policy version (the
-    trainer step whose parameters sampled it) of the engine that sampled it
-    (:attr:`EngineCore.policy_version`)."""
+    trainer step whose parameters sampled it) of the weights the engine's step that sampled it ran on
+    (:meth:`EngineCore.update_weights` changes them between two steps)."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -92,38 +95,183 @@ class Record:
             self.finish_reason, self.slot = chunk.finish_reason, None
 
 
-class Phase:
-    """Phases of a sequence on the host (what the device may run next)."""
+class Phase(enum.Enum):
+    """Where a sequence stands on the host: what the device may run for it next."""
 
-    PREFILL, FORK_WAIT, READY, RUNNING, CLOSED = "prefill", "fork_wait", "ready", "running", "closed"
+    PREFILL = "prefill"  # tokens whose keys/values are not dispatched yet (the pending last one aside)
+    FORK_WAIT = "fork_wait"  # a sibling waiting for its group's prompt to be prefilled and forked to it
+    READY = "ready"  # every key/value dispatched: it may run a segment (paused on the device)
+    RUNNING = "running"  # a segment runs on the device
+    CLOSED = "closed"  # released: its slot and pages are free
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRequest:
+    """A segment asked for and not begun yet: its stop table, its token limit (None: the budget) and the
+    tokens to insert before it (a tool response; emptied once they are in the sequence)."""
+
+    stop_table: np.ndarray
+    max_new_tokens: int | None
+    appended: tuple[int, ...] = ()
 
 
 class SlotSequence:
-    """The core's view of one slot's sequence: its whole token list (prompt, response, appended tokens,
-    the pending last one included), how far its keys/values are dispatched, and its phase."""
+    """The scheduler's view of one slot's sequence: its whole token list (prompt, response, appended tokens,
+    the pending last one included), how far its keys/values are dispatched, its :class:`Phase` and its
+    segment. Its state changes only through the methods below (the scheduler calls them)."""
 
     def __init__(self, record: Record, slot: int, seed: int, sampling: SamplingParams):
         self.record, self.slot, self.seed, self.sampling = record, slot, seed, sampling
         self.tokens: list[int] = list(record.prompt_ids)
         self.kv = 0  # positions below this have their key/value writes dispatched
         self.phase = Phase.PREFILL
-        # A queued segment: (stop table, max new tokens or None, tokens to append first).
-        self.start: tuple[np.ndarray, int | None, list[int]] | None = None
+        self.queued: SegmentRequest | None = None  # a segment asked for, not begun
+        # The running (or last) segment: its stop table and the positions it may sample.
         self.stop_table: np.ndarray | None = None
         self.segment_start = self.segment_end = 0
-        self.reserve = 0  # pages the sequence may still take from the pool (promised at admission)
         self.siblings: list[SlotSequence] = []  # a group's source: the sessions forked from it once prefilled
         self.source: SlotSequence | None = None  # a sibling: its group's source
-        self.in_flight: collections.deque[int] = collections.deque()  # iterations of dispatched steps
         self.copy: tuple[int, int] | None = None  # a sibling: (source page, its private copy)
+        self.in_flight: collections.deque[int] = collections.deque()  # decode iterations of dispatched steps
         self.closing = False  # a source closed before its siblings were forked
+        # New weights with ``on_update="recompute"``: its keys/values are prefilled again (``recompute``),
+        # from a position found once its turn comes (``restart``); a running segment is suspended meanwhile
+        # (``resume``).
+        self.recompute = self.restart = self.resume = False
 
     @property
     def budget_end(self) -> int:
         """The position the sequence may not grow past (prompt + response budget)."""
         return self.record.budget_end
 
+    @property
+    def unprefilled(self) -> int:
+        """Tokens whose keys/values are not dispatched yet (the pending last one aside)."""
+        return len(self.tokens) - 1 - self.kv
+
+    @property
+    def startable(self) -> bool:
+        """Whether a queued segment may begin now (prefilled, its tokens inserted, its group forked)."""
+        return (self.phase is Phase.READY and self.queued is not None and not self.queued.appended
+                and not self.siblings and not self.closing)
+
+    def attach_prefix(self, num_tokens: int) -> None:
+        """The keys/values of the first ``num_tokens`` tokens came from the prefix cache."""
+        self.kv = self.record.cached_tokens = num_tokens
+        if self.unprefilled <= 0:
+            self.phase = Phase.READY  # nothing to prefill: all but the pending token came from the cache
+
+    def await_fork(self, source: SlotSequence, copy: tuple[int, int]) -> None:
+        """A sibling: wait for ``source``'s prompt, then take its pages (``copy``: its private last page)."""
+        self.phase, self.source, self.copy = Phase.FORK_WAIT, source, copy
+        source.siblings.append(self)
+
+    def fork_from(self, source: SlotSequence) -> None:
+        """A sibling forked now: it holds its source's tokens and keys/values."""
+        self.tokens, self.kv, self.phase = list(source.tokens), source.kv, Phase.READY
+
+    def queue(self, request: SegmentRequest) -> None:
+        self.queued = request
+
+    def insert_appended(self) -> None:
+        """Move the queued segment's appended tokens into the sequence (to be prefilled)."""
+        self.tokens += self.queued.appended
+        self.queued = dataclasses.replace(self.queued, appended=())
+        if self.phase is Phase.READY:
+            self.phase = Phase.PREFILL
+
+    def prefilled(self, num_tokens: int) -> bool:
+        """``num_tokens`` more keys/values dispatched; returns whether the sequence is prefilled now."""
+        self.kv += num_tokens
+        if self.unprefilled:
+            return False
+        self.phase, self.recompute = Phase.READY, False
+        return True
+
+    def begin(self) -> None:
+        """Run the queued segment from the next step (the device clips it to the budget, so "no limit" is the
+        whole budget)."""
+        request, self.queued = self.queued, None
+        limit, length = request.max_new_tokens, len(self.tokens)
+        self.segment_end = self.budget_end if limit is None else min(length + limit, self.budget_end)
+        self.stop_table, self.segment_start, self.phase = request.stop_table, length, Phase.RUNNING
+
+    def expect(self, iterations: int) -> None:
+        """A step decoding up to ``iterations`` tokens of this sequence was planned."""
+        self.in_flight.append(iterations)
+
+    def settle(self) -> None:
+        """The oldest of its planned steps was read."""
+        self.in_flight.popleft()
+
+    def receive(self, tokens: Sequence[int]) -> None:
+        """Tokens sampled on the device (their keys/values are written but for the new pending one)."""
+        self.tokens += tokens
+        self.kv = len(self.tokens) - 1
+
+    def end_segment(self) -> None:
+        self.phase = Phase.READY
+
+    def cancel(self) -> None:
+        """Forget a queued segment (the session is closing)."""
+        self.queued = None
+
+    def close_after_fork(self) -> None:
+        """A source closed before its siblings were forked: it goes on prefilling for them."""
+        self.closing = True
+
+    def close(self) -> None:
+        self.phase = Phase.CLOSED
+
+    def forked(self) -> None:
+        """A source whose siblings took its pages."""
+        self.siblings = []
+
+    def drop_sibling(self, sibling: SlotSequence) -> None:
+        """A sibling closed before its fork."""
+        self.siblings.remove(sibling)
+
+    def prefill_again(self) -> None:
+        """New weights with ``on_update="recompute"``: prefill the keys/values again (from where
+        :meth:`restart_at` says); a running segment is suspended until then."""
+        self.resume = self.resume or self.phase is Phase.RUNNING
+        self.recompute = self.restart = True
+        self.phase = Phase.PREFILL
+
+    def restart_at(self, num_tokens: int) -> None:
+        """Begin that prefill after ``num_tokens`` tokens whose keys/values are written with the new weights
+        already (pages shared with a sequence prefilled again before it)."""
+        self.kv, self.restart = min(num_tokens, len(self.tokens) - 1), False
+
+    def resume_segment(self) -> None:
+        """Run the suspended segment on (its bounds and stop table are unchanged)."""
+        self.resume, self.phase = False, Phase.RUNNING
+
 
 def slot_seed(entropy: Sequence[int]) -> int:
     """A well-mixed uint32 seed from a tuple of ints (so nearby tuples give unrelated streams)."""
     return int(np.random.SeedSequence([int(e) & 0xFFFFFFFF for e in entropy]).generate_state(1)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSeeds:
+    """The sampling-stream seed of each sibling of a group, given outright (uint32s, one per sibling) instead
+    of the group's seed entropy: a sibling admitted alone with its own stream seed samples exactly what it
+    samples beside its siblings."""
+
+    seeds: tuple[int, ...]
+
+    def __post_init__(self):
+        for seed in self.seeds:
+            if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+                raise ValueError(f"a stream seed must be an int in [0, 2**32), got {seed!r}")
+
+
+def sibling_seeds(entropy: Sequence[int] | StreamSeeds, n: int) -> list[int]:
+    """The stream seeds of a group's ``n`` siblings: sibling ``j`` of seed entropy ``e`` gets
+    ``slot_seed((*e, j))``; :class:`StreamSeeds` are taken as they are (exactly ``n`` of them)."""
+    if isinstance(entropy, StreamSeeds):
+        if len(entropy.seeds) != n:
+            raise ValueError(f"{len(entropy.seeds)} stream seeds for a group of {n}")
+        return [int(s) for s in entropy.seeds]
+    return [slot_seed((*entropy, j)) for j in range(n)]

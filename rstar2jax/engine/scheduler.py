@@ -1,310 +1,199 @@
-"""Host side of the engine: the asyncio API (:class:`Engine`, :class:`Session`) on the synchronous, pipelined
-:class:`~rstar2jax.engine.core.EngineCore`; how the host side works as a whole.
+"""The engine's scheduler: what runs next, decided on the host with no device work.
 
-:class:`EngineCore` owns the :class:`~rstar2jax.engine.EngineState` and drives the device one
-:func:`~rstar2jax.engine.step.step` at a time, keeping one step in flight: it dispatches step k+1 (JAX's
-asynchronous dispatch returns at once) before it reads step k's outputs, so the device never waits for the
-host to look at tokens. Every step carries the decode token of each running session, prefill chunks of new
-prompts and appended tool outputs (up to the largest token bucket, first come first served: a long prompt is
-prefilled over several steps beside the running decodes) and the update data (admissions, segment starts,
-releases, forks, page-table entries). Pages are given a step ahead (they were promised at admission), so a
-session never waits for one. What comes back per step is compact (per decode row and iteration: token,
-log-prob, entropy, why its segment ended) and streams to the sessions as it arrives; a session the host stops
-(a stop string, a client gone) is released with the next step and its overshoot discarded, so its output is
-what a pause-at-every-token engine would give (sampling keys are ``fold_in(key(seed), position)``: timing
-does not change tokens).
+:class:`Scheduler` holds the sessions' sequences (:class:`~rstar2jax.engine.sequences.SequenceTable`:
+slots, admission, forks, releases; their pages and the prefix cache in its
+:class:`~rstar2jax.engine.ledger.PageLedger`) and decides each device step:
 
-:class:`Engine` runs an :class:`EngineCore` on a thread of its own, so that each rollout is plain async
-code::
+* **what runs** (:meth:`Scheduler.schedule`, a frozen :class:`~rstar2jax.engine.plan.StepPlan`): the decode
+  token of every running session, prefill chunks of new prompts and appended tool outputs (up to the largest
+  token bucket, first come first served, in every other step while sessions decode, so arriving work never
+  starves the running), the pages they need (given a step ahead: a session never waits for one), the forks
+  that are due and the update data (:class:`~rstar2jax.engine.outbox.StepOutbox`);
+* **when new weights apply** (:meth:`Scheduler.queue_weights`): with the next step that decodes or prefills
+  (a step already in flight keeps the old ones), so every token carries the version of the weights that
+  sampled it. ``on_update="keep"``: running sequences decode on over their keys/values as written;
+  ``"recompute"``: once no step is in flight, every sequence's keys/values are prefilled again with the new
+  weights (running segments suspended meanwhile, then resumed where they were; sessions paused on a tool
+  stay paused), first come first served, each after the whole pages it shares with a sequence prefilled
+  again before it. Either way the prefix cache forgets every page written before.
 
-    async with Engine(params, config, EngineConfig(num_slots=32, max_len=8192)) as engine:
-        sessions = await engine.open(prompt_ids, n=16, sampling=SamplingParams(), max_tokens=8000)
-        segment = await sessions[0].generate(stop=[tool_call_end_ids])  # other slots keep decoding meanwhile
-        sessions[0].append(tool_response_ids)  # inserted (loss mask 0), prefilled by the next generate
-        async for chunk in sessions[0].stream():  # tokens as they are sampled
-            ...
-        sessions[0].close()
-
-A group of ``n`` sessions is admitted, first come first served, once ``n`` slots are free and the pool has
-the pages the group can ever need that are not promised to sessions already admitted (its prompt's pages,
-held once for the group, plus each session's response budget; cached pages count as free): so nothing
-admitted ever waits for a page, and work that does not fit waits in the queue, losing nothing. The prompt is
-prefilled once and forked to the siblings, which share its full pages; whole pages of a prefix already in the
-pool (another group's system prompt, an earlier turn of the same chat) are attached instead of prefilled (the
-prefix cache, :mod:`~rstar2jax.engine.pages`). A paused session holds its slot and pages while its coroutine
-runs the tool call; a finished one (EOS or budget) frees them at once.
+What a collected step sampled goes back through :meth:`Scheduler.update_from_output`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-from rstar2jax.engine.config import EngineConfig, SamplingParams
-from rstar2jax.engine.core import EngineCore
-from rstar2jax.engine.programs import UNROLL_MAX_LAYERS, engine_params
-from rstar2jax.engine.records import Chunk, Record, Segment
-from rstar2jax.engine.state import NO_POLICY_VERSION
-from rstar2jax.models import ModelConfig
+from rstar2jax.engine.config import EngineConfig, pages_for
+from rstar2jax.engine.plan import DecodeResult, PrefillRun, StepPlan, WeightUpdate
+from rstar2jax.engine.records import Phase, SlotSequence
+from rstar2jax.engine.sequences import SequenceTable
+from rstar2jax.engine.step import StepLayout
 
-# EngineCore, Chunk, Segment, engine_params and UNROLL_MAX_LAYERS live in modules of their own; they stay
-# importable from here, where callers found them first.
-__all__ = ["UNROLL_MAX_LAYERS", "Chunk", "Engine", "EngineConfig", "EngineCore", "SamplingParams", "Segment",
-           "Session", "engine_params"]
-
-_DEFAULT_CONFIG, _DEFAULT_SAMPLING = EngineConfig(), SamplingParams()
+__all__ = ["Scheduler"]
 
 
-class Session:
-    """One sequence (rollout) in an :class:`Engine`; create with :meth:`Engine.open`.
+class Scheduler:
+    """The plan of each step and when new weights apply (module docstring) over a :class:`SequenceTable`
+    (:attr:`sequences`). Host arithmetic only; not thread-safe (the :class:`~rstar2jax.engine.core.EngineCore`
+    drives it)."""
 
-    The host record (``prompt_ids``, ``response_ids``, ``loss_mask``, ``logprobs``) is exactly what
-    :class:`rstar2jax.agent.Trajectory` needs: ``response_ids`` holds sampled and appended tokens in order,
-    ``loss_mask`` is 1 on sampled ones, ``logprobs`` their raw policy log-probs (0.0 on appended ones);
-    ``entropies`` the entropy of the distribution each was sampled from (0.0 on appended ones);
-    ``policy_versions`` the policy version that sampled each (``NO_POLICY_VERSION``, -1, on appended ones).
-    ``cached_tokens``: prompt tokens whose keys/values came from the prefix cache.
-    """
-
-    def __init__(self, engine: Engine, record: Record):
-        self._engine = engine
-        self._record = record
-        self._busy = False
-
-    prompt_ids = property(lambda self: list(self._record.prompt_ids))
-    response_ids = property(lambda self: list(self._record.response_ids + self._record.pending))
-    loss_mask = property(lambda self: self._record.loss_mask + [0] * len(self._record.pending))
-    logprobs = property(lambda self: self._record.logprobs + [0.0] * len(self._record.pending))
-    entropies = property(lambda self: self._record.entropies + [0.0] * len(self._record.pending),
-                         doc="per response token: its sampling distribution's entropy (0.0 on appended ones)")
-    policy_versions = property(
-        lambda self: self._record.policy_versions + [NO_POLICY_VERSION] * len(self._record.pending),
-        doc="per response token: the policy version that sampled it (NO_POLICY_VERSION on appended ones)")
-    finish_reason = property(lambda self: self._record.finish_reason, doc='"eos" or "budget" once done')
-    done = property(lambda self: self._record.finish_reason is not None)
-    remaining = property(lambda self: self._record.remaining, doc="tokens left in the budget")
-    cached_tokens = property(lambda self: self._record.cached_tokens,
-                             doc="prompt tokens whose keys/values came from the prefix cache")
-
-    async def generate(
-        self, *, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
-    ) -> Segment:
-        """Sample until a stop sequence (token ids; at most ``max_stops`` of at most ``max_stop_len`` tokens),
-        ``max_new_tokens``, EOS or the budget. Appended tokens are prefilled first. Other sessions keep
-        decoding while this one waits."""
-        tokens, logprobs, entropies, versions = [], [], [], []
-        async for chunk in self.stream(stop=stop, max_new_tokens=max_new_tokens):
-            tokens += chunk.tokens
-            logprobs += chunk.logprobs
-            entropies += chunk.entropies
-            versions += [chunk.policy_version] * len(chunk.tokens)
-        return Segment(tokens, logprobs, chunk.finish_reason, entropies, versions)
-
-    async def stream(
-        self, *, stop: Sequence[Sequence[int]] = (), max_new_tokens: int | None = None
-    ) -> AsyncIterator[Chunk]:
-        """:meth:`generate`, yielding the segment's tokens as they arrive (a :class:`Chunk` per device step
-        that sampled some; the last one has the ``finish_reason``). Leaving the loop before the last chunk
-        closes the session (its slot is freed with the next step; what was sampled beyond is dropped)."""
-        if self._busy:
-            raise RuntimeError("this session already has a generate call in flight")
-        if self._record.slot is None:
-            raise RuntimeError(f"the session is {'done' if self.done else 'closed'}")
-        queue = self._engine._start(self._record, stop, max_new_tokens)
-        self._busy, finished = True, False
-        try:
-            while not finished:
-                chunk = await queue.get()
-                if isinstance(chunk, BaseException):
-                    raise chunk
-                finished = chunk.finish_reason is not None
-                yield chunk
-        finally:
-            self._busy = False
-            if not finished:
-                self.close()
-
-    def append(self, token_ids: Sequence[int]) -> None:
-        """Insert tokens (a tool response, turn markers) with loss mask 0; the next :meth:`generate` prefills
-        them. Raises ValueError if they exceed :attr:`remaining`."""
-        if self._busy or self._record.slot is None:
-            raise RuntimeError("append needs a paused session (not generating, done or closed)")
-        token_ids = [int(t) for t in token_ids]
-        if len(token_ids) > self._record.remaining:
-            raise ValueError(
-                f"{len(token_ids)} tokens appended but only {self._record.remaining} remain in the budget"
-            )
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self._engine._core.config.vocab_size):
-            raise ValueError("appended token ids must lie in [0, vocab_size)")
-        self._record.pending += token_ids
-
-    def close(self) -> None:
-        """Free the slot (idempotent); a segment in flight is stopped with the next device step. The host
-        record stays readable."""
-        self._engine._close(self._record)
-
-
-class Engine:
-    """Asyncio front end of an :class:`EngineCore`: use as ``async with Engine(...) as engine``.
-
-    The core runs on a thread of its own (so the event loop stays free for tool calls and HTTP): it admits
-    waiting groups that fit, applies the sessions' segment starts and closes, and runs the pipelined step
-    loop, handing each step's tokens to the sessions' streams on the event loop. ``async with`` may be
-    entered again after it exits: the engine keeps its state and compiled programs.
-    """
-
-    def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = _DEFAULT_CONFIG, *,
+    def __init__(self, engine_config: EngineConfig, vocab_size: int, stats: collections.Counter, *,
                  policy_version: int = 0):
-        self._core = EngineCore(params, config, engine_config, policy_version=policy_version)
-        self._commands: collections.deque = collections.deque()  # callables for the engine thread
-        self._wake = threading.Event()
-        self._waiting: collections.deque = collections.deque()  # (request, future): engine thread only
-        self._streams: dict[int, asyncio.Queue] = {}  # id(record) -> chunks of its segment in flight
-        self._opens: set[asyncio.Future] = set()
-        self._opened = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._error: BaseException | None = None
+        self.engine_config = engine_config
+        self.sequences = SequenceTable(engine_config, vocab_size, stats, policy_version=policy_version)
+        self.layouts = tuple(StepLayout.of(engine_config, t) for t in engine_config.token_buckets)
+        self._last_prefilled = False  # whether the last step prefilled (the next one decodes a chunk)
+        self._weights: WeightUpdate | None = None  # for the next step that decodes or prefills
+        self._recompute_due = False  # keys/values to prefill again with them, once no step is in flight
+        self._recomputing = False  # some sequences prefill again
 
     @property
-    def core(self) -> EngineCore:
-        """The synchronous core (read its ``stats`` and ``pages`` between calls; do not drive it)."""
-        return self._core
+    def policy_version(self) -> int:
+        """The policy version of the weights of the last planned step."""
+        return self.sequences.policy_version
 
-    async def __aenter__(self) -> Engine:
-        self._loop = asyncio.get_running_loop()
-        self._stopping, self._error = False, None
-        self._thread = threading.Thread(target=self._run, name="rstar2jax-engine", daemon=True)
-        self._thread.start()
-        return self
+    def queue_weights(self, update: WeightUpdate) -> None:
+        """New weights for the next step that decodes or prefills (a later update replaces one not applied
+        yet); the prefix cache forgets every page written so far."""
+        self._weights, self._recompute_due = update, update.on_update == "recompute"
+        self.sequences.ledger.forget_prefixes()
 
-    async def __aexit__(self, *exc_info) -> None:
-        self._stopping = True
-        self._wake.set()
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
-        self._fail_all(RuntimeError("the engine was stopped"))
+    # ---- planning a step
 
-    async def open(
-        self,
-        prompt_ids: Sequence[int],
-        n: int = 1,
-        *,
-        sampling: SamplingParams = _DEFAULT_SAMPLING,
-        max_tokens: int,
-        seed: int | None = None,
-    ) -> list[Session]:
-        """Open ``n`` sessions on one prompt (a GRPO group), waiting until ``n`` slots and the pages the group
-        may need are free.
+    def _bucket(self, tokens: int, rows: int, tiles: int) -> StepLayout:
+        for layout in self.layouts:
+            if layout.tokens >= tokens and layout.rows >= rows and layout.tiles >= tiles:
+                return layout
+        raise AssertionError(f"no bucket holds {tokens} tokens, {rows} rows, {tiles} tiles")
 
-        Args:
-          prompt_ids: prompt tokens (prefilled once for the group).
-          n: sessions; sibling ``j`` samples with seed ``(seed, j)``.
-          sampling: temperature / top-p / top-k of every sibling.
-          max_tokens: response budget of each session: sampled plus appended tokens.
-          seed: makes the group reproducible; None: derived from the engine seed and the opening order.
-        """
-        self._check_running()
-        self._core.check_request(prompt_ids, n, max_tokens)
-        entropy = (self._core.engine_config.seed, 1, self._opened) if seed is None else (seed, 0)
-        self._opened += 1
-        future = self._loop.create_future()
-        self._opens.add(future)
-        request = (list(prompt_ids), n, sampling, max_tokens, entropy)
-        self._submit(lambda: self._waiting.append((request, future)))
-        try:
-            return [Session(self, record) for record in await future]
-        finally:
-            self._opens.discard(future)
+    def _run(self, seq: SlotSequence) -> None:
+        """Make a prefilled sequence RUNNING from this step: its queued segment, or the suspended one."""
+        if seq.resume:
+            seq.resume_segment()
+        else:
+            seq.begin()
+        self.sequences.outbox.changed(seq)
 
-    def _check_running(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("the engine failed") from self._error
-        if self._thread is None or self._stopping:
-            raise RuntimeError("the engine is not running: use `async with engine:`")
+    def _runnable(self, seq: SlotSequence) -> bool:
+        return seq.startable or (seq.resume and seq.phase is Phase.READY)
 
-    def _submit(self, command) -> None:
-        self._commands.append(command)
-        self._wake.set()
+    def _prefill_again(self) -> None:
+        """``on_update="recompute"``: every sequence prefills its keys/values again (a sibling waiting for its
+        fork takes them from its source); running ones pause on the device meanwhile."""
+        self._recompute_due = False
+        self.sequences.ledger.forget_fresh()  # pages written with weights queued earlier are stale too
+        for seq in self.sequences:
+            if seq.phase is Phase.FORK_WAIT:
+                continue
+            running = seq.phase is Phase.RUNNING
+            seq.prefill_again()
+            self._recomputing = True
+            if running:
+                self.sequences.outbox.changed(seq)
 
-    def _start(self, record: Record, stop, max_new_tokens) -> asyncio.Queue:
-        self._check_running()
-        self._core.stop_table(stop)  # validate now, in the caller's frame
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        appended, record.pending = record.pending, []
-        record.add(appended, None)
-        queue = self._streams[id(record)] = asyncio.Queue()
+    def schedule(self, *, updates_only: bool = False, steps_in_flight: int = 0) -> StepPlan | None:
+        """The next step, or None if there is nothing to send. ``updates_only``: no decode or prefill, just
+        the update data. ``steps_in_flight``: steps dispatched and not read yet (new weights that prefill
+        again wait for none)."""
+        if updates_only:
+            return self._plan(self.layouts[0], [], [], 1) if self.sequences.outbox else None
+        if self._recompute_due:
+            if steps_in_flight:
+                return None  # their tokens must be in the sequences first
+            self._prefill_again()
+        table = self.sequences
+        table.fork_ready()
+        for seq in table:
+            if seq.queued is not None and seq.queued.appended:
+                table.prepare_start(seq)  # appended tokens waiting for the group's fork
+            if self._runnable(seq):
+                self._run(seq)
+        decoding = [s for s in table if s.phase is Phase.RUNNING]
+        for seq in decoding:  # pages a step ahead: the step in flight and this one may each fill a chunk
+            table.grow(seq, len(seq.tokens) + sum(seq.in_flight) + self.engine_config.decode_chunk)
+        # Prefill goes into every other step while sessions decode: a prefill step decodes one token per
+        # session, the decode step after it a whole chunk, so arriving work never starves the running.
+        runs, tiles = ([], 0) if decoding and self._last_prefilled else self._plan_prefill(decoding)
+        if self._recomputing and not any(s.recompute for s in table):
+            self._recomputing = False
+            table.ledger.forget_fresh()
+        if not (decoding or runs or table.outbox):
+            return None
+        tokens = len(decoding) + sum(len(run.tokens) for run in runs)
+        rows = len(decoding) + sum(len(run.tokens) for run in runs if run.as_singles)
+        compile_ahead = None
+        if runs:  # the decode steps after this prefill: their program may compile meanwhile
+            starting = sum(s.phase is Phase.READY and s.queued is not None for s in table)
+            n = min(len(decoding) + starting, self.engine_config.num_slots)
+            compile_ahead = self._bucket(n, n, 0)
+        self._last_prefilled = bool(runs)
+        iterations = 1 if runs else self.engine_config.decode_chunk
+        return self._plan(self._bucket(tokens, rows, tiles), decoding, runs, iterations, compile_ahead)
 
-        def start():
-            try:
-                self._core.start(record, stop, max_new_tokens, appended)
-            except (ValueError, RuntimeError) as error:  # a race with the engine (it finished the session)
-                self._loop.call_soon_threadsafe(queue.put_nowait, error)
+    def _plan_prefill(self, decoding: list[SlotSequence]) -> tuple[list[PrefillRun], int]:
+        """Prefill runs for this step after ``decoding``'s rows, first come first served; a sequence they
+        finish joins ``decoding`` if its segment may begin. Returns the runs and the tiles they take."""
+        cfg, largest, table = self.engine_config, self.layouts[-1], self.sequences
+        ledger, outbox, tile = table.ledger, table.outbox, cfg.prefill_tile
+        blocked = outbox.slots_past(largest.num_entries)  # their pages reach the device later
+        room = largest.num_entries - outbox.num_entries
+        tokens, rows, tiles, runs = len(decoding), len(decoding), 0, []
+        for seq in table:
+            if seq.phase is not Phase.PREFILL:
+                continue
+            if seq.slot in blocked:
+                break  # first come, first served
+            start = min(ledger.fresh_tokens(seq.slot), len(seq.tokens) - 1) if seq.restart else seq.kv
+            n = min(len(seq.tokens) - 1 - start, cfg.max_step_tokens - tokens)  # the last one stays pending
+            singles = n <= tile // 2 and rows + n <= largest.rows
+            if not singles:
+                n = min(n, (largest.tiles - tiles) * tile)
+            new_pages = pages_for(start + n + 1, cfg.page_size) - int(ledger.allocator.held[seq.slot])
+            if seq.restart and start == len(seq.tokens) - 1:
+                n = 0  # every key/value it holds was written again by the sequences before it
+            elif n <= 0 or new_pages > room:
+                break
+            if seq.restart:
+                seq.restart_at(start)
+            if n:
+                rows, tiles = (rows + n, tiles) if singles else (rows, tiles + -(-n // tile))
+                tokens += n
+                runs.append(PrefillRun(seq, seq.kv, tuple(seq.tokens[seq.kv : seq.kv + n]), singles))
+            done = seq.prefilled(n)
+            table.grow(seq, seq.kv + 1)
+            room = largest.num_entries - outbox.num_entries
+            ledger.register(seq.slot, seq.tokens, seq.kv)
+            if self._recomputing:
+                ledger.mark_fresh(seq.slot, seq.kv)
+            if done:  # prefilled: it may run in this very step
+                if self._runnable(seq) and rows < largest.rows and tokens < cfg.max_step_tokens:
+                    self._run(seq)
+                    decoding.append(seq)
+                    tokens, rows = tokens + 1, rows + 1
+            elif seq.recompute:
+                break  # the sequences after it may share pages it has still to write again
+        return runs, tiles
 
-        self._submit(start)
-        return queue
+    def _plan(self, layout: StepLayout, decoding: list[SlotSequence], runs: list[PrefillRun], iterations: int,
+              compile_ahead: StepLayout | None = None) -> StepPlan:
+        """The plan of a step that will be dispatched: new weights go with it (but with an updates-only
+        step, which samples nothing)."""
+        weights = None
+        if decoding or runs:
+            weights, self._weights = self._weights, None
+        if weights is not None:
+            self.sequences.policy_version = weights.policy_version
+        for seq in decoding:
+            seq.expect(iterations)
+        updates = self.sequences.outbox.drain(layout.num_entries)
+        greedy = all(seq.sampling.temperature == 0 for seq in self.sequences)
+        return StepPlan(layout, tuple(decoding), tuple(runs), iterations, updates, self.policy_version,
+                        weights, compile_ahead, greedy)
 
-    def _close(self, record: Record) -> None:
-        if record.slot is None and id(record) not in self._streams:
-            return
-        record.slot = None
-        queue = self._streams.pop(id(record), None)
-        if queue is not None:  # a segment in flight: whoever waits on it learns why it ends
-            queue.put_nowait(RuntimeError("the session was closed"))
-        self._submit(lambda: self._core.close(record))
+    # ---- what came back
 
-    def _run(self) -> None:
-        """The engine thread: commands, admissions, steps; results go to the event loop."""
-        core = self._core
-        try:
-            while True:
-                self._wake.clear()
-                while self._commands:
-                    self._commands.popleft()()
-                if self._stopping:  # leave the state consistent for the next `async with`
-                    self._deliver_soon([], core.flush())
-                    return
-                admitted = []
-                while self._waiting and core.admissible([self._waiting[0][0]]):
-                    request, future = self._waiting.popleft()
-                    admitted.append((core.admit([request])[0], future))
-                events = core.step() if core.num_active else []
-                if admitted or events:
-                    self._deliver_soon(admitted, events)
-                if not (core.num_active or self._commands or admitted):
-                    self._wake.wait()
-        except BaseException as error:  # a device or host bug: fail every waiter rather than hang them
-            self._error = error
-            self._loop.call_soon_threadsafe(self._fail_all, error)
-
-    def _deliver_soon(self, admitted, events) -> None:
-        self._loop.call_soon_threadsafe(self._deliver, admitted, events)
-
-    def _deliver(self, admitted, events) -> None:
-        """On the event loop: hand admitted groups to their openers and chunks to their sessions."""
-        for group, future in admitted:
-            if future.done():  # the opener gave up waiting: nobody will close these
-                for record in group:
-                    self._close(record)
-            else:
-                future.set_result(group)
-        for record, chunk in events:
-            queue = self._streams.get(id(record))
-            if queue is None:
-                continue  # closed: what it sampled since is dropped
-            record.receive(chunk)
-            if chunk.finish_reason is not None:
-                del self._streams[id(record)]
-            queue.put_nowait(chunk)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for future in list(self._opens):
-            if not future.done():
-                future.set_exception(error)
-        for queue in self._streams.values():
-            queue.put_nowait(error)
-        self._streams.clear()
+    def update_from_output(self, results: Sequence[DecodeResult]) -> None:
+        """A collected step's chunks back to their sequences (:meth:`SequenceTable.receive`)."""
+        self.sequences.receive(results)

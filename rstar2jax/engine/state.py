@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.engine.config import EngineConfig
-from rstar2jax.engine.paged_attention import PagedKV, pool_shape, resolve_attention
+from rstar2jax.engine.paged_attention import PagedKV, decode_attention, init_pages, pool_shape
 from rstar2jax.models import ModelConfig
 
 # Slot status codes (``EngineState.status``).
@@ -72,9 +72,9 @@ class EngineState:
       eos_ids: int32 ``[MAX_EOS_IDS]``: end-of-sequence token ids (shared by all slots), ``NO_TOKEN``-padded.
       config: the model config (static: part of the tree structure, so jitted functions need no config
         argument).
-      attention: the attention implementation (static; see :func:`~rstar2jax.engine.paged_attention.
-        resolve_attention`).
-      block_pages: pages per block of the ``jnp`` attention's online softmax (static).
+      attention: the attention implementation (static; see
+        :func:`~rstar2jax.engine.paged_attention.decode_attention`).
+      block_pages: pages per block of the ``blockwise`` attention's online softmax (static).
       poison_freed: static; when True a step fills the pages freed before it with NaN, so a read of a stale
         page shows up in the outputs (for tests).
     """
@@ -96,7 +96,7 @@ class EngineState:
     stop_seqs: jax.Array
     eos_ids: jax.Array
     config: ModelConfig = flax.struct.field(pytree_node=False)
-    attention: str = flax.struct.field(pytree_node=False, default="jnp")
+    attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
     poison_freed: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -143,20 +143,21 @@ def init_state(config: ModelConfig, engine_config: EngineConfig) -> EngineState:
 
     Args:
       config: the model config.
-      engine_config: slots, ``max_len``, pages, stop-table capacity, cache dtype, attention (passed whole).
+      engine_config: slots, ``max_len``, pages, stop-table capacity, KV dtype, attention (passed whole).
     """
     eos = _eos_table(config, engine_config)
-    return _build_state(engine_model_config(config, engine_config), engine_config, eos)
+    # Resolved here, not in the compiled builder: it may compile a probe of the Pallas kernel once.
+    attention = decode_attention(engine_config.attention, engine_config.kv_dtype)
+    return _build_state(engine_model_config(config, engine_config), engine_config, eos, attention)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -> EngineState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...], attention: str) -> EngineState:
     S = cfg.num_slots
     zeros = lambda: jnp.zeros((S,), jnp.int32)
     shape = pool_shape(config.num_layers, config.num_kv_heads, config.head_dim, cfg.pool_pages, cfg.page_size)
-    dtype = jnp.dtype(cfg.cache_dtype or config.compute_dtype)
     return EngineState(
-        pages=PagedKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
+        pages=init_pages(shape, cfg.kv_dtype or jnp.dtype(config.compute_dtype)),
         page_table=jnp.zeros((S, cfg.max_pages), jnp.int32),
         seq_len=zeros(),
         last_token=zeros(),
@@ -173,7 +174,7 @@ def _build_state(config: ModelConfig, cfg: EngineConfig, eos: tuple[int, ...]) -
         stop_seqs=jnp.full((S, cfg.max_stops, cfg.max_stop_len), NO_TOKEN, jnp.int32),
         eos_ids=jnp.asarray(eos, jnp.int32),
         config=config,
-        attention=resolve_attention(cfg.attention),
+        attention=attention,
         block_pages=cfg.attention_block // cfg.page_size,
         poison_freed=cfg.poison_freed_pages,
     )

@@ -51,6 +51,7 @@ from rstar2jax.engine.state import (
     EngineState,
 )
 from rstar2jax.models import forward_hidden, output_head
+from rstar2jax.models.quantization import einsum, is_fp8_weight
 
 DECODE = -1  # a flat token whose id (and position) is the slot's pending token on the device
 
@@ -179,10 +180,14 @@ def _apply_updates(state: EngineState, f: dict) -> EngineState:
     page_table = page_table.at[f["entry_slot"], f["entry_col"]].set(f["entry_page"], mode="drop")
     pages = state.pages
     if state.poison_freed:
-        poison = lambda a: jnp.where(f["poison"][None, None, :, None, None] > 0, jnp.nan, a).astype(a.dtype)
+        # Page axis 2 of every leaf (values [K, L, P, ps, Dh], FP8 scales [K, L, P, ps]).
+        poison = lambda a: jnp.where(f["poison"].reshape(1, 1, -1, *(1,) * (a.ndim - 3)) > 0, jnp.nan,
+                                     a).astype(a.dtype)
         pages = jax.tree.map(poison, pages)
 
-    def copy_page(i, pages):  # the host packs real copies first: as many iterations as there are copies
+    # The host packs real copies first: as many iterations as there are copies. Every leaf of the pool
+    # (FP8 pages: their scales too) is copied.
+    def copy_page(i, pages):
         src, dst = f["copy_src"][i], f["copy_dst"][i]
         move = lambda a: jax.lax.dynamic_update_index_in_dim(
             a, jax.lax.dynamic_index_in_dim(a, src, axis=2, keepdims=True), dst, axis=2)
@@ -254,14 +259,18 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     sample = (decode & valid).at[row_token].get(mode="fill", fill_value=False)
     head, layout = output_head(params, state.config)
     h = x[0].at[row_token].get(mode="fill", fill_value=0)
-    # h @ head.T, not einsum("rd,vd->rv"): XLA:CPU fuses the former into a two-thread vector-matrix loop at
-    # one row (the einsum's dot takes ~1.35x the CPU time there); both give the same dot at more rows.
-    logits = jnp.dot(h, head.T if layout == "vd" else head, preferred_element_type=jnp.float32)
+    if is_fp8_weight(head):
+        logits = einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
+                        preferred_element_type=jnp.float32)
+    else:
+        # h @ head.T, not einsum("rd,vd->rv"): XLA:CPU fuses the former into a two-thread vector-matrix loop
+        # at one row (the einsum's dot takes ~1.35x the CPU time there); both give the same dot at more rows.
+        logits = jnp.dot(h, head.T if layout == "vd" else head, preferred_element_type=jnp.float32)
     row_pos = pos.at[row_token].get(mode="fill", fill_value=0)
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slot],
                                                                                row_pos + 1)
     # Idle rows count as greedy so that they never switch on the sampling passes. The log-probs and entropies
-    # come from the greedy max pass and one more pass (a gather picks the token's logit).
+    # come from the greedy max pass and two more (a gather picks the token's logit).
     new, logprob, entropy = sample_with_logprobs(
         logits, keys, jnp.where(sample, state.temperature[row_slot], 0.0),
         jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0),

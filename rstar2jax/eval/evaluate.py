@@ -1,25 +1,88 @@
-"""Evaluation: sample k answers per problem with a rollout function, report average pass@1 and tool use.
+"""The paper's evaluation protocol, in one module: k samples per problem (the paper: 16 at temperature 0.6,
+up to 30 assistant turns and 30K response tokens, the Python tool run in a sandbox, :class:`EvalProtocol`),
+scored by average pass@1, unbiased pass@k and tool-use statistics. Three ways to run it:
 
-``evaluate`` runs an async per-problem sampler concurrently; callers that already hold the trajectories
-(e.g. a batched rollout inside the trainer) call ``aggregate`` directly. Eval sets load from local JSONL
-files with ``load_eval_set``: AIME24/25, MATH-500 and HMMT25 by name (package data in ``rstar2jax/eval/sets``,
-its README gives source and licence of each), or any file with ``problem`` / ``answer`` fields.
+- :func:`evaluate_to_files` (``experiments.evaluate``): a loaded policy on eval sets, its own engine, the
+  training rollouts (:func:`rstar2jax.agent.rollout_async`: same prompt, tool-call parser and tool-response
+  format) graded by the training verifier; every sample written to ``samples.jsonl`` as its problem
+  finishes and the per-dataset summary (avg@k, pass@k, maj@k, ...; ``eval.samples.summarize``) to
+  ``summary.json``. Each problem's group is seeded by ``(seed, dataset, problem index)``
+  (:func:`problem_seed`), so a resumed run samples what an uninterrupted one would have;
+- :func:`evaluate_policy` (the demo, the ablation, notebooks): parameters through a batched rollout function
+  (the trainer's ``agent.PolicyRollout``: every problem's group decoded side by side), summarised by
+  :func:`aggregate` into a :class:`DatasetEval` (:func:`save_evaluation` writes it);
+- :func:`evaluate` / :func:`evaluate_async`: any async per-problem sampler, problems concurrently; callers
+  that already hold the trajectories call :func:`aggregate` directly.
+
+Eval sets load from local JSONL files with :func:`load_eval_set`: AIME24/25, MATH-500 and HMMT25 by name
+(package data in ``rstar2jax/eval/sets``, its README gives source and licence of each), or any file with
+``problem`` / ``answer`` fields.
+
+Importing this module loads neither the engine nor the agent: the runners that need them import them when
+called, so a launcher can check its datasets (and fail in one line) before the heavy imports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import pathlib
+import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import tqdm.auto as tqdm
 
+from rstar2jax.data.conversation import PromptConfig, max_prompt_tokens, prompt_format
 from rstar2jax.data.problems import Problem, load_problems
 from rstar2jax.data.trajectory import Trajectory, tool_error_ratios
 from rstar2jax.eval.pass_at_k import pass_at_1, pass_at_k
+from rstar2jax.eval.samples import SampleLog, sample_record, summarize
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalProtocol:
+    """Sampling and limits of an evaluation (defaults: the paper's).
+
+    Attributes:
+      samples: samples per problem (k of avg@k, pass@k, maj@k).
+      temperature, top_p: sampling.
+      max_tokens: response budget per sample (sampled and tool tokens).
+      max_turns: assistant turns per sample.
+      tool_timeout: seconds one Python call may run.
+      seed: seeds every problem's group.
+    """
+
+    samples: int = 16
+    temperature: float = 0.6
+    top_p: float = 1.0
+    max_tokens: int = 30_000
+    max_turns: int = 30
+    tool_timeout: float = 10.0
+    seed: int = 0
+
+    def rollout_config(self, prompt: PromptConfig, seed: int):
+        """The ``agent.RolloutConfig`` of one problem's group."""
+        from rstar2jax.agent.rollout_types import RolloutConfig  # deferred: see the module doc
+        from rstar2jax.engine.config import SamplingParams
+
+        return RolloutConfig(
+            max_response_length=self.max_tokens,
+            max_turns=self.max_turns,
+            tool_timeout=self.tool_timeout,
+            sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p),
+            prompt=prompt,
+            seed=seed,
+        )
+
+
+def problem_seed(seed: int, dataset: str, index: int) -> int:
+    """The seed of one problem's group: independent of which other problems run (resume-safe)."""
+    return int(zlib.crc32(f"{seed}/{dataset}/{index}".encode()))
+
 
 #: ``await sample_fn(problem, k)`` -> k trajectories of ``problem`` with their binary rewards filled in.
 SampleFn = Callable[[Problem, int], Awaitable[Sequence[Trajectory]]]
@@ -150,6 +213,178 @@ def evaluate(
     except RuntimeError:
         return asyncio.run(evaluate_async(problems, sample_fn, k, **kwargs))
     raise RuntimeError("evaluate() was called inside a running event loop; use `await evaluate_async(...)`")
+
+
+# --------------------------------------------------------------------------------------------------------
+# A policy's parameters through a batched rollout function (the trainer's): the demo's evaluation.
+
+
+def evaluate_policy(
+    params,
+    problems: Sequence[Problem],
+    rollout_fn: Callable[..., Sequence[Trajectory]],
+    *,
+    samples: int,
+    max_response_length: int,
+    max_turns: int,
+    seed: int,
+) -> DatasetEval:
+    """Average pass@1 over ``samples`` rollouts per held-out problem, plus tool-use statistics (one batched
+    rollout call: the engine decodes every problem's group side by side). ``rollout_fn`` is called as the
+    trainer calls its rollout function (``agent.PolicyRollout``)."""
+    trajectories = rollout_fn(
+        params,
+        list(problems),
+        samples_per_problem=samples,
+        max_response_length=max_response_length,
+        max_turns=max_turns,
+        seed=seed,
+    )
+    groups: dict[str, list] = {p.id: [] for p in problems}
+    for t in trajectories:
+        groups[t.problem_id].append(t)
+    return aggregate(problems, [groups[p.id] for p in problems])
+
+
+def save_evaluation(result: DatasetEval, path: pathlib.Path, **extra: Any) -> dict[str, Any]:
+    """Writes an evaluation's metrics and per-problem correctness as JSON; returns what it wrote."""
+    record = {
+        **extra,
+        "metrics": result.metrics,
+        "problem_ids": result.problem_ids,
+        "correct": np.asarray(result.correct).astype(int).tolist(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------
+# A loaded policy on eval sets, resumable, every sample on disk: the evaluate launcher.
+
+
+class EvaluatedPolicy(Protocol):
+    """What :func:`evaluate_to_files` reads of a policy (a loaded :class:`rstar2jax.train.loader.Policy`)."""
+
+    params: Any
+    model_config: Any
+    tokenizer: Any
+    eos_token_ids: Sequence[int]
+    path: str
+    prompt: PromptConfig | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Todo:
+    """One unfinished problem: its dataset, its index there, and the sample indices still to write."""
+
+    dataset: str
+    index: int
+    problem: Problem
+    missing: list[int]
+
+
+async def evaluate_to_files(
+    policy: EvaluatedPolicy,
+    datasets: Mapping[str, Sequence[Problem]],
+    workdir: str | pathlib.Path,
+    *,
+    sandbox,
+    verifier,
+    protocol: EvalProtocol = EvalProtocol(),
+    prompt: PromptConfig | None = None,
+    num_slots: int = 32,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Runs every unfinished problem of ``datasets`` and writes ``workdir/samples.jsonl`` (appended, one
+    problem at a time) and ``workdir/summary.json``; returns the summary (see
+    :func:`rstar2jax.eval.samples.summarize`). ``sandbox``: an ``agent.ToolSandbox`` (a ``SandboxClient``);
+    ``verifier``: the ``reward.AnswerVerifier`` that grades answers; ``prompt``: the conversation format
+    (default: the one the policy was trained in, :func:`~rstar2jax.data.conversation.prompt_format`)."""
+    workdir = pathlib.Path(workdir)
+    prompt = prompt or prompt_format(policy)
+    log = SampleLog(workdir / "samples.jsonl")
+    k = protocol.samples
+    todo = [
+        _Todo(name, index, problem, log.missing(name, index, k))
+        for name, problems in datasets.items()
+        for index, problem in enumerate(problems)
+        if not log.done(name, index, k)
+    ]
+    if todo:
+        finished = sum(len(problems) for problems in datasets.values()) - len(todo)
+        with tqdm.tqdm(
+            total=finished + len(todo), initial=finished, desc="problems", disable=not progress
+        ) as bar:
+            await _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, prompt, num_slots)
+    summary = summarize(log.records, k)
+    _write_summary(workdir / "summary.json", summary, protocol, policy.path, prompt)
+    return summary
+
+
+async def _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, prompt, num_slots) -> None:
+    """Samples the missing samples of every problem of ``todo`` on one engine (enough groups queued to
+    keep its slots busy) and appends each problem's records as it finishes."""
+    from rstar2jax.agent.multi_turn import rollout_async  # deferred: see the module doc
+    from rstar2jax.engine import Engine, EngineConfig, page_rounded
+
+    longest = max_prompt_tokens(policy.tokenizer, [item.problem for item in todo], prompt)
+    engine_config = EngineConfig(
+        num_slots=num_slots,
+        max_len=page_rounded(longest + protocol.max_tokens),
+        eos_token_ids=policy.eos_token_ids,
+        seed=protocol.seed,
+    )
+    limit = asyncio.Semaphore(max(2, 2 * num_slots // protocol.samples))
+    async with Engine(policy.params, policy.model_config, engine_config) as engine:
+
+        async def run(item: _Todo) -> None:
+            async with limit:
+                seed = problem_seed(protocol.seed, item.dataset, item.index)
+                config = protocol.rollout_config(prompt, seed)
+                trajectories = await rollout_async(
+                    [item.problem], len(item.missing), engine=engine, sandbox=sandbox,
+                    tokenizer=policy.tokenizer, verifier=verifier, config=config,
+                )  # fmt: skip
+            log.append(_records(item, trajectories, policy.tokenizer, protocol.max_turns))
+            bar.update(1)
+
+        tasks = [asyncio.ensure_future(run(item)) for item in todo]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # a failure (or Ctrl-C) stops the other problems before the engine stops
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _records(item: _Todo, trajectories: Sequence[Trajectory], tokenizer, max_turns: int) -> list[dict]:
+    """The ``samples.jsonl`` records of one problem's new samples."""
+    return [
+        sample_record(
+            item.dataset,
+            item.index,
+            sample,
+            item.problem,
+            trajectory,
+            tokenizer.decode(trajectory.response_ids, skip_special_tokens=False),
+            max_turns=max_turns,
+        )
+        for sample, trajectory in zip(item.missing, trajectories, strict=True)
+    ]
+
+
+def _write_summary(path: pathlib.Path, summary, protocol: EvalProtocol, model: str, prompt: PromptConfig):
+    """``summary.json``: the protocol, the model, the prompt format and the per-dataset summary (NaN as
+    null: JSON has no NaN)."""
+    no_nan = {d: {key: None if v != v else v for key, v in m.items()} for d, m in summary.items()}
+    record = {
+        "protocol": dataclasses.asdict(protocol),
+        "model": model,
+        "prompt": prompt.to_json_dict(),
+        "datasets": no_nan,
+    }
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
 
 
 def default_eval_data_dir() -> pathlib.Path:

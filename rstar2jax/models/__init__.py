@@ -1,9 +1,13 @@
-"""Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters."""
+"""Qwen3 / Qwen2 / Llama decoder, HF checkpoint load/save, KV cache, logical sharding, LoRA adapters, FP8
+weights for decoding (``quantization``)."""
 
-from rstar2jax.models import (  # the modules: LoRA math, PEFT folders
-    attention,  # the module: attention.attention, .IMPLEMENTATIONS
+from rstar2jax.models import (  # the modules: LoRA math, PEFT folders and their config, FP8 weights
+    attention,  # the module: attention.attention, .resolve_attention, .auto_choice
     lora,
     peft_adapter,
+    peft_config,
+    quantization,
+    segments,  # the module: segment_starts, segment_ends of packed rows
 )
 from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
@@ -53,8 +57,11 @@ __all__ = [
     "LoraConfig",
     "lora",
     "peft_adapter",
+    "peft_config",
+    "quantization",
     "REMAT_POLICIES",
     "attention",
+    "segments",
     "hidden_states",
     "output_head",
     "sequence_logprobs",

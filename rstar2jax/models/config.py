@@ -13,10 +13,40 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 # norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
 # layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
 REMAT_POLICIES = ("none", "save_projections", "save_attention", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "tokamax", "pallas_triton", "jax_pallas_mha")
+#: The attention implementations: one vocabulary for training (``models.attention.attention`` over packed
+#: rows, ``ModelConfig.attention``) and decoding (the engine's paged KV cache, ``EngineConfig.attention``).
+#: ``models.attention`` describes each and resolves ``"auto"`` (``resolve_attention``).
+ATTENTION_IMPLEMENTATIONS = ("auto", "dense", "blockwise", "tokamax", "pallas_triton", "jax_pallas_mha")
+#: What decoding offers: the portable blockwise online softmax over the KV pages, and JAX's Pallas
+#: paged-attention kernel (the other kernels attend packed training rows).
+DECODE_ATTENTION_IMPLEMENTATIONS = ("auto", "blockwise", "pallas_triton")
+#: Old names, each the same implementation under its name in the vocabulary: training's ``"xla"`` (the dense
+#: reference) and the engine's ``"jnp"`` (its blockwise online softmax over pages), ``"pallas_gpu"`` and
+#: ``"pallas_interpret"`` (its Pallas kernel, which, like every Pallas kernel here, runs in Pallas'
+#: interpreter off GPUs: ``models.platform.pallas_interpreted``).
+ATTENTION_ALIASES = {
+    "xla": "dense", "jnp": "blockwise", "pallas_gpu": "pallas_triton", "pallas_interpret": "pallas_triton",
+}  # fmt: skip
+ATTENTION_USES = {"training": ATTENTION_IMPLEMENTATIONS, "decoding": DECODE_ATTENTION_IMPLEMENTATIONS}
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def attention_name(name: str, use: str = "training") -> str:
+    """``name``'s implementation in the vocabulary (:data:`ATTENTION_IMPLEMENTATIONS`; an old name of
+    :data:`ATTENTION_ALIASES` becomes its new one); a ValueError naming what ``use`` (``"training"`` or
+    ``"decoding"``) accepts."""
+    if use not in ATTENTION_USES:
+        raise ValueError(f"attention use {use!r}; expected one of {tuple(ATTENTION_USES)}")
+    accepted = ATTENTION_USES[use]
+    canonical = ATTENTION_ALIASES.get(name, name) if isinstance(name, str) else name
+    if canonical not in accepted:
+        old = sorted(old for old, new in ATTENTION_ALIASES.items() if new in accepted)
+        raise ValueError(
+            f"attention={name!r} for {use}: expected one of {accepted} (or an old name: {', '.join(old)})"
+        )
+    return canonical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +56,9 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` items of a ``llama3``
     scaling dict. ``param_dtype`` is the dtype weights are stored in (float32 master weights by default),
     ``compute_dtype`` the dtype matmuls run in (``"bfloat16"`` for mixed precision); softmax, norms and logits
-    are always float32. ``attention`` picks the training attention's implementation (``models.attention``:
-    ``"auto"`` = the first GPU kernel that passes its on-device check, the blockwise XLA one elsewhere),
+    are always float32. ``attention`` picks the training attention's implementation (a name of
+    :data:`ATTENTION_IMPLEMENTATIONS`, an old name stored as its new one; ``models.attention``: ``"auto"`` =
+    the first GPU kernel that passes its on-device check, the blockwise XLA one elsewhere),
     ``attention_block_size`` the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks
     of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
     the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
@@ -97,8 +128,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {SUPPORTED_DTYPES}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_IMPLEMENTATIONS}")
+        object.__setattr__(self, "attention", attention_name(self.attention, "training"))
         if not isinstance(self.attention_block_size, int) or self.attention_block_size <= 0 \
                 or self.attention_block_size % 8:
             raise ValueError(

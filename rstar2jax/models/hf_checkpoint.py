@@ -210,7 +210,30 @@ def load_pretrained(
     )
     checkpoint = _SafetensorsDir(path)
     expected = hf_tensors(config)
+    if problems := _mismatches(checkpoint, expected, config):
+        raise ValueError(
+            f"checkpoint {path} does not match its config ({config.model_type}): " + "; ".join(problems)
+        )
+    specs = param_specs(config)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, specs, is_leaf=is_param_spec)
+    else:
+        shardings = param_shardings(config, mesh)
+    by_leaf: dict[tuple[str, ...], list[HFTensor]] = {}
+    for tensor in expected.values():
+        by_leaf.setdefault(tensor.leaf, []).append(tensor)  # per-layer tensors come in layer order
+    flat_specs, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)
+    leaves = [
+        _load_leaf(checkpoint, by_leaf[tuple(k.key for k in key_path)], spec.shape, sharding, dtype)
+        for (key_path, spec), sharding in zip(flat_specs, jax.tree.leaves(shardings), strict=True)
+    ]
+    return config, jax.tree.unflatten(treedef, leaves)
 
+
+def _mismatches(checkpoint: _SafetensorsDir, expected: dict[str, HFTensor], config: ModelConfig) -> list[str]:
+    """Every way the checkpoint's tensors differ from the config's: missing, unexpected, wrongly shaped,
+    of a dtype safetensors here cannot read."""
     present = {name for name in checkpoint.headers if not name.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints store the copy; transformers ignores it too
@@ -229,42 +252,78 @@ def load_pretrained(
         for name in sorted(present & set(expected))
         if checkpoint.dtype(name) not in SAFETENSORS_DTYPES
     ]
-    if problems:
-        raise ValueError(
-            f"checkpoint {path} does not match its config ({config.model_type}): " + "; ".join(problems)
-        )
+    return problems
 
-    by_leaf: dict[tuple[str, ...], list[HFTensor]] = {}
-    for tensor in expected.values():
-        by_leaf.setdefault(tensor.leaf, []).append(tensor)  # per-layer tensors come in layer order
 
+def _load_leaf(checkpoint: _SafetensorsDir, sources: list[HFTensor], shape, sharding, dtype) -> jax.Array:
+    """One parameter leaf from its HF tensors (one, or one per layer stacked), each device reading only its
+    own slice."""
+
+    def read_slice(tensor: HFTensor, index) -> np.ndarray:
+        # ``to_leaf`` is a view of the memory map: only the bytes of this device's slice are read.
+        return np.asarray(tensor.to_leaf(checkpoint.array(tensor.name))[index], dtype=dtype)
+
+    def read(index):
+        if sources[0].layer is None:
+            return read_slice(sources[0], index)
+        return np.stack([read_slice(tensor, index[1:]) for tensor in sources[index[0]]])
+
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
+def _check_params(params: dict, config: ModelConfig) -> None:
+    """``params`` has the config's tree and every leaf its shape (a ValueError naming the first that is
+    not)."""
     specs = param_specs(config)
-    if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, specs, is_leaf=is_param_spec)
-    else:
-        shardings = param_shardings(config, mesh)
+    expected_structure = jax.tree.structure(specs, is_leaf=is_param_spec)
+    if jax.tree.structure(params) != expected_structure:
+        raise ValueError(
+            f"params tree {jax.tree.structure(params)} does not match config tree {expected_structure}"
+        )
+    for (key_path, spec), leaf in zip(
+        jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)[0],
+        jax.tree.leaves(params),
+        strict=True,
+    ):
+        if tuple(leaf.shape) != spec.shape:
+            raise ValueError(
+                f"param {jax.tree_util.keystr(key_path)} has shape {tuple(leaf.shape)}, expected {spec.shape}"
+            )
 
-    def load_leaf(leaf_path: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
-        sources = by_leaf[leaf_path]
 
-        def read_slice(tensor: HFTensor, index) -> np.ndarray:
-            # ``to_leaf`` is a view of the memory map: only the bytes of this device's slice are read.
-            return np.asarray(tensor.to_leaf(checkpoint.array(tensor.name))[index], dtype=dtype)
+def _plan_files(
+    expected: dict[str, HFTensor], itemsize: int, max_shard_bytes: int
+) -> dict[str, list[HFTensor]]:
+    """The safetensors files to write, by name, each with its tensors in order: one file
+    (``model.safetensors``), or shards of at most ``max_shard_bytes`` (a larger tensor alone) named
+    ``model-0000i-of-0000n.safetensors``; planned from shapes first so every name knows the count."""
+    files: list[list[HFTensor]] = [[]]
+    file_bytes = 0
+    for tensor in expected.values():
+        size = math.prod(tensor.hf_shape) * itemsize
+        if files[-1] and file_bytes + size > max_shard_bytes:
+            files.append([])
+            file_bytes = 0
+        files[-1].append(tensor)
+        file_bytes += size
+    if len(files) == 1:
+        return {SINGLE_FILE: files[0]}
+    return {f"model-{i + 1:05d}-of-{len(files):05d}.safetensors": tensors for i, tensors in enumerate(files)}
 
-        def read(index):
-            if sources[0].layer is None:
-                return read_slice(sources[0], index)
-            return np.stack([read_slice(tensor, index[1:]) for tensor in sources[index[0]]])
 
-        return jax.make_array_from_callback(shape, sharding, read)
-
-    flat_specs, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)
-    leaves = [
-        load_leaf(tuple(k.key for k in key_path), spec.shape, sharding)
-        for (key_path, spec), sharding in zip(flat_specs, jax.tree.leaves(shardings), strict=True)
-    ]
-    return config, jax.tree.unflatten(treedef, leaves)
+def _write_files(params: dict, files: dict[str, list[HFTensor]], path: str, store_dtype) -> None:
+    """Writes each planned file, gathering every parameter leaf to the host once (tensors come grouped by
+    leaf)."""
+    host_leaf: tuple[tuple[str, ...], np.ndarray] | None = None
+    for file_name, tensors in files.items():
+        arrays = {}
+        for tensor in tensors:
+            if host_leaf is None or host_leaf[0] != tensor.leaf:
+                value = params[tensor.leaf[0]] if len(tensor.leaf) == 1 else params["layers"][tensor.leaf[1]]
+                host_leaf = (tensor.leaf, np.asarray(jax.device_get(value)))
+            value = host_leaf[1] if tensor.layer is None else host_leaf[1][tensor.layer]
+            arrays[tensor.name] = np.ascontiguousarray(tensor.to_hf(value).astype(store_dtype))
+        safetensors.numpy.save_file(arrays, os.path.join(path, file_name), metadata={"format": "pt"})
 
 
 def save_pretrained(
@@ -290,60 +349,17 @@ def save_pretrained(
     plain HF model, prompted by its chat template alone.
     """
     path = os.fspath(path)
-    specs = param_specs(config)
-    expected_structure = jax.tree.structure(specs, is_leaf=is_param_spec)
-    if jax.tree.structure(params) != expected_structure:
-        raise ValueError(
-            f"params tree {jax.tree.structure(params)} does not match config tree {expected_structure}"
-        )
-    for (key_path, spec), leaf in zip(
-        jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_param_spec)[0],
-        jax.tree.leaves(params),
-        strict=True,
-    ):
-        if tuple(leaf.shape) != spec.shape:
-            raise ValueError(
-                f"param {jax.tree_util.keystr(key_path)} has shape {tuple(leaf.shape)}, expected {spec.shape}"
-            )
+    _check_params(params, config)
     store_dtype = jnp.dtype(dtype if dtype is not None else jax.tree.leaves(params)[0].dtype)
     if store_dtype not in SAFETENSORS_DTYPES.values():
         raise ValueError(f"cannot store dtype {store_dtype}; supported: {list(SAFETENSORS_DTYPES.values())}")
-
-    # Plan the files from shapes first so every file name knows the total count.
     expected = hf_tensors(config)
-    files: list[list[HFTensor]] = [[]]
-    file_bytes = 0
-    for tensor in expected.values():
-        size = math.prod(tensor.hf_shape) * store_dtype.itemsize
-        if files[-1] and file_bytes + size > max_shard_bytes:
-            files.append([])
-            file_bytes = 0
-        files[-1].append(tensor)
-        file_bytes += size
-    file_names = (
-        [SINGLE_FILE]
-        if len(files) == 1
-        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    )
-
+    files = _plan_files(expected, store_dtype.itemsize, max_shard_bytes)
     os.makedirs(path, exist_ok=True)
-    host_leaf: tuple[tuple[str, ...], np.ndarray] | None = None  # tensors come grouped by leaf: gather once
-    for file_name, tensors in zip(file_names, files, strict=True):
-        arrays = {}
-        for tensor in tensors:
-            if host_leaf is None or host_leaf[0] != tensor.leaf:
-                value = params[tensor.leaf[0]] if len(tensor.leaf) == 1 else params["layers"][tensor.leaf[1]]
-                host_leaf = (tensor.leaf, np.asarray(jax.device_get(value)))
-            value = host_leaf[1] if tensor.layer is None else host_leaf[1][tensor.layer]
-            arrays[tensor.name] = np.ascontiguousarray(tensor.to_hf(value).astype(store_dtype))
-        safetensors.numpy.save_file(arrays, os.path.join(path, file_name), metadata={"format": "pt"})
+    _write_files(params, files, path, store_dtype)
     if len(files) > 1:
         total = sum(math.prod(tensor.hf_shape) * store_dtype.itemsize for tensor in expected.values())
-        weight_map = {
-            tensor.name: file_name
-            for file_name, tensors in zip(file_names, files, strict=True)
-            for tensor in tensors
-        }
+        weight_map = {tensor.name: file_name for file_name, tensors in files.items() for tensor in tensors}
         with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:

@@ -6,11 +6,18 @@ PEFT's layout for a causal LM: tensor ``base_model.model.model.layers.{i}.{modul
 flattened as the HF weights flatten them), module paths ``self_attn.q_proj`` ... ``mlp.down_proj``, and the
 scale ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``). Ours (``models.lora``) keeps the layer axis
 first and the input axes before the rank: ``a[l] = lora_A.T`` and ``b[l] = lora_B.T``, reshaped.
+
+Which modules an adapter wraps, and the options this library refuses, are resolved as peft resolves them
+(:mod:`rstar2jax.models.peft_config`). Whether an adapter fits a base is decided by what matters: the
+architecture it was trained on (peft's ``auto_mapping``) and every tensor's shape. Its
+``base_model_name_or_path`` only names where it came from (a hub name, a folder on another machine): when it
+differs from the base given, loading warns once naming both, or with ``strict_base`` refuses.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 
@@ -19,28 +26,22 @@ import numpy as np
 import safetensors.numpy
 
 from rstar2jax.models.config import ModelConfig
-from rstar2jax.models.hf_checkpoint import _LAYER_TENSORS, SAFETENSORS_DTYPES, _SafetensorsDir
-from rstar2jax.models.lora import LORA_TARGETS, LoraConfig, check_adapters, lora_specs
+from rstar2jax.models.hf_checkpoint import SAFETENSORS_DTYPES, _SafetensorsDir
+from rstar2jax.models.lora import LoraConfig, check_adapters, lora_specs
+from rstar2jax.models.peft_config import ADAPTER_CONFIG, MODULES, AdapterSpec, architecture, read_adapter_spec
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+__all__ = ["ADAPTER_WEIGHTS", "load_peft_adapter", "same_base", "save_peft_adapter"]
 _PREFIX = "base_model.model.model.layers"
-#: Module path of each target inside a decoder layer, from the HF tensor names (``self_attn.q_proj``).
-_MODULES = {leaf: name.removesuffix(".weight") for leaf, name, _ in _LAYER_TENSORS if leaf in LORA_TARGETS}
-# PEFT options this format reader does not map onto ``LoraConfig``: a folder setting any of them is refused.
-_UNSUPPORTED = {
-    "use_dora": (False, None),
-    "bias": ("none", None),
-    "fan_in_fan_out": (False, None),
-    "modules_to_save": (None, []),
-    "layers_to_transform": (None, []),
-    "rank_pattern": ({}, None),
-    "alpha_pattern": ({}, None),
-}
+_log = logging.getLogger(__name__)
+_warned: set[tuple[str, str, str]] = set()  # (adapter folder, its base, the base given): warned once
+# Tensors a folder may hold for peft options this library refuses, by their name's tail.
+_VARIANT_TENSORS = {"lora_B.bias": "lora_bias", "lora_magnitude_vector": "use_dora",
+                    "modules_to_save": "modules_to_save", "trainable_tokens": "trainable_token_indices"}
 
 
 def _tensor_name(layer: int, target: str, part: str) -> str:
-    return f"{_PREFIX}.{layer}.{_MODULES[target]}.lora_{part.upper()}.weight"
+    return f"{_PREFIX}.{layer}.{MODULES[target]}.lora_{part.upper()}.weight"
 
 
 def save_peft_adapter(
@@ -63,6 +64,8 @@ def save_peft_adapter(
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
+        "auto_mapping": {"base_model_class": architecture(config), "parent_library":
+                         f"transformers.models.{config.model_type}.modeling_{config.model_type}"},
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -78,63 +81,30 @@ def save_peft_adapter(
     return path
 
 
-def read_adapter_config(path: str | os.PathLike) -> tuple[LoraConfig, str]:
-    """``(LoraConfig, base_model_name_or_path)`` of a PEFT folder; ValueError naming what this library cannot
-    load (another PEFT method, DoRA, biases, per-module ranks, a regex of target modules, ...)."""
-    path = pathlib.Path(path)
-    file = path / ADAPTER_CONFIG
-    if not file.is_file():
-        raise FileNotFoundError(f"adapter {path}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"adapter {file}: not JSON ({error})") from None
-    if raw.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"adapter {path}: peft_type {raw['peft_type']!r}; only LORA adapters load")
-    for key, allowed in _UNSUPPORTED.items():
-        if key in raw and raw[key] not in allowed:
-            raise ValueError(f"adapter {path}: {key}={raw[key]!r} is not supported (allowed: {allowed[0]!r})")
-    targets = raw.get("target_modules")
-    if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
-        targets = list(LORA_TARGETS)
-    if not isinstance(targets, list):
-        raise ValueError(f"adapter {path}: target_modules={targets!r}; expected a list of module names")
-    try:
-        lora = LoraConfig(
-            rank=raw.get("r"),
-            alpha=float(raw.get("lora_alpha", 8)),
-            targets=tuple(sorted(targets, key=lambda t: LORA_TARGETS.index(t) if t in LORA_TARGETS else -1)),
-            dropout=float(raw.get("lora_dropout", 0.0)),
-            rslora=bool(raw.get("use_rslora", False)),
-        )
-    except ValueError as error:
-        raise ValueError(f"adapter {path}: {error}") from None
-    return lora, raw.get("base_model_name_or_path") or ""
-
-
 def same_base(name: str, other: str) -> bool:
-    """Whether two base-model names agree: equal, the same folder, or the same last path component (a hub
-    name ``org/Model`` and a local download ``/ckpt/Model``). An empty name agrees with anything."""
-    if not name or not other or name == other:
+    """Whether two base-model names name the same model for certain: equal (up to a trailing ``/``) or the
+    same folder. An empty name agrees with anything."""
+    if not name or not other or name.rstrip("/") == other.rstrip("/"):
         return True
-    if os.path.exists(name) and os.path.exists(other) and os.path.samefile(name, other):
-        return True
-    return pathlib.PurePath(name.rstrip("/")).name == pathlib.PurePath(other.rstrip("/")).name
+    return os.path.exists(name) and os.path.exists(other) and os.path.samefile(name, other)
 
 
 def load_peft_adapter(
-    path: str | os.PathLike, config: ModelConfig, *, base_model: str = "", dtype: str | None = None
+    path: str | os.PathLike, config: ModelConfig, *, base_model: str = "", dtype: str | None = None,
+    strict_base: bool = False,
 ) -> tuple[LoraConfig, dict]:
     """``(LoraConfig, adapters)`` of a PEFT folder for the model of ``config`` (adapters as host arrays of the
-    stored dtype, or ``dtype``). ``base_model``: the base this is to be applied to; a folder naming another
-    base in ``base_model_name_or_path`` is refused. Raises ValueError naming the first problem: another base,
-    a target the model lacks, a rank larger than a matrix, a missing, extra or wrongly shaped tensor."""
+    stored dtype, or ``dtype``; zero in the layers a projection is not adapted in). ``base_model``: the name
+    of the base this is applied to; when the adapter's ``base_model_name_or_path`` names another, a warning
+    (once), or with ``strict_base`` a ValueError. Raises ValueError naming the first problem: a peft option
+    this library cannot apply, another architecture, a target the model lacks, a rank larger than a matrix,
+    a missing, extra or wrongly shaped tensor."""
     path = pathlib.Path(path)
-    lora, adapter_base = read_adapter_config(path)
-    if not same_base(adapter_base, base_model):
-        raise ValueError(f"adapter {path} belongs to base model {adapter_base!r}, not {base_model!r}")
-    if dtype is not None:
-        lora = LoraConfig(**{**lora.__dict__, "dtype": dtype})
+    spec = read_adapter_spec(path, config)
+    if spec.base_class and spec.base_class != architecture(config):
+        raise ValueError(f"adapter {path} was trained on a {spec.base_class}{_named(spec)}; this base is a "
+                         f"{architecture(config)}")
+    lora = spec.lora if dtype is None else LoraConfig(**{**spec.lora.__dict__, "dtype": dtype})
     try:
         specs = lora_specs(config, lora)["layers"]
     except ValueError as error:
@@ -142,15 +112,11 @@ def load_peft_adapter(
     if not (path / ADAPTER_WEIGHTS).is_file():
         raise FileNotFoundError(f"adapter {path}: no {ADAPTER_WEIGHTS}")
     stored = _SafetensorsDir(os.fspath(path), files=[ADAPTER_WEIGHTS])
-    names = {_tensor_name(layer, t, p): (t, p, layer) for t in specs for p in ("a", "b")
-             for layer in range(config.num_layers)}
-    if extra := sorted(set(stored.headers) - set(names)):
-        raise ValueError(f"adapter {path}: tensors this {config.model_type} model has no place for, e.g. "
-                         f"{extra[0]} ({len(extra)} in all; another base model?)")
-    if missing := sorted(set(names) - set(stored.headers)):
-        raise ValueError(f"adapter {path}: missing tensors, e.g. {missing[0]} ({len(missing)} in all)")
-    adapters = {t: {p: np.empty(spec.shape, np.dtype(dtype or _stored_dtype(stored)))
-                    for p, spec in pair.items()} for t, pair in specs.items()}
+    names = {_tensor_name(layer, t, p): (t, p, layer) for t, layers in spec.layers.items() for p in ("a", "b")
+             for layer in layers}
+    _check_tensor_names(path, config, spec, set(stored.headers), set(names))
+    adapters = {t: {p: np.zeros(s.shape, np.dtype(dtype or _stored_dtype(stored))) for p, s in pair.items()}
+                for t, pair in specs.items()}
     for name, (target, part, layer) in names.items():
         leaf = adapters[target][part]
         hf = stored.array(name)
@@ -158,9 +124,40 @@ def load_peft_adapter(
             int(np.prod(leaf.shape[2:])), lora.rank)
         if tuple(hf.shape) != expected:
             raise ValueError(f"adapter {path}: tensor {name} has shape {tuple(hf.shape)}, this base needs "
-                             f"{expected} (another base model?)")
+                             f"{expected}: the adapter belongs to another model{_named(spec)}")
         leaf[layer] = hf.T.reshape(leaf.shape[1:])
+    _check_base_name(path, spec.base_model, base_model, strict_base)
     return lora, {"layers": adapters}
+
+
+def _named(spec: AdapterSpec) -> str:
+    return f" ({spec.base_model})" if spec.base_model else ""
+
+
+def _check_tensor_names(path, config: ModelConfig, spec: AdapterSpec, stored: set[str], expected: set[str]):
+    """ValueError naming a stored tensor the resolved targets have no place for, or one they miss."""
+    if extra := sorted(stored - expected):
+        option = next((o for tail, o in _VARIANT_TENSORS.items() if tail in extra[0]), None)
+        why = f"a {option} tensor, which this library cannot apply" if option else (
+            f"no module of this {config.model_type} model of {config.num_layers} layers that target_modules "
+            f"adapts holds it: the adapter belongs to another model{_named(spec)}")
+        raise ValueError(f"adapter {path}: tensor {extra[0]} ({len(extra)} such in all): {why}")
+    if missing := sorted(expected - stored):
+        raise ValueError(f"adapter {path}: missing tensors, e.g. {missing[0]} ({len(missing)} in all), which "
+                         "its target_modules adapt")
+
+
+def _check_base_name(path: pathlib.Path, adapter_base: str, base_model: str, strict: bool) -> None:
+    if same_base(adapter_base, base_model):
+        return
+    message = (f"adapter {path} names base model {adapter_base!r}, applied to {base_model!r}: the "
+               "architecture and every tensor's shape fit")
+    if strict:
+        raise ValueError(f"{message}, but strict_base asks the names to agree")
+    key = (str(path.resolve()), adapter_base, base_model)
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning("warning: %s (another model of the same shapes would fit too)", message)
 
 
 def _stored_dtype(stored) -> np.dtype:

@@ -23,17 +23,9 @@ QWEN3_TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "tokenizers" / "
 #: The tiny Qwen3: 2 layers, width 64, 4 query / 2 KV heads of 16, a 256-token vocabulary (about 0.1M
 #: parameters). Tests and benches that need another vocabulary or width override fields.
 TINY = ModelConfig(
-    model_type="qwen3",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-)
+    model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=4096,
+)  # fmt: skip
 
 #: Preset names: ``tiny`` and the bundled Qwen3 architectures.
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b")

@@ -21,6 +21,7 @@ from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.lora import lora_delta
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
+from rstar2jax.models.quantization import cast_floats, einsum, quantized_head
 from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
 
 
@@ -142,8 +143,8 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     threaded through the layer loop as a carry, the cache is then updated in place instead of being sliced
     out and restacked (a full copy of the cache per call)."""
     dtype = x.dtype
-    # Integer leaves (LoRA dropout keys) stay as they are.
-    layer = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, layer)
+    # Integer leaves (LoRA dropout keys) and an engine's FP8 weights (models.quantization) stay as they are.
+    layer = cast_floats(layer, dtype)
     eps = config.rms_norm_eps
     cos, sin = rope
 
@@ -185,9 +186,10 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
 
 
 def _project(x, layer, name: str, spec: str, chunk_index=None):
-    """``einsum(spec, x, layer[name])``, plus the LoRA path of ``name`` when ``layer`` carries adapters
-    (``layer["lora"]``, see ``models.lora.attach``; ``chunk_index``: an MLP chunk's, for dropout)."""
-    y = jnp.einsum(spec, x, layer[name])
+    """``einsum(spec, x, layer[name])`` (an FP8 weight through ``quantization.einsum``), plus the LoRA path of
+    ``name`` when ``layer`` carries adapters (``layer["lora"]``, see ``models.lora.attach``; ``chunk_index``:
+    an MLP chunk's, for dropout)."""
+    y = einsum(spec, x, layer[name])
     delta = lora_delta(x, layer["lora"], name, spec, chunk_index) if "lora" in layer else None
     return y if delta is None else y + delta
 
@@ -278,7 +280,7 @@ def forward(
     x, new_cache = _trunk(params, config, tokens, positions, segment_ids, cache)
     head, layout = output_head(params, config)
     spec = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
-    logits = jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)
+    logits = einsum(spec, x, head, preferred_element_type=jnp.float32)
     return constrain(logits, _LOGITS_AXES), new_cache
 
 
@@ -293,7 +295,11 @@ def forward_hidden(params: dict, config: ModelConfig, tokens: jax.Array, *, posi
 
 def output_head(params: dict, config: ModelConfig) -> tuple[jax.Array, str]:
     """(the output head in ``config.compute_dtype``, its layout): ``lm_head`` ``[D, V]`` ("dv"), or the tied
-    embedding ``[V, D]`` ("vd")."""
+    embedding ``[V, D]`` ("vd"); an engine's FP8 head (``models.quantization``: ``[D, V]``, "dv") as it is,
+    multiplied by ``quantization.einsum``."""
+    head = quantized_head(params)
+    if head is not None:
+        return head, "dv"
     dtype = jnp.dtype(config.compute_dtype)
     if config.tie_word_embeddings:
         return params["embed"].astype(dtype), "vd"

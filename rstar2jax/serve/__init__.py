@@ -1,8 +1,8 @@
 """Using a trained policy: load it (:func:`load_policy`: an HF folder or a training run folder) and serve it
 behind the OpenAI chat-completions API (:class:`ChatService`, :func:`run_server`, :class:`BackgroundServer`)
 on the continuous-batching engine. The launchers are ``experiments/evaluate.py``, ``experiments/chat.py`` and
-``experiments/serve.py``; the evaluation and chat they run are :mod:`rstar2jax.serve.evaluation` and
-:mod:`rstar2jax.serve.chat`.
+``experiments/serve.py``; the evaluation they run is :mod:`rstar2jax.eval.evaluate` (the paper's protocol, one
+module for every caller) and the chat :mod:`rstar2jax.serve.chat`.
 
 Layering: ``serve`` is the top layer of the library (it imports engine, data, agent, eval and the policy
 loader of ``train``, :mod:`rstar2jax.train.loader`); nothing in the library imports it. Importing it starts
@@ -12,7 +12,8 @@ nothing: names load on use.
 import importlib
 
 _NAMES = {
-    "rstar2jax.serve.policy": ["PROMPTS", "Policy", "load_policy", "prompt_format"],
+    "rstar2jax.data.conversation": ["PROMPTS", "prompt_format"],
+    "rstar2jax.train.loader": ["Policy", "load_policy"],
     "rstar2jax.serve.protocol": ["ChatRequest", "RequestError", "parse_chat_request"],
     "rstar2jax.serve.server": [
         "BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server",

@@ -3,7 +3,7 @@
 Each user turn continues the same token stream the policy was trained on: the first turn is the training
 prompt (:func:`~rstar2jax.data.conversation.render_prompt_ids`), later turns append the chat template's user
 turn (:func:`~rstar2jax.data.conversation.user_turn_text`) after the model's closed turn, and every assistant
-turn is a training rollout turn (:func:`~rstar2jax.agent.rollout.converse_async`: same tool-call parser,
+turn is a training rollout turn (:func:`~rstar2jax.agent.multi_turn.converse_async`: same tool-call parser,
 sandbox and tool-response format), observed live.
 """
 
@@ -14,8 +14,10 @@ import dataclasses
 import sys
 from typing import TextIO
 
-from rstar2jax.agent.rollout import Conversation, RolloutConfig, ToolSandbox, converse_async
-from rstar2jax.data.conversation import encode_text, render_prompt_ids, user_turn_text
+from rstar2jax.agent.multi_turn import Conversation, converse_async
+from rstar2jax.agent.rollout_types import RolloutConfig, ToolSandbox
+from rstar2jax.data.chat_template import encode_text
+from rstar2jax.data.conversation import render_prompt_ids, user_turn_text
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallError
 from rstar2jax.engine import Engine
 

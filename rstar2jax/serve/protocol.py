@@ -23,7 +23,8 @@ MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(Exception):
-    """A client mistake: answered with ``status`` (400) and OpenAI's error object."""
+    """A request the server does not carry out: answered with ``status`` (400: a client mistake; 429, 503:
+    the server's state), OpenAI's error object and ``headers`` (``Retry-After``)."""
 
     def __init__(
         self,
@@ -33,9 +34,11 @@ class RequestError(Exception):
         code: str | None = None,
         status: int = 400,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)

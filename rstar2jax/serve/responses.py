@@ -5,6 +5,7 @@ block, and the middleware that turns errors into OpenAI error objects."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -66,6 +67,7 @@ async def complete(request, choices: list[ChoiceStream], meta: dict[str, Any], u
         "usage": usage(),
     }
 
+
 async def stream(http_request: web.Request, request, choices: list[ChoiceStream], meta: dict[str, Any],
                  usage) -> web.StreamResponse:
     """The choices as ``chat.completion.chunk`` events, interleaved as their tokens arrive; ``usage()`` gives
@@ -88,12 +90,18 @@ async def stream(http_request: web.Request, request, choices: list[ChoiceStream]
         }
         return {**meta, "object": "chat.completion.chunk", "choices": [choice], **no_usage}
 
+    # One task per choice feeds the queue; this handler alone reads it (no reader task to leave behind when
+    # the client goes away and the handler is cancelled: the finally cancels and awaits every pump).
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, choice: ChoiceStream) -> None:
-        async for event in choice.run():
-            await queue.put((index, event))
-        await queue.put((index, None))
+        try:
+            async for event in choice.run():
+                queue.put_nowait((index, event))
+        except Exception as error:  # noqa: BLE001 - reported in the stream below
+            queue.put_nowait((index, error))
+        else:
+            queue.put_nowait((index, None))
 
     for index in range(len(choices)):
         await send(chunk(index, {"role": "assistant", "content": ""}))
@@ -101,17 +109,9 @@ async def stream(http_request: web.Request, request, choices: list[ChoiceStream]
     try:
         running = len(tasks)
         while running:
-            getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait(
-                [getter, *[t for t in tasks if not t.done()]], return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in tasks:  # a choice that failed: raise its error here
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    getter.cancel()
-                    raise task.exception()
-            if not getter.done():
-                continue
-            index, event = getter.result()
+            index, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
             if event is None:
                 running -= 1
                 continue
@@ -124,14 +124,7 @@ async def stream(http_request: web.Request, request, choices: list[ChoiceStream]
             else:
                 await send(chunk(index, {}, finish=value[0]))
         if request.include_usage:
-            await send(
-                {
-                    **meta,
-                    "object": "chat.completion.chunk",
-                    "choices": [],
-                    "usage": usage(),
-                }
-            )
+            await send({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage()})
     except ConnectionResetError:  # the client went away: nobody to answer
         return response
     except Exception as error:  # headers are sent: report in the stream, as OpenAI does
@@ -140,8 +133,9 @@ async def stream(http_request: web.Request, request, choices: list[ChoiceStream]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+    with contextlib.suppress(ConnectionResetError):  # the client left as the stream ended
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
     return response
 
 
@@ -151,7 +145,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except RequestError as error:
-        return web.json_response(error.body(), status=error.status)
+        return web.json_response(error.body(), status=error.status, headers=error.headers)
     except web.HTTPException as error:
         if error.status < 400:
             raise

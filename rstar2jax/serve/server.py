@@ -8,12 +8,12 @@ checks ``stop`` strings as they arrive, and a choice that must end (a stop strin
 closes its session, which the engine stops with its next step (what it sampled beyond is dropped). A
 conversation whose earlier turns are still in the engine's prefix cache is not prefilled again.
 
-Endpoints: ``GET /health`` (200 once the engine is up, 503 before), ``GET /metrics`` (request and token
-counts, the prefix cache's hit rate), ``GET /v1/models``, ``POST /v1/chat/completions`` (see
-:mod:`rstar2jax.serve.protocol` for what is accepted).
+Endpoints: ``GET /health`` (200 once the engine is up, 503 before and while draining), ``GET /metrics``
+(requests running and waiting, KV pages, prefix cache, token counts, latency histograms), ``GET /v1/models``,
+``POST /v1/chat/completions`` (see :mod:`rstar2jax.serve.protocol` for what is accepted).
 
 Conversation format: the messages (and ``tools``) are rendered by the model's chat template, in the format
-the policy was trained in (:attr:`~rstar2jax.serve.policy.Policy.prompt`, recorded in its folder): a request
+the policy was trained in (:attr:`~rstar2jax.train.loader.Policy.prompt`, recorded in its folder): a request
 without a system message gets the policy's system prompt, the template gets its variables, and the assistant
 opener (``<reason>`` for rStar2-Agent policies) is appended, as in the rollouts the policy was trained on; the
 opener is the start of the returned content. A plain HF folder records no format: nothing is added to what
@@ -24,39 +24,54 @@ parsed with the training parser (:func:`~rstar2jax.data.tool_parser.parse_functi
 ``tool_calls``; the stream never shows part of a tag: text that could start ``<tool_call>`` or a stop string
 is held back until it is known not to.
 
-This module holds the engine-owning service (:class:`ChatService`: the engine, the tokenizer, the prompt and
-the HTTP routes) and the ways to run it; one choice's token-to-text logic is :mod:`rstar2jax.serve.choice`,
-the JSON and event-stream responses and the error middleware :mod:`rstar2jax.serve.responses`.
+Load: requests wait from their arrival until the engine gives them their slots; at most
+:attr:`ServerConfig.max_waiting` wait at once, and one more is answered 429 (OpenAI's error object, with a
+``Retry-After`` estimated from the recent request latency). Shutdown: :meth:`ChatService.drain` (SIGTERM or
+Ctrl-C under :func:`run_server`) answers new requests 503 and ``/health`` 503 ``{"status": "draining"}``, lets
+the requests in flight finish for up to :attr:`ServerConfig.drain_timeout_s`, then ends what remains: a stream
+with a last chunk per unfinished choice whose ``finish_reason`` is ``"abort"`` (then its usage, if asked, and
+``data: [DONE]``), a non-streamed or still-waiting request with 503. ``GET /metrics`` serves Prometheus' text
+format, or JSON when the client asks for it (:mod:`rstar2jax.serve.metrics`).
+
+This module holds the engine-owning service (:class:`ChatService`: the engine, the tokenizer, the prompt, the
+HTTP routes, admission and drain) and the ways to run it; one choice's token-to-text logic is
+:mod:`rstar2jax.serve.choice`, the JSON and event-stream responses and the error middleware
+:mod:`rstar2jax.serve.responses`, the metrics :mod:`rstar2jax.serve.metrics`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
-import functools
 import json
+import logging
+import math
+import signal
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from aiohttp import web
 
-from rstar2jax import models
-from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
+from rstar2jax.data.chat_template import encode_text, render_chat
+from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams, page_rounded
-from rstar2jax.serve.choice import ChoiceStream
-from rstar2jax.serve.policy import Policy
+from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session, page_rounded
+from rstar2jax.engine.paged_attention import pages_for_bytes
+from rstar2jax.serve.admission import Admission, InFlight, shutting_down
+from rstar2jax.serve.choice import ABORT, ChoiceContext, ChoiceStream, TokenText
+from rstar2jax.serve.metrics import ServerMetrics, render_prometheus, wants_json
 from rstar2jax.serve.protocol import ChatRequest, RequestError, parse_chat_request
 from rstar2jax.serve.responses import complete, errors_middleware, stream, usage_block
+from rstar2jax.train.loader import Policy
 
 __all__ = ["BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server"]
+
+_log = logging.getLogger(__name__)
+#: ``max_waiting`` when not given: this many requests per engine slot.
+WAITING_PER_SLOT = 8
+_PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +92,11 @@ class ServerConfig:
       model_name: the model id reported and accepted; None: the policy's name.
       warmup: compile every engine program before reporting healthy (compiling only: nothing runs).
       max_body_bytes: largest accepted request body.
+      max_waiting: most requests waiting at once (arrived, not generating yet); one more gets 429. None:
+        ``WAITING_PER_SLOT`` (8) per slot, 128 at 16 slots: beyond that a client waits longer than 8
+        requests' time, and is better told to retry (or go to another replica).
+      drain_timeout_s: how long a drain (SIGTERM, Ctrl-C) lets the requests in flight finish before it ends
+        them.
     """
 
     num_slots: int = 16
@@ -89,14 +109,26 @@ class ServerConfig:
     model_name: str | None = None
     warmup: bool = True
     max_body_bytes: int = 32 * 2**20
+    max_waiting: int | None = None
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self):
-        for name in ("num_slots", "max_len", "decode_chunk", "max_body_bytes"):
+        for name in ("num_slots", "max_len", "decode_chunk", "max_body_bytes", "waiting_bound"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ServerConfig.{name} must be a positive int, got {value!r}")
+                shown = "max_waiting" if name == "waiting_bound" else name
+                raise ValueError(f"ServerConfig.{shown} must be a positive int, got {getattr(self, shown)!r}")
         if self.kv_pool_gib is not None and not self.kv_pool_gib > 0:
             raise ValueError(f"ServerConfig.kv_pool_gib must be > 0 or None, got {self.kv_pool_gib!r}")
+        if isinstance(self.drain_timeout_s, bool) or not (isinstance(self.drain_timeout_s, int | float)
+                                                          and 0 <= self.drain_timeout_s < math.inf):
+            raise ValueError(f"ServerConfig.drain_timeout_s must be a number >= 0, got "
+                             f"{self.drain_timeout_s!r}")
+
+    @property
+    def waiting_bound(self) -> int:
+        """``max_waiting``, or its default for ``num_slots``."""
+        return WAITING_PER_SLOT * self.num_slots if self.max_waiting is None else self.max_waiting
 
 
 def served_format(policy: Policy, config: ServerConfig) -> PromptConfig:
@@ -107,15 +139,6 @@ def served_format(policy: Policy, config: ServerConfig) -> PromptConfig:
     recorded = policy.prompt or PromptConfig(system_prompt="", assistant_opener="")
     given = {"system_prompt": config.system_prompt, "assistant_opener": config.assistant_opener}
     return dataclasses.replace(recorded, **{k: v for k, v in given.items() if v is not None})
-
-
-@functools.partial(jax.jit, static_argnames=("config", "k"))
-def _top_logprobs(params, tokens, *, config: models.ModelConfig, k: int):
-    """Top-``k`` next-token log-probs at each position of ``tokens [1, T]``: ids, logprobs ``[T, k]``."""
-    logits, _ = models.forward(params, config, tokens)
-    logprobs = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
-    values, ids = jax.lax.top_k(logprobs, k)
-    return ids, values
 
 
 class ChatService:
@@ -132,28 +155,34 @@ class ChatService:
         self.format = served_format(policy, config)
         self.eos_ids = set(policy.eos_token_ids)
         self.tool_call_end = encode_text(self.tokenizer, TOOL_CALL_CLOSE)
-        stop_len = max(8, len(self.tool_call_end))
         model = policy.model_config
-        kv_bytes_per_page = (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                             * EngineConfig.page_size * jnp.dtype(model.compute_dtype).itemsize)
         self.engine_config = EngineConfig(
             num_slots=config.num_slots,
             max_len=page_rounded(config.max_len),
             max_stops=1,
-            max_stop_len=stop_len,
+            max_stop_len=max(8, len(self.tool_call_end)),
             eos_token_ids=tuple(self.eos_ids),
             decode_chunk=config.decode_chunk,
-            num_pages=(None if config.kv_pool_gib is None
-                       else int(config.kv_pool_gib * 2**30) // kv_bytes_per_page),
+            num_pages=(None if config.kv_pool_gib is None  # pages of the engine's KV dtype in those bytes
+                       else pages_for_bytes(config.kv_pool_gib * 2**30, model,
+                                            page_size=EngineConfig.page_size)),
             prefix_sharing=config.prefix_cache,
         )
         self.engine: Engine | None = None
         self.ready = False
         self.created = int(time.time())
-        self._token_text: dict[int, str] = {}
-        #: Counters: requests, prompt_tokens, cached_tokens (prompt tokens served by the prefix cache),
-        #: completion_tokens (sampled, all choices), cancelled_choices (client gone).
-        self.stats: collections.Counter = collections.Counter()
+        self.metrics = ServerMetrics()
+        self.text = TokenText(self.tokenizer, policy.params, model)
+        self.choice_context = ChoiceContext(self.text, frozenset(self.eos_ids), tuple(self.tool_call_end),
+                                            self.format.assistant_opener, self.metrics)
+        self.admission = Admission(self.metrics, max_waiting=config.waiting_bound, num_slots=config.num_slots,
+                                   drain_timeout_s=config.drain_timeout_s)
+
+    @property
+    def stats(self):
+        """The counters (``requests``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
+        ``cancelled_choices``): :attr:`ServerMetrics.counts`."""
+        return self.metrics.counts
 
     async def __aenter__(self) -> ChatService:
         self.engine = Engine(self.policy.params, self.policy.model_config, self.engine_config)
@@ -168,31 +197,8 @@ class ChatService:
         if self.engine is not None:
             await self.engine.__aexit__(*exc_info)
 
-    # ---- text helpers
-
     def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(
-            list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-
-    def logprob_entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.decode([token])
-        return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
-
-    def top_logprobs(self, prompt_ids: list[int], tokens: list[int], start: int, k: int):
-        """The ``k`` most likely tokens (raw model distribution) at each of ``tokens[start:]``."""
-        sequence = prompt_ids + tokens
-        size = 1 << max(len(sequence) - 1, 63).bit_length()  # a few padded lengths, a few programs
-        padded = np.zeros((1, size), np.int32)
-        padded[0, : len(sequence)] = sequence
-        ids, values = jax.device_get(
-            _top_logprobs(self.policy.params, padded, config=self.policy.model_config, k=k)
-        )
-        first = len(prompt_ids) + start - 1  # the logits that predicted tokens[start]
-        rows = range(first, len(sequence) - 1)
-        return [list(zip(ids[r].tolist(), values[r].tolist(), strict=True)) for r in rows]
+        return self.text.decode(tokens)
 
     def prompt_ids(self, request: ChatRequest) -> list[int]:
         """The request's conversation (with the policy's system prompt when it has no system message) rendered
@@ -219,43 +225,57 @@ class ChatService:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors_middleware], client_max_size=self.config.max_body_bytes)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if not self.ready:
             return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ok"})
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        """Counters since start; ``prefix_cache_hit_rate``: prompt tokens whose keys/values came from the
-        prefix cache over all prompt tokens."""
-        stats = dict(self.stats)
-        prompt_tokens = stats.get("prompt_tokens", 0)
-        stats["prefix_cache_hit_rate"] = stats.get("cached_tokens", 0) / max(prompt_tokens, 1)
-        return web.json_response(stats)
+    def engine_gauges(self) -> dict[str, int]:
+        """KV pages used / cached / free / total and slots used / total, read from the engine's core."""
+        core, slots = (self.engine.core if self.engine else None), self.config.num_slots
+        if core is None:
+            return dict.fromkeys(("kv_pages_used", "kv_pages_cached", "kv_pages_free", "kv_pages_total",
+                                  "slots_used"), 0) | {"slots_total": slots}
+        used, cached, total = core.num_used_pages, core.num_cached_pages, core.num_pages
+        return {"kv_pages_used": used, "kv_pages_cached": cached, "kv_pages_total": total,
+                "kv_pages_free": max(total - used - cached, 0), "slots_used": slots - core.num_free_slots,
+                "slots_total": slots}
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus' text format, or JSON (``?format=json``, or an Accept header that
+        prefers ``application/json``)."""
+        engine = self.engine_gauges()
+        try:
+            as_json = wants_json(request.query.get("format"), request.headers.get("Accept", ""))
+        except ValueError as error:
+            raise RequestError(str(error), param="format") from None
+        if as_json:
+            return web.json_response(self.metrics.as_json(engine))
+        text = render_prometheus(self.metrics, engine, {"model_name": self.model_name})
+        return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS_TYPE})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "rstar2jax",
-                        "max_model_len": self.config.max_len,
-                    }
-                ],
-            }
-        )
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rstar2jax",
+                 "max_model_len": self.config.max_len}
+        return web.json_response({"object": "list", "data": [model]})
 
     async def chat_completions(self, http_request: web.Request) -> web.StreamResponse:
         if not self.ready:
             raise RequestError("the server is starting", type="server_error", status=503)
+        entry = self.admission.accept()
+        try:
+            return await self._serve(http_request, entry)
+        finally:  # also when cancelled before a choice ran at all: no slot outlives its request
+            self.admission.release(entry)
+
+    async def _serve(self, http_request: web.Request, entry: InFlight) -> web.StreamResponse:
         try:
             body = await http_request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -278,24 +298,17 @@ class ChatService:
                 param="messages",
                 code="context_length_exceeded",
             )
-        sessions = await self.engine.open(
-            prompt_ids,
-            request.n,
-            sampling=SamplingParams(temperature=request.temperature, top_p=request.top_p),
-            max_tokens=request.max_tokens or room,
-            seed=request.seed,
-        )
-        self.stats["requests"] += 1
-        self.stats["prompt_tokens"] += len(prompt_ids)
-        self.stats["cached_tokens"] += sessions[0].cached_tokens
-        choices = [ChoiceStream(self, request, s, prompt_ids) for s in sessions]
-        try:
-            return await self._respond(http_request, request, choices, len(prompt_ids),
-                                       sessions[0].cached_tokens)
-        finally:  # also when cancelled before a choice ran at all: no slot outlives its request
-            for choice in choices:
-                choice.close()
-                self.stats["cancelled_choices"] += not choice.finished
+        sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p)
+        opening = self.engine.open(prompt_ids, request.n, sampling=sampling,
+                                   max_tokens=request.max_tokens or room, seed=request.seed)
+        sessions: list[Session] = await self.admission.admit(entry, opening)
+        choices = [ChoiceStream(self.choice_context, request, s, prompt_ids, entry.arrived) for s in sessions]
+        self.admission.running(entry, choices)
+        counts, cached = self.metrics.counts, sessions[0].cached_tokens
+        counts["requests"] += 1
+        counts["prompt_tokens"] += len(prompt_ids)
+        counts["cached_tokens"] += cached
+        return await self._respond(http_request, request, entry.choices, len(prompt_ids), cached)
 
     async def _respond(self, http_request, request, choices, prompt_tokens, cached) -> web.StreamResponse:
         meta = {
@@ -307,28 +320,77 @@ class ChatService:
         usage = lambda: usage_block(prompt_tokens, cached, choices)  # noqa: E731
         if request.stream:
             return await stream(http_request, request, choices, meta, usage)
-        return web.json_response(await complete(request, choices, meta, usage))
+        body = await complete(request, choices, meta, usage)
+        if any(choice.finish_reason == ABORT for choice in choices):
+            done = sum(choice.num_sampled for choice in choices)
+            raise shutting_down(f"the completion was ended after {done} tokens, before it finished")
+        return web.json_response(body)
+
+    # ---- shutdown
+
+    @property
+    def draining(self) -> bool:
+        return self.metrics.draining
+
+    async def drain(self, timeout: float | None = None) -> int:
+        """Stops taking requests (503; ``/health`` says draining), lets the requests in flight finish for up
+        to ``timeout`` (default ``config.drain_timeout_s``), then ends what remains (see the module
+        docstring). Returns how many it ended (:meth:`Admission.drain`)."""
+        return await self.admission.drain(timeout)
+
 
 async def start_server(service: ChatService, host: str, port: int) -> web.AppRunner:
     """Serves ``service`` (already entered) on ``host:port``; returns the runner (``await runner.cleanup()``).
     Handlers are cancelled when their client disconnects, which frees the client's engine slots."""
-    runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(service.app(), handler_cancellation=True, access_log=None, shutdown_timeout=10)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
 
 
+def _drain_on_signals(service: ChatService, stop: asyncio.Event) -> list[int]:
+    """In the main thread, SIGINT and SIGTERM set ``stop`` (the caller drains), a second one ends the drain's
+    wait; returns the signals handled (none elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            _log.info("%s: ending the %d requests left now", name, service.admission.in_flight)
+            service.admission.end_now()
+            return
+        stop.set()
+        _log.info("%s: draining: new requests get 503; the %d in flight have %g s to finish (Ctrl-C again "
+                  "ends them now)", name, service.admission.in_flight, service.config.drain_timeout_s)
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return [signal.SIGINT, signal.SIGTERM]
+
+
 async def run_server(
     policy: Policy, config: ServerConfig, host: str, port: int, ready: asyncio.Event | None = None
-) -> None:
-    """Serves until cancelled (Ctrl-C in :mod:`experiments.serve`)."""
+) -> int:
+    """Serves until SIGINT / SIGTERM (in the main thread; :mod:`experiments.serve`) or cancellation; a signal
+    drains the server (:meth:`ChatService.drain`), a second one ends the drain's wait. Returns how many
+    requests the drain ended."""
     async with ChatService(policy, config) as service:
         runner = await start_server(service, host, port)
+        stop = asyncio.Event()
+        handled = _drain_on_signals(service, stop)
         if ready is not None:
             ready.set()
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
+            ended = await service.drain()
+            _log.info("drained: %s", f"ended {ended} requests at the deadline" if ended else
+                      "every request in flight finished")
+            return ended
         finally:
+            for signum in handled:
+                asyncio.get_running_loop().remove_signal_handler(signum)
             await runner.cleanup()
 
 
@@ -352,6 +414,10 @@ class BackgroundServer:
     def call(self, coroutine, timeout: float | None = None):
         """Runs ``coroutine`` on the server's loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def drain(self, timeout: float | None = None) -> int:
+        """:meth:`ChatService.drain` on the server's loop (the server keeps answering: 503 to new ones)."""
+        return self.call(self.service.drain(timeout))
 
     def __enter__(self) -> BackgroundServer:
         self.thread.start()

@@ -8,28 +8,14 @@ from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_s
 from rstar2jax.data.sft_data import load_sft_sequences
 from rstar2jax.train import lora  # the module: LoRA runs (train.lora.FrozenBase, adapter_folder, ...)
 from rstar2jax.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
-from rstar2jax.train.config import (
-    ConfigError,
-    lora_enabled,
-    rl_config,
-    sft_config,
-    stage,
-    validate,
-    validate_rl_config,
-    validate_sft_config,
-)
+from rstar2jax.train.config import rl_config, sft_config, stage
 from rstar2jax.train.dry_run import check_memory_plan, dry_run, format_dry_run
 from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
 from rstar2jax.train.metrics import MetricsLogger
-from rstar2jax.train.options import (
-    PolicyOptions,
-    RunOptions,
-    StageOptions,
-    model_config_from,
-    policy_options,
-    run_options,
-)
-from rstar2jax.train.rl import RLIterationConfig, filter_hard_problems, rl_iteration
+from rstar2jax.train.options import ConfigError, PolicyOptions, RunOptions, StageOptions
+from rstar2jax.train.parse import parse
+from rstar2jax.train.parse_model import policy_options
+from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rl_loop import train_rl
 from rstar2jax.train.run import Interrupted, RunPaths, StopSignal
 from rstar2jax.train.runtime import (
@@ -39,7 +25,7 @@ from rstar2jax.train.runtime import (
     request_host_devices,
 )
 from rstar2jax.train.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous, make_schedule
-from rstar2jax.train.selection import rollout_metrics, select_and_build_batch
+from rstar2jax.train.selection import RLIterationConfig, rollout_metrics, select_and_build_batch
 from rstar2jax.train.sft_loop import train_sft
 from rstar2jax.train.state import (
     TrainState,
@@ -87,7 +73,6 @@ __all__ = [
     "TrainState",
     "accumulate_gradients",
     "lora",
-    "lora_enabled",
     "trainable_params",
     "with_adapters",
     "build_batch",
@@ -104,13 +89,12 @@ __all__ = [
     "make_schedule",
     "make_sft_step",
     "mesh_from_config",
-    "model_config_from",
+    "parse",
     "prepare_process",
     "request_host_devices",
     "reset_optimizer",
     "rl_config",
     "rl_iteration",
-    "run_options",
     "policy_options",
     "PolicyOptions",
     "rl_loss",
@@ -125,7 +109,4 @@ __all__ = [
     "train_rl",
     "train_sft",
     "trajectory_sequence",
-    "validate",
-    "validate_rl_config",
-    "validate_sft_config",
 ]

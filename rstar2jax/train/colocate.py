@@ -19,19 +19,12 @@ from typing import Any
 
 import jax
 
-HOST_MEMORY_KIND = "pinned_host"
-
-
-def host_offload_supported(device: jax.Device | None = None) -> bool:
-    """Whether ``device`` (default: the first default-backend device) can hold arrays in pinned host
-    memory."""
-    device = device or jax.devices()[0]
-    try:
-        kinds = {memory.kind for memory in device.addressable_memories()}
-    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
-        return False
-    return HOST_MEMORY_KIND in kinds
-
+from rstar2jax.models.platform import (
+    HOST_MEMORY_KIND,
+    accelerator,
+    host_memory_is_device_memory,
+    host_offload_supported,
+)
 
 OFFLOAD_OPTIONS = ("auto", "host", "device")
 
@@ -39,16 +32,15 @@ OFFLOAD_OPTIONS = ("auto", "host", "device")
 def resolve_offload(option: str, platform: str | None = None) -> bool:
     """Whether the optimizer state waits in host memory during rollout. ``"auto"``: on accelerators (their
     memory is scarce and separate from the host's), not on the CPU backend, where host memory *is* device
-    memory and a copy would only cost time. ``"host"`` / ``"device"`` force it (``"host"`` fails clearly where
-    the backend has no pinned host memory)."""
+    memory and a copy would only cost time (``models.platform`` says which backend is which; ``platform``:
+    a JAX platform name, default the default backend's). ``"host"`` / ``"device"`` force it (``"host"``
+    fails clearly where the backend has no pinned host memory)."""
     if option == "auto":
-        platform = platform or jax.default_backend()
-        return platform != "cpu" and host_offload_supported()
+        return not host_memory_is_device_memory(platform) and host_offload_supported()
     if option == "host":
         if not host_offload_supported():
             raise ValueError(
-                f"host offload requested but {jax.devices()[0].platform} devices offer no "
-                f"'{HOST_MEMORY_KIND}' memory"
+                f"host offload requested but {accelerator()} devices offer no '{HOST_MEMORY_KIND}' memory"
             )
         return True
     if option == "device":

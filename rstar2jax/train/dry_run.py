@@ -14,10 +14,9 @@ from jax.sharding import Mesh
 
 from rstar2jax import models
 from rstar2jax.data.batch import Batch
-from rstar2jax.train import config as config_lib
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
-from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.options import RunOptions
 from rstar2jax.train.run import abstract_state
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
@@ -40,21 +39,19 @@ def _abstract_batch(rows: int, seq_len: int, sharding, *, rl: bool) -> Batch:
     )
 
 
-def dry_run(config, *, kind: str, cpu_stand_in: bool = True) -> dict[str, Any]:
-    """Compiles the ``kind`` ("rl" | "sft") train step for the configured mesh on abstract shapes (nothing is
-    allocated) and returns per-device memory of the compiled executable plus the shapes it was built for.
+def dry_run(options: RunOptions, *, cpu_stand_in: bool = True) -> dict[str, Any]:
+    """Compiles the run's train step (RL or SFT, ``options.kind``) for the configured mesh on abstract shapes
+    (nothing is allocated) and returns per-device memory of the compiled executable plus the shapes it was
+    built for. ``options``: ``rstar2jax.train.parse``'s (with ``check_data=False`` no data need exist).
 
-    RL plans for the worst case: every kept trajectory at full length on its own row. CPU devices stand in
-    for accelerators (``cpu_stand_in``): see ``_stand_in_options``. ``config``: a run config (validated
-    here, its data not looked for) or its ``RunOptions``.
+    RL plans for the worst case: every kept trajectory at full length (the longest stage's) on its own row.
+    CPU devices stand in for accelerators (``cpu_stand_in``): see ``_stand_in_options``.
     """
-    if not isinstance(config, RunOptions):
-        config_lib.validate(config, kind, check_data=False)
-    options = run_options(config)
+    kind = options.kind
     if kind == "rl":
         optimizer = options.optimizer.optimizer()
-        rows = options.rl.prompts_per_step * options.rl.iteration.keep
-        seq_len = options.rl.iteration_for(max(s.max_response_length for s in options.stages)).seq_len
+        rows = options.rl.prompts_per_step * options.rl.keep
+        seq_len = options.longest_stage.seq_len
     else:
         optimizer = options.optimizer.optimizer(total_steps=options.sft.steps or 1000)
         rows, seq_len = options.sft.batch_size, options.sft.seq_len
@@ -162,20 +159,18 @@ def format_dry_run(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def check_memory_plan(config, *, kind: str, report: dict[str, Any] | None = None) -> None:
+def check_memory_plan(options: RunOptions, *, report: dict[str, Any] | None = None) -> None:
     """RL runs: write the per-device memory plan (``memory_plan.json`` in the work folder) and raise
     ``MemoryPlanError`` with its table when it exceeds a known device memory. Without a dry-run ``report`` (a
     real run) the plan is compiled only when the device memory is known (an accelerator, or
     ``config.device_memory_gib``): fail at start-up rather than out of memory mid-run. The extra compile of
-    the step is served by XLA's compilation cache when the run compiles the same step. ``config``: a run
-    config or its ``RunOptions``."""
-    if kind != "rl":
+    the step is served by XLA's compilation cache when the run compiles the same step."""
+    if options.kind != "rl":
         return
-    options = run_options(config)
     if report is None:
         if memory_plan_lib.device_memory_gib(options) is None:
             return
-        report = dry_run(options, kind=kind)
+        report = dry_run(options)
     path = memory_plan_lib.write_plan(report["memory_plan"], options.workdir)
     logger.info("memory plan: %s", path)
     memory_plan_lib.check_plan(report["memory_plan"])

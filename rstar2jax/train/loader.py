@@ -35,7 +35,8 @@ from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.config import RUN_CONFIG_FILE, read_run_config
-from rstar2jax.train.options import PolicyOptions, policy_options
+from rstar2jax.train.options import PolicyOptions
+from rstar2jax.train.parse_model import policy_options
 from rstar2jax.train.run import CHECKPOINT_DIR, initial_params
 
 
@@ -168,6 +169,7 @@ def load_policy(
     step: int | None = None,
     dtype: str = "float32",
     adapter: str | os.PathLike | None = None,
+    strict_base: bool = False,
 ) -> Policy:
     """Loads a policy from an HF folder, a hub name or a training run folder (see the module docstring).
 
@@ -177,10 +179,13 @@ def load_policy(
       step: for a run folder, the checkpoint step (default: the latest).
       dtype: parameter and compute dtype (``"float32"`` or ``"bfloat16"``).
       adapter: a PEFT LoRA folder to merge into the HF base ``model``.
+      strict_base: refuse an adapter whose ``base_model_name_or_path`` names another model than ``model``
+        (by default that only warns: the architecture and the tensors' shapes decide).
 
     Raises:
       FileNotFoundError / ValueError naming what is missing or does not fit: no config, no weights, no
-      tokenizer, no checkpoint, a tokenizer without a chat template, an adapter for another base.
+      tokenizer, no checkpoint, a tokenizer without a chat template, an adapter for another architecture or
+      shapes, or with a peft option this library cannot apply.
     """
     path = pathlib.Path(os.fspath(model)).expanduser()
     if not path.exists():
@@ -202,7 +207,8 @@ def load_policy(
     else:
         if step is not None:
             raise ValueError(f"step={step} was given but {path} is not a training run folder")
-        policy = _load_hf(path, model, tokenizer=tokenizer, dtype=dtype, adapter=adapter)
+        policy = _load_hf(path, model, tokenizer=tokenizer, dtype=dtype, adapter=adapter,
+                          strict_base=strict_base)
     return policy
 
 
@@ -230,7 +236,7 @@ def _load_run(path: pathlib.Path, workdir: pathlib.Path, step_dir: pathlib.Path,
                   str(path), "run", step, policy.prompt)
 
 
-def _load_hf(path: pathlib.Path, model, *, tokenizer, dtype: str, adapter) -> Policy:
+def _load_hf(path: pathlib.Path, model, *, tokenizer, dtype: str, adapter, strict_base: bool) -> Policy:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} is neither an HF model folder (no config.json) nor a training run folder "
@@ -238,7 +244,7 @@ def _load_hf(path: pathlib.Path, model, *, tokenizer, dtype: str, adapter) -> Po
         )
     if adapter is not None:  # checked against the base's config before its weights are read
         lora, adapters = models.peft_adapter.load_peft_adapter(
-            adapter, models.config_from_hf(path), base_model=os.fspath(model)
+            adapter, models.config_from_hf(path), base_model=os.fspath(model), strict_base=strict_base
         )
     model_config, params = models.load_pretrained(path, dtype=dtype)
     name = path.name

@@ -2,10 +2,13 @@
 
 Colocated RL alternates two phases on the same devices (``rstar2jax.train.colocate``):
 
-  rollout peak = params + engine weight cast + KV page pool + decode temporaries
+  rollout peak = params + engine weights + KV page pool + decode temporaries
                  [+ optimizer state + reference params, unless they wait in host memory]
   (LoRA: params are the adapters; the frozen base waits in host memory with the optimizer state or stays,
   and the engine's weights are the merged copy ``W + s A B`` in the compute dtype)
+  (engine weights: the engine's own copy, a cast to the compute dtype where that differs, or with
+  ``rollout.engine.weight_dtype="fp8"`` the projections in FP8, a byte per value plus a float32 scale per
+  128 x 128 block; the KV pool: ``rollout.engine.kv_dtype``'s bytes per token, about half for FP8 pages)
   train peak   = compiled step peak (arguments + outputs - aliased + temporaries: params, optimizer state,
                  batch, gradients, activations); the KV page pool lives only while the engine runs
 
@@ -25,6 +28,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from rstar2jax.engine import paged_attention
+from rstar2jax.engine.config import FP8
+from rstar2jax.models.quantization import LINEAR_WEIGHTS, fp8_weight_bytes
 from rstar2jax.train.colocate import resolve_offload
 from rstar2jax.train.options import ConfigError, RunOptions
 
@@ -35,30 +41,44 @@ class MemoryPlanError(ConfigError):
     """The configured run does not fit its devices; the message holds the whole plan (launchers exit 2)."""
 
 
+def _elements_per_device(leaf) -> int:
+    sharding = getattr(leaf, "sharding", None)
+    return math.prod(sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape)
+
+
 def tree_bytes_per_device(tree: Any) -> int:
     """Bytes one device holds of an (abstract or concrete) array tree placed with ``NamedSharding``s."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
+    return sum(_elements_per_device(leaf) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def kv_bytes_per_token(model_config, dtype: str | None = None) -> int:
-    """Keys and values of one token over all layers: ``2 * layers * kv_heads * head_dim * itemsize``."""
-    itemsize = np.dtype(dtype or model_config.compute_dtype).itemsize
-    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+    """Keys and values of one token over all layers: ``2 * layers * kv_heads * head_dim * itemsize``; for
+    ``dtype="fp8"`` (an engine's ``kv_dtype``) ``2 * layers * kv_heads * (head_dim + 2)``, a byte per element
+    and a bfloat16 scale per head (``engine.paged_attention.kv_bytes_per_token``)."""
+    return paged_attention.kv_bytes_per_token(model_config, dtype)
 
 
-def kv_pool_tokens(options: RunOptions) -> int:
-    """Tokens the engine's KV page pool holds: ``rollout.kv_cache_tokens``, or when that is 0, every engine
-    slot at the longest prompt + response of any stage."""
-    rollout = options.rl.rollout
-    if rollout.kv_cache_tokens:
-        return int(rollout.kv_cache_tokens)
-    longest = max((s.max_response_length for s in options.stages), default=0)
-    return rollout.engine.num_slots * (options.rl.max_prompt_length + longest)
+def engine_weight_bytes(weights: Any, model_config, engine_config, *, merged: bool = False) -> int:
+    """Per-device bytes of the engine's own copy of ``weights`` (an abstract or concrete, sharded tree):
+    with ``engine_config.weight_dtype="fp8"`` each projection in FP8 (a byte per value, a float32 scale per
+    block) and the output head too with ``quantize_head`` (tied: an FP8 copy beside the embedding); every
+    other leaf cast to the compute dtype where its dtype differs, or always for a LoRA run's ``merged``
+    copy; leaves the engine uses as they are cost nothing."""
+    fp8 = engine_config.weight_dtype == FP8
+    compute = np.dtype(model_config.compute_dtype)
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
+        names = [getattr(key, "key", None) for key in path]
+        elements = _elements_per_device(leaf)
+        projection = names[0] == "layers" and names[-1] in LINEAR_WEIGHTS
+        if fp8 and (projection or (engine_config.quantize_head and names[0] == "lm_head")):
+            total += fp8_weight_bytes(elements, engine_config.weight_block)
+            continue
+        if merged or np.dtype(leaf.dtype) != compute:
+            total += elements * compute.itemsize
+        if fp8 and engine_config.quantize_head and names[0] == "embed" and model_config.tie_word_embeddings:
+            total += fp8_weight_bytes(elements, engine_config.weight_block)
+    return total
 
 
 def device_memory_gib(options: RunOptions) -> float | None:
@@ -83,14 +103,11 @@ def memory_plan(
     optimizer = tree_bytes_per_device(abstract_state.opt_state)
     frozen = 0 if base is None else tree_bytes_per_device(base)
     reference = params if rl.loss.kl_coef and base is None else 0
-    weights = params if base is None else frozen
-    cast = (
-        weights * np.dtype(model_config.compute_dtype).itemsize // np.dtype(model_config.param_dtype).itemsize
-        if model_config.compute_dtype != model_config.param_dtype or base is not None  # LoRA: merged copy
-        else 0
-    )
-    pool_tokens = kv_pool_tokens(options)
-    kv_pool = pool_tokens * kv_bytes_per_token(model_config) // (data_parallel * kv_split)
+    engine = rl.rollout.engine
+    weights = abstract_state.params if base is None else base
+    cast = engine_weight_bytes(weights, model_config, engine, merged=base is not None)  # LoRA: merged copy
+    pool_tokens = rl.rollout.kv_pool_tokens
+    kv_pool = pool_tokens * kv_bytes_per_token(model_config, engine.kv_dtype) // (data_parallel * kv_split)
     # float32 logits, probabilities and their sort for top-p, one row per engine slot.
     slots = -(-rl.rollout.engine.num_slots // data_parallel)
     decode_temporaries = 3 * slots * model_config.vocab_size * 4
@@ -111,7 +128,9 @@ def memory_plan(
         "activations_peak_gib": max(step_report["temp_size_in_bytes"] - gradients, 0) / GIB,
         "step_temporaries_gib": step_report["temp_size_in_bytes"] / GIB,
         "engine_weight_cast_gib": cast / GIB,
+        "engine_weight_dtype": engine.weight_dtype or model_config.compute_dtype,
         "kv_pool_gib": kv_pool / GIB,
+        "kv_dtype": engine.kv_dtype or model_config.compute_dtype,
         "kv_pool_tokens": pool_tokens,
         "decode_temporaries_gib": decode_temporaries / GIB,
         "optimizer_offloaded_during_rollout": offload,
@@ -132,8 +151,8 @@ def format_plan(plan: dict[str, Any]) -> str:
             0.0 if plan["optimizer_offloaded_during_rollout"] else plan["frozen_base_gib"],
             plan["frozen_base_gib"],
         ),
-        ("engine weights", plan["engine_weight_cast_gib"], 0.0),
-        ("KV page pool", plan["kv_pool_gib"], 0.0),
+        (f"engine weights ({plan['engine_weight_dtype']})", plan["engine_weight_cast_gib"], 0.0),
+        (f"KV page pool ({plan['kv_dtype']})", plan["kv_pool_gib"], 0.0),
         ("decode temporaries", plan["decode_temporaries_gib"], 0.0),
         (
             "optimizer state",
@@ -150,10 +169,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     ]
     lines = [
         f"memory plan per device ({plan['devices']} {plan['platform']} devices), GiB:",
-        f"  {'':<22} {'rollout':>9} {'train':>9}",
+        f"  {'':<27} {'rollout':>9} {'train':>9}",
     ]
-    lines += [f"  {name:<22} {rollout:9.2f} {train:9.2f}" for name, rollout, train in rows]
-    lines.append(f"  {'peak':<22} {plan['rollout_peak_gib']:9.2f} {plan['train_peak_gib']:9.2f}")
+    lines += [f"  {name:<27} {rollout:9.2f} {train:9.2f}" for name, rollout, train in rows]
+    lines.append(f"  {'peak':<27} {plan['rollout_peak_gib']:9.2f} {plan['train_peak_gib']:9.2f}")
     memory = plan["device_memory_gib"]
     if memory is None:
         lines.append("  device memory unknown (set config.device_memory_gib to check the plan)")

@@ -21,9 +21,9 @@ on (:class:`~rstar2jax.train.faults.EmptyRollout`), rather than an update on an 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -40,7 +40,7 @@ from rstar2jax.train.schedule import (
     run_rollouts,
     unique_problems,
 )
-from rstar2jax.train.selection import (  # RLIterationConfig and score_groups: the notebooks import them here
+from rstar2jax.train.selection import (
     RewardFn,
     RLIterationConfig,
     policy_lag_metrics,
@@ -51,10 +51,58 @@ from rstar2jax.train.selection import (  # RLIterationConfig and score_groups: t
 )
 from rstar2jax.train.state import TrainState
 
-if TYPE_CHECKING:
-    pass
+__all__ = ["filter_hard_problems", "rl_iteration"]
 
-__all__ = ["RLIterationConfig", "filter_hard_problems", "rl_iteration", "score_groups"]
+
+@dataclasses.dataclass
+class _Sampled:
+    """A step's groups (padded to the schedule's ``num_groups`` with ``padding`` empty ones) with what their
+    sampling reported: the schedule's metrics, the rollout function's counts and the phase times."""
+
+    groups: list[list]
+    padding: int
+    schedule_metrics: dict[str, float]
+    rollout_stats: collections.Counter
+    rollout_seconds: float
+    verify_seconds: float
+
+
+def _sample(params, problems, *, rollout_fn, schedule, samples_per_problem, max_response_length, max_turns,
+            reward_fn, rollout_key, version) -> _Sampled:
+    """The step's groups from ``schedule`` (rescored by ``reward_fn`` when given); raises ``EmptyRollout``
+    when they hold no trajectory at all."""
+    start = time.perf_counter()
+    rollout_stats = collections.Counter()
+    unique, groups, schedule_metrics = schedule.rollouts(
+        rollout_fn,
+        params,
+        unique_problems(problems),
+        options=dict(
+            samples_per_problem=samples_per_problem,
+            max_response_length=max_response_length,
+            max_turns=max_turns,
+        ),
+        rollout_key=rollout_key,
+        version=version,
+        stats=rollout_stats,
+    )
+    rollout_done = time.perf_counter()
+    if not any(groups):
+        raise EmptyRollout(
+            f"the rollout of step {version + 1} left no trajectory to train on for its {len(unique)} "
+            f"problems ({dict(rollout_stats) or 'no rollout counts'}); the step is not counted"
+        )
+    if reward_fn is not None:
+        groups = rescore(unique, groups, reward_fn)
+    verify_done = time.perf_counter()
+    padding, num_groups = 0, schedule.num_groups
+    if num_groups is not None:
+        if len(groups) > num_groups:
+            raise ValueError(f"{len(groups)} complete groups, more than num_groups={num_groups}")
+        padding = num_groups - len(groups)
+        groups = groups + [[] for _ in range(padding)]
+    return _Sampled(groups, padding, schedule_metrics, rollout_stats, rollout_done - start,
+                    verify_done - rollout_done)
 
 
 def rl_iteration(
@@ -81,49 +129,27 @@ def rl_iteration(
     this step) and keeps what crosses to the next step; a schedule with ``num_groups`` has the complete
     groups padded with empty ones to that many, so that nothing recompiles.
     """
-    schedule = Synchronous() if schedule is None else schedule
     start = time.perf_counter()
     rng, roc_key, rollout_key = jax.random.split(state.rng, 3)
     version = int(jax.device_get(state.step.addressable_data(0)))
-    rollout_stats = collections.Counter()
-    unique, groups, schedule_metrics = schedule.rollouts(
-        rollout_fn,
+    sampled = _sample(
         state.params,
-        unique_problems(problems),
-        options=dict(
-            samples_per_problem=config.samples_per_problem,
-            max_response_length=max_response_length,
-            max_turns=max_turns,
-        ),
-        rollout_key=rollout_key,
-        version=version,
-        stats=rollout_stats,
+        problems,
+        rollout_fn=rollout_fn,
+        schedule=Synchronous() if schedule is None else schedule,
+        samples_per_problem=config.samples_per_problem, max_response_length=max_response_length,
+        max_turns=max_turns, reward_fn=reward_fn, rollout_key=rollout_key, version=version,
     )
-    rollout_done = time.perf_counter()
-    if not any(groups):
-        raise EmptyRollout(
-            f"the rollout of step {version + 1} left no trajectory to train on for its {len(unique)} "
-            f"problems ({dict(rollout_stats) or 'no rollout counts'}); the step is not counted"
-        )
-    if reward_fn is not None:
-        groups = rescore(unique, groups, reward_fn)
-    verify_done = time.perf_counter()
-
-    padding, num_groups = 0, schedule.num_groups
-    if num_groups is not None:
-        if len(groups) > num_groups:
-            raise ValueError(f"{len(groups)} complete groups, more than num_groups={num_groups}")
-        padding = num_groups - len(groups)
-        groups = groups + [[] for _ in range(padding)]
+    groups = sampled.groups
     scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
     metrics = rollout_metrics(groups, scored)
     batch, select_metrics = select_and_build_batch(
         roc_key, groups, config, num_rows, scored, max_response_length=max_response_length,
-        padding_groups=padding,
+        padding_groups=sampled.padding,
     )
     metrics.update(select_metrics)
-    metrics.update(schedule_metrics)
-    metrics.update({f"rollout/{name}": float(value) for name, value in rollout_stats.items()})
+    metrics.update(sampled.schedule_metrics)
+    metrics.update({f"rollout/{name}": float(value) for name, value in sampled.rollout_stats.items()})
     metrics.update(policy_lag_metrics(groups, version))
     batch = batch.replace(policy_versions=None)  # bookkeeping only: the step's inputs are as they were
     update_start = time.perf_counter()
@@ -132,18 +158,19 @@ def rl_iteration(
     state, step_metrics = rl_step(state, put_batch(batch, batch_sharding))
     step_metrics = jax.device_get(step_metrics)
     end = time.perf_counter()
+    update_seconds = end - update_start
 
     batch_tokens = float((batch.segment_ids > 0).sum())
     response_tokens = sum(len(t.response_ids) for g in groups for t in g)
     metrics.update({k: float(v) for k, v in step_metrics.items()})
     metrics.update(
         {
-            "time/rollout": rollout_done - start,
-            "time/verify": verify_done - rollout_done,
-            "time/update": end - update_start,
+            "time/rollout": sampled.rollout_seconds,
+            "time/verify": sampled.verify_seconds,
+            "time/update": update_seconds,
             "time/step": end - start,
-            "throughput/update_tokens_per_s": batch_tokens / max(end - update_start, 1e-9),
-            "throughput/rollout_tokens_per_s": response_tokens / max(rollout_done - start, 1e-9),
+            "throughput/update_tokens_per_s": batch_tokens / max(update_seconds, 1e-9),
+            "throughput/rollout_tokens_per_s": response_tokens / max(sampled.rollout_seconds, 1e-9),
         }
     )
     return state, metrics

@@ -7,9 +7,8 @@ import logging
 
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.train import colocate
-from rstar2jax.train import config as config_lib
 from rstar2jax.train.faults import NonFiniteStreak
-from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
@@ -38,9 +37,9 @@ def _stage_problems(
         limit=d.limit,
     )
     if not loaded.problems:
-        raise ValueError(
-            f"stage {s.name!r}: no usable problems in {s.dataset or d.source} ({dict(loaded.skipped)})"
-        )
+        where = f"stages[{index}].dataset={s.dataset!r}" if s.dataset else f"data.source={d.source!r}"
+        where = f"config.{where}"
+        raise ConfigError(f"{where}: no usable problems for stage {s.name!r} ({dict(loaded.skipped)})")
     return loaded.problems, {f"data_skipped/{k}": v for k, v in loaded.skipped.items()}
 
 
@@ -97,7 +96,7 @@ class _RLStages:
             seed=options.seed + 7919 * index,
             position=run.meta["position"],
         )
-        iteration = options.rl.iteration_for(s.max_response_length)
+        iteration = options.rl.iterations[index]
         self.schedule.restore(run.meta)
         while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
@@ -132,29 +131,26 @@ class _RLStages:
 
 
 def train_rl(
-    config,
+    options: RunOptions,
     *,
     rollout_fn: RolloutFn,
     reward_fn: RewardFn | None = None,
     max_steps: int | None = None,
     stop: StopSignal | None = None,
 ) -> list[dict]:
-    """Runs (or resumes) the staged GRPO-RoC recipe of ``config`` (a run config, validated here, or its
-    ``RunOptions``); returns the metrics history.
+    """Runs (or resumes) the staged GRPO-RoC recipe of ``options`` (a run config's ``RunOptions``:
+    ``rstar2jax.train.parse``); returns the metrics history.
 
     ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.schedule``); ``max_steps`` stops early
     after that many steps in total (for demos and tests); ``stop``: the signal that stops the run after its
     current step (a launcher's Ctrl-C; default: a new one nobody else holds).
 
-    Rollouts across an update (``config.rl.off_policy_steps`` = 1, ``config.rollout.partial_token_budget``
-    > 0; see ``rstar2jax.train.schedule``): what one step hands to the next (the next step's rollout,
+    Rollouts across an update (``rl.off_policy_steps`` = 1, ``rollout.partial_token_budget`` > 0; see
+    ``rstar2jax.train.schedule``): what one step hands to the next (the next step's rollout,
     unfinished rollouts) is kept in the checkpoint meta (``rollout_carry``), so a resumed run goes on
     exactly; it does not cross a stage boundary (a stage's last step rolls out nothing ahead, and its
     unfinished rollouts are dropped: the next stage has its own budget and problems).
     """
-    if not isinstance(config, RunOptions):
-        config_lib.validate(config, "rl")
-    options = run_options(config)
     optimizer = options.optimizer.optimizer()
     run = start_run(
         options,

@@ -28,7 +28,6 @@ from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import write_run_config
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.options import ModelSource, RunOptions
-from rstar2jax.train.options import model_config_from as model_config_from  # its home before the edge
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import state_shardings, trainable_params

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
-from rstar2jax.train.options import DistributedOptions, process_layout
+from rstar2jax.train.options import DistributedOptions, RunOptions
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
@@ -55,19 +55,18 @@ def initialize_distributed(distributed: DistributedOptions) -> None:
     )
 
 
-def mesh_size(config) -> int:
-    """Devices the run's mesh takes (``config``: a run config or its ``RunOptions``)."""
-    return process_layout(config)[0].size
+def mesh_size(options: RunOptions) -> int:
+    """Devices the run's mesh takes."""
+    return options.mesh.size
 
 
-def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
-    """The ``data x fsdp x tensor`` mesh of ``config.mesh`` (``config``: a run config or its
-    ``RunOptions``) over the default backend's devices.
+def mesh_from_config(options: RunOptions, *, allow_emulated: bool = False) -> Mesh:
+    """The ``data x fsdp x tensor`` mesh of the run (``config.mesh``) over the default backend's devices.
 
     With ``allow_emulated`` (dry runs) a mesh larger than the default backend falls back to the host's
     (emulated) CPU devices, so a 64-device plan compiles on a laptop.
     """
-    mesh, _ = process_layout(config)
+    mesh = options.mesh
     devices = jax.devices()
     if len(devices) < mesh.size and allow_emulated:
         devices = jax.devices("cpu")
@@ -80,10 +79,10 @@ def mesh_from_config(config, *, allow_emulated: bool = False) -> Mesh:
     return models.make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=devices)
 
 
-def prepare_process(config) -> None:
-    """Before any device query: emulate enough CPU devices for this process's share of ``config.mesh`` (only
-    the CPU backend is touched) and join the multi-host run ``config.distributed`` describes (``config``: a
-    run config, of which only ``mesh`` and ``distributed`` are read, or its ``RunOptions``)."""
-    mesh, distributed = process_layout(config)
+def prepare_process(options: RunOptions) -> None:
+    """Before any device query: emulate enough CPU devices for this process's share of the run's mesh (only
+    the CPU backend is touched) and join the multi-host run its ``distributed`` options describe (parsing a
+    config starts no backend: ``prepare_process(parse(config))``)."""
+    mesh, distributed = options.mesh, options.distributed
     request_host_devices(-(-mesh.size // distributed.num_processes))
     initialize_distributed(distributed)

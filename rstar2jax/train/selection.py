@@ -273,6 +273,35 @@ def _select(
     return selection, advantages, selection.gather(p_total)
 
 
+def _overlong_shaping(groups: list[list[Trajectory]], config: RLIterationConfig,
+                      max_response_length: int | None) -> np.ndarray:
+    """DAPO's soft overlong penalty of every rollout (``[groups, samples_per_problem]``), added to the rewards
+    the advantages are computed from."""
+    if max_response_length is None:
+        raise ValueError("overlong_buffer > 0 needs max_response_length (the response token budget)")
+    lengths = group_array(groups, config.samples_per_problem, lambda t: len(t.response_ids))
+    return np.asarray(
+        algo.soft_overlong_penalty(
+            lengths,
+            max_length=max_response_length,
+            cache_length=config.overlong_buffer,
+            factor=config.overlong_penalty_factor,
+        )
+    )
+
+
+def _sequences(kept: list[tuple[Trajectory, float]], mask_truncated: bool) -> list:
+    """The token sequences of the kept (trajectory, advantage) pairs; ``mask_truncated``: a truncated one
+    carries no loss."""
+    sequences = [trajectory_sequence(t, a) for t, a in kept]
+    if mask_truncated:
+        sequences = [
+            dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) if t.truncated else s
+            for s, (t, _) in zip(sequences, kept, strict=True)
+        ]
+    return sequences
+
+
 def select_and_build_batch(
     key: jax.Array,
     groups: list[list[Trajectory]],
@@ -298,17 +327,7 @@ def select_and_build_batch(
     rewards, valid, p_total = scored.rewards, scored.valid, scored.p_total
     shaping = np.zeros_like(rewards)
     if config.overlong_buffer:
-        if max_response_length is None:
-            raise ValueError("overlong_buffer > 0 needs max_response_length (the response token budget)")
-        lengths = group_array(groups, width, lambda t: len(t.response_ids))
-        shaping = np.asarray(
-            algo.soft_overlong_penalty(
-                lengths,
-                max_length=max_response_length,
-                cache_length=config.overlong_buffer,
-                factor=config.overlong_penalty_factor,
-            )
-        )
+        shaping = _overlong_shaping(groups, config, max_response_length)
     selection, advantages, selected_p_total = jax.device_get(
         _select(
             key,
@@ -332,14 +351,8 @@ def select_and_build_batch(
         (groups[g][selection.indices[g, j]], float(advantages[g, j]))
         for g, j in zip(*np.nonzero(mask), strict=True)
     ]
-    sequences = [trajectory_sequence(t, a) for t, a in kept]
-    if config.mask_truncated:
-        sequences = [
-            dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) if t.truncated else s
-            for s, (t, _) in zip(sequences, kept, strict=True)
-        ]
     batch = build_batch(
-        sequences,
+        _sequences(kept, config.mask_truncated),
         seq_len=config.seq_len,
         num_rows=num_rows,
         row_multiple=config.row_multiple,

@@ -13,9 +13,8 @@ import jax
 from rstar2jax.data.batch import build_batch
 from rstar2jax.data.problems import ProblemIterator
 from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
-from rstar2jax.train import config as config_lib
 from rstar2jax.train.multihost import put_batch
-from rstar2jax.train.options import RunOptions, run_options
+from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.progress import Progress
 from rstar2jax.train.run import CHECKPOINT_DIR, StopSignal, start_run
 from rstar2jax.train.steps import batch_sharding, make_sft_step
@@ -24,32 +23,29 @@ logger = logging.getLogger(__name__)
 
 
 def train_sft(
-    config,
+    options: RunOptions,
     *,
     max_steps: int | None = None,
     export_dir: str | pathlib.Path | None = None,
     stop: StopSignal | None = None,
 ) -> list[dict]:
-    """Runs (or resumes) SFT on ``config.sft.data`` (``config``: a run config, validated here, or its
-    ``RunOptions``); returns the metrics history.
+    """Runs (or resumes) SFT on ``options.sft.data`` (``options``: a run config's ``RunOptions``,
+    ``rstar2jax.train.parse``); returns the metrics history.
 
     ``export_dir``: when the run ends (not when it is interrupted), the policy is written there as an HF
     folder with the tokenizer (``save_policy``), what ``experiments.train_rl --config.model.path=`` starts
-    from, and the conversation format: ``config.prompt`` with the assistant opener of the data's chat rows
+    from, and the conversation format: the run's prompt with the assistant opener of the data's chat rows
     (when they share one). ``stop``: the signal that stops the run after its current step (a launcher's
     Ctrl-C; default: a new one nobody else holds).
     """
-    if not isinstance(config, RunOptions):
-        config_lib.validate(config, "sft")
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
-    options = run_options(config)
     sft = options.sft
     tokenizer_dir = options.policy.tokenizer
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     sequences, skipped = load_sft_sequences(sft.data, tokenizer)
     if not sequences:
-        raise ValueError(f"config.sft.data={sft.data!r}: no usable examples ({skipped} skipped)")
+        raise ConfigError(f"config.sft.data={sft.data!r}: no usable examples ({skipped} skipped)")
     run_steps = sft.steps or sft.epochs * math.ceil(len(sequences) / sft.batch_size)
     total = run_steps if max_steps is None else min(run_steps, max_steps)
     # The schedule spans the whole run, so stopping early (max_steps) and resuming changes nothing.

@@ -202,8 +202,8 @@ def rl_loss(
 
 def _segment_loss_tokens(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Per position, the number of loss tokens in its sequence (its run of equal segment ids in the row)."""
-    starts = models.attention.segment_starts(segment_ids)
-    ends = segment_ids.shape[1] - 1 - models.attention.segment_starts(segment_ids[:, ::-1])[:, ::-1]
+    starts = models.segments.segment_starts(segment_ids)
+    ends = models.segments.segment_ends(starts)
     cumulative = jnp.cumsum(loss_mask, axis=1)  # exact: integer counts below 2^24
     before = jnp.take_along_axis(cumulative - loss_mask, starts, axis=1)
     return jnp.take_along_axis(cumulative, ends, axis=1) - before
@@ -217,7 +217,7 @@ def sequence_loss_normalizer(loss_mask: jax.Array, segment_ids: jax.Array, *, ag
     if agg in ("token_mean", "seq_mean_token_sum_norm"):
         return algo.loss_normalizer(loss_mask, agg=agg)
     algo.loss_normalizer(loss_mask, agg=agg)  # checks the mask and the mode
-    first = jnp.arange(loss_mask.shape[1]) == models.attention.segment_starts(segment_ids)
+    first = jnp.arange(loss_mask.shape[1]) == models.segments.segment_starts(segment_ids)
     return jnp.sum(first & (_segment_loss_tokens(loss_mask, segment_ids) > 0)).astype(jnp.float32)
 
 

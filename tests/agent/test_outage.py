@@ -23,7 +23,7 @@ from rstar2jax.agent import (
     tool_response_ids,
 )
 from rstar2jax.agent.outage import failure_kind
-from rstar2jax.data.conversation import encode_text
+from rstar2jax.data.chat_template import encode_text
 from sandbox_server import start_local
 from tests.agent import test_rollout
 from tests.agent.test_rollout import ANSWER, PROBLEM, ScriptedEngine, ScriptedSandbox, call_text, encode_turns

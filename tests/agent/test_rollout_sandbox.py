@@ -4,8 +4,8 @@ import asyncio
 import collections
 
 from rstar2jax.agent import RolloutConfig, SandboxClient, SandboxResult, rollout_async
-from rstar2jax.agent.rollout import INFRA_OUTCOMES, drop_infra_failures, tool_outcome
-from rstar2jax.data.conversation import encode_text
+from rstar2jax.agent.rollout_types import INFRA_OUTCOMES, drop_infra_failures, tool_outcome
+from rstar2jax.data.chat_template import encode_text
 from sandbox_server import start_local
 from tests.agent import test_rollout
 from tests.agent.test_rollout import (

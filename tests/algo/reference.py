@@ -47,6 +47,36 @@ def _kl(x, kind):
     return value, grad
 
 
+def log_ratio(logp, old_logp, mask, level="token"):
+    """The bounded log-ratio of every loss token (0 elsewhere): token level logp - old_logp; sequence level
+    (GSPO) the mean of the row's loss-token log-ratios, at each of its tokens; clipped to +-20."""
+    logp, old_logp, mask = (np.asarray(a, np.float64) for a in (logp, old_logp, mask))
+    out = np.zeros_like(logp)
+    for b in range(logp.shape[0]):
+        tokens = [t for t in range(logp.shape[1]) if mask[b, t]]
+        mean = sum(logp[b, t] - old_logp[b, t] for t in tokens) / max(len(tokens), 1)
+        for t in tokens:
+            raw = mean if level == "sequence" else logp[b, t] - old_logp[b, t]
+            out[b, t] = min(max(raw, -20.0), 20.0)
+    return out
+
+
+def surrogate(a, rho, eps_low, eps_high):
+    """One token's clipped surrogate max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) and its
+    derivative in rho."""
+    unclipped = -a * rho
+    clipped = -a * min(max(rho, 1 - eps_low), 1 + eps_high)
+    return max(unclipped, clipped), (-a if unclipped >= clipped else 0.0)
+
+
+def dual_clipped(loss, a, c):
+    """One token's dual-clipped loss min(loss, -A c) for A < 0, and whether the clip holds it (then its
+    derivative is 0)."""
+    if c is not None and a < 0 and -a * c < loss:
+        return -a * c, True
+    return loss, False
+
+
 def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=0.28, dual_clip=3.0,
                 ref_logp=None, kl="k3", kl_coef=0.0, entropy=None, entropy_coef=0.0, agg="token_mean",
                 normalizer=None, importance_sampling_level="token", is_weights=None):
@@ -95,12 +125,10 @@ def policy_loss(logp, old_logp, advantages, loss_mask, *, eps_low=0.2, eps_high=
         token_raw = logp[b, t] - old_logp[b, t]
         raw = seq_log_ratio[b] if importance_sampling_level == "sequence" else token_raw
         rho = math.exp(min(max(raw, -20.0), 20.0))
-        unclipped = -a * rho
-        clipped = -a * min(max(rho, 1 - eps_low), 1 + eps_high)
-        loss = max(unclipped, clipped)
-        d = -a * rho if (unclipped >= clipped and -20.0 < raw < 20.0) else 0.0
-        if dual_clip is not None and a < 0 and -a * dual_clip < loss:
-            loss, d = -a * dual_clip, 0.0
+        loss, d_rho = surrogate(a, rho, eps_low, eps_high)
+        d = d_rho * rho if -20.0 < raw < 20.0 else 0.0
+        loss, held = dual_clipped(loss, a, dual_clip)
+        d = 0.0 if held else d
         pg[b, t] = loss * weights_is[b, t]
         grad_logp[b, t] += weight[b, t] * d * weights_is[b, t]
         if ref_logp is not None:

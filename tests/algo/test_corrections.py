@@ -160,3 +160,35 @@ def test_bad_inputs_name_the_argument():
         algo.rollout_correction(batch["logp"], batch["old_logp"], mask, token_cap=0.5)
     with pytest.raises(ValueError, match="unknown sequence_mask 'row'"):
         algo.rollout_correction(batch["logp"], batch["old_logp"], mask, sequence_mask="row")
+
+
+def test_rollout_mismatch_on_a_hand_made_pair():
+    """Four loss tokens with log-ratios 0, ln 1.5, -ln 4, ln 3 (ratios 1, 1.5, 1/4, 3); the second row's
+    tokens are masked out, one of them NaN: every figure worked out by hand."""
+    d = np.log([1.0, 1.5, 0.25, 3.0])
+    rollout = np.array([[-1.0, -2.0, -2.5, -3.0], [-1.0, -1.5, np.nan, -7.0]], np.float32)
+    train = np.array([rollout[0] + d, [-1.0, 5.0, -1.0, -1.0]], np.float32)
+    mask = np.array([[1, 1, 1, 1], [0, 0, 0, 0]], np.float32)
+    metrics = jax.jit(algo.rollout_mismatch)(train, rollout, mask)
+    assert float(metrics["mismatch_tokens"]) == 4
+    np.testing.assert_allclose(metrics["mismatch_abs_log_ratio"], np.log(1.5 * 4 * 3) / 4, rtol=1e-5)
+    # k3 = r - 1 - ln r per token: 0, 0.5 - ln 1.5, -0.75 + ln 4, 2 - ln 3.
+    np.testing.assert_allclose(metrics["mismatch_k3_kl"], (1.75 - np.log(1.5) + np.log(4) - np.log(3)) / 4,
+                               rtol=1e-5)
+    np.testing.assert_allclose(metrics["mismatch_outside_band"], 2 / 4, rtol=1e-6)  # 1/4 and 3 leave [0.5, 2]
+    sums = algo.rollout_mismatch(train, rollout, mask, sums=True)
+    np.testing.assert_allclose(sums["mismatch_abs_log_ratio"], np.log(18.0), rtol=1e-5)
+    assert float(sums["mismatch_outside_band"]) == 2 and float(sums["mismatch_tokens"]) == 4
+
+
+def test_rollout_mismatch_is_zero_for_equal_log_probs_and_checks_its_input():
+    train_logp, _, mask = rollout_batch(seed=7)
+    metrics = algo.rollout_mismatch(train_logp, train_logp, mask)
+    for name in ("mismatch_abs_log_ratio", "mismatch_k3_kl", "mismatch_outside_band"):
+        assert float(metrics[name]) == 0.0, name
+    empty = algo.rollout_mismatch(train_logp, train_logp + 1, np.zeros_like(mask))
+    assert float(empty["mismatch_tokens"]) == 0 and float(empty["mismatch_abs_log_ratio"]) == 0
+    with pytest.raises(ValueError, match="band"):
+        algo.rollout_mismatch(train_logp, train_logp, mask, band=(2.0, 0.5))
+    with pytest.raises(ValueError, match="rollout_logp must have the shape of loss_mask"):
+        algo.rollout_mismatch(train_logp, train_logp[:, :3], mask)

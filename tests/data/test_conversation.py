@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from rstar2jax.data.chat_template import encode_text, render_chat
 from rstar2jax.data.conversation import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_USER_PREFIX,
@@ -13,17 +14,15 @@ from rstar2jax.data.conversation import (
     PROMPT_CONFIG_VERSION,
     PYTHON_TOOL_NAME,
     PromptConfig,
-    encode_text,
-    format_tool_result,
     load_prompt_config,
     python_tool_schema,
-    render_chat,
     render_prompt_ids,
     render_prompt_text,
     tool_response_ids,
     tool_response_text,
 )
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
+from rstar2jax.data.tool_result import format_tool_result
 
 PROBLEM = "Find the remainder when $2^{100}$ is divided by $7$."
 
@@ -217,11 +216,19 @@ def test_a_format_file_that_is_not_json_is_an_error_naming_it(tmp_path):
         load_prompt_config(tmp_path)
 
 
-def test_the_split_out_names_are_reexported_by_the_conversation_module():
+def test_the_chat_template_and_tool_result_names_have_one_home():
+    """Rendering chats and tool results live in their own modules, imported from there (the conversation
+    module no longer hands them on: re-exports are for package ``__init__`` files only)."""
     from rstar2jax.data import chat_template, conversation, tool_result
 
-    for name in ("CHATML_TOOLS_TEMPLATE", "HERMES_TOOL_TOKENS", "TokenizedConversation", "encode_chat",
-                 "encode_text", "render_chat", "tokenize_conversation"):
-        assert getattr(conversation, name) is getattr(chat_template, name)
-    for name in ("format_tool_result", "truncate_middle"):
-        assert getattr(conversation, name) is getattr(tool_result, name)
+    for module, names in (
+        (chat_template, ("CHATML_TOOLS_TEMPLATE", "HERMES_TOOL_TOKENS", "TokenizedConversation",
+                         "encode_chat", "encode_text", "render_chat", "tokenize_conversation")),
+        (tool_result, ("format_tool_result", "truncate_middle")),
+    ):
+        for name in names:
+            value = getattr(module, name)
+            assert getattr(value, "__module__", module.__name__) == module.__name__, name
+    for name in ("CHATML_TOOLS_TEMPLATE", "HERMES_TOOL_TOKENS", "encode_chat", "tokenize_conversation",
+                 "truncate_middle"):
+        assert not hasattr(conversation, name), name

@@ -11,16 +11,13 @@ import sys
 
 import pytest
 
+from rstar2jax.data.chat_template import CHATML_TOOLS_TEMPLATE, render_chat, tokenize_conversation
 from rstar2jax.data.conversation import (
-    CHATML_TOOLS_TEMPLATE,
     DEFAULT_USER_PREFIX,
     PromptConfig,
-    format_tool_result,
     prompt_messages,
-    render_chat,
     render_prompt_ids,
     render_prompt_text,
-    tokenize_conversation,
     tool_response_text,
 )
 from rstar2jax.data.sft_data import (
@@ -33,6 +30,7 @@ from rstar2jax.data.sft_data import (
 )
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
+from rstar2jax.data.tool_result import format_tool_result
 
 CFG = PromptConfig()
 FORMAT = functools.partial(format_tool_result, max_chars=1000)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rstar2jax.data.conversation import HERMES_TOOL_TOKENS, encode_chat, encode_text, render_chat
+from rstar2jax.data.chat_template import HERMES_TOOL_TOKENS, encode_chat, encode_text, render_chat
 from rstar2jax.data.tokenizer import (
     CHATML_SPECIAL_TOKENS,
     load_tokenizer,

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rstar2jax.data.conversation import PYTHON_TOOL_NAME, python_tool_schema, render_chat
+from rstar2jax.data.chat_template import render_chat
+from rstar2jax.data.conversation import PYTHON_TOOL_NAME, python_tool_schema
 from rstar2jax.data.tool_parser import (
     ToolCall,
     ToolCallError,

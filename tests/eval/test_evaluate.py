@@ -7,16 +7,20 @@ import math
 import numpy as np
 import pytest
 
+from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
 from rstar2jax.eval import (
     EVAL_DATA_ENV,
     EVAL_SETS,
     EVAL_SETS_DIR,
+    EvalProtocol,
     aggregate,
     evaluate,
     evaluate_async,
+    evaluate_policy,
     load_eval_set,
+    problem_seed,
 )
 
 # Per problem, its k = 4 samples: (reward, response length, tool outcomes).
@@ -139,3 +143,35 @@ def test_load_a_user_file_and_errors(tmp_path, monkeypatch):
     broken.write_text(json.dumps({"problem": "no answer"}) + "\n")
     with pytest.raises(ValueError, match="missing answer"):
         load_eval_set(broken)
+
+
+def test_the_protocol_defaults_are_the_papers_and_problem_seeds_never_change():
+    """16 samples at temperature 0.6, 30 turns, 30K tokens; each problem's seed depends on (seed, dataset,
+    index) only, with the values every earlier run used (a resumed run samples what it would have)."""
+    protocol = EvalProtocol()
+    paper = (protocol.samples, protocol.temperature, protocol.max_turns, protocol.max_tokens)
+    assert paper == (16, 0.6, 30, 30_000)
+    assert [problem_seed(0, "aime24", 0), problem_seed(0, "aime24", 3), problem_seed(7, "eval", 12)] == [
+        2086903601, 3848982155, 1623393656,
+    ]
+    config = protocol.rollout_config(PromptConfig(), seed=5)
+    assert (config.max_response_length, config.max_turns, config.seed) == (30_000, 30, 5)
+    assert (config.sampling.temperature, config.sampling.top_p) == (0.6, 1.0)
+
+
+def test_evaluate_policy_groups_a_batched_rollout_by_problem():
+    """The demo's evaluation: one batched call of a trainer-style rollout function, grouped per problem."""
+    problems = PROBLEMS["a"]
+    calls = []
+
+    def rollout_fn(params, batch, *, samples_per_problem, max_response_length, max_turns, seed):
+        ids = [p.id for p in batch]
+        calls.append((params, ids, samples_per_problem, max_response_length, max_turns, seed))
+        return [_trajectory(i, *SCRIPT[i][s]) for s in range(samples_per_problem) for i in reversed(ids)]
+
+    result = evaluate_policy("params", problems, rollout_fn, samples=4, max_response_length=64, max_turns=3,
+                             seed=9)
+    assert calls == [("params", ["p1", "p2"], 4, 64, 3, 9)]
+    assert result.problem_ids == ["p1", "p2"]
+    np.testing.assert_array_equal(result.correct, [[1, 0, 1, 1], [0, 0, 0, 0]])
+    assert result.metrics["pass@1"] == pytest.approx(3 / 8)

@@ -14,7 +14,8 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.models import attention as attention_lib
-from rstar2jax.models import flash_attention
+from rstar2jax.models import attention_kernels as kernels
+from rstar2jax.models import flash_attention, platform, segments
 from tests.models.conftest import REFERENCE_CONFIG, logprob_loss
 
 # Rows of [3, 50]: contiguous segments of several lengths, a padding run (id 0), one whole row.
@@ -40,16 +41,16 @@ def _blockwise(block):
     return dict(implementation="blockwise", block_size=block)
 
 
-def _tokamax_xla_kernel(q, k, v, segments):
+def _tokamax_xla_kernel(q, k, v, segment_ids):
     """tokamax's XLA kernel runs the same segment mask on CPU (the GPU kernels get it the same way)."""
-    return attention_lib._tokamax_attention(
-        q, k, v, attention_lib.segment_starts(segments), kernels=("xla_chunked",)
+    return kernels._tokamax_attention(
+        q, k, v, segments.segment_starts(segment_ids), kernels=("xla_chunked",)
     )
 
 
 def test_dense_reference_is_causal_attention_within_each_segment():
     q, k, v, _ = _inputs()
-    out = np.asarray(attention_lib.attention(q, k, v, SEGMENTS, implementation="xla"))
+    out = np.asarray(attention_lib.attention(q, k, v, SEGMENTS, implementation="dense"))
     b, t = 0, 17  # segment 2 spans [10, 25): query 17 sees keys 10..17
     heads, kv_heads = q.shape[2], k.shape[2]
     for h in range(heads):
@@ -66,7 +67,7 @@ def test_blockwise_values_and_gradients_match_dense(block, segments):
     """Several blocks (50 is padded to a multiple of the block), segment starts inside blocks, GQA."""
     q, k, v, cotangent = _inputs(seed=block)
     segment_ids = SEGMENTS if segments == "packed" else None
-    expected = _value_and_grads(q, k, v, cotangent, segment_ids, implementation="xla")
+    expected = _value_and_grads(q, k, v, cotangent, segment_ids, implementation="dense")
     got = _value_and_grads(q, k, v, cotangent, segment_ids, **_blockwise(block))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
@@ -74,7 +75,7 @@ def test_blockwise_values_and_gradients_match_dense(block, segments):
 
 def test_tokamax_segment_mask_matches_dense():
     q, k, v, cotangent = _inputs(seed=3)
-    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="xla")
+    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="dense")
     out, vjp = jax.vjp(lambda q, k, v: _tokamax_xla_kernel(q, k, v, SEGMENTS), q, k, v)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *vjp(cotangent)), expected, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
@@ -91,7 +92,7 @@ sys.argv = ["host", "--host_option=7", "--not_an_absl_option"]  # a command line
 FLAGS_BEFORE = flags.FLAGS.is_parsed()
 flags.FLAGS.host_option = 3  # set by the host program before it parses
 
-from rstar2jax.models import attention
+from rstar2jax.models import attention_kernels as attention
 q = k = v = jax.numpy.ones((1, 8, 2, 8))
 starts = np.zeros((1, 8), np.int32)
 run = lambda q, k, v: attention._tokamax_attention(q, k, v, starts, kernels=("xla_chunked",))
@@ -130,7 +131,7 @@ def test_model_with_fused_attention_matches_dense_on_packed_rows(implementation)
     the Pallas kernels (interpreted) vs the dense path."""
     base = dataclasses.replace(REFERENCE_CONFIG, head_dim=16)
     tokens = np.random.default_rng(0).integers(0, base.vocab_size, SEGMENTS.shape).astype(np.int32)
-    starts = np.asarray(attention_lib.segment_starts(SEGMENTS))
+    starts = np.asarray(segments.segment_starts(SEGMENTS))
     positions = (np.arange(SEGMENTS.shape[1])[None] - starts).astype(np.int32)
     params = models.init_params(base, jax.random.key(0))
 
@@ -146,14 +147,14 @@ def test_model_with_fused_attention_matches_dense_on_packed_rows(implementation)
         return logp.sum() + entropy.sum()
 
     results = {}
-    for name in ("xla", implementation):
+    for name in ("dense", implementation):
         config = dataclasses.replace(base, attention=name, attention_block_size=8)
         results[name] = jax.value_and_grad(functools.partial(loss, config=config))(params)
-    np.testing.assert_allclose(results[implementation][0], results["xla"][0], rtol=1e-6)
+    np.testing.assert_allclose(results[implementation][0], results["dense"][0], rtol=1e-6)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
         results[implementation][1],
-        results["xla"][1],
+        results["dense"][1],
     )
 
 
@@ -197,32 +198,32 @@ MIXED_BLOCKS = flash_attention.Blocks(forward_q=32, forward_k=16, backward_q=16,
 @pytest.mark.parametrize(
     "kernel, kv_heads",
     [
-        (functools.partial(attention_lib._pallas_triton_attention, blocks=SMALL_BLOCKS), 2),
-        (functools.partial(attention_lib._pallas_triton_attention, blocks=MIXED_BLOCKS), 1),
-        (attention_lib._jax_pallas_mha_attention, 2),
+        (functools.partial(kernels._pallas_triton_attention, blocks=SMALL_BLOCKS), 2),
+        (functools.partial(kernels._pallas_triton_attention, blocks=MIXED_BLOCKS), 1),
+        (kernels._jax_pallas_mha_attention, 2),
     ],
     ids=["pallas_triton-gqa2", "pallas_triton-mqa-mixed-blocks", "jax_pallas_mha-gqa2"],
 )
 def test_gpu_kernels_match_dense_in_interpret_mode(monkeypatch, kernel, kv_heads):
     """Packed rows (segment starts inside blocks, a padding run, a whole row; 50 tokens padded to the tile),
     several query and key blocks (so the segment-aware loop bounds skip some), forward and gradients."""
-    monkeypatch.setattr(attention_lib, "_interpret", lambda: True)  # on a GPU too
+    monkeypatch.setattr(kernels, "pallas_interpreted", lambda: True)  # on a GPU too
     q, k, v, cotangent = _inputs(seed=kv_heads, heads=4, kv_heads=kv_heads, head_dim=16)
-    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="xla")
-    starts = attention_lib.segment_starts(SEGMENTS)
+    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="dense")
+    starts = segments.segment_starts(SEGMENTS)
     out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, starts), q, k, v)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *vjp(cotangent)), expected, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.skipif(attention_lib.accelerator() in ("cuda", "rocm"),
+@pytest.mark.skipif(platform.accelerator() in ("cuda", "rocm"),
                     reason="on a GPU the kernels compile and run (test_gpu_kernels_on_this_gpu)")
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 @pytest.mark.parametrize("implementation", ["pallas_triton", "jax_pallas_mha"])
 def test_gpu_kernels_lower_through_triton_for_cuda_and_rocm(monkeypatch, platform, implementation):
     """No GPU needed: the forward and both backward kernels go through Pallas' Triton lowering (the part a GPU
     compile starts from) at the Qwen3 head dimension in bfloat16, a row that is not a multiple of the tile."""
-    monkeypatch.setattr(attention_lib, "_interpret", lambda: False)
+    monkeypatch.setattr(kernels, "pallas_interpreted", lambda: False)
     q, k, v, cotangent = (x.astype(jnp.bfloat16) for x in _inputs(shape=(2, 300), head_dim=128))
     segments = np.repeat(np.array([[1, 2, 3], [4, 4, 4]], np.int32), [100, 150, 50], axis=1)
 
@@ -238,15 +239,15 @@ def test_gpu_kernels_lower_through_triton_for_cuda_and_rocm(monkeypatch, platfor
     assert len(re.findall(r"custom_call @\S*triton", text)) == 3  # forward, and two for the backward
 
 
-@pytest.mark.skipif(attention_lib.accelerator() not in ("cuda", "rocm"), reason="runs the kernels on a GPU")
+@pytest.mark.skipif(platform.accelerator() not in ("cuda", "rocm"), reason="runs the kernels on a GPU")
 def test_gpu_kernels_on_this_gpu():
     """Compiled for this GPU: every kernel "auto" may pick passes the device check at the Qwen3 head dimension
     in bfloat16, and ours matches the dense reference at float32 precision (the tests pin it)."""
-    for name in attention_lib.AUTO_CANDIDATES[attention_lib.accelerator()]:
-        if attention_lib.unavailable_reason(name) is None:
+    for name in attention_lib.AUTO_CANDIDATES[platform.accelerator()]:
+        if kernels.unavailable_reason(name) is None:
             assert attention_lib.probe(name, head_dim=128, dtype="bfloat16") is None, name
     q, k, v, cotangent = _inputs(heads=4, kv_heads=2, head_dim=64)
-    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="xla")
+    expected = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="dense")
     got = _value_and_grads(q, k, v, cotangent, SEGMENTS, implementation="pallas_triton")
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=name)
@@ -258,21 +259,21 @@ def test_probe_passes_a_correct_kernel_and_names_what_is_wrong_with_others(monke
     assert attention_lib.probe("pallas_triton", head_dim=16, dtype="bfloat16") is None
 
     def unsegmented(q, k, v, starts):
-        return attention_lib._xla_attention(q, k, v, jnp.zeros_like(starts))
+        return attention_lib._dense_causal_attention(q, k, v, jnp.zeros_like(starts))
 
     def broken(q, k, v, starts):
         raise TypeError("Mesh.__init__() got an unexpected keyword argument 'out_shape'")
 
     def tf32_like(q, k, v, starts):  # off by ~1e-3 relative, as TF32 inputs are
-        return attention_lib._xla_attention(q, k, v, starts) * (1 + 1e-3)
+        return attention_lib._dense_causal_attention(q, k, v, starts) * (1 + 1e-3)
 
-    monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", unsegmented)
+    monkeypatch.setitem(kernels.GPU_KERNELS, "pallas_triton", unsegmented)
     assert "differs from the dense reference" in attention_lib.probe("pallas_triton", head_dim=16)
-    monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", broken)
+    monkeypatch.setitem(kernels.GPU_KERNELS, "pallas_triton", broken)
     assert attention_lib.probe("pallas_triton", head_dim=16).startswith("TypeError: Mesh.__init__()")
     # float32: TF32-level error passes at the default matmul precision, not where full float32 is asked for
     # (the caller's setting, though the check runs in a thread of its own).
-    monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", tf32_like)
+    monkeypatch.setitem(kernels.GPU_KERNELS, "pallas_triton", tf32_like)
     with jax.default_matmul_precision("default"):
         assert attention_lib.probe("pallas_triton", head_dim=16, dtype="float32") is None
     with jax.default_matmul_precision("highest"):
@@ -347,7 +348,7 @@ def test_auto_is_blockwise_without_a_gpu_and_checks_nothing(stub_device, platfor
     probed = stub_device(platform, passing=("tokamax", "pallas_triton", "jax_pallas_mha"))
     assert attention_lib.resolve_implementation("auto") == "blockwise"
     assert probed == []
-    with pytest.raises(ValueError, match="attention implementation 'flash'"):
+    with pytest.raises(ValueError, match="attention='flash' for training: expected one of"):
         attention_lib.resolve_implementation("flash")
 
 
@@ -364,7 +365,7 @@ def test_auto_checks_its_kernel_even_when_first_resolved_inside_a_trace(monkeypa
     """The training step resolves "auto" while it is being traced: the device check must still run (and
     pass) rather than be staged into the step. Here on a stubbed CUDA machine, the kernel interpreted."""
     monkeypatch.setattr(attention_lib, "accelerator", lambda: "cuda")
-    monkeypatch.setattr(attention_lib, "_interpret", lambda: True)
+    monkeypatch.setattr(kernels, "pallas_interpreted", lambda: True)
     attention_lib._auto_choice.cache_clear()
     try:
         q, k, v, _ = _inputs(heads=4, kv_heads=2, head_dim=16)
@@ -374,7 +375,7 @@ def test_auto_checks_its_kernel_even_when_first_resolved_inside_a_trace(monkeypa
     finally:
         attention_lib._auto_choice.cache_clear()
     assert choice.implementation == "pallas_triton", choice
-    expected = attention_lib.attention(q, k, v, SEGMENTS, implementation="xla")
+    expected = attention_lib.attention(q, k, v, SEGMENTS, implementation="dense")
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-5)
 
 
@@ -388,9 +389,46 @@ def test_auto_falls_back_to_blockwise_when_its_kernel_cannot_trace_these_shapes(
     def broken(*args, **kwargs):
         raise TypeError("Mesh.__init__() got an unexpected keyword argument 'out_shape'")
 
-    monkeypatch.setitem(attention_lib._GPU_KERNELS, "pallas_triton", broken)
+    monkeypatch.setitem(kernels.GPU_KERNELS, "pallas_triton", broken)
     with pytest.warns(RuntimeWarning, match="pallas_triton failed"):
         out = attention_lib.attention(q, k, v, SEGMENTS, implementation="auto", block_size=16)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
     with pytest.raises(TypeError, match="out_shape"):
         attention_lib.attention(q, k, v, SEGMENTS, implementation="pallas_triton")
+
+
+# ---- one vocabulary for training and decoding; old names are aliases
+
+
+@pytest.mark.parametrize(
+    "old, new, use",
+    [("xla", "dense", "training"), ("jnp", "blockwise", "decoding"),
+     ("pallas_gpu", "pallas_triton", "decoding"), ("pallas_interpret", "pallas_triton", "decoding"),
+     ("blockwise", "blockwise", "decoding")],
+)
+def test_old_attention_names_resolve_to_their_new_ones(old, new, use):
+    assert attention_lib.resolve_attention(old, use=use) == new
+
+
+def test_the_old_dense_name_computes_the_same_attention():
+    q, k, v, _ = _inputs()
+    old = attention_lib.attention(q, k, v, SEGMENTS, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(attention_lib.attention(q, k, v, SEGMENTS,
+                                                                                      implementation="dense")))
+    assert dataclasses.replace(REFERENCE_CONFIG, attention="xla").attention == "dense"
+
+
+@pytest.mark.parametrize("name", ["dense", "tokamax", "jax_pallas_mha", "xla", "flash", 3])
+def test_decoding_rejects_training_only_and_unknown_names_naming_what_it_takes(name):
+    expected = r"for decoding: expected one of \('auto', 'blockwise', 'pallas_triton'\)"
+    with pytest.raises(ValueError, match=expected):
+        attention_lib.resolve_attention(name, use="decoding")
+    with pytest.raises(ValueError, match="attention use 'serving'"):
+        attention_lib.resolve_attention("auto", use="serving")
+
+
+@pytest.mark.parametrize("accelerator, expected", [("cuda", "pallas_triton"), ("rocm", "blockwise"),
+                                                   ("cpu", "blockwise"), ("tpu", "blockwise")])
+def test_decoding_auto_is_the_pallas_kernel_on_cuda_only(monkeypatch, accelerator, expected):
+    monkeypatch.setattr(attention_lib, "accelerator", lambda: accelerator)
+    assert attention_lib.resolve_attention("auto", use="decoding") == expected

@@ -143,7 +143,7 @@ def test_save_rejects_params_of_another_shape(tiny_models, tmp_path):
 
 def test_save_pretrained_writes_the_tokenizer_with_its_chat_template(tiny_models, tmp_path):
     """A policy folder with its tokenizer is all ``config.model.path`` needs; the chat template survives."""
-    from rstar2jax.data.conversation import CHATML_TOOLS_TEMPLATE
+    from rstar2jax.data.chat_template import CHATML_TOOLS_TEMPLATE
     from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(["What is 2+2? <answer>4</answer>"] * 4, 300, tmp_path / "tok")

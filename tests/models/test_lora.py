@@ -3,6 +3,8 @@ peft itself with equal logits, the sampler's log-probs equal the trainer's, and 
 
 import dataclasses
 import json
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import pytest
 
 from rstar2jax import engine, models
 from rstar2jax.models import lora as lora_lib
-from rstar2jax.models import peft_adapter
+from rstar2jax.models import peft_adapter, peft_config
 from tests.models.conftest import REFERENCE_CONFIG, logprob_loss
 
 LORA = models.LoraConfig(rank=4, alpha=8.0)
@@ -184,31 +186,147 @@ def test_peft_round_trip_gives_equal_logits(tiny_models, tmp_path, family):
     jax.tree.map(np.testing.assert_array_equal, loaded, jax.tree.map(np.asarray, adapters))
 
 
-def test_bad_lora_configs_and_adapters_are_refused(tiny_models, tmp_path):
+def test_bad_lora_configs_are_refused(tiny_models):
     with pytest.raises(ValueError, match="lora target 'c_attn': not a projection"):
         models.LoraConfig(targets=("q_proj", "c_attn"))
     for rank in (0, -2):
         with pytest.raises(ValueError, match=f"lora rank={rank}"):
             models.LoraConfig(rank=rank)
-    tiny = tiny_models("qwen3")
-    config = models.config_from_hf(tiny.path)
+    config = models.config_from_hf(tiny_models("qwen3").path)
     with pytest.raises(ValueError, match="lora rank=65 is larger than q_proj's 64 x 96 matrix"):
         lora_lib.check_lora(config, models.LoraConfig(rank=65))
 
+
+# --- adapters as peft writes them: a matrix of peft's own folders, each loaded with peft's logits ----------
+
+#: peft LoraConfig options of each case (r=4, alpha=8 unless given); every way peft names its targets.
+PEFT_CASES = {
+    "all_linear": dict(target_modules="all-linear"),  # saved as the expanded list of full module paths
+    "suffixes": dict(target_modules=["self_attn.q_proj", "down_proj"], use_rslora=True),
+    "regex": dict(target_modules=r".*\.layers\.1\.(self_attn\.(q|v)_proj|mlp\.up_proj)"),
+    "exclude_list": dict(target_modules="all-linear",
+                         exclude_modules=["o_proj", "model.layers.0.mlp.up_proj"]),
+    "exclude_regex": dict(target_modules=["q_proj", "k_proj", "v_proj"],
+                          exclude_modules=r".*layers\.0\.self_attn\.k_proj"),
+    "layers_to_transform": dict(target_modules=["q_proj", "gate_proj"], layers_to_transform=[1],
+                                layers_pattern="layers"),
+    "uniform_patterns": dict(target_modules=["v_proj", "o_proj"], r=8, lora_alpha=16,
+                             rank_pattern={"v_proj": 4, "o_proj": 4},
+                             alpha_pattern={"self_attn.v_proj": 8, "o_proj": 8}),
+}
+#: What each case adapts: projection -> layers (the tiny model has 2).
+PEFT_EXPECTED = {
+    "all_linear": {t: (0, 1) for t in models.LORA_TARGETS},
+    "suffixes": {"q_proj": (0, 1), "down_proj": (0, 1)},
+    "regex": {"q_proj": (1,), "v_proj": (1,), "up_proj": (1,)},
+    "exclude_list": {**{t: (0, 1) for t in models.LORA_TARGETS if t != "o_proj"}, "up_proj": (1,)},
+    "exclude_regex": {"q_proj": (0, 1), "k_proj": (1,), "v_proj": (0, 1)},
+    "layers_to_transform": {"q_proj": (1,), "gate_proj": (1,)},
+    "uniform_patterns": {"v_proj": (0, 1), "o_proj": (0, 1)},
+}
+
+
+@pytest.fixture(scope="module")
+def peft_base(tiny_models):
+    """The tiny Qwen3 (transformers and ours), its path and a batch of tokens."""
+    tiny = tiny_models("qwen3")
+    config, params = models.load_pretrained(tiny.path)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 10))
+    return tiny, config, params, tokens
+
+
+def _peft_folder(tiny, folder, **options):
+    """A peft LoRA model on a copy of the tiny model (random A and B), saved to ``folder``; its logits."""
+    import copy
+
+    import peft
+    import torch
+
+    options = {"r": 4, "lora_alpha": 8, "init_lora_weights": False, **options}
+    torch.manual_seed(0)
+    model = peft.get_peft_model(copy.deepcopy(tiny.torch_model), peft.LoraConfig(**options))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(PEFT_CASES))
+def test_peft_saved_adapters_load_with_peft_logits(peft_base, tmp_path, case):
+    import torch
+
+    tiny, config, params, tokens = peft_base
+    model = _peft_folder(tiny, tmp_path, **PEFT_CASES[case])
+    with torch.no_grad():
+        expected = model(torch.as_tensor(tokens)).logits.numpy()
+    saved = json.loads((tmp_path / peft_config.ADAPTER_CONFIG).read_text())
+    if case == "all_linear":  # what peft 0.21 writes: every matched module's full path, not the shorthand
+        assert "model.layers.0.self_attn.o_proj" in saved["target_modules"]
+
+    lora, adapters = peft_adapter.load_peft_adapter(tmp_path, config, base_model=str(tiny.path))
+    spec = peft_config.read_adapter_spec(tmp_path, config)
+    assert spec.layers == PEFT_EXPECTED[case]
+    assert (lora.rank, lora.alpha) == (4, 8.0)  # uniform_patterns: r=8 / alpha 16 overridden everywhere
+    assert lora.rslora == (case == "suffixes")
+    for target, pair in adapters["layers"].items():  # layers peft left alone hold zero adapters
+        for layer in set(range(config.num_layers)) - set(spec.layers[target]):
+            assert not pair["a"][layer].any() and not pair["b"][layer].any()
+    logits, _ = models.forward(lora_lib.merge(params, adapters, lora), config, tokens.astype(np.int32))
+    np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(target_modules=["q_proj"], lora_bias=True), "lora_bias=True"),
+        (dict(target_modules=["q_proj"], use_dora=True), "use_dora=True"),
+        (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save=['lm_head']"),
+        (dict(target_modules=["q_proj"], bias="all"), "bias='all'"),
+        (dict(target_modules=["q_proj", "lm_head"]), "adapts 'lm_head', which this library cannot"),
+        (dict(target_modules=["q_proj", "v_proj"], rank_pattern={"q_proj": 2}), "rank_pattern gives"),
+        (dict(target_modules=["q_proj", "v_proj"], alpha_pattern={"v_proj": 16}), "alpha_pattern gives"),
+    ],
+)
+def test_what_cannot_be_applied_is_refused_naming_the_peft_option(peft_base, tmp_path, options, message):
+    tiny, config, _, _ = peft_base
+    _peft_folder(tiny, tmp_path, **options)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        peft_adapter.load_peft_adapter(tmp_path, config, base_model=str(tiny.path))
+
+
+def test_base_identity_is_architecture_and_shapes(peft_base, tmp_path, caplog):
+    """A name that differs only warns (once; ``strict_base`` refuses); another architecture, other shapes or
+    more layers than the base are refused whatever the name."""
+    tiny, config, _, _ = peft_base
     adapters = _trained_adapters(config, LORA)
-    folder = peft_adapter.save_peft_adapter(
-        adapters, config, LORA, tmp_path / "a", base_model="org/Qwen3-tiny"
-    )
-    assert peft_adapter.load_peft_adapter(folder, config, base_model="/ckpt/Qwen3-tiny")[0] == LORA  # moved
-    with pytest.raises(ValueError, match="belongs to base model 'org/Qwen3-tiny', not 'org/Other'"):
-        peft_adapter.load_peft_adapter(folder, config, base_model="org/Other")
+    folder = peft_adapter.save_peft_adapter(adapters, config, LORA, tmp_path / "a",
+                                            base_model="Qwen/Qwen3-tiny")
+    caplog.set_level(logging.WARNING, logger="rstar2jax")
+    for _ in range(2):  # a local copy under another name: loads, with one warning naming both
+        lora, loaded = peft_adapter.load_peft_adapter(folder, config, base_model="/models/qwen3-tiny")
+    assert lora == LORA
+    jax.tree.map(np.testing.assert_array_equal, loaded, adapters)
+    warnings = [r.getMessage() for r in caplog.records if "names base model" in r.getMessage()]
+    assert len(warnings) == 1 and "'Qwen/Qwen3-tiny'" in warnings[0] and "'/models/qwen3-tiny'" in warnings[0]
+    with pytest.raises(ValueError, match="names base model 'Qwen/Qwen3-tiny', applied to '/models/qwen3-tiny'"
+                                         ".*strict_base"):
+        peft_adapter.load_peft_adapter(folder, config, base_model="/models/qwen3-tiny", strict_base=True)
+    assert peft_adapter.load_peft_adapter(folder, config, base_model="Qwen/Qwen3-tiny/", strict_base=True)
+
     wider = dataclasses.replace(config, hidden_size=96)
-    with pytest.raises(ValueError, match="has shape .* this base needs"):
-        peft_adapter.load_peft_adapter(folder, wider)
-    deeper = dataclasses.replace(config, num_layers=1)
-    with pytest.raises(ValueError, match="tensors this qwen3 model has no place for"):
-        peft_adapter.load_peft_adapter(folder, deeper)
-    settings = json.loads((folder / peft_adapter.ADAPTER_CONFIG).read_text())
-    (folder / peft_adapter.ADAPTER_CONFIG).write_text(json.dumps({**settings, "use_dora": True}))
-    with pytest.raises(ValueError, match="use_dora=True is not supported"):
-        peft_adapter.load_peft_adapter(folder, config)
+    with pytest.raises(ValueError, match=r"has shape .* this base needs .* model \(Qwen/Qwen3-tiny\)"):
+        peft_adapter.load_peft_adapter(folder, wider, base_model="Qwen/Qwen3-tiny")
+    shallower = dataclasses.replace(config, num_layers=1)
+    with pytest.raises(ValueError, match="no module of this qwen3 model of 1 layers"):
+        peft_adapter.load_peft_adapter(folder, shallower)
+    llama = dataclasses.replace(config, model_type="llama", qk_norm=None)
+    with pytest.raises(ValueError, match="trained on a Qwen3ForCausalLM .* this base is a LlamaForCausalLM"):
+        peft_adapter.load_peft_adapter(folder, llama)
+    settings = json.loads((folder / peft_config.ADAPTER_CONFIG).read_text())
+    (folder / peft_config.ADAPTER_CONFIG).write_text(json.dumps({**settings, "init_lora_weights": "pissa"}))
+    assert peft_adapter.load_peft_adapter(folder, config)[0] == LORA  # as peft: loaded, with a warning
+    assert "init_lora_weights='pissa': it belongs to the residual base" in caplog.text
+    for broken, message in (({"peft_type": "IA3"}, "only LORA adapters load"),
+                            ({"target_modules": None}, "target_modules is not set"),
+                            ({"target_modules": ["c_attn"]}, "matches no module of this qwen3 model")):
+        (folder / peft_config.ADAPTER_CONFIG).write_text(json.dumps({**settings, **broken}))
+        with pytest.raises(ValueError, match=message):
+            peft_adapter.load_peft_adapter(folder, config)

@@ -8,9 +8,8 @@ import openai
 import pytest
 
 from experiments.tiny_policy import HELLO, HELLO_ANSWER
-from rstar2jax.data.conversation import PromptConfig, encode_text, render_chat
+from rstar2jax.data.conversation import PROMPTS, PromptConfig, encode_text, prompt_format, render_chat
 from rstar2jax.serve import BackgroundServer, ChatService, ServerConfig, load_policy, parse_chat_request
-from rstar2jax.serve.policy import PROMPTS, prompt_format
 from tests.serve.conftest import SERVER_CONFIG
 
 HELLO_MESSAGES = [{"role": "user", "content": HELLO}]

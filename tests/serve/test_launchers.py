@@ -13,18 +13,18 @@ import optax
 import pytest
 
 from experiments.tiny_policy import ARITHMETIC, HELLO, HELLO_ANSWER
-from rstar2jax.agent.rollout import RolloutConfig
+from rstar2jax.agent.rollout_types import RolloutConfig
 from rstar2jax.agent.sandbox_client import SandboxClient
-from rstar2jax.data.conversation import encode_text, render_chat
+from rstar2jax.data.chat_template import encode_text, render_chat
+from rstar2jax.data.conversation import PROMPTS
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.serve import load_policy
 from rstar2jax.serve.chat import ChatSession
-from rstar2jax.serve.evaluation import PROMPTS
 from rstar2jax.train import config as config_lib
 from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.config import write_run_config
 from rstar2jax.train.loader import latest_run_params
-from rstar2jax.train.options import policy_options
+from rstar2jax.train.parse_model import policy_options
 from rstar2jax.train.state import init_train_state
 from sandbox_server import start_local
 
@@ -182,6 +182,8 @@ def test_launchers_answer_bad_input_with_one_line_and_exit_2(tmp_path, compile_c
         (*evaluate, f"--datasets={data}", "--samples=0"): "--samples=0",
         (*evaluate, f"--datasets={data}", "--prompt_format=papr"): "--prompt_format=papr",
         ("experiments.serve", f"--model={tiny_policy_dir}", "--port=70000"): "--port=70000",
+        ("experiments.serve", f"--model={tiny_policy_dir}", "--max_waiting=0"): "--max_waiting=0",
+        ("experiments.serve", f"--model={tiny_policy_dir}", "--drain_timeout_s=-1"): "--drain_timeout_s=-1",
     }
     env = {**compile_cache_env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     procs = {
@@ -195,14 +197,21 @@ def test_launchers_answer_bad_input_with_one_line_and_exit_2(tmp_path, compile_c
         assert cases[args] in err, (args, err)
 
 
-@pytest.mark.parametrize("module", ["experiments.serve", "experiments.evaluate", "experiments.chat"])
-def test_help_lists_the_format_and_cache_flags(module):
+@pytest.mark.parametrize("module", ["experiments.serve", "experiments.evaluate", "experiments.chat",
+                                    "experiments.export"])
+def test_help_lists_the_format_adapter_and_cache_flags(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True)
-    flags = ["--compilation_cache_dir", "--system_prompt", "--assistant_opener"]
-    if module != "experiments.serve":
+    flags = ["--compilation_cache_dir", "--adapter", "--strict_base"]
+    if module != "experiments.export":
+        flags += ["--system_prompt", "--assistant_opener"]
+    if module in ("experiments.evaluate", "experiments.chat"):
         flags += ["--prompt_format", "--user_prefix"]
-    for flag in flags:
-        assert flag in done.stdout, (module, flag)
+    if module == "experiments.serve":
+        flags += ["--max_waiting", "--drain_timeout_s"]
+    if module == "experiments.export":
+        flags += ["--output", "--overwrite", "--step"]
+    for flag in flags:  # a boolean flag is listed as --[no]name
+        assert flag in done.stdout or f"--[no]{flag[2:]}" in done.stdout, (module, flag)
 
 
 def test_chat_turns_continue_the_template_rendering(tiny_policy, sandbox_url):

@@ -21,9 +21,10 @@ _PORT = flags.DEFINE_integer("port", 0, "coordinator port (multi-process)")
 
 def main(argv):
     del argv
+    from experiments.configs import tiny_cpu
     from rstar2jax import train
 
-    config = ml_collections.ConfigDict()
+    config = tiny_cpu.get_config()
     config.mesh = ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=1))
     config.distributed = ml_collections.ConfigDict(
         dict(
@@ -32,7 +33,8 @@ def main(argv):
             process_id=_PROCESS_ID.value,
         )
     )
-    train.prepare_process(config)
+    options = train.parse(config)
+    train.prepare_process(options)
 
     import jax
     import numpy as np
@@ -45,7 +47,7 @@ def main(argv):
     from tests.train.conftest import random_sequences, tiny_model_config
     from tests.train.scripted import make_scripted_rollout
 
-    mesh = train.mesh_from_config(config)
+    mesh = train.mesh_from_config(options)
     model_config = tiny_model_config()
     optimizer = train.make_optimizer(1e-3, warmup_steps=1)
     shardings = train.state_shardings(model_config, optimizer, mesh)

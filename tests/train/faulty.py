@@ -236,7 +236,8 @@ def main(argv):
     config = _CONFIG.value
     config.stages[0].steps = config.checkpoint.keep = _STEPS.value
     config.stages[0].max_response_length = _MAX_RESPONSE.value
-    train.prepare_process(config)
+    options = train.parse(config)
+    train.prepare_process(options)
     if _DISK_FULL_AT.value:
         disk_full_at(_DISK_FULL_AT.value)
     with contextlib.ExitStack() as stack:
@@ -256,8 +257,8 @@ def main(argv):
         if _REFERENCE.value:
             reference = config.copy_and_resolve_references()
             reference.workdir = _REFERENCE.value
-            train.train_rl(reference, rollout_fn=make_rollout(faulty=False))
-        train.train_rl(config, rollout_fn=make_rollout(faulty=True))
+            train.train_rl(train.parse(reference), rollout_fn=make_rollout(faulty=False))
+        train.train_rl(options, rollout_fn=make_rollout(faulty=True))
 
 
 if __name__ == "__main__":

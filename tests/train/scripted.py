@@ -171,10 +171,10 @@ def main(argv):
     from experiments import _launch
     from rstar2jax import train
 
-    config = _CONFIG.value
-    train.prepare_process(config)
+    options = train.parse(_CONFIG.value)
+    train.prepare_process(options)
     with _launch.console_logging():  # the library's lines (e.g. "resuming RL ...") on stdout, as a launcher's
-        train.train_rl(config, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
+        train.train_rl(options, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
     jax.effects_barrier()
 
 

@@ -9,9 +9,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rstar2jax import models
-from rstar2jax.train import colocate, memory_plan, train_rl
+from rstar2jax.train import colocate, memory_plan, parse, train_rl
 from rstar2jax.train.dry_run import dry_run
-from rstar2jax.train.options import model_config_from, run_options
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
 
 TIMING = ("time/", "throughput/")
@@ -65,7 +64,7 @@ def test_rl_with_optimizer_offloaded_matches_on_device_run(tmp_path):
     for offload in ("device", "host"):
         config = tiny_rl_config(str(tmp_path / f"offload_{offload}"))
         config.colocate.optimizer_memory = offload
-        histories.append(_metrics(train_rl(config, rollout_fn=make_scripted_rollout(), max_steps=2)))
+        histories.append(_metrics(train_rl(parse(config), rollout_fn=make_scripted_rollout(), max_steps=2)))
     assert len(histories[0]) == 2
     assert histories[0] == histories[1]
     if jax.default_backend() == "cpu":  # "auto" (the default) keeps the moments on the device there
@@ -80,9 +79,10 @@ def test_memory_plan_adds_up_and_fails_when_too_small(tmp_path):
     config.model.param_dtype, config.model.compute_dtype = "float32", "bfloat16"
     config.rollout.kv_cache_tokens = 4096
     config.colocate.optimizer_memory = "device"
-    report = dry_run(config, kind="rl")
+    options = parse(config)
+    report = dry_run(options)
     plan = report["memory_plan"]
-    model_config = model_config_from(config)
+    model_config = options.model
     gib = 2.0**30
     num_params = report["num_params"]
     assert plan["params_gib"] == pytest.approx(num_params * 4 / gib)
@@ -95,13 +95,13 @@ def test_memory_plan_adds_up_and_fails_when_too_small(tmp_path):
     assert plan["rollout_peak_gib"] == pytest.approx(sum(plan[k] for k in parts) + waiting)
     assert plan["train_peak_gib"] == pytest.approx(report["peak_estimate_bytes"] / gib)
     # None on the CPU backend; on an accelerator, the memory the device reports.
-    assert plan["device_memory_gib"] == memory_plan.device_memory_gib(run_options(config))
+    assert plan["device_memory_gib"] == memory_plan.device_memory_gib(options)
     if plan["device_memory_gib"] is None:
         assert plan["fits"] is None
 
     config.colocate.optimizer_memory = "host"
     config.device_memory_gib = 1e-4
-    plan = dry_run(config, kind="rl")["memory_plan"]
+    plan = dry_run(parse(config))["memory_plan"]
     assert plan["rollout_peak_gib"] == pytest.approx(sum(plan[k] for k in parts))
     assert plan["train_peak_gib"] == pytest.approx(report["peak_estimate_bytes"] / gib)
     assert plan["fits"] is False
@@ -119,7 +119,7 @@ def test_one_gpu_config_fits_80_gib(tmp_path):
 
     config = qwen3_1p7b_1gpu.get_config()
     config.workdir = str(tmp_path)
-    plan = dry_run(config, kind="rl")["memory_plan"]
+    plan = dry_run(parse(config, check_data=False))["memory_plan"]
     assert plan["device_memory_gib"] == 80.0 and plan["fits"] is True
     assert 0 < plan["rollout_peak_gib"] <= 80.0 and 0 < plan["train_peak_gib"] <= 80.0
     assert plan["optimizer_offloaded_during_rollout"] and plan["kv_pool_tokens"] == 256 * 1024

@@ -196,6 +196,7 @@ def test_the_launcher_restarts_the_sandbox_it_started_and_not_one_it_was_given(m
     import sandbox_server
     from experiments.configs import tiny_cpu
     from experiments.train_rl import agent_rollout_fn
+    from rstar2jax.train import parse
 
     started = []
 
@@ -208,9 +209,9 @@ def test_the_launcher_restarts_the_sandbox_it_started_and_not_one_it_was_given(m
     config = tiny_cpu.get_config()
     config.rollout.sandbox_outage_s = 42.0
     with contextlib.ExitStack() as stack:
-        owned = agent_rollout_fn(config, stack)
+        owned = agent_rollout_fn(parse(config), stack)
         config.rollout.sandbox_url = "http://127.0.0.1:2"
-        given = agent_rollout_fn(config, stack)
+        given = agent_rollout_fn(parse(config), stack)
     assert owned.outage.budget_s == given.outage.budget_s == 42.0 and len(started) == 1
     assert owned.outage.restart == started[0].restart_if_dead and owned.sandbox.urls == ["http://127.0.0.1:1"]
     assert given.outage.restart is None and given.sandbox.urls == ["http://127.0.0.1:2"]

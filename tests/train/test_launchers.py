@@ -11,6 +11,7 @@ import pytest
 
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from tests.conftest import REPO_ROOT
+from tests.train.bad_options import CONTRADICTIONS, bad_values, override
 
 
 def _launch(module, *args, env=None, timeout=600):
@@ -67,6 +68,16 @@ def test_help_and_config_errors():
             "experiments.train_rl",
             ["--config.rl.keep=two"],
             "error: flag --config.rl.keep=two: invalid literal",
+        ),
+        (  # a check of the engine's sampling, once a traceback and exit 1
+            "experiments.train_rl",
+            ["--config.rollout.temperature=-1"],
+            "error: config.rollout.temperature=-1.0: must be positive",
+        ),
+        (  # the loss reads the rollout's temperature: the field moved
+            "experiments.train_rl",
+            ["--config.loss.temperature=0.6"],
+            "error: --config.loss.temperature=0.6: no config field 'temperature'; use rollout.temperature",
         ),
     ]:
         config = "--config=experiments/configs/tiny_cpu.py" + (args.pop(0) if args[0] == ":sft" else "")
@@ -255,7 +266,7 @@ def test_two_launches_in_one_process_share_no_stop_state(tmp_path):
         c.model.spec.vocab_size, c.model.scan_layers = 32, False
         c.sft.steps, c.sft.seq_len, c.checkpoint.save_every = steps, 32, 1000
         c.logging.progress = False
-        return c
+        return train.parse(c)  # what experiments.sft trains: the config's options
 
     def interrupt_after_first_step(metrics):
         deadline = time.monotonic() + 300
@@ -279,3 +290,31 @@ def test_two_launches_in_one_process_share_no_stop_state(tmp_path):
         history = train.train_sft(config("second", 3), stop=stop)
     assert [record["step"] for record in history] == [1, 2, 3]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+@pytest.mark.parametrize(
+    "launcher, config_file, kind",
+    [("experiments.train_rl", "experiments/configs/tiny_cpu.py", "rl"),
+     ("experiments.sft", "experiments/configs/tiny_cpu.py:sft", "sft")],
+)
+def test_every_bad_option_gets_one_line(launcher, config_file, kind, tmp_path):
+    """Every scalar field of the config (walked from the config itself, ``bad_options.bad_values``) set to
+    each bad value its check declares, and the values that contradict another field, each given to the
+    launcher on its command line: exit 2, one line ``error: ...`` naming the field, no traceback, nothing
+    written to the work folder. The launcher runs as ``python -m`` runs it, in a process forked per case
+    (``tests/train/bad_options.py``) so the cases share one start of the interpreter."""
+    from experiments.configs import tiny_cpu
+
+    fields = bad_values(tiny_cpu.get_config(kind), kind)
+    cases = [[override(path, value)] for path, value in fields]
+    cases += [[override(path, value) for path, value in o.items()] for k, o, _ in CONTRADICTIONS if k == kind]
+    expected = [f"config.{path}" for path, _ in fields] + [m for k, _, m in CONTRADICTIONS if k == kind]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = _launch("tests.train.bad_options", launcher, config_file, str(tmp_path / "cases.json"),
+                   str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for result, named in zip(results, expected, strict=True):
+        lines = result["stderr"].splitlines()
+        assert result["status"] == 2 and len(lines) == 1 and lines[0].startswith("error: "), result
+        assert named in lines[0] and "Traceback" not in result["stderr"] and not result["wrote"], result

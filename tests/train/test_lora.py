@@ -25,13 +25,13 @@ from rstar2jax.train import (
     make_optimizer,
     make_rl_step,
     make_sft_step,
+    parse,
     train_rl,
-    validate,
 )
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import policy as policy_lib
 from rstar2jax.train.loader import restore_state_params
-from rstar2jax.train.options import model_config_from, policy_options
+from rstar2jax.train.parse_model import policy_options
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
@@ -99,7 +99,7 @@ def tiny_base(tmp_path_factory):
     """The tiny RL recipe's model with its random weights (key 0, as the full-parameter runs of the other
     tests) as an HF folder, and a second base of the same shape with other weights."""
     folder = tmp_path_factory.mktemp("lora-base")
-    model_config = model_config_from(tiny_rl_config(str(folder / "unused")))
+    model_config = parse(tiny_rl_config(str(folder / "unused"))).model
     for name, seed in (("base", 0), ("other", 1)):
         models.save_pretrained(models.init_params(model_config, jax.random.key(seed)), model_config,
                                folder / name)
@@ -109,7 +109,7 @@ def tiny_base(tmp_path_factory):
 def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_base):
     base_dir, other_dir = tiny_base
     reference = _lora_config(tmp_path / "reference", base_dir)
-    expected = _metrics(train_rl(reference, rollout_fn=make_scripted_rollout(), max_steps=2))
+    expected = _metrics(train_rl(parse(reference), rollout_fn=make_scripted_rollout(), max_steps=2))
     # Step 1 samples and scores with the base (B = 0): full fine-tuning's numbers from the same weights (but
     # the gradient norm: the adapters' gradient is another vector).
     first = {k: v for k, v in MAIN_HISTORY[0].items() if k != "grad_norm"}
@@ -122,6 +122,7 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     shutil.rmtree(killed / "checkpoints" / "2")
     resumed = _lora_config(killed, base_dir)
     resumed.colocate.optimizer_memory = "host"
+    resumed = parse(resumed)
     assert _metrics(train_rl(resumed, rollout_fn=make_scripted_rollout(), max_steps=2)) == expected
 
     # The checkpoint holds the adapters and their optimizer state, not the base.
@@ -131,7 +132,7 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     saved = ocp.PyTreeCheckpointer().metadata(step_dir / "state").item_metadata.tree
     assert set(saved["params"]["layers"]) == set(models.LORA_TARGETS) and "embed" not in saved["params"]
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(saved, is_leaf=lambda x: hasattr(x, "shape")))
-    assert count <= 3 * models.lora.adapter_parameter_count(model_config_from(resumed), LORA) + 8
+    assert count <= 3 * models.lora.adapter_parameter_count(resumed.model, LORA) + 8
 
     # Export: the merged HF folder and the PEFT adapter; both serving paths give the same weights.
     policy = policy_lib.export_policy(resumed, tmp_path / "policy")
@@ -157,8 +158,23 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
 
     renamed = tmp_path / "Some-Other-Model"  # the same files under a name the adapter does not give
     shutil.copytree(base_dir, renamed)
-    with pytest.raises(ValueError, match="belongs to base model"):
-        load_policy(renamed, adapter=adapter, tokenizer=tokenizer)
+    moved = load_policy(renamed, adapter=adapter, tokenizer=tokenizer)  # shapes fit: a warning, no refusal
+    jax.tree.map(np.testing.assert_array_equal, moved.params, from_adapter)
+    with pytest.raises(ValueError, match=f"names base model '{base_dir}', applied to '{renamed}'"):
+        load_policy(renamed, adapter=adapter, tokenizer=tokenizer, strict_base=True)
+
+    # The export launcher: the run folder as a plain HF folder, the weights export_policy wrote.
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.export", f"--model={killed}", f"--output={tmp_path / 'exported'}",
+         f"--tokenizer={tokenizer}"],
+        cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"exported run {killed}, step 2" in done.stdout
+    jax.tree.map(np.testing.assert_array_equal, models.load_pretrained(tmp_path / "exported")[1],
+                 models.load_pretrained(policy)[1])
+    assert (tmp_path / "exported" / "rstar2jax_prompt.json").is_file()
 
     # Resuming on another base, with another LoRA shape or as full fine-tuning: one-line errors, before the
     # state is restored.
@@ -170,29 +186,29 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
         config = _lora_config(killed, base_dir)
         change(config)
         with pytest.raises(ConfigError, match=message):
-            train_rl(config, rollout_fn=make_scripted_rollout(), max_steps=3)
+            train_rl(parse(config), rollout_fn=make_scripted_rollout(), max_steps=3)
 
 
 def test_bad_lora_settings_are_config_errors(tmp_path, tiny_base):
     base_dir, _ = tiny_base
     config = _lora_config(tmp_path / "run", base_dir)
     for path, value, message in (
-        ("targets", ("q_proj", "c_attn"), "config.model.lora.targets: 'c_attn' is not a projection"),
+        ("targets", ("q_proj", "c_attn"), "config.model.lora.targets=('q_proj', 'c_attn'): must list"),
         ("rank", -1, "config.model.lora.rank=-1: must be an integer >= 0"),
         ("dropout", 0.1, "config.model.lora.dropout=0.1: must be 0 in RL"),
     ):
         broken = _lora_config(tmp_path / "run", base_dir)
         setattr(broken.model.lora, path, value)
         with pytest.raises(ConfigError, match=re.escape(message)):
-            validate(broken, "rl", check_data=False)
+            parse(broken, check_data=False)
     config.model.lora.rank = 33  # the tiny model is 32 wide (q_proj: 4 heads x 16)
     with pytest.raises(ConfigError, match="rank=33 is larger than q_proj's 32 x 64 matrix"):
         policy_options(config)
 
 
 def test_launchers_refuse_an_adapter_for_another_base_in_one_line(tmp_path, tiny_base):
-    """``evaluate --model=BASE --adapter=DIR`` with an adapter of another base: exit 2, one line, before any
-    weight is read or the sandbox starts."""
+    """``evaluate --model=BASE --adapter=DIR --strict_base`` with an adapter naming another base: exit 2, one
+    line, before any weight is read or the sandbox starts."""
     base_dir, _ = tiny_base
     model_config = models.config_from_hf(base_dir)
     adapters = models.lora.init_lora(model_config, LORA, jax.random.key(0))
@@ -200,13 +216,14 @@ def test_launchers_refuse_an_adapter_for_another_base_in_one_line(tmp_path, tiny
                                                     base_model="org/Another-Model")
     done = subprocess.run(
         [sys.executable, "-m", "experiments.evaluate", f"--model={base_dir}", f"--adapter={adapter}",
-         f"--workdir={tmp_path / 'eval'}", f"--tokenizer={models.QWEN3_TOKENIZER_DIR}", "--datasets=aime24"],
+         f"--workdir={tmp_path / 'eval'}", f"--tokenizer={models.QWEN3_TOKENIZER_DIR}", "--datasets=aime24",
+         "--strict_base"],
         cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
         timeout=300,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "belongs to base model 'org/Another-Model'" in lines[0], done.stderr
+    assert len(lines) == 1 and "names base model 'org/Another-Model'" in lines[0], done.stderr
 
 
 def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):
@@ -217,8 +234,9 @@ def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.workdir = str(tmp_path)
-    report = dry_run(config, kind="rl")
-    check_memory_plan(config, kind="rl", report=report)
+    options = parse(config, check_data=False)
+    report = dry_run(options)
+    check_memory_plan(options, report=report)
     plan = json.loads((tmp_path / "memory_plan.json").read_text())
     assert plan["device_memory_gib"] == 80.0 and plan["fits"] is True
     assert 0 < plan["rollout_peak_gib"] <= 80.0 and 0 < plan["train_peak_gib"] <= 80.0

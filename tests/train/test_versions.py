@@ -19,6 +19,7 @@ from rstar2jax.train import (
     init_train_state,
     make_optimizer,
     make_rl_step,
+    parse,
     rl_iteration,
     selection,
     train_rl,
@@ -147,9 +148,9 @@ def test_a_resumed_run_carries_its_rollouts_exactly(tmp_path, mode):
     def numbers(history):
         return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in history]
 
-    straight = numbers(train_rl(config("straight"), rollout_fn=rollout_fn(), max_steps=2))
+    straight = numbers(train_rl(parse(config("straight")), rollout_fn=rollout_fn(), max_steps=2))
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "1", tmp_path / "resumed" / "checkpoints" / "1")
-    resumed = numbers(train_rl(config("resumed"), rollout_fn=rollout_fn(), max_steps=2))
+    resumed = numbers(train_rl(parse(config("resumed")), rollout_fn=rollout_fn(), max_steps=2))
     assert len(straight) == 2 and resumed == straight
     assert straight[1]["rollout/policy_lag_max"] == 1.0
 

@@ -52,7 +52,6 @@ from transformers import PreTrainedTokenizerBase
 
 from rstar2jax.agent.outage import OutagePolicy
 from rstar2jax.agent.rollout_types import (
-    INFRA_OUTCOMES,
     Observer,
     PartialRollout,
     RolloutConfig,
@@ -61,14 +60,13 @@ from rstar2jax.agent.rollout_types import (
     ToolSandbox,
     _Conversation,
     drop_infra_failures,
-    tool_outcome,
 )
 from rstar2jax.agent.session import _Rollout
 from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
-from rstar2jax.engine.config import page_rounded
-from rstar2jax.engine.scheduler import Engine, EngineConfig
+from rstar2jax.engine.async_engine import Engine
+from rstar2jax.engine.config import EngineConfig, page_rounded
 from rstar2jax.models import ModelConfig
 from rstar2jax.reward import AnswerVerifier, default_verifier
 
@@ -76,23 +74,9 @@ logger = logging.getLogger(__name__)
 #: The options a rollout takes when given none (a frozen record: shared safely as a default).
 DEFAULT_CONFIG = RolloutConfig()
 
-__all__ = [
-    "INFRA_OUTCOMES",
-    "BackgroundLoop",
-    "Conversation",
-    "Observer",
-    "PartialRollout",
-    "PolicyRollout",
-    "RolloutConfig",
-    "RolloutEngine",
-    "RolloutSession",
-    "ToolSandbox",
-    "converse_async",
-    "drop_infra_failures",
-    "rollout",
-    "rollout_async",
-    "tool_outcome",
-]
+# The records and protocols a rollout works with (RolloutConfig, PartialRollout, ToolSandbox, ...) live in
+# ``agent.rollout_types``; the package ``rstar2jax.agent`` offers both modules' names.
+__all__ = ["BackgroundLoop", "Conversation", "PolicyRollout", "converse_async", "rollout", "rollout_async"]
 
 
 def _checked_problems(problems: Iterable[Problem]) -> list[Problem]:

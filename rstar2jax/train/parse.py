@@ -1,0 +1,256 @@
+"""The one run-config parser: :func:`parse` turns a launcher's config (``ml_collections.ConfigDict``) into the
+typed, frozen :class:`~rstar2jax.train.options.RunOptions` everything below the launchers reads, checking as
+it goes and naming the first bad field in one line (:class:`ConfigError`: its full path, its value and what
+is allowed), before anything is computed or written.
+
+One pass, three steps: every field's value against its ``schema`` check (a field the schema does not know,
+a misspelt one, is an error too; so are files that must exist and do not), then the rules between fields
+(``rl.keep`` at most ``rl.samples_per_problem``, the rollout correction that off-policy tokens need, ...),
+then the options are built, the library's own types included (``ModelConfig``, ``LoraConfig``,
+``EngineConfig``, ``SamplingParams``, ``RLLossConfig``, ``RLIterationConfig``): whatever they refuse is
+reported under the config field it came from. Reading a config touches no device (launchers parse before
+``prepare_process``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from rstar2jax.data.problems import looks_local
+from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, SamplingParams
+from rstar2jax.train import schema, schema_rl
+from rstar2jax.train.checks import Field
+from rstar2jax.train.options import (
+    CheckpointOptions,
+    ConfigError,
+    DataOptions,
+    DistributedOptions,
+    LoggingOptions,
+    MeshShape,
+    OptimizerOptions,
+    RLLoopOptions,
+    RolloutOptions,
+    RunOptions,
+    SFTOptions,
+    StageOptions,
+)
+from rstar2jax.train.parse_model import policy_from_values
+from rstar2jax.train.rules import common_rules, rl_rules
+from rstar2jax.train.selection import RLIterationConfig
+from rstar2jax.train.steps import RLLossConfig
+
+_MISSING = object()
+#: Fields that moved, with where they went (a config written for an older version names them).
+MOVED = {
+    "loss.temperature": "use rollout.temperature, the one sampling temperature (the loss divides logits by "
+    "it, as the sampler did)",
+}
+_DOES_NOT_EXIST = "does not exist"
+_NO_PROBLEMS = "does not exist (a local path; hub dataset names are 'name' or 'org/name')"
+
+
+class _Values(dict):
+    """The checked values by path, remembering which ones the options were built from."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, path: str) -> Any:
+        self.read.add(path)
+        return super().__getitem__(path)
+
+
+def _lookup(config, path: str) -> Any:
+    node = config
+    for part in path.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return _MISSING
+        node = node[part]
+    return node.to_dict() if hasattr(node, "to_dict") else node
+
+
+def _exists(value: str, kind: str, check_data: bool) -> str:
+    """What is wrong with the file ``value`` names ('' when nothing is)."""
+    if not value or (kind in ("data", "problems") and not check_data):
+        return ""
+    if kind == "folder" and not os.path.isdir(value):
+        return "is not a folder"
+    if kind in ("path", "data") and not os.path.exists(value):
+        return _DOES_NOT_EXIST
+    if kind == "problems" and looks_local(value) and not os.path.exists(value):
+        return _NO_PROBLEMS
+    return ""
+
+
+def _read(node, fields: Mapping[str, Field], prefix: str, check_data: bool) -> dict[str, Any]:
+    """Every field's value, checked; ``prefix``: where ``node`` is in the config (``stages[1].``)."""
+    values = {}
+    for path, field in fields.items():
+        value = _lookup(node, path)
+        if value is _MISSING:
+            raise ConfigError(f"config.{prefix}{path} is missing (a run config has every field of "
+                              "config.rl_config() / sft_config(); --print_config lists them)")
+        problem = "" if field.check(value) else field.check.expectation
+        problem = problem or _exists(value, field.exists, check_data)
+        if problem:
+            raise ConfigError(f"config.{prefix}{path}={value!r}: {problem}")
+        values[path] = value
+    return values
+
+
+def _unknown_fields(node, fields: Mapping[str, Field], where: str = "", prefix: str = "") -> None:
+    """Raises ``ConfigError`` for the first field of ``node`` (at ``where`` in the config; ``prefix``: its
+    path among ``fields``) that ``fields`` does not declare."""
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if path in fields:
+            continue
+        if hasattr(node[key], "keys") and any(name.startswith(path + ".") for name in fields):
+            _unknown_fields(node[key], fields, where, path + ".")
+            continue
+        hint = f"; {MOVED[path]}" if path in MOVED else ""
+        if not hint and (close := difflib.get_close_matches(path, list(fields), n=1)):
+            hint = f"; did you mean {where}{close[0]}?"
+        raise ConfigError(f"config.{where}{path}: no such field{hint}")
+
+
+def _stages(values: Mapping[str, Any], check_data: bool) -> tuple[StageOptions, ...]:
+    options = []
+    for index, raw in enumerate(values["stages"]):
+        if not hasattr(raw, "keys"):
+            raise ConfigError(f"config.stages[{index}]={raw!r}: must be a stage (config.stage(...))")
+        _unknown_fields(raw, schema_rl.STAGE, f"stages[{index}].")
+        stage = _read(raw, schema_rl.STAGE, f"stages[{index}].", check_data)
+        options.append(StageOptions(**stage, max_prompt_length=values["batch.max_prompt_length"],
+                                    page_size=DEFAULT_PAGE_SIZE))
+    return tuple(options)
+
+
+def _construct(cls, paths: Mapping[str, str], values: Mapping[str, Any], section: str, **extra):
+    """``cls`` of the config fields ``paths`` (argument -> config path) and ``extra`` arguments; what its
+    own checks refuse is a ``ConfigError`` naming the config field the message is about."""
+    arguments = {name: values[path] for name, path in paths.items()}
+    try:
+        return cls(**arguments, **extra)
+    except ValueError as error:
+        named = [n for n in paths if re.search(rf"\b{n}\b", str(error))]
+        where = f"{paths[named[0]]}={arguments[named[0]]!r}" if named else section
+        raise ConfigError(f"config.{where}: {error}") from None
+
+
+def _fields_of(cls, prefix: str, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """``cls``'s fields that are config fields ``prefix.<name>``: argument -> config path."""
+    return {f.name: f"{prefix}.{f.name}" for f in dataclasses.fields(cls) if f.name not in exclude}
+
+
+def _rollout(values, stages: tuple[StageOptions, ...]) -> RolloutOptions:
+    longest = max(stages, key=lambda s: s.max_response_length)
+    kv_tokens = values["rollout.kv_cache_tokens"]
+    engine = _construct(
+        EngineConfig, {"num_slots": "rollout.engine_slots", "seed": "seed"}, values, "rollout",
+        max_len=longest.engine_max_len, page_size=longest.page_size,
+        # The page pool the memory plan counts (+1: the engine's null page); 0: enough for every slot.
+        num_pages=kv_tokens // longest.page_size + 1 if kv_tokens else None,
+    )
+    sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
+    return RolloutOptions(engine=engine, sampling=sampling, **{
+        f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
+        if f.name not in ("engine", "sampling")})
+
+
+def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int) -> RLLoopOptions:
+    set_per_stage = ("seq_len", "pack", "row_multiple")
+    iterations = tuple(
+        _construct(RLIterationConfig, _fields_of(RLIterationConfig, "rl", set_per_stage), values, "rl",
+                   seq_len=s.seq_len, pack=values["batch.pack"], row_multiple=row_multiple)
+        for s in stages
+    )
+    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature",)), "temperature": "rollout.temperature"}
+    # rl.* fields that are not the iteration's are the loop's, passed on by name (prompts_per_step, ...).
+    loop = {f.name: values[f"rl.{f.name}"] for f in dataclasses.fields(RLLoopOptions)
+            if f"rl.{f.name}" in values}
+    return RLLoopOptions(
+        **loop,
+        partial_token_budget=values["rollout.partial_token_budget"],
+        filter_batch_size=values["filter_batch_size"],
+        num_rows=None if values["batch.pack"] else values["rl.prompts_per_step"] * values["rl.keep"],
+        optimizer_memory=values["colocate.optimizer_memory"],
+        max_prompt_length=values["batch.max_prompt_length"],
+        iterations=iterations,
+        loss=_construct(RLLossConfig, loss_fields, values, "loss"),
+        rollout=_rollout(values, stages),
+        device_memory_gib=values["device_memory_gib"],
+    )
+
+
+def _data(values) -> DataOptions:
+    data = {name: values[path] for name, path in _fields_of(DataOptions, "data").items()}
+    data.update({k: v or None for k, v in data.items() if k.endswith("_field")})  # '' -> the loader's guess
+    return DataOptions(**data)
+
+
+def _section(cls, prefix: str, values) -> Any:
+    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix).items()})
+
+
+def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOptions:
+    """The :class:`RunOptions` of a run config, checked field by field as it is read; raises
+    :class:`ConfigError` naming the first bad field (its full path, value and what is allowed).
+
+    ``kind``: "rl" or "sft" (None: "rl" when the config has an ``rl`` section); a launcher says which it
+    trains, so a config of the other kind is an error. ``check_data=False`` (dry runs, and checking a
+    recipe's later phase before an earlier one writes its data): the problem set and SFT data files need not
+    exist yet; the model, tokenizer and adapter folders always must.
+    """
+    if kind is None:
+        kind = "rl" if "rl" in config else "sft"
+    if kind not in schema.KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {schema.KINDS}")
+    if kind not in config:  # the section only a config of this kind has
+        wanted, other = ("an RL", "an SFT") if kind == "rl" else ("an SFT", "an RL")
+        raise ConfigError(f"config.{kind} is missing: {other} config where {wanted} one is needed (e.g. "
+                          "experiments/configs/tiny_cpu.py for RL, tiny_cpu.py:sft for SFT)")
+    fields = schema.fields(kind)
+    values = _Values(_read(config, fields, "", check_data))
+    _unknown_fields(config, fields)
+    stages = _stages(values, check_data) if kind == "rl" else ()
+    common_rules(values)
+    if kind == "rl":
+        rl_rules(values, stages)
+    mesh = _section(MeshShape, "mesh", values)
+    num_microbatches = values["num_microbatches"]
+    sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
+    rl = _rl_loop(values, stages, num_microbatches * mesh.data_parallel) if kind == "rl" else None
+    optimizer = OptimizerOptions(
+        **{name: values[path] for name, path in _fields_of(OptimizerOptions, "optimizer",
+                                                            ("warmup_fraction",)).items()},
+        warmup_fraction=values["sft.warmup_fraction"] if kind == "sft" else 0.0,
+    )
+    options = RunOptions(
+        workdir=pathlib.Path(values["workdir"]),
+        seed=values["seed"],
+        notice=values["notice"],
+        policy=policy_from_values(values),
+        mesh=mesh,
+        distributed=_section(DistributedOptions, "distributed", values),
+        optimizer=optimizer,
+        checkpoint=_section(CheckpointOptions, "checkpoint", values),
+        logging=_section(LoggingOptions, "logging", values),
+        num_microbatches=num_microbatches,
+        record=config.to_json_best_effort(indent=1),
+        stages=stages,
+        data=_data(values) if kind == "rl" else None,
+        rl=rl,
+        sft=sft,
+    )
+    if unread := [path for path in fields if path not in values.read]:
+        raise RuntimeError(f"parse builds no option from config.{unread[0]}: pass it on where the run reads "
+                           "it")
+    return options

@@ -1,0 +1,258 @@
+"""An RL run config's own fields (GRPO-RoC; the paper's defaults where it gives them) and a stage's: see
+``rstar2jax.train.schema``, which adds them to the fields every run config has."""
+
+from __future__ import annotations
+
+from rstar2jax import algo
+from rstar2jax.train.checks import (
+    AT_LEAST_0,
+    POSITIVE,
+    Check,
+    Field,
+    choice,
+    choices,
+    flag,
+    integer,
+    number,
+    optional,
+    text,
+    url,
+)
+from rstar2jax.train.colocate import OFFLOAD_OPTIONS
+from rstar2jax.train.selection import RLIterationConfig
+from rstar2jax.train.steps import OLD_LOGPROB_SOURCES
+
+ROC_MODE_HELP = "RoC down-sampling: " + choices(
+    {
+        "paper": "half the negatives at random, positives drawn with weight 1 / penalty",
+        "release": "the released code's proportional split, positives lowest penalty first",
+        "uniform": "plain GRPO, uniformly at random",
+    },
+    algo.ROC_MODES,
+)
+FORMAT_PENALTY_HELP = "RoC answer-format penalty: " + choices(
+    {"paper": "Eq. 5", "release": "the released code's rule"}, algo.FORMAT_PENALTIES
+)
+STD_HELP = "group std of the advantages: " + choices(
+    {
+        "population": "divide by n",
+        "unbiased": "Bessel, divide by n - 1, as the released (verl) code's torch.std; the default",
+    },
+    algo.STD_MODES,
+)
+
+_ITERATION = RLIterationConfig()  # the iteration's defaults (rl.*), stated once there
+STAGE_LIST = Check(lambda v: isinstance(v, list | tuple) and len(v) > 0, "must list at least one stage", list)
+
+#: An RL run's own fields (GRPO-RoC; the paper's defaults where it gives them), after ``COMMON``'s.
+RL: dict[str, Field] = {
+    "data.source": Field(
+        "", text(),
+        "RL problems: a .jsonl/.json/.parquet file, a datasets folder or a hub name",
+        exists="problems",
+    ),
+    "data.split": Field("train", text(empty=False), "split to read from dataset dicts and hub datasets"),
+    "data.problem_field": Field(
+        "", text(),
+        "column of the problem text (empty: problem / question / prompt)",
+    ),
+    "data.answer_field": Field(
+        "", text(),
+        "column of the gold answer, dotted for nested (empty: answer / ... / reward_model.ground_truth)",
+    ),
+    "data.solution_field": Field(
+        "", text(),
+        "column of a worked solution whose last \\boxed{} is the answer (empty: solution)",
+    ),
+    "data.id_field": Field(
+        "", text(),
+        "column of the problem id (empty: id / unique_id / ...; else the row index)",
+    ),
+    "data.integer_only": Field(
+        False, flag(),
+        "keep only problems with integer answers (rejected rows are counted and shown)",
+    ),
+    "data.limit": Field(None, optional(POSITIVE), "use at most this many problems (None: all)"),
+    "loss.eps_low": Field(
+        0.2, number(0, 1, open_low=True, open_high=True),
+        "PPO clip range below 1 (ratio >= 1 - eps_low)",
+    ),
+    "loss.eps_high": Field(
+        0.28, number(0, open_low=True),
+        "PPO clip range above 1 (clip-higher: ratio <= 1 + eps_high)",
+    ),
+    "loss.dual_clip": Field(
+        3.0, optional(number(1, open_low=True)),
+        "dual-clip bound c > 1 for negative advantages (default 3 as verl and the released code; None: off)",
+    ),
+    "loss.agg": Field(
+        "token_mean", choice(algo.AGG_MODES),
+        "loss aggregation: token_mean (paper), per-sequence means, verl / Dr. GRPO sum-norm",
+    ),
+    "loss.entropy_coef": Field(0.0, number(0), "entropy bonus coefficient (paper: 0)"),
+    "loss.old_logprobs": Field(
+        "sampler", choice(OLD_LOGPROB_SOURCES),
+        "pi_old from the sampler's log-probs or recomputed by the trainer",
+    ),
+    "loss.importance_sampling_level": Field(
+        "token", choice(algo.IS_LEVELS),
+        "ratio per token (PPO/GRPO) or per sequence (GSPO, geometric mean)",
+    ),
+    "loss.gspo_eps_low": Field(
+        3e-4, number(0, 1, open_low=True, open_high=True),
+        "GSPO clip range below 1 (used when importance_sampling_level = sequence)",
+    ),
+    "loss.gspo_eps_high": Field(
+        4e-4, number(0, open_low=True),
+        "GSPO clip range above 1 (used when importance_sampling_level = sequence)",
+    ),
+    "loss.kl_coef": Field(
+        0.0, number(0),
+        "KL penalty to a frozen copy of the initial policy (paper: 0, no reference kept)",
+    ),
+    "loss.kl": Field(
+        "k3", choice(algo.KL_ESTIMATORS),
+        "KL estimator: k1 / k2 / k3, + for the straight-through gradient of k2",
+    ),
+    "loss.rollout_is_cap": Field(
+        None, optional(number(1, open_low=True)),
+        "rollout correction (needs old_logprobs='recompute'): cap C of token weights pi_train / pi_rollout "
+        "(None: off)",
+    ),
+    "loss.rollout_mask": Field(
+        None, optional(choice(algo.SEQUENCE_RATIOS)),
+        "rollout correction: drop sequences whose (geometric) ratio leaves [1/C', C']",
+    ),
+    "loss.rollout_mask_threshold": Field(
+        2.0, number(1, open_low=True),
+        "rollout correction: C' of rollout_mask",
+    ),
+    "rl.prompts_per_step": Field(512, POSITIVE, "problems per RL step"),
+    "rl.samples_per_problem": Field(
+        _ITERATION.samples_per_problem, integer(low=2),
+        "rollouts sampled per problem (2G)",
+    ),
+    "rl.keep": Field(_ITERATION.keep, POSITIVE, "rollouts kept per problem by Resample-on-Correct (G)"),
+    "rl.roc_mode": Field(_ITERATION.roc_mode, choice(algo.ROC_MODES), ROC_MODE_HELP),
+    "rl.min_negatives": Field(
+        _ITERATION.min_negatives, AT_LEAST_0,
+        "RoC keeps at least this many incorrect rollouts when available",
+    ),
+    "rl.min_positives": Field(
+        _ITERATION.min_positives, AT_LEAST_0,
+        "RoC keeps at least this many correct rollouts when available",
+    ),
+    "rl.reject_equal_reward": Field(
+        _ITERATION.reject_equal_reward, flag(),
+        "drop groups whose kept rollouts all have the same reward",
+    ),
+    "rl.roc_eps": Field(
+        _ITERATION.roc_eps, number(0, open_low=True),
+        "tie-breaking epsilon of the RoC penalty ordering",
+    ),
+    "rl.estimator": Field(
+        _ITERATION.estimator, choice(algo.ADVANTAGE_ESTIMATORS),
+        "advantage estimator (grpo: group-normalised reward)",
+    ),
+    "rl.std": Field(_ITERATION.std, choice(algo.STD_MODES), STD_HELP),
+    "rl.advantage_eps": Field(
+        _ITERATION.advantage_eps, number(0, open_low=True),
+        "added to the group std before dividing",
+    ),
+    "rl.format_penalty": Field(_ITERATION.format_penalty, choice(algo.FORMAT_PENALTIES), FORMAT_PENALTY_HELP),
+    "rl.mask_truncated": Field(
+        _ITERATION.mask_truncated, flag(),
+        "truncated responses carry no loss (they still count in their group's advantages)",
+    ),
+    "rl.overlong_buffer": Field(
+        _ITERATION.overlong_buffer, AT_LEAST_0,
+        "DAPO soft overlong penalty over the last N tokens of the budget (0: off)",
+    ),
+    "rl.overlong_penalty_factor": Field(
+        _ITERATION.overlong_penalty_factor, number(0),
+        "DAPO soft overlong penalty at the budget (reward - factor)",
+    ),
+    "rl.off_policy_steps": Field(
+        0, integer(0, 1),
+        "1: roll out step n+1 with step n's parameters before step n's update (one-step off-policy, needs "
+        "loss.old_logprobs='recompute' and a rollout correction); 0: on-policy",
+    ),
+    "rl.max_nonfinite_steps": Field(
+        3, POSITIVE,
+        "a step with a non-finite loss or gradient skips its update; this many in a row stop the run (exit "
+        "3, the last checkpoint kept)",
+    ),
+    "batch.max_prompt_length": Field(
+        1024, POSITIVE,
+        "longest prompt in tokens (longer problems are rejected)",
+    ),
+    "batch.pack": Field(
+        True, flag(),
+        "pack several trajectories per row; False: one per row (worst case must fit)",
+    ),
+    "rollout.temperature": Field(
+        1.0, number(0, open_low=True),
+        "sampling temperature of rollouts, also the one the trainer divides logits by (it scores what the "
+        "sampler drew from)",
+    ),
+    "rollout.top_p": Field(1.0, number(0, 1, open_low=True), "nucleus sampling (1: off)"),
+    "rollout.top_k": Field(0, AT_LEAST_0, "top-k sampling (0: off)"),
+    "rollout.max_tool_calls_per_turn": Field(1, POSITIVE, "tool calls run per assistant turn"),
+    "rollout.tool_timeout": Field(10.0, number(0, open_low=True), "seconds a tool call may run"),
+    "rollout.tool_output_chars": Field(2048, POSITIVE, "tool output kept per call (characters)"),
+    "rollout.sandbox_url": Field("", url(), "code sandbox URL (empty: start a local one for the run)"),
+    "rollout.sandbox_workers": Field(2, POSITIVE, "workers of the local sandbox"),
+    "rollout.sandbox_outage_s": Field(
+        300.0,
+        number(0, open_low=True, expectation="must be a positive number "
+                                      "of seconds"),
+        "seconds tool calls wait (retrying with back-off) for a sandbox that does not answer; past it the "
+        "run stops (exit 3) keeping the last finished step's checkpoint",
+    ),
+    "rollout.engine_slots": Field(64, POSITIVE, "concurrent sequences in the generation engine"),
+    "rollout.kv_cache_tokens": Field(
+        0, AT_LEAST_0,
+        "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
+    ),
+    "rollout.partial_token_budget": Field(
+        0, AT_LEAST_0,
+        "partial rollouts: > 0 stops a step's rollouts after this many sampled tokens, trains on the "
+        "finished groups and resumes the rest next step (0: off; needs the rollout correction)",
+    ),
+    "rollout.partial_segment_tokens": Field(
+        64, POSITIVE,
+        "partial rollouts: tokens a session samples between budget checks",
+    ),
+    # Colocated rollout and training (rstar2jax.train.colocate); the engine's KV page pool exists only during
+    # rollout.
+    "colocate.optimizer_memory": Field(
+        "auto", choice(OFFLOAD_OPTIONS),
+        "where optimizer moments wait during rollout: auto (host on accelerators, device on CPU) / host "
+        "(pinned) / device",
+    ),
+    "device_memory_gib": Field(
+        None, optional(number(0, open_low=True)),
+        "per-device memory the plan is checked against (None: what the device reports)",
+    ),
+    "filter_batch_size": Field(64, POSITIVE, "problems per batch of the hard-problem filter's rollouts"),
+    "stages": Field([], STAGE_LIST, "the RL stages, run in order"),
+}
+
+#: The fields of one RL stage (``config.stages[i]``, written with ``config.stage``).
+STAGE: dict[str, Field] = {
+    "name": Field("", text(empty=False), "stage name (in logs and checkpoints)"),
+    "steps": Field(1, POSITIVE, "RL steps of the stage"),
+    "max_response_length": Field(1, POSITIVE, "response budget in tokens (all turns and tool outputs)"),
+    "max_turns": Field(1, POSITIVE, "assistant turns per rollout"),
+    "dataset": Field(
+        "", text(),
+        "the stage's problems (empty: the previous stage's, the first: data.source)",
+        exists="problems",
+    ),
+    "hard_filter_rollouts": Field(
+        0, AT_LEAST_0,
+        "k > 0: at the stage start drop problems the policy solves k/k",
+    ),
+    "reset_optimizer": Field(False, flag(), "fresh optimizer moments and schedule at the stage start"),
+}
+
