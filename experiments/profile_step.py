@@ -115,8 +115,10 @@ class Classifier:
         return "bookkeeping"
 
 
-def split(out: str, vocab: int, tokens: int) -> tuple[dict[str, float], list[tuple[float, str]]]:
-    """Milliseconds per token by category from the trace and dump in ``out``, and the largest thunks."""
+def split(out: str, vocab: int, tokens: int) -> tuple[dict, dict, list[tuple[float, str]]]:
+    """Milliseconds per token by category from the trace and dump in ``out``: as run (each thunk's recorded
+    durations) and at each thunk's fastest (its fastest run times its runs per token: what is left once a
+    busy machine's preemptions are taken out); and the largest thunks (as run)."""
     events = json.load(gzip.open(glob.glob(f"{out}/trace/**/perfetto_trace.json.gz", recursive=True)[0]))
     events = events["traceEvents"] if isinstance(events, dict) else events
     events = [e for e in events if e.get("ph") == "X"]  # complete events: thunks among them
@@ -124,16 +126,19 @@ def split(out: str, vocab: int, tokens: int) -> tuple[dict[str, float], list[tup
     modules = [read_module(p) for p in glob.glob(f"{out}/hlo/*jit_step*after_optimizations.txt")]
     module = max(modules, key=lambda m: sum(c for n, c in counts.items() if n in m))  # the one that ran
     classify = Classifier(module, vocab)
-    per, thunks = collections.Counter(), collections.Counter()
+    durations = collections.defaultdict(list)
     for event in events:
         info = module.get(event["name"])
-        if info is None or info["opcode"] in _CONTAINERS:
-            continue
-        category = classify(event["name"])
-        per[category] += event["dur"] / 1e3 / tokens
-        thunk = f"{category}: {event['name']} ({info['op'].rsplit('/', 1)[-1]})"
-        thunks[thunk] += event["dur"] / 1e3 / tokens
-    return {c: per[c] for c in CATEGORIES}, [(ms, name) for name, ms in thunks.most_common(8)]
+        if info is not None and info["opcode"] not in _CONTAINERS:
+            durations[event["name"]].append(event["dur"] / 1e3)  # microseconds -> ms
+    as_run, fastest, thunks = (collections.Counter() for _ in range(3))
+    for name, ms in durations.items():
+        category = classify(name)
+        as_run[category] += sum(ms) / tokens
+        fastest[category] += min(ms) * len(ms) / tokens
+        thunks[f"{category}: {name} ({module[name]['op'].rsplit('/', 1)[-1]})"] += sum(ms) / tokens
+    return ({c: as_run[c] for c in CATEGORIES}, {c: fastest[c] for c in CATEGORIES},
+            [(ms, name) for name, ms in thunks.most_common(8)])
 
 
 def main(argv) -> None:
@@ -161,17 +166,19 @@ def main(argv) -> None:
         decode_steps([run], rounds=_CHUNKS.value)
     tokens = _CHUNKS.value * run.chunk
     traced_ms = sum(run.wall_times) / tokens * 1e3
-    parts, largest = split(out, config.vocab_size, tokens)
+    parts, fastest, largest = split(out, config.vocab_size, tokens)
     parts["host"] = traced_ms - sum(parts.values())
     load = os.getloadavg()[0]
     print(f"batch-1 decode step: {step_ms:.2f} ms (best chunk), {traced_ms:.2f} ms while traced; "
           f"load {load:.2f}")
+    print(f"  {'ms per token':<22}{'as run':>8}{'share':>8}{'fastest':>10}")
     for name, ms in parts.items():
-        print(f"  {name:<22}{ms:8.3f} ms  {100 * ms / traced_ms:5.1f} %")
+        print(f"  {name:<22}{ms:8.3f}{100 * ms / traced_ms:7.1f}%{fastest.get(name, float('nan')):10.3f}")
     print("largest thunks:\n" + "\n".join(f"  {ms:8.3f} ms  {name}" for ms, name in largest))
     print(f"trace and HLO dump in {out}", file=sys.stderr)
     print(json.dumps({"step_ms": round(step_ms, 3), "traced_step_ms": round(traced_ms, 3),
-                      "load": round(load, 2), **{k: round(v, 3) for k, v in parts.items()}}))
+                      "load": round(load, 2), **{k: round(v, 3) for k, v in parts.items()},
+                      **{f"fastest_{k}": round(v, 3) for k, v in fastest.items()}}))
 
 
 if __name__ == "__main__":
