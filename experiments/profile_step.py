@@ -16,8 +16,9 @@ dump of the optimized program (its stack frames):
 
 Instructions without a source (XLA's dots lose it) take their operands' category. It profiles the code
 of the worktree it runs in (``cd`` to another checkout and run this file by its path to compare). Prints a
-table and, as the last line, one JSON object (milliseconds per token). Timings under load are inflated;
-the split is what to read.
+table and, as the last line, one JSON object (milliseconds per token), each category as run and at its
+thunks' fastest runs (each thunk's fastest of its runs, times its runs per token): on a busy machine the
+first is inflated by preemption, the second much less.
 
 Usage: ``python -m experiments.profile_step [--chunks=6] [--out=DIR]``.
 """
