@@ -10,18 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rstar2jax.engine import (
+from rstar2jax.engine import EngineCore, SamplingParams
+from rstar2jax.engine.sampling import (
     CANDIDATES,
-    EngineCore,
-    SamplingParams,
     candidates,
     first_argmax,
     gumbel_at,
+    indexed_noise_matches,
     sample_tokens,
     sample_with_logprobs,
     truncation_mask,
 )
-from rstar2jax.engine.sampling import indexed_noise_matches
 from tests.engine.conftest import ENGINE_CONFIG
 
 
