@@ -33,14 +33,19 @@ the HBM floor for 0.6B and 1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_mo
 - ``warmup_s_qwen3_0p6b``: seconds from starting ``python -m experiments.serve`` on a folder of random
   Qwen3-0.6B weights (64 slots, ``max_len`` 8192, ``--kv_pool_gib=4``) to its ``/health`` answering 200, with
   an empty JAX compilation cache; ``warmup_s_qwen3_0p6b_cached``: the same again with the cache the first
-  start wrote. Goals <= 180 and <= 20.
+  start wrote (the folder is written before either start: its random weights are no part of start-up; the
+  server's own ``start-up`` line, printed here, says where the seconds went). Goals <= 180 and <= 10
+  (issue 43).
+- ``decode_step_over_floor_b1`` (issue 43): the batch-1 decode step of the comparison shape below (best
+  16-token chunk on a warm engine) over the time to read its head and layers' weights once at the copy
+  bandwidth measured in the same process, best of ``--repeats`` processes. Goal <= 1.2.
 - ``tunix_decode_ratio_b1`` / ``_b16``: decode tokens/s of :func:`rstar2jax.engine.generate` over google-tunix
   0.1.7's ``Sampler`` on the same random Qwen3 shape (2 layers, width 256, the real vocabulary 151,936,
   float32 both), 128 greedy tokens after a 32-token prompt, batch 1 and 16: each side's second call in its
   own fresh process (the first one compiles), best of ``--repeats`` processes each, taking turns;
-  ``tunix_compile_ratio``: our first call's extra time over the second's, over theirs (batch 1). Goals >= 1.5,
-  >= 1.5, <= 1. Tunix is a bench-only dependency that does not install beside this project (it pins
-  transformers 5.12): install it into a folder of its own,
+  ``tunix_compile_ratio``: our first call's extra time over the second's, over theirs (batch 1). Goals
+  >= 1.1, >= 1.1, <= 1.5 (issue 43). Tunix is a bench-only dependency that does not install beside this
+  project (it pins transformers 5.12): install it into a folder of its own,
   ``pip install --no-deps --target DIR google-tunix==0.1.7 google-metrax clu wrapt sentencepiece perfetto``,
   and pass ``--tunix_path=DIR`` (without it the tunix keys are left out).
 
@@ -666,29 +671,43 @@ def _random_policy_folder(path: pathlib.Path) -> None:
 def serve_until_healthy(model_dir: pathlib.Path, cache_dir: pathlib.Path, port: int,
                         timeout: float = 1800.0) -> float:
     """Seconds from starting ``experiments.serve`` (64 slots, max_len 8192, a 4 GiB KV pool) to ``/health``
-    answering 200, with JAX's persistent compilation cache in ``cache_dir``."""
+    answering 200, with JAX's persistent compilation cache in ``cache_dir``; prints the server's own
+    ``start-up`` line (where its seconds went)."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir)}
     command = [sys.executable, "-m", "experiments.serve", f"--model={model_dir}", "--num_slots=64",
                "--max_len=8192", "--kv_pool_gib=4", f"--port={port}"]
     start = time.perf_counter()
-    server = subprocess.Popen(command, env=env, cwd=pathlib.Path(__file__).parents[1],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        while time.perf_counter() - start < timeout:
-            if server.poll() is not None:
-                raise RuntimeError(f"experiments.serve exited with {server.returncode}: "
-                                   f"{server.stderr.read()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                    if response.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"experiments.serve was not healthy after {timeout:.0f} s")
-    finally:
-        server.terminate()
-        server.wait(60)
+    with tempfile.TemporaryFile("w+") as out:
+        server = subprocess.Popen(command, env=env, cwd=pathlib.Path(__file__).parents[1], stdout=out,
+                                  stderr=subprocess.PIPE, text=True)
+        def startup_line() -> str | None:
+            out.seek(0)
+            return next((line.strip() for line in out if line.startswith("start-up")), None)
+
+        try:
+            while time.perf_counter() - start < timeout:
+                if server.poll() is not None:
+                    raise RuntimeError(f"experiments.serve exited with {server.returncode}: "
+                                       f"{server.stderr.read()}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                        if response.status == 200:
+                            healthy = time.perf_counter() - start
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.2)
+            else:
+                raise TimeoutError(f"experiments.serve was not healthy after {timeout:.0f} s")
+            for _ in range(50):  # it prints the line as it starts answering
+                if startup_line() is not None:
+                    break
+                time.sleep(0.1)
+        finally:
+            server.terminate()
+            server.wait(60)
+        print(f"  server: {startup_line()}", flush=True)
+    return healthy
 
 
 def _tunix_prompt_strings(tokenizer, batch: int) -> list[str]:
@@ -749,6 +768,20 @@ def ours_worker(batch: int) -> None:
     print(json.dumps({"first_s": times[0], "second_s": times[1], "tokens": len(out[0].tokens)}))
 
 
+def floor_worker() -> None:
+    """The batch-1 decode step of the comparison shape, the bytes it must read (head and layers) and this
+    process's copy bandwidth."""
+    config = _config("tunix")
+    params = init_params(config, jax.random.key(0))
+    jax.block_until_ready(params)
+    run = _DecodeRun(params, config, slots=1, prompt_len=TUNIX_PROMPT,
+                     max_len=page_rounded(TUNIX_PROMPT + 160), chunk=16, chunks=6)
+    decode_steps([run], rounds=5)
+    embedding_only = 0 if config.tie_word_embeddings else params["embed"].nbytes  # read one row per token
+    read = sum(leaf.nbytes for leaf in jax.tree.leaves(params)) - embedding_only
+    print(json.dumps({"step_s": run.wall_step_s, "read_bytes": read, "bandwidth": copy_bandwidth()}))
+
+
 def startup(args, report) -> None:
     """The ``--startup`` measurements (see the module docstring)."""
     programs = _worker("startup_worker", "programs")
@@ -761,10 +794,17 @@ def startup(args, report) -> None:
         report("warmup_s_qwen3_0p6b", "experiments.serve to healthy, 0.6B, empty cache (s)", cold, 180,
                cold, "<= 180", "64 slots, max_len 8192, 4 GiB KV pool")
         warm = serve_until_healthy(folder, cache, args.port)
-        cache_mib = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20
-        report("warmup_s_qwen3_0p6b_cached", "the same with the first start's cache (s)", warm, 20, warm,
-               "<= 20", f"{cache_mib:.0f} MiB cache")
+        cache_files = [f for f in cache.rglob("*") if f.is_file()]
+        cache_mib = sum(f.stat().st_size for f in cache_files) / 2**20
+        report("warmup_s_qwen3_0p6b_cached", "the same with the first start's cache (s)", warm, 10, warm,
+               "<= 10", f"{len(cache_files)} files, {cache_mib:.1f} MiB cache")
         shutil.rmtree(folder)
+    floors = [_worker("startup_worker", "floor") for _ in range(args.repeats)]
+    best = min(floors, key=lambda f: f["step_s"] * f["bandwidth"] / f["read_bytes"])
+    floor_s = best["read_bytes"] / best["bandwidth"]
+    report("decode_step_over_floor_b1", "batch-1 decode step, 2 layers, 152k vocab (ms)",
+           best["step_s"] * 1e3, floor_s * 1e3, best["step_s"] / floor_s, "<= 1.2",
+           f"{best['read_bytes'] / 2**20:.0f} MiB at {best['bandwidth'] / 1e9:.1f} GB/s copy")
     if not args.tunix_path:
         print("tunix comparison left out: pass --tunix_path (see the module docstring)", flush=True)
         return
@@ -777,12 +817,12 @@ def startup(args, report) -> None:
             runs["tunix"].append(_worker("startup_worker", "tunix", batch, env=tunix_env))
         rate = {side: batch * TUNIX_NEW / min(r["second_s"] for r in rs) for side, rs in runs.items()}
         report(f"tunix_decode_ratio_b{batch}", f"decode tok/s vs tunix, batch {batch}, 2 layers, 152k vocab",
-               rate["ours"], rate["tunix"], rate["ours"] / rate["tunix"], ">= 1.5",
+               rate["ours"], rate["tunix"], rate["ours"] / rate["tunix"], ">= 1.1",
                f"best second call of {args.repeats}")
         compile_s[batch] = {side: min(r["first_s"] - r["second_s"] for r in rs) for side, rs in runs.items()}
     ours_compile, theirs_compile = compile_s[1]["ours"], compile_s[1]["tunix"]
     report("tunix_compile_ratio", "first call's extra seconds vs tunix, batch 1", ours_compile,
-           theirs_compile, ours_compile / theirs_compile, "<= 1", "first call - second call")
+           theirs_compile, ours_compile / theirs_compile, "<= 1.5", "first call - second call")
 
 
 _BATCH = flags.DEFINE_integer("batch", 32, "sequences decoded at once")
@@ -810,7 +850,8 @@ _TUNIX_PATH = flags.DEFINE_string("tunix_path", None, "with --startup: a folder 
 _PORT = flags.DEFINE_integer("port", 8765, "with --startup: the port experiments.serve listens on")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "with --startup: fresh processes per side of the tunix runs")
 _TORCH_WORKER = flags.DEFINE_list("torch_worker", None, "internal: SHAPE,PATH,BATCH,NEW of one PyTorch run")
-_STARTUP_WORKER = flags.DEFINE_list("startup_worker", None, "internal: programs | ours,BATCH | tunix,BATCH")
+_STARTUP_WORKER = flags.DEFINE_list("startup_worker", None,
+                                     "internal: programs | floor | ours,BATCH | tunix,BATCH")
 
 
 def rounded(value: float) -> float:
@@ -833,7 +874,8 @@ def main(argv) -> None:
         return
     if _STARTUP_WORKER.value:
         kind, *rest = _STARTUP_WORKER.value
-        {"programs": programs_worker, "ours": ours_worker, "tunix": tunix_worker}[kind](*map(int, rest))
+        workers = dict(programs=programs_worker, floor=floor_worker, ours=ours_worker, tunix=tunix_worker)
+        workers[kind](*map(int, rest))
         return
 
     rows, figures = [], {}

@@ -81,12 +81,17 @@ def main(argv):
         _launch.fail(f"--workdir={workdir}: exists and is not a folder")
     if not _TOP_P.value > 0:
         _launch.fail(f"--top_p={_TOP_P.value}: must be in (0, 1]")
+    clock = _launch.StartupClock()
     datasets = load_datasets(_DATASETS.value, _LIMIT.value)  # before the heavy imports: a bad name fails fast
+    clock.mark("datasets")
 
     from rstar2jax.agent.sandbox_client import SandboxClient
     from rstar2jax.eval.evaluate import EvalProtocol, evaluate_to_files
     from rstar2jax.eval.samples import format_summary
     from rstar2jax.reward import AnswerVerifier
+
+    clock.watch_programs()
+    clock.mark("imports")
 
     protocol = EvalProtocol(
         samples=_SAMPLES.value,
@@ -99,6 +104,7 @@ def main(argv):
     policy = _policy_flags.load_policy_or_exit(
         _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
     )
+    clock.mark("weights and tokenizer")
     prompt = _policy_flags.format_from_flags(policy)
     print(
         f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'})"
@@ -109,6 +115,7 @@ def main(argv):
     )
     print(_policy_flags.describe_format(policy, prompt), flush=True)
     print(_launch.compilation_cache_line(), flush=True)
+    print(clock.line(), flush=True)
     print(f"writing {workdir / 'samples.jsonl'} and {workdir / 'summary.json'}", flush=True)
 
     async def run(url: str):
@@ -138,6 +145,7 @@ def main(argv):
             print("\ninterrupted: finished problems are saved; re-run the same command to resume", flush=True)
             sys.exit(130)
     print(format_summary(summary), flush=True)
+    print(clock.programs_line(), flush=True)
 
 
 if __name__ == "__main__":

@@ -65,12 +65,16 @@ flags.mark_flag_as_required("model")
 
 def main(argv):
     del argv
+    clock = _launch.StartupClock()
     from rstar2jax.serve import ServerConfig, run_server
     from rstar2jax.serve.server import served_format
 
+    clock.watch_programs()
+    clock.mark("imports")
     policy = _policy_flags.load_policy_or_exit(
         _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
     )
+    clock.mark("weights and tokenizer")
     config = ServerConfig(
         num_slots=_NUM_SLOTS.value,
         max_len=_MAX_LEN.value,
@@ -87,6 +91,8 @@ def main(argv):
 
     async def announce():
         await ready.wait()
+        clock.mark("engine and programs")
+        print(clock.line(), flush=True)
         name = config.model_name or policy.name
         print(
             f"serving {name!r} ({policy.source}: {policy.path}) at http://{_HOST.value}:{_PORT.value}/v1"

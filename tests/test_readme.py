@@ -85,6 +85,7 @@ COVERED_ELSEWHERE = {
         ['"experiments.evaluate"', "--datasets=", "--workdir="],
     ),
     "python -m experiments.chat --model=DIR": ("tests/serve/test_launchers.py", ['"experiments.chat"']),
+    "python -m experiments.profile_step": ("tests/test_profile_step.py", ['"experiments.profile_step"']),
     "python -m experiments.accelerator_check --smoke": (
         "tests/test_accelerator_check.py",
         ['"experiments.accelerator_check"', '"--smoke"'],

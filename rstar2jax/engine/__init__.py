@@ -45,7 +45,17 @@ from rstar2jax.engine.paged_attention import (
 from rstar2jax.engine.pages import PageAllocator
 from rstar2jax.engine.programs import check_precision, engine_weights
 from rstar2jax.engine.records import Chunk, Segment
-from rstar2jax.engine.sampling import first_argmax, sample_tokens, truncation_mask
+from rstar2jax.engine.sampling import (
+    CANDIDATES,
+    Candidates,
+    Sampled,
+    candidates,
+    first_argmax,
+    gumbel_at,
+    sample_tokens,
+    sample_with_logprobs,
+    truncation_mask,
+)
 from rstar2jax.engine.state import (
     BUDGET,
     DONE,
@@ -66,6 +76,7 @@ from rstar2jax.engine.step import StepBuilder, StepLayout
 
 __all__ = [
     "BUDGET",
+    "CANDIDATES",
     "DONE",
     "EOS",
     "FINISH_REASON_NAMES",
@@ -77,6 +88,7 @@ __all__ = [
     "PAUSED",
     "RUNNING",
     "STOP",
+    "Candidates",
     "Chunk",
     "Engine",
     "EngineConfig",
@@ -86,21 +98,25 @@ __all__ = [
     "PageAllocator",
     "PagedCacheView",
     "PagedKV",
+    "Sampled",
     "SamplingParams",
     "Segment",
     "Session",
     "StepBuilder",
     "StepLayout",
+    "candidates",
     "check_precision",
     "engine_weights",
     "first_argmax",
     "generate",
+    "gumbel_at",
     "init_state",
     "kv_bytes_per_token",
     "page_rounded",
     "paged_attention_reference",
     "pages_for_bytes",
     "sample_tokens",
+    "sample_with_logprobs",
     "sibling_seed",
     "truncation_mask",
 ]

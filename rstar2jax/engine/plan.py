@@ -70,6 +70,8 @@ class StepPlan:
       weights: new weights this step starts running on (the runner keeps them for the later steps); None:
         those of the step before.
       compile_ahead: the decode bucket the steps after this prefill will likely need (compiled meanwhile).
+      greedy: no sequence of the engine samples (every one has temperature 0), so the runner may run the
+        bucket's greedy-only program (``StepLayout.greedy``).
     """
 
     layout: StepLayout
@@ -80,6 +82,7 @@ class StepPlan:
     policy_version: int
     weights: WeightUpdate | None = None
     compile_ahead: StepLayout | None = None
+    greedy: bool = False
 
 
 class DecodeResult(NamedTuple):

@@ -164,6 +164,11 @@ class ProgramCache:
                 del self._programs[key]  # the next request tries again (and raises in its own frame)
             entry.set_exception(error)
 
+    def holds(self, abstract, layout: StepLayout, return_on_stop: bool) -> bool:
+        """Whether the program is compiled or compiling (asking for it would not start a compile)."""
+        with self._lock:
+            return self._key(abstract, layout, return_on_stop) in self._programs
+
     def get(self, abstract, layout: StepLayout, return_on_stop: bool):
         """The compiled step for ``abstract`` = (state, params) shapes; compiles it here unless it is
         compiled or compiling already."""

@@ -76,6 +76,16 @@ class StepRunner:
                                                             self.engine_config.return_on_stop)
         return program
 
+    def _variant(self, layout: StepLayout, greedy: bool) -> StepLayout:
+        """``layout``'s greedy-only program (``StepLayout.greedy``) for a ``greedy`` plan, unless only the
+        general one is compiled or compiling (it serves greedy rows as well); else ``layout``."""
+        if not greedy:
+            return layout
+        greedy_layout = dataclasses.replace(layout, greedy=True)
+        general_held = layout in self._programs or PROGRAMS.holds(self._abstract, layout,
+                                                                  self.engine_config.return_on_stop)
+        return greedy_layout if greedy_layout in self._programs or not general_held else layout
+
     def _compile_ahead(self, layout: StepLayout) -> None:
         """Compile ``layout``'s program in the background unless this engine has it."""
         if layout not in self._programs:
@@ -110,10 +120,10 @@ class StepRunner:
         builder.decode_iterations(plan.iterations - 1)
         plan.updates.write(builder, self.engine_config)
         if plan.compile_ahead is not None:
-            self._compile_ahead(plan.compile_ahead)
+            self._compile_ahead(self._variant(plan.compile_ahead, plan.greedy))
         if plan.weights is not None:
             self.params = plan.weights.params
-        program = self._program(plan.layout)
+        program = self._program(self._variant(plan.layout, plan.greedy))
         self.state, out_i, out_f = program(self.state, self.params, builder.ints, builder.floats)
         self._in_flight.append(_InFlight((out_i, out_f), plan.decoding, plan.policy_version))
 

@@ -188,8 +188,9 @@ class Scheduler:
         for seq in decoding:
             seq.expect(iterations)
         updates = self.sequences.outbox.drain(layout.num_entries)
+        greedy = all(seq.sampling.temperature == 0 for seq in self.sequences)
         return StepPlan(layout, tuple(decoding), tuple(runs), iterations, updates, self.policy_version,
-                        weights, compile_ahead)
+                        weights, compile_ahead, greedy)
 
     # ---- what came back
 

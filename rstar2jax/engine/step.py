@@ -37,7 +37,7 @@ import numpy as np
 
 from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.paged_attention import NULL_PAGE, PagedCacheView, RaggedBatch
-from rstar2jax.engine.sampling import sample_tokens
+from rstar2jax.engine.sampling import sample_with_logprobs
 from rstar2jax.engine.state import (
     BUDGET,
     DONE,
@@ -51,7 +51,7 @@ from rstar2jax.engine.state import (
     EngineState,
 )
 from rstar2jax.models import forward_hidden, output_head
-from rstar2jax.models.quantization import einsum
+from rstar2jax.models.quantization import einsum, is_fp8_weight
 
 DECODE = -1  # a flat token whose id (and position) is the slot's pending token on the device
 
@@ -68,6 +68,8 @@ class StepLayout:
       (2 S + max_pages): page-table entries; copies (S): pages copied; poison: P when freed pages are
       poisoned, else 0.
       iterations: C = ``decode_chunk``, device iterations at most (the ragged one included).
+      greedy: the program samples every row greedily, whatever its slot's settings (compiled in about half
+        the time: the host runs it only while no sequence samples).
     """
 
     tokens: int
@@ -79,6 +81,7 @@ class StepLayout:
     num_pages: int
     poison: bool
     iterations: int
+    greedy: bool = False
 
     @classmethod
     def of(cls, engine_config: EngineConfig, tokens: int) -> StepLayout:
@@ -222,9 +225,10 @@ def _stop_matched(state: EngineState, slots: jax.Array, recent: jax.Array, new_l
     return jnp.any(jnp.all(equal | ~used, axis=-1) & jnp.any(used, axis=-1), axis=-1)
 
 
-def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_token, tile_token):
-    """Feed the flat batch, sample each running decode row and commit. Returns (state, outputs of the
-    rows: token (-1: none), finish code, log-prob, entropy)."""
+def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_token, tile_token, *,
+                 greedy: bool):
+    """Feed the flat batch, sample each running decode row (``greedy``: by argmax, whatever its settings)
+    and commit. Returns (state, outputs of the rows: token (-1: none), finish code, log-prob, entropy)."""
     S, P, ps = state.num_slots, state.num_pages, state.page_size
     real = tok_slot < S
     slot = jnp.minimum(tok_slot, S - 1)
@@ -255,23 +259,25 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     sample = (decode & valid).at[row_token].get(mode="fill", fill_value=False)
     head, layout = output_head(params, state.config)
     h = x[0].at[row_token].get(mode="fill", fill_value=0)
-    logits = einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
-                    preferred_element_type=jnp.float32)
+    if is_fp8_weight(head):
+        logits = einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
+                        preferred_element_type=jnp.float32)
+    else:
+        # h @ head.T, not einsum("rd,vd->rv"): XLA:CPU fuses the former into a two-thread vector-matrix loop
+        # at one row (the einsum's dot takes ~1.35x the CPU time there); both give the same dot at more rows.
+        logits = jnp.dot(h, head.T if layout == "vd" else head, preferred_element_type=jnp.float32)
     row_pos = pos.at[row_token].get(mode="fill", fill_value=0)
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seed[row_slot],
                                                                                row_pos + 1)
-    # Idle rows count as greedy so that they never switch on the sampling passes.
-    new = sample_tokens(
+    # Idle rows count as greedy so that they never switch on the sampling passes. The log-probs and entropies
+    # come from the greedy max pass and two more (a gather picks the token's logit).
+    new, logprob, entropy = sample_with_logprobs(
         logits, keys, jnp.where(sample, state.temperature[row_slot], 0.0),
-        jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0))
-    # A gather, not token_logprobs' select over the whole vocabulary (built for gradients, never taken here).
-    picked = jnp.take_along_axis(logits, new[:, None], axis=-1)[:, 0]
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
-    # H = log Z - sum_v p_v logit_v: one more reduction over the logits, fused with the normaliser's.
-    entropy = log_norm - jnp.sum(jnp.exp(logits - log_norm[:, None]) * logits, axis=-1)
+        jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0),
+        greedy_only=greedy)
     state, reason = _commit(state, row_slot, sample, row_pos, new)
     outputs = (jnp.where(sample, new, -1), jnp.where(sample, reason, NOT_FINISHED),
-               jnp.where(sample, picked - log_norm, 0.0), jnp.where(sample, entropy, 0.0))
+               jnp.where(sample, logprob, 0.0), jnp.where(sample, entropy, 0.0))
     return state, outputs
 
 
@@ -329,7 +335,7 @@ def step(state: EngineState, params, ints: jax.Array, floats: jax.Array, *, layo
     def body(carry):
         i, state, out_i, out_f, _ = carry
         inputs = jax.tree.map(lambda a, b: jnp.where(i == 0, a, b), first, later)
-        state, (tokens, reason, logprob, entropy) = _ragged_step(state, params, *inputs)
+        state, (tokens, reason, logprob, entropy) = _ragged_step(state, params, *inputs, greedy=layout.greedy)
         out_i = out_i.at[i].set(jnp.stack([tokens, reason], axis=-1))
         out_f = out_f.at[i].set(jnp.stack([logprob, entropy], axis=-1))
         go = (i + 1 < limit) & jnp.any(_runnable(state, row_slot, row_slot < S))

@@ -243,6 +243,53 @@ def test_compilation_cache_folder_defaults_and_switch(monkeypatch, tmp_path):
             jax.config.update(name, value)
 
 
+_ONE_START = """
+import sys
+
+import jax
+
+from experiments import _launch
+
+_launch.enable_compilation_cache(sys.argv[1])
+clock = _launch.StartupClock()
+clock.watch_programs()
+from rstar2jax import models
+from rstar2jax.engine import EngineConfig, generate
+
+config = models.preset("tiny")
+params = models.init_params(config, jax.random.key(0))
+engine_config = EngineConfig(num_slots=2, max_len=64, token_buckets=(2, 16))
+for temperature in (0.0, 0.8):  # the greedy-only program, then the general one
+    generate(params, config, [[5, 6, 7], [8, 9]], max_new_tokens=5, temperature=temperature, top_k=4,
+             engine_config=engine_config)
+print(clock.programs_line())
+"""
+
+
+def test_a_second_process_compiles_nothing(tmp_path):
+    """With a launcher's compilation cache (JAX's thresholds left as the launcher sets them), a second process
+    doing the same work loads every program the first compiled (the engine's step programs, the small ones
+    too) and compiles none."""
+    import os
+    import re
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE_MIN_")}
+    flags = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()  # fast compiles
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT), XLA_FLAGS=flags)
+    counts = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", _ONE_START, str(tmp_path / "cache")], cwd=REPO_ROOT,
+                                env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        line = re.search(r"^(\d+) XLA programs loaded from the compilation cache, (\d+) compiled$",
+                         result.stdout, re.M)
+        assert line, result.stdout
+        counts.append((int(line[1]), int(line[2])))
+    (first_loaded, first_compiled), (second_loaded, second_compiled) = counts
+    assert first_loaded == 0 and first_compiled >= 3  # the state builder and both step programs at least
+    assert (second_loaded, second_compiled) == (first_compiled, 0)
+
+
 def test_two_launches_in_one_process_share_no_stop_state(tmp_path):
     """Two SFT launches in one process, each as ``experiments.sft`` runs its loop (``console_logging``,
     ``stop_on_signals``): a Ctrl-C in the first stops only the first (checkpoint, ``Interrupted``); the
