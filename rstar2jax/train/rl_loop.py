@@ -10,6 +10,8 @@ from rstar2jax.train import colocate
 from rstar2jax.train.faults import NonFiniteStreak
 from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.progress import RL_ALERTS, Progress
+from rstar2jax.train.async_schedule import AsyncSchedule
+from rstar2jax.train.placement import rollout_devices
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
 from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule, make_schedule
@@ -76,12 +78,17 @@ class _RLStages:
         loop = run.options.rl
         self.run, self.step_fn, self.rollout_fn, self.reward_fn, self.total = (
             run, step_fn, rollout_fn, reward_fn, total)
-        self.offload = colocate.resolve_offload(loop.optimizer_memory)
-        self.schedule: RolloutSchedule = make_schedule(
-            off_policy_steps=loop.off_policy_steps,
-            partial_token_budget=loop.partial_token_budget,
-            prompts_per_step=loop.prompts_per_step,
-        )
+        # Asynchronous: the trainer updates while the engine runs, so the moments never leave the device.
+        self.offload = loop.schedule != "async" and colocate.resolve_offload(loop.optimizer_memory)
+        self.schedule: RolloutSchedule
+        if loop.schedule == "async":
+            self.schedule = AsyncSchedule(loop.max_staleness, devices=rollout_devices(run.options),
+                                          dtype=run.model_config.compute_dtype,
+                                          on_update=loop.rollout.on_update)
+        else:
+            self.schedule = make_schedule(off_policy_steps=loop.off_policy_steps,
+                                          partial_token_budget=loop.partial_token_budget,
+                                          prompts_per_step=loop.prompts_per_step)
         self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
@@ -98,6 +105,8 @@ class _RLStages:
         )
         iteration = options.rl.iterations[index]
         self.schedule.restore(run.meta)
+        self.schedule.begin_stage(min(s.steps, self.total - run.meta["stage_start"]),
+                                  run.step - run.meta["stage_start"])
         while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
                 run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
@@ -149,7 +158,9 @@ def train_rl(
     ``rstar2jax.train.schedule``): what one step hands to the next (the next step's rollout,
     unfinished rollouts) is kept in the checkpoint meta (``rollout_carry``), so a resumed run goes on
     exactly; it does not cross a stage boundary (a stage's last step rolls out nothing ahead, and its
-    unfinished rollouts are dropped: the next stage has its own budget and problems).
+    unfinished rollouts are dropped: the next stage has its own budget and problems). The asynchronous
+    schedule (``rl.schedule="async"``, ``rstar2jax.train.async_schedule``) keeps its released, untrained
+    groups there too and drains at a stage's end; its engines stop when the run does.
     """
     optimizer = options.optimizer.optimizer()
     run = start_run(
@@ -195,5 +206,8 @@ def train_rl(
                 run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
                 run.meta.pop(CARRY_META_KEY, None)
         finally:
-            run.close()
+            try:
+                loop.schedule.close()  # the asynchronous producer's engines stop
+            finally:
+                run.close()
     return run.logger.history

@@ -28,6 +28,16 @@ OLD_LOGPROB_SOURCES = ("sampler", "recompute")
 #: "decoupled" is AReaL's objective (``algo.decoupled_policy_loss``); "none" leaves it to the rollout
 #: correction fields (TIS / MIS), when set.
 OFF_POLICY_CORRECTIONS = ("none", "decoupled")
+#: The run config's ``rl.off_policy_correction``: one of those, or "auto" (:func:`off_policy_correction`).
+OFF_POLICY_CORRECTION_OPTIONS = ("auto", *OFF_POLICY_CORRECTIONS)
+
+
+def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
+    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
+    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
+    if option == "auto":
+        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
+    return option
 # policy_loss metrics already divided by the normaliser (additive over micro-batches, unlike its token means).
 _NORMALISED_METRICS = ("pg_loss", "kl_loss")
 
