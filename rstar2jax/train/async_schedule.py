@@ -28,7 +28,7 @@ The stream a ``rollout_fn`` offers (``rstar2jax.agent.PolicyRollout.stream``)::
 
     stream = rollout_fn.stream(params, policy_version=, samples_per_problem=, max_response_length=,
                                max_turns=, on_update=, device=)
-    stream.submit(key, problem, seed=, index=)   # one group, seeded as group ``index`` of a call with ``seed``
+    stream.submit(key, problem, seed=, index=)   # one group: group ``index`` of a call seeded ``seed``
     stream.update_weights(params, policy_version) # from the engine's next step on; returns once queued
     stream.wait(timeout) -> [(key, trajectories)] # groups finished since the last call (raises its error)
     stream.stats() -> {name: count}               # cumulative: busy_s, generated_tokens, sandbox counts
@@ -105,7 +105,8 @@ class Producer:
                  devices: Sequence[Any], dtype, on_update: str):
         self.rollout_fn, self.devices, self.dtype = rollout_fn, list(devices), dtype
         if not hasattr(rollout_fn, "stream"):
-            raise ValueError("rl.schedule='async' needs a rollout_fn with a stream() method (PolicyRollout's)")
+            raise ValueError("rl.schedule='async' needs a rollout_fn with a stream() method "
+                             "(PolicyRollout's)")
         copies = self.place(params)
         self.streams = [rollout_fn.stream(copy, policy_version=version, **options, on_update=on_update,
                                           device=device) for copy, device in zip(copies, self.devices,
@@ -331,7 +332,8 @@ class AsyncSchedule(_CarryingSchedule):
         return {**super().checkpoint_meta(), LEDGER_META_KEY: dict(self.ledger)}
 
     def _carried(self) -> dict[str, Any]:
-        return {"tickets": list(self.tickets.values()), "complete": dict(_global(sorted(self.complete.items()))),
+        complete = dict(_global(sorted(self.complete.items())))
+        return {"tickets": list(self.tickets.values()), "complete": complete,
                 "batch_sizes": self.batch_sizes, "released": self.released}
 
     def restore(self, meta: dict[str, Any]) -> None:

@@ -42,8 +42,9 @@ from rstar2jax.train.options import (
 )
 from rstar2jax.train.parse_model import policy_from_values
 from rstar2jax.train.rules import common_rules, rl_rules
+from rstar2jax.train.schedule import off_policy_correction
 from rstar2jax.train.selection import RLIterationConfig
-from rstar2jax.train.steps import RLLossConfig, off_policy_correction
+from rstar2jax.train.steps import RLLossConfig
 
 _MISSING = object()
 #: Fields that moved, with where they went (a config written for an older version names them).

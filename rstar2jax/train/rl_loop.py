@@ -7,11 +7,11 @@ import logging
 
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.train import colocate
+from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.faults import NonFiniteStreak
 from rstar2jax.train.options import ConfigError, RunOptions
-from rstar2jax.train.progress import RL_ALERTS, Progress
-from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.placement import rollout_devices
+from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
 from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule, make_schedule

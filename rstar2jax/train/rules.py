@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rstar2jax.train.options import ConfigError, StageOptions
-from rstar2jax.train.steps import off_policy_correction
+from rstar2jax.train.schedule import off_policy_correction
 
 
 def common_rules(v: Mapping[str, Any]) -> None:

@@ -57,6 +57,18 @@ if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer
 ROLLOUT_SCHEDULES = ("synchronous", "async")
 #: ``rl.placement``: where the asynchronous producer's engines run (``rstar2jax.train.placement``).
 PLACEMENTS = ("colocated", "split")
+#: ``rl.off_policy_correction``: "auto" or one of ``steps.OFF_POLICY_CORRECTIONS``.
+OFF_POLICY_CORRECTION_OPTIONS = ("auto", "none", "decoupled")
+
+
+def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
+    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
+    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
+    if option == "auto":
+        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
+    return option
+
+
 #: The checkpoint meta key of what a schedule carries from one step to the next.
 CARRY_META_KEY = "rollout_carry"
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from rstar2jax import algo
+from rstar2jax.engine.plan import ON_UPDATE
 from rstar2jax.train.checks import (
     AT_LEAST_0,
     POSITIVE,
@@ -18,11 +19,10 @@ from rstar2jax.train.checks import (
     text,
     url,
 )
-from rstar2jax.engine.plan import ON_UPDATE
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
-from rstar2jax.train.schedule import PLACEMENTS, ROLLOUT_SCHEDULES
+from rstar2jax.train.schedule import OFF_POLICY_CORRECTION_OPTIONS, PLACEMENTS, ROLLOUT_SCHEDULES
 from rstar2jax.train.selection import RLIterationConfig
-from rstar2jax.train.steps import OFF_POLICY_CORRECTION_OPTIONS, OLD_LOGPROB_SOURCES
+from rstar2jax.train.steps import OLD_LOGPROB_SOURCES
 
 ROC_MODE_HELP = "RoC down-sampling: " + choices(
     {

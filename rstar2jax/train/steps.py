@@ -28,16 +28,7 @@ OLD_LOGPROB_SOURCES = ("sampler", "recompute")
 #: "decoupled" is AReaL's objective (``algo.decoupled_policy_loss``); "none" leaves it to the rollout
 #: correction fields (TIS / MIS), when set.
 OFF_POLICY_CORRECTIONS = ("none", "decoupled")
-#: The run config's ``rl.off_policy_correction``: one of those, or "auto" (:func:`off_policy_correction`).
-OFF_POLICY_CORRECTION_OPTIONS = ("auto", *OFF_POLICY_CORRECTIONS)
 
-
-def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
-    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
-    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
-    if option == "auto":
-        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
-    return option
 # policy_loss metrics already divided by the normaliser (additive over micro-batches, unlike its token means).
 _NORMALISED_METRICS = ("pg_loss", "kl_loss")
 
@@ -63,12 +54,9 @@ class RLLossConfig:
     ``rollout_is_cap`` C truncates the token weights at C; ``rollout_mask`` ("sequence" / "geometric")
     drops sequences whose ratio leaves [1/C', C'], C' = ``rollout_mask_threshold``.
 
-    ``off_policy_correction="decoupled"``: AReaL's decoupled objective (``algo.decoupled_policy_loss``) for
-    rollouts an older policy sampled (the asynchronous schedule): the proximal policy is the one the update
-    starts from, its log-probs recomputed by the trainer (whatever ``old_logprobs`` says), the ratio clipped
-    against it and each token weighted by min(pi_prox / pi_behaviour, ``decoupled_is_cap``), pi_behaviour
-    being the sampler's log-probs; ``rollout_mask`` may still drop sequences (a cap of its own is not
-    combined with it: ``rollout_is_cap`` must be None).
+    ``off_policy_correction="decoupled"``: AReaL's objective (``algo.decoupled_policy_loss``): proximal
+    log-probs recomputed by the trainer (whatever ``old_logprobs`` says), tokens weighted by min(pi_prox /
+    pi_sampler, ``decoupled_is_cap``); ``rollout_mask`` may drop sequences, ``rollout_is_cap`` must be None.
     """
 
     eps_low: float = 0.2

@@ -181,8 +181,8 @@ class _Job:
 class ScriptedStream:
     """The stream of ``rstar2jax.train.async_schedule`` over a scripted rollout's trajectories (those its
     synchronous call gives for the same seed and problem): each group takes a random time (uniform up to
-    ``max_delay`` s, drawn from ``delay_seed``) on a thread of its own, its sampled tokens produced evenly over
-    that time, each tagged with the version the stream held when it was produced. ``received``: the
+    ``max_delay`` s, drawn from ``delay_seed``) on a thread of its own, its sampled tokens produced evenly
+    over that time, each tagged with the version the stream held when it was produced. ``received``: the
     (version, weights) it was given, the first at opening."""
 
     def __init__(self, scripted, params, *, policy_version, samples_per_problem, max_response_length,
@@ -253,7 +253,8 @@ class ScriptedStream:
         self.thread.join()
 
 
-def make_async_scripted_rollout(*, max_delay: float = 0.02, delay_seed: int = 0, vocab_size: int = TINY_VOCAB):
+def make_async_scripted_rollout(*, max_delay: float = 0.02, delay_seed: int = 0,
+                                vocab_size: int = TINY_VOCAB):
     """``make_scripted_rollout``'s rollout (its synchronous calls, e.g. the hard filter's) with a ``stream``
     method (:class:`ScriptedStream`); ``streams``: every stream it opened."""
     scripted = make_scripted_rollout(vocab_size=vocab_size)
