@@ -31,7 +31,7 @@ engine's weights are prepared by ``programs.engine_weights`` (FP8 quantization i
 at every weight update.
 """
 
-from rstar2jax.engine.async_engine import Engine, Session
+from rstar2jax.engine.async_engine import Engine, Session, sibling_seed
 from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
 from rstar2jax.engine.core import EngineCore
 from rstar2jax.engine.generate import Generation, generate
@@ -101,5 +101,6 @@ __all__ = [
     "paged_attention_reference",
     "pages_for_bytes",
     "sample_tokens",
+    "sibling_seed",
     "truncation_mask",
 ]

@@ -28,11 +28,11 @@ from collections.abc import AsyncIterator, Sequence
 
 from rstar2jax.engine.config import EngineConfig, SamplingParams
 from rstar2jax.engine.core import EngineCore
-from rstar2jax.engine.records import Chunk, Record, Segment
+from rstar2jax.engine.records import Chunk, Record, Segment, StreamSeeds, sibling_seeds, slot_seed
 from rstar2jax.engine.state import NO_POLICY_VERSION
 from rstar2jax.models import ModelConfig
 
-__all__ = ["Engine", "Session"]
+__all__ = ["Engine", "Session", "sibling_seed"]
 
 _DEFAULT_CONFIG, _DEFAULT_SAMPLING = EngineConfig(), SamplingParams()
 
@@ -177,20 +177,31 @@ class Engine:
         sampling: SamplingParams = _DEFAULT_SAMPLING,
         max_tokens: int,
         seed: int | None = None,
+        stream_seeds: Sequence[int] | None = None,
     ) -> list[Session]:
         """Open ``n`` sessions on one prompt (a GRPO group), waiting until ``n`` slots and the pages the group
         may need are free.
 
         Args:
           prompt_ids: prompt tokens (prefilled once for the group).
-          n: sessions; sibling ``j`` samples with seed ``(seed, j)``.
+          n: sessions; each sibling draws from a random stream of its own.
           sampling: temperature / top-p / top-k of every sibling.
           max_tokens: response budget of each session: sampled plus appended tokens.
-          seed: makes the group reproducible; None: derived from the engine seed and the opening order.
+          seed: makes the group reproducible: sibling ``j`` samples the stream :func:`sibling_seed`
+            ``(seed, j)`` names, whatever else the engine runs; None: derived from the engine seed and the
+            opening order.
+          stream_seeds: instead of ``seed``, each sibling's stream seed (``n`` uint32s): ``open(p, 1,
+            stream_seeds=[sibling_seed(s, j)])`` samples exactly sibling ``j`` of ``open(p, n, seed=s)``.
         """
         self._check_running()
         self._core.check_request(prompt_ids, n, max_tokens)
-        entropy = (self._core.engine_config.seed, 1, self._opened) if seed is None else (seed, 0)
+        if stream_seeds is not None:
+            if seed is not None:
+                raise ValueError("give seed or stream_seeds, not both")
+            entropy = StreamSeeds(tuple(stream_seeds))
+            sibling_seeds(entropy, n)  # the count, in the caller's frame
+        else:
+            entropy = (self._core.engine_config.seed, 1, self._opened) if seed is None else (seed, 0)
         self._opened += 1
         future = self._loop.create_future()
         self._waiters.add(future)
@@ -313,3 +324,10 @@ class Engine:
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
+
+
+def sibling_seed(seed: int, j: int) -> int:
+    """The stream seed sibling ``j`` of a group opened with ``seed`` samples with (:meth:`Engine.open`): a
+    request for that sibling alone, ``open(prompt, 1, stream_seeds=[sibling_seed(seed, j)])``, samples the
+    same tokens."""
+    return slot_seed((seed, 0, j))  # Engine.open: a group of seed s has the seed entropy (s, 0)

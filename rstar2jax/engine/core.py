@@ -133,9 +133,10 @@ class EngineCore:
         return self.scheduler.sequences.admissible(requests)
 
     def admit(self, requests: Sequence[GroupRequest]) -> list[list[Record]]:
-        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``: each
+        """Take slots and pages for groups ``(prompt_ids, n, sampling, max_tokens, seeds)``: each
         prompt is prefilled once by the next steps (but whole pages of a prefix already in the pool) and
-        forked to its siblings (sibling ``j`` seeded by ``(*seed_entropy, j)``), which share its full pages.
+        forked to its siblings (sibling ``j`` seeded by ``(*seeds, j)``, or ``seeds.seeds[j]`` for
+        :class:`~rstar2jax.engine.records.StreamSeeds`), which share its full pages.
 
         Returns each group's records (paused once prefilled: :meth:`start` them). Raises ValueError if they do
         not fit (see :meth:`admissible`).

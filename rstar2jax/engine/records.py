@@ -15,7 +15,8 @@ import numpy as np
 from rstar2jax.engine.config import SamplingParams
 from rstar2jax.engine.state import NO_POLICY_VERSION
 
-__all__ = ["Chunk", "Phase", "Record", "Segment", "SegmentRequest", "SlotSequence", "slot_seed"]
+__all__ = ["Chunk", "Phase", "Record", "Segment", "SegmentRequest", "SlotSequence", "StreamSeeds",
+           "sibling_seeds", "slot_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,3 +251,27 @@ class SlotSequence:
 def slot_seed(entropy: Sequence[int]) -> int:
     """A well-mixed uint32 seed from a tuple of ints (so nearby tuples give unrelated streams)."""
     return int(np.random.SeedSequence([int(e) & 0xFFFFFFFF for e in entropy]).generate_state(1)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSeeds:
+    """The sampling-stream seed of each sibling of a group, given outright (uint32s, one per sibling) instead
+    of the group's seed entropy: a sibling admitted alone with its own stream seed samples exactly what it
+    samples beside its siblings."""
+
+    seeds: tuple[int, ...]
+
+    def __post_init__(self):
+        for seed in self.seeds:
+            if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+                raise ValueError(f"a stream seed must be an int in [0, 2**32), got {seed!r}")
+
+
+def sibling_seeds(entropy: Sequence[int] | StreamSeeds, n: int) -> list[int]:
+    """The stream seeds of a group's ``n`` siblings: sibling ``j`` of seed entropy ``e`` gets
+    ``slot_seed((*e, j))``; :class:`StreamSeeds` are taken as they are (exactly ``n`` of them)."""
+    if isinstance(entropy, StreamSeeds):
+        if len(entropy.seeds) != n:
+            raise ValueError(f"{len(entropy.seeds)} stream seeds for a group of {n}")
+        return [int(s) for s in entropy.seeds]
+    return [slot_seed((*entropy, j)) for j in range(n)]

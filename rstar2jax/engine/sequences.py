@@ -21,13 +21,23 @@ from rstar2jax.engine.config import EngineConfig, SamplingParams, pages_for
 from rstar2jax.engine.ledger import PageLedger
 from rstar2jax.engine.outbox import StepOutbox
 from rstar2jax.engine.plan import DecodeResult, check_policy_version
-from rstar2jax.engine.records import Chunk, Phase, Record, SegmentRequest, SlotSequence, slot_seed
+from rstar2jax.engine.records import (
+    Chunk,
+    Phase,
+    Record,
+    SegmentRequest,
+    SlotSequence,
+    StreamSeeds,
+    sibling_seeds,
+)
 from rstar2jax.engine.requests import check_request, stop_table
 
 __all__ = ["GroupRequest", "SequenceTable"]
 
-#: A group to admit: ``(prompt_ids, n, sampling, max_tokens, seed_entropy)``.
-GroupRequest = tuple[Sequence[int], int, SamplingParams, int, Sequence[int]]
+#: A group to admit: ``(prompt_ids, n, sampling, max_tokens, seeds)``, ``seeds`` the group's seed entropy (a
+#: tuple of ints; sibling ``j`` samples with ``slot_seed((*entropy, j))``) or each sibling's
+#: :class:`~rstar2jax.engine.records.StreamSeeds`.
+GroupRequest = tuple[Sequence[int], int, SamplingParams, int, Sequence[int] | StreamSeeds]
 
 
 class SequenceTable:
@@ -85,8 +95,9 @@ class SequenceTable:
     def admit(self, requests: Sequence[GroupRequest]) -> list[list[Record]]:
         """Take slots and pages for groups (:meth:`EngineCore.admit`); raises ValueError if they do not
         fit."""
-        for prompt_ids, n, _, max_tokens, _ in requests:
+        for prompt_ids, n, _, max_tokens, seeds in requests:
             check_request(self.engine_config, self.vocab_size, prompt_ids, n, max_tokens)
+            sibling_seeds(seeds, n)  # a wrong count of stream seeds fails before any slot is taken
         if self.admissible(requests) < len(requests):
             raise ValueError(f"{len(requests)} groups requested; {self.num_free_slots} slots and "
                              f"{self.ledger.num_free} pages are free")
@@ -96,9 +107,9 @@ class SequenceTable:
         prompt_ids, ps = [int(t) for t in prompt_ids], self.engine_config.page_size
         shared = self.ledger.shared_prefix(prompt_ids)
         seqs = []
-        for j in range(n):
+        for seed in sibling_seeds(entropy, n):
             record = Record(prompt_ids, max_tokens)
-            seq = SlotSequence(record, self._free_slots.popleft(), slot_seed((*entropy, j)), sampling)
+            seq = SlotSequence(record, self._free_slots.popleft(), seed, sampling)
             record.slot = seq.slot
             self._seqs[id(record)] = seq
             self.outbox.admitted(seq)

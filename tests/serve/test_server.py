@@ -5,6 +5,7 @@ reply, a ``get_weather`` tool call and, after the tool's result, an answer quoti
 """
 
 import asyncio
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -16,6 +17,7 @@ import pytest
 
 from experiments.tiny_policy import HELLO, HELLO_ANSWER, WEATHER, WEATHER_ANSWER, WEATHER_RESULT, WEATHER_TOOL
 from rstar2jax.engine import generate
+from rstar2jax.serve import BackgroundServer
 from rstar2jax.serve.protocol import parse_chat_request
 from tests.serve.conftest import SERVER_CONFIG
 
@@ -163,18 +165,29 @@ def test_logprobs_and_top_logprobs(client, model):
     assert tokens == [e.token for e in entries]
 
 
-def test_n_choices_and_seed(client, model):
-    # An untaught question: the policy's distribution is broad there (its taught answers are near-certain even
-    # at temperature 1.5, so three siblings could agree by chance).
-    kwargs = dict(messages=[{"role": "user", "content": "Name a color."}], n=3, temperature=1.5, seed=7,
-                  max_tokens=12)
-    first = client.chat.completions.create(model=model, **kwargs)
-    again = client.chat.completions.create(model=model, **kwargs)
+@pytest.fixture(scope="module")
+def flat_client(tiny_policy):
+    """A server on the tiny policy with its final norm scaled to almost zero: every token about equally
+    likely, so choices that shared a random stream would agree and choices on streams of their own differ,
+    whatever the trained model's confidence."""
+    params = {**tiny_policy.params, "final_norm": tiny_policy.params["final_norm"] * 1e-3}
+    with BackgroundServer(dataclasses.replace(tiny_policy, params=params), SERVER_CONFIG) as live:
+        yield openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_n_choices_and_seed(flat_client):
+    """What the API promises for ``n``: choices indexed 0..n-1, each on a random stream of its own (they
+    differ), the same choices again for the same seed, other ones for another seed."""
+    model = flat_client.models.list().data[0].id
+    kwargs = dict(messages=[{"role": "user", "content": HELLO}], n=3, temperature=1.0, seed=7, max_tokens=12)
+    first = flat_client.chat.completions.create(model=model, **kwargs)
+    again = flat_client.chat.completions.create(model=model, **kwargs)
+    texts = [c.message.content for c in first.choices]
     assert [c.index for c in first.choices] == [0, 1, 2]
-    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
-    assert len({c.message.content for c in first.choices}) > 1  # siblings sample apart
-    other = client.chat.completions.create(model=model, **{**kwargs, "seed": 8})
-    assert [c.message.content for c in other.choices] != [c.message.content for c in first.choices]
+    assert len(set(texts)) == 3  # distinct streams
+    assert [c.message.content for c in again.choices] == texts
+    other = flat_client.chat.completions.create(model=model, **{**kwargs, "seed": 8})
+    assert not {c.message.content for c in other.choices} & set(texts)
 
 
 def test_stop_strings(client, model):
