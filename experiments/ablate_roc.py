@@ -4,7 +4,8 @@ The demo's SFT policy (made first if ``--demo_workdir`` has none) is trained by 
 seed and arm (``--modes``): with Resample-on-Correct (``paper``: 2G rollouts, correct ones down-sampled by
 fewest tool errors / format issues, incorrect ones uniformly), with plain GRPO (``uniform``: 2G -> G uniformly
 at random), or with RoC training LoRA adapters instead of all weights (``lora``: the demo config's ``lora``
-rank, alpha and learning rate). Writes, under --workdir:
+rank, alpha and learning rate), or with RoC on the asynchronous schedule (``async``: ``rl.schedule="async"``,
+eta = 1, the decoupled loss). Writes, under --workdir:
 
   ablation.png     tool-error ratio inside correct trajectories, accuracy and response length over steps
                    (mean +- std over seeds)
@@ -14,6 +15,7 @@ rank, alpha and learning rate). Writes, under --workdir:
   python -m experiments.ablate_roc                      # 3 seeds x 2 modes
   python -m experiments.ablate_roc --seeds=0 --config.rl.stages[0].steps=4
   python -m experiments.ablate_roc --modes=paper,lora --workdir=runs/ablate_lora   # full vs LoRA
+  python -m experiments.ablate_roc --modes=paper,async --workdir=runs/ablate_async # sync vs async (eta=1)
 
 Runs resume: a finished run (its exported policy exists) is skipped, an interrupted one continues.
 """
@@ -40,16 +42,35 @@ _DEMO_WORKDIR = flags.DEFINE_string(
 )
 _WORKDIR = flags.DEFINE_string("workdir", "runs/ablate_roc", "Where the ablation's runs and results go.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs every arm).")
-_MODES = flags.DEFINE_list("modes", ["paper", "uniform"], "Arms: paper, uniform, lora (RoC training LoRA).")
+_MODES = flags.DEFINE_list("modes", ["paper", "uniform"],
+                           "Arms: paper, uniform, lora (RoC training LoRA), async (RoC, asynchronous).")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 
 #: What the ablation compares over steps (names logged by the RL iteration).
 CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
-LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA"}
+LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA",
+          "async": "GRPO-RoC, asynchronous"}
 #: Arm -> (roc_mode, LoRA adapters instead of all weights).
-ARMS = {"paper": ("paper", False), "uniform": ("uniform", False), "lora": ("paper", True)}
+ARMS = {"paper": ("paper", False), "uniform": ("uniform", False), "lora": ("paper", True),
+        "async": ("paper", False)}
+#: Arms whose RL run config changes more than that: run-config field -> value. Asynchronous: eta = 1, the
+#: decoupled objective ("auto"), the engine colocated with the trainer.
+ARM_FIELDS = {"async": {"rl.schedule": "async", "rl.max_staleness": 1, "rl.off_policy_correction": "auto"}}
+
+
+def arm_run_config(config, paths, mode: str, **run):
+    """The RL run config of arm ``mode`` (``configs.demo.rl_run_config`` with the arm's ``ARMS`` and
+    ``ARM_FIELDS``; ``run``: its workdir and seed)."""
+    from experiments.configs.demo import rl_run_config
+
+    roc_mode, lora = ARMS[mode]
+    c = rl_run_config(config, paths, roc_mode=roc_mode, lora=lora, **run)
+    for path, value in ARM_FIELDS.get(mode, {}).items():
+        section, field = path.split(".")
+        c[section][field] = value
+    return c
 
 
 def run_ablation(
@@ -66,7 +87,7 @@ def run_ablation(
     ``notebooks/roc_ablation.ipynb``). The SFT policy is made first when ``config.workdir`` has none; finished
     runs are skipped, interrupted ones resume."""
     from experiments import demo_recipe as recipe
-    from experiments.configs.demo import DemoPaths, rl_run_config, sft_run_config
+    from experiments.configs.demo import DemoPaths, sft_run_config
     from rstar2jax import train
     from rstar2jax.eval import report
     from rstar2jax.train.export import export_policy
@@ -76,7 +97,7 @@ def run_ablation(
     paths = DemoPaths(config.workdir)
     if unknown := [m for m in modes if m not in ARMS]:
         raise train.ConfigError(f"--modes: {unknown[0]!r} is not an arm; expected any of {tuple(ARMS)}")
-    arms = [rl_run_config(config, paths, roc_mode=ARMS[m][0], lora=ARMS[m][1]) for m in modes]
+    arms = [arm_run_config(config, paths, m) for m in modes]
     # Every run's config is checked before the first starts.
     checked = recipe.check_run_configs(config, sft_run_config(config, paths), *arms)
     out = pathlib.Path(out)
@@ -97,10 +118,7 @@ def run_ablation(
         for seed in seeds:
             for mode in modes:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
-                roc_mode, lora = ARMS[mode]
-                rl = train.parse(
-                    rl_run_config(config, paths, workdir=out / name, seed=seed, roc_mode=roc_mode, lora=lora)
-                )
+                rl = train.parse(arm_run_config(config, paths, mode, workdir=out / name, seed=seed))
                 policy = out / name / "policy"
                 rollout_fn = policy_rollout(
                     rl, server.url, rl.policy.prompt, restart_sandbox=server.restart_if_dead

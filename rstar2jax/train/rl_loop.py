@@ -19,6 +19,10 @@ from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
 
 logger = logging.getLogger(__name__)
+#: What the progress line adds under the asynchronous schedule: the producer's and trainer's busy fractions,
+#: finished groups waiting, the oldest trained token's lag, tokens generated per second.
+ASYNC_PROGRESS_KEYS = ("async/rollout_busy", "async/trainer_busy", "async/buffer_depth", "staleness/max",
+                       "throughput/generated_tokens_per_s")
 
 
 def _stage_problems(
@@ -192,6 +196,8 @@ def train_rl(
         )
     loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
+    if options.rl.schedule == "async":
+        keys += ASYNC_PROGRESS_KEYS
     dataset = None
     with Progress(run, total, "rl", keys, RL_ALERTS) as progress:
         try:

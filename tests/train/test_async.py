@@ -1,10 +1,15 @@
 """The asynchronous schedule (``rl.schedule="async"``): eta=0 is the synchronous run, the staleness bound
 holds whatever the rollouts' timing, nothing drawn is lost or trained twice, split placement's engines get the
 trainer's weights, and the release throttle's arithmetic. (Tokens' versions and log-probs across an update in
-flight on the real engine: ``tests/agent/test_rollout_e2e.py``; SIGKILL and resume: ``test_async_resume.py``;
-two processes: ``test_distributed.py``.)"""
+flight on the real engine: ``tests/agent/test_rollout_e2e.py``.)"""
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -22,8 +27,10 @@ from rstar2jax.train import (
     train_rl,
 )
 from rstar2jax.train.async_schedule import AsyncSchedule, Ticket, choose_batch
+from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.placement import rollout_devices, train_devices
 from rstar2jax.train.steps import RLLossConfig
+from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import make_async_scripted_rollout, make_scripted_rollout, tiny_rl_config
 
@@ -149,3 +156,35 @@ def test_split_placement_sets_the_last_devices_of_each_process_apart():
     assert train_devices(options) == devices[:-2]
     colocated = parse(_config("unused", **{"rl.schedule": "async"}))
     assert rollout_devices(colocated) == devices[:1] and train_devices(colocated) == devices
+
+
+def test_sigkill_and_resume_trains_every_drawn_problem_once(tmp_path, compile_cache_env):
+    """Killed with SIGKILL mid-run (groups in flight, finished groups waiting), the resumed run issues the
+    in-flight groups again and ends with every drawn problem trained once or counted dropped, the bound
+    held."""
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "tests.train.scripted", f"--config.workdir={workdir}", "--delay=0.3",
+               "--config.rl.schedule=async", "--config.rl.max_staleness=1"]
+    process = subprocess.Popen(command, env=compile_cache_env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics_file = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    saved = Checkpointer(workdir / "checkpoints").latest_step
+    assert saved is not None and 1 <= saved < 6, saved  # resumes from a checkpoint, not from scratch
+    resumed = subprocess.run(command, env=compile_cache_env, cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming RL from the checkpoint at step {saved} in " in resumed.stdout, resumed.stdout
+    history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness/max"] <= 1 for r in history if "staleness/max" in r)
+    last = history[-1]
+    assert last["async/groups_released_total"] == 6 * 3
+    assert last["async/groups_trained_total"] + last["async/groups_dropped_total"] == 6 * 3
