@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -188,3 +189,31 @@ def test_sigkill_and_resume_trains_every_drawn_problem_once(tmp_path, compile_ca
     last = history[-1]
     assert last["async/groups_released_total"] == 6 * 3
     assert last["async/groups_trained_total"] + last["async/groups_dropped_total"] == 6 * 3
+
+
+def test_two_processes_run_the_asynchronous_schedule(tmp_path, compile_cache_env):
+    """Two processes joined by jax.distributed (CPU, one device each, colocated): each runs its engine on its
+    own device and owns half of each batch's groups; the trainer's mesh spans both. The run ends with every
+    drawn problem trained once (or counted dropped) and the bound held, the same figures in both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**compile_cache_env, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+    command = [sys.executable, "-m", "tests.train.scripted", f"--config.workdir={tmp_path / 'run'}",
+               "--delay=0.1", "--config.rl.schedule=async", "--config.rl.prompts_per_step=4",
+               "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
+               f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+               "--config.distributed.num_processes=2"]
+    processes = [subprocess.Popen([*command, f"--config.distributed.process_id={i}"], env=env,
+                                  cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+    for process in processes:
+        _, err = process.communicate(timeout=900)
+        assert process.returncode == 0, err[-3000:]
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness/max"] <= 1 for r in history if "staleness/max" in r)
+    last = history[-1]
+    assert last["async/groups_released_total"] == 6 * 4
+    assert last["async/groups_trained_total"] + last["async/groups_dropped_total"] == 6 * 4
