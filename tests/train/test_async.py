@@ -6,6 +6,7 @@ flight on the real engine: ``tests/agent/test_rollout_e2e.py``.)"""
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from rstar2jax.train import (
 )
 from rstar2jax.train.async_schedule import AsyncSchedule, Ticket, choose_batch
 from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.options import ConfigError
 from rstar2jax.train.placement import rollout_devices, train_devices
 from rstar2jax.train.steps import RLLossConfig
 from tests.conftest import REPO_ROOT
@@ -217,3 +219,26 @@ def test_two_processes_run_the_asynchronous_schedule(tmp_path, compile_cache_env
     last = history[-1]
     assert last["async/groups_released_total"] == 6 * 4
     assert last["async/groups_trained_total"] + last["async/groups_dropped_total"] == 6 * 4
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rl.schedule": "later"}, "rl.schedule"),
+    ({"rl.schedule": "async", "rl.max_staleness": -1}, "rl.max_staleness"),
+    ({"rl.placement": "split"}, "needs rl.schedule='async'"),
+    ({"rl.schedule": "async", "rl.off_policy_steps": 1}, "do not combine"),
+    ({"rl.schedule": "async", "rl.off_policy_correction": "none"}, "need a correction"),
+    ({"rl.schedule": "async", "colocate.optimizer_memory": "host"}, "optimizer_memory='host'"),
+    ({"rl.schedule": "async", "loss.rollout_is_cap": 2.0}, "decoupled_is_cap"),
+    ({"rl.schedule": "async", "rl.placement": "split", "rl.rollout_devices": 0}, "rl.rollout_devices"),
+    ({"rl.schedule": "async", "rollout.on_update": "drop"}, "rollout.on_update"),
+])
+def test_bad_asynchronous_settings_are_refused_with_their_name(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(_config("unused", **fields))
+
+
+def test_the_asynchronous_defaults_pick_the_decoupled_loss_and_sync_keeps_none():
+    assert parse(_config("unused", **{"rl.schedule": "async"})).rl.loss.off_policy_correction == "decoupled"
+    eta0 = parse(_config("unused", **{"rl.schedule": "async", "rl.max_staleness": 0}))
+    assert eta0.rl.loss.off_policy_correction == "none"
+    assert parse(_config("unused")).rl.loss.off_policy_correction == "none"
