@@ -77,9 +77,9 @@ def mesh_from_config(options: RunOptions, *, allow_emulated: bool = False) -> Me
         split = f" ({apart} set apart for the rollout: rl.rollout_devices)" if apart else ""
         raise ValueError(
             f"config.mesh (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) "
-            f"needs {mesh.size} devices but {len(devices)} {devices[0].platform} devices are left for "
-            "training"
-            f"{split} (emulated CPU devices must be requested before JAX starts: see request_host_devices)"
+            f"needs {mesh.size} devices but {len(devices)} {jax.devices()[0].platform} devices are left "
+            f"for training{split} (emulated CPU devices must be requested before JAX starts: see "
+            "request_host_devices)"
         )
     return models.make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=devices)
 

@@ -34,6 +34,7 @@ from rstar2jax.data.problems import Problem
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.reward import AnswerVerifier
+from rstar2jax.train.placement import engine_copy
 from sandbox_server import start_local
 
 # A short prompt keeps the tiny model's sequences (and the teaching) cheap; the tool keeps the paper's name.
@@ -290,8 +291,9 @@ def test_stream_takes_new_weights_while_a_session_waits_on_its_tool(problems, po
                                                                    verifier):
     """The asynchronous producer's stream: the update arrives while both sessions wait on their tool call;
     they survive it, every sampled token carries the version that sampled it and that version's
-    teacher-forced log-prob, and the group submitted after the update is all new. (That an update compiles
-    nothing: ``tests/engine/test_weights.py``.)"""
+    teacher-forced log-prob, and the group submitted after the update is all new. The engine runs on
+    another device than the trainer's, with weights copied there (split placement). (That an update
+    compiles nothing: ``tests/engine/test_weights.py``.)"""
 
     class HeldTool:  # the tool call waits until the test has updated the weights
         def __init__(self, client):
@@ -306,20 +308,22 @@ def test_stream_takes_new_weights_while_a_session_waits_on_its_tool(problems, po
             await self.client.close()
 
     new = _head_only(taught)
+    device = jax.devices()[-1]
     rollout_fn = policy_rollout(policy, server, verifier)
     rollout_fn.sandbox = HeldTool(rollout_fn.sandbox)
-    stream = rollout_fn.stream(taught, policy_version=0, samples_per_problem=2, max_response_length=BUDGET,
-                               max_turns=3)
+    stream = rollout_fn.stream(engine_copy(taught, device), policy_version=0, samples_per_problem=2,
+                               max_response_length=BUDGET, max_turns=3, device=device)
     finished = {}
     try:
         stream.submit("before", problems[0], seed=1, index=0)
         assert rollout_fn.sandbox.calling.wait(120)
-        stream.update_weights(new, 1)
+        stream.update_weights(engine_copy(new, device), 1)
         rollout_fn.sandbox.release.set()
         stream.submit("after", problems[1], seed=1, index=1)
         while len(finished) < 2:
             finished.update(stream.wait(timeout=120))
         stats = stream.stats()
+        assert {a.devices().pop() for a in jax.tree.leaves(stream.core.runner.params)} == {device}
     finally:
         stream.close()
         rollout_fn.close()
