@@ -402,8 +402,9 @@ def announce(title: str, workdir, *, runs: Mapping[str, object] | None = None, o
 def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool):
     """What ``experiments.sft`` and ``train_rl`` do before training: ``--print_config``, or parse the config
     once into the run's typed options (``train.parse``: a bad value is one line and exit 2, before any
-    compute), set up this process's devices and compile-and-report (``--dry_run``), or announce where the run
-    writes. Returns the options when the caller goes on to train, else None."""
+    compute), set up this process's devices and compile-and-report (``--dry_run``), or check the rollout's
+    precision on this backend (``train.check_rollout_precision``) and announce where the run writes. Returns
+    the options when the caller goes on to train, else None."""
     from rstar2jax import train
 
     if print_fields:
@@ -416,6 +417,7 @@ def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool
         print(train.format_dry_run(report), flush=True)
         train.check_memory_plan(options, report=report)
         return None
+    train.check_rollout_precision(options)  # the rollout's precision on this backend (a dry run plans others)
     train.check_memory_plan(options)
     announce(title, options.workdir, options=options)
     return options

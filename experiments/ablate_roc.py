@@ -3,18 +3,22 @@
 The demo's SFT policy (made first if ``--demo_workdir`` has none) is trained by the demo's RL recipe once per
 seed and arm (``--modes``): with Resample-on-Correct (``paper``: 2G rollouts, correct ones down-sampled by
 fewest tool errors / format issues, incorrect ones uniformly), with plain GRPO (``uniform``: 2G -> G uniformly
-at random), or with RoC training LoRA adapters instead of all weights (``lora``: the demo config's ``lora``
-rank, alpha and learning rate), or with RoC on the asynchronous schedule (``async``: ``rl.schedule="async"``,
-eta = 1, the decoupled loss). Writes, under --workdir:
+at random), with RoC training LoRA adapters instead of all weights (``lora``: the demo config's ``lora``
+rank, alpha and learning rate), with RoC sampling in FP8 (``fp8``: the engine's weights in 64 x 64 blocks
+and its KV pages in float8, the trainer in the demo's float32, token-level TIS on as it is by default then),
+or with RoC on the asynchronous schedule (``async``: ``rl.schedule="async"``, eta = 1, the decoupled
+loss). Every arm's final policy is evaluated by an engine in the trainer's precision. Writes, under --workdir:
 
   ablation.png     tool-error ratio inside correct trajectories, accuracy and response length over steps
                    (mean +- std over seeds)
-  ablation.json    the same curves per mode (mean / std / min / max per step), each run's final held-out
-                   evaluation, and the per-run metrics files
+  ablation.json    the same curves per mode (mean / std / min / max per step), and the sampler-vs-trainer
+                   log-prob mismatch per step (mismatch_*), each run's final held-out evaluation, and the
+                   per-run metrics files
 
   python -m experiments.ablate_roc                      # 3 seeds x 2 modes
   python -m experiments.ablate_roc --seeds=0 --config.rl.stages[0].steps=4
   python -m experiments.ablate_roc --modes=paper,lora --workdir=runs/ablate_lora   # full vs LoRA
+  python -m experiments.ablate_roc --modes=paper,fp8 --workdir=runs/ablate_fp8     # float32 vs FP8 rollout
   python -m experiments.ablate_roc --modes=paper,async --workdir=runs/ablate_async # sync vs async (eta=1)
 
 Runs resume: a finished run (its exported policy exists) is skipped, an interrupted one continues.
@@ -28,6 +32,7 @@ import pathlib
 import time
 from collections.abc import Sequence
 
+import ml_collections
 from absl import flags
 
 from experiments import _launch
@@ -43,21 +48,27 @@ _DEMO_WORKDIR = flags.DEFINE_string(
 _WORKDIR = flags.DEFINE_string("workdir", "runs/ablate_roc", "Where the ablation's runs and results go.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs every arm).")
 _MODES = flags.DEFINE_list("modes", ["paper", "uniform"],
-                           "Arms: paper, uniform, lora (RoC training LoRA), async (RoC, asynchronous).")
+                           "Arms: paper, uniform, lora (RoC training LoRA), fp8 (RoC, FP8 rollout + TIS), "
+                           "async (RoC, asynchronous).")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
 
 #: What the ablation compares over steps (names logged by the RL iteration).
 CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
-LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA",
+#: The sampler-vs-trainer log-prob mismatch every RL step logs (``train.rl_step``), in the summary's curves.
+MISMATCH_CURVES = ("mismatch_abs_log_ratio", "mismatch_k3_kl", "mismatch_outside_band")
+LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA", "fp8": "GRPO-RoC, FP8 rollout",
           "async": "GRPO-RoC, asynchronous"}
 #: Arm -> (roc_mode, LoRA adapters instead of all weights).
 ARMS = {"paper": ("paper", False), "uniform": ("uniform", False), "lora": ("paper", True),
-        "async": ("paper", False)}
-#: Arms whose RL run config changes more than that: run-config field -> value. Asynchronous: eta = 1, the
-#: decoupled objective ("auto"), the engine colocated with the trainer.
-ARM_FIELDS = {"async": {"rl.schedule": "async", "rl.max_staleness": 1, "rl.off_policy_correction": "auto"}}
+        "fp8": ("paper", False), "async": ("paper", False)}
+#: Arms whose RL run config changes more than that: run-config field -> value. FP8: the demo model's
+#: projections are 128 x 64 .. 384 x 128, so 64 x 64 blocks (the largest edge dividing them all); the loss
+#: defaults then give token-level TIS at C = 2 on recomputed log-probs. Asynchronous: eta = 1, the decoupled
+#: objective ("auto"), the engine colocated with the trainer.
+ARM_FIELDS = {"fp8": {"rollout.weight_dtype": "fp8", "rollout.kv_dtype": "fp8", "rollout.weight_block": 64},
+              "async": {"rl.schedule": "async", "rl.max_staleness": 1, "rl.off_policy_correction": "auto"}}
 
 
 def arm_run_config(config, paths, mode: str, **run):
@@ -71,6 +82,32 @@ def arm_run_config(config, paths, mode: str, **run):
         section, field = path.split(".")
         c[section][field] = value
     return c
+
+
+#: The rollout fields of a low-precision engine (``config.rollout.<name>``), reset to their defaults (the
+#: trainer's precision) for the final evaluation.
+PRECISION_FIELDS = ("weight_dtype", "kv_dtype", "weight_block", "quantize_head", "fp8_matmul")
+
+
+def trainer_precision(run_config):
+    """``run_config`` with its rollout in the trainer's precision (``PRECISION_FIELDS`` at their defaults):
+    what evaluates every arm's final policy, so each held-out figure comes from the same evaluator."""
+    from rstar2jax.train.schema_rl import RL
+
+    c = ml_collections.ConfigDict(run_config.to_dict())
+    for name in PRECISION_FIELDS:
+        c.rollout[name] = RL[f"rollout.{name}"].default
+    return c
+
+
+def _rollout_fn(options, server, stack: contextlib.ExitStack):
+    """The run's rollout function (closed with ``stack``) on the ablation's sandbox."""
+    from rstar2jax.train.rollouts import policy_rollout
+
+    rollout_fn = policy_rollout(options, server.url, options.policy.prompt,
+                                restart_sandbox=server.restart_if_dead)
+    stack.callback(rollout_fn.close)
+    return rollout_fn
 
 
 def run_ablation(
@@ -91,7 +128,6 @@ def run_ablation(
     from rstar2jax import train
     from rstar2jax.eval import report
     from rstar2jax.train.export import export_policy
-    from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 
     paths = DemoPaths(config.workdir)
@@ -100,13 +136,14 @@ def run_ablation(
     arms = [arm_run_config(config, paths, m) for m in modes]
     # Every run's config is checked before the first starts.
     checked = recipe.check_run_configs(config, sft_run_config(config, paths), *arms)
+    recipe.configure_compile_cache(compile_cache)
+    recipe.check_backend(checked)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [f"{mode}-seed{seed}" for seed in seeds for mode in modes]
     _launch.announce(
         "RoC ablation", out, runs={"sft": paths.sft_run, **{n: out / n for n in names}}, options=checked[-1]
     )
-    recipe.configure_compile_cache(compile_cache)
     timer = recipe.PhaseTimer()
     runs: dict[str, list[list[dict]]] = {LABELS.get(m, m): [] for m in modes}
     evaluations: dict[str, list[dict]] = {LABELS.get(m, m): [] for m in modes}
@@ -118,12 +155,10 @@ def run_ablation(
         for seed in seeds:
             for mode in modes:
                 name, label = f"{mode}-seed{seed}", LABELS.get(mode, mode)
-                rl = train.parse(arm_run_config(config, paths, mode, workdir=out / name, seed=seed))
+                run_config = arm_run_config(config, paths, mode, workdir=out / name, seed=seed)
+                rl = train.parse(run_config)
                 policy = out / name / "policy"
-                rollout_fn = policy_rollout(
-                    rl, server.url, rl.policy.prompt, restart_sandbox=server.restart_if_dead
-                )
-                stack.callback(rollout_fn.close)
+                rollout_fn = _rollout_fn(rl, server, stack)
                 if not (policy / "config.json").exists():
                     with timer.phase(f"rl {name}", out / name):
                         train.train_rl(rl, rollout_fn=rollout_fn, stop=stop)
@@ -132,15 +167,18 @@ def run_ablation(
                 runs[label].append(report.read_metrics(metrics_path))
                 metrics_files[label].append(str(metrics_path))
                 if evaluate:
+                    evaluator = rollout_fn
+                    if (plain := trainer_precision(run_config)).rollout != run_config.rollout:
+                        evaluator = _rollout_fn(train.parse(plain), server, stack)
                     evaluation = recipe.evaluate_saved(
-                        config, out / name / "eval.json", policy, paths.eval_problems, rollout_fn, timer
+                        config, out / name / "eval.json", policy, paths.eval_problems, evaluator, timer
                     )
                     evaluations[label].append({"seed": seed, **evaluation["metrics"]})
     plot = report.plot_ablation(
         runs, out / "ablation.png", keys=CURVES, title=f"{' vs '.join(runs)} (same SFT policy)"
     )
     summary = {
-        "curves": {key: report.aggregate_runs(runs, key) for key in CURVES},
+        "curves": {key: report.aggregate_runs(runs, key) for key in CURVES + MISMATCH_CURVES},
         "final_eval": evaluations,
         "metrics_files": metrics_files,
         "seeds": [int(s) for s in seeds],

@@ -24,7 +24,8 @@ early leaves more to the ones after it, and none can starve the rest beyond its 
 - ``engine``: the Qwen3-1.7B shape in bfloat16, random weights: time to a ready engine (a cold engine's first
   token at 64 slots), the decode step over the memory-bandwidth floor at batch 1 and 64 (parameter + KV
   bytes / measured device copy bandwidth; ``bench_engine``'s measurement), KV bytes held over tokens held,
-  and a 512-token prompt forked into 16 samples;
+  a 512-token prompt forked into 16 samples, and decode tokens/s of the FP8 engine (weights and KV pages)
+  over the bfloat16 one at 64 slots where the backend multiplies float8 natively;
 - ``loop``: two colocated RL steps of ``experiments/configs/qwen3_1p7b_1gpu.py`` (4 prompts x 16 samples,
   1,024-token responses, random weights, the real engine, sandbox and verifier), compile seconds
   (JAX's own compile events) apart from step time; generated tokens/s per GPU.
@@ -39,9 +40,10 @@ stage its status, seconds and limit.
 
 JSON keys (contract): ``smoke_ok``, ``device``, ``gpu_tests_failed`` (and ``gpu_tests_passed``,
 ``gpu_tests_failures``), ``decode_step_over_floor_b1`` / ``_b64`` (goal <= 1.5), ``engine_ready_s``,
-``kv_bytes_ratio``, ``group_prompt_kv_ratio``, ``mfu_8k`` (goal >= 0.35 on an H100), ``mfu_2k`` (>= 0.40),
-``mfu_8k_blockwise``, ``mfu_2k_blockwise``, ``rl_step_tokens_per_s_8k`` (and ``_2k``, ``_blockwise``),
-``training_attention``, ``rl_step_generated_tokens_per_s_per_gpu`` beside
+``kv_bytes_ratio``, ``group_prompt_kv_ratio``, ``fp8_decode_speedup`` (goal >= 1.2 on an H100; None with
+``fp8_decode_why`` where the backend has no native FP8 matmul), ``mfu_8k`` (goal >= 0.35 on an H100),
+``mfu_2k`` (>= 0.40), ``mfu_8k_blockwise``, ``mfu_2k_blockwise``, ``rl_step_tokens_per_s_8k`` (and ``_2k``,
+``_blockwise``), ``training_attention``, ``rl_step_generated_tokens_per_s_per_gpu`` beside
 ``nemo_rl_generated_tokens_per_s_per_gpu`` (NeMo-RL's published 1,562 for an 8B GRPO step on H100s).
 """
 
@@ -373,6 +375,36 @@ def stage_engine(record: Recorder, smoke: bool) -> None:
               f"{step['floor_s'] * 1e3:.2f} ms: {ratio:.2f}x", flush=True)
     group = bench_engine.group_prompt_kv(params, config)
     record(group_prompt_kv_ratio=round(group["kv_bytes"] / group["token_bytes"], 3))
+    fp8_decode(record, smoke)
+
+
+def fp8_decode(record: Recorder, smoke: bool) -> None:
+    """``fp8_decode_speedup``: decode tokens/s of the FP8 engine (weights and KV pages) over the bfloat16
+    one, 64 sequences holding 512 tokens, Qwen3-1.7B shape (``bench_engine.fp8_decode_rates``), where the
+    backend has float8 and multiplies it natively (``models.platform``'s probes; elsewhere, the CPU
+    included, the figure is None and ``fp8_decode_why`` says why). ``--smoke``: the tiny shape at 4 x 32
+    tokens."""
+    from experiments import bench_engine
+    from rstar2jax.models import platform as probes
+
+    why = ""
+    if not probes.float8_supported():
+        why = "no float8_e4m3fn on this backend"
+    elif not probes.fp8_matmul_native():
+        why = "no native FP8 matmul on this backend (its FP8 engine dequantizes: the portable path)"
+    if why:
+        record(fp8_decode_speedup=None, fp8_decode_why=why)
+        print(f"FP8 decode speedup: not measured, {why}", flush=True)
+        return
+    slots, held = (4, 32) if smoke else (64, 512)
+    rates = bench_engine.fp8_decode_rates("tiny" if smoke else "1.7b", slots=slots, prompt_len=held)
+    record(fp8_decode_speedup=round(rates["fp8"] / rates["bf16"], 3),
+           fp8_weights_decode_speedup=round(rates["fp8_weights"] / rates["bf16"], 3),
+           fp8_kv_decode_speedup=round(rates["fp8_kv"] / rates["bf16"], 3),
+           fp8_decode_tokens_per_s=round(rates["fp8"], 1), bf16_decode_tokens_per_s=round(rates["bf16"], 1))
+    print(f"decode tokens/s, {slots} slots x {held} tokens held: FP8 {rates['fp8']:.0f}, bfloat16 "
+          f"{rates['bf16']:.0f}: {rates['fp8'] / rates['bf16']:.2f}x (FP8 weights alone "
+          f"{rates['fp8_weights']:.0f}, FP8 KV alone {rates['fp8_kv']:.0f})", flush=True)
 
 
 def stage_training(record: Recorder, smoke: bool) -> None:
@@ -725,6 +757,7 @@ TABLE = (
     ("decode_step_over_floor_b64", "decode step over floor, batch 64", "<= 1.5"),
     ("kv_bytes_ratio", "KV bytes held / tokens' KV", "<= 1.25"),
     ("group_prompt_kv_ratio", "KV of a prompt x 16 samples / tokens'", "<= 1.2"),
+    ("fp8_decode_speedup", "decode tok/s FP8 / bf16, 64 x 512 held", ">= 1.2"),
     ("loop_compile_s", "loop: compile s (two steps)", ""),
     ("loop_step2_s", "loop: second step s", ""),
     ("rl_step_generated_tokens_per_s_per_gpu", "loop: generated tokens/s/GPU", "NeMo-RL 8B: 1,562"),

@@ -813,6 +813,17 @@ _TORCH_WORKER = flags.DEFINE_list("torch_worker", None, "internal: SHAPE,PATH,BA
 _STARTUP_WORKER = flags.DEFINE_list("startup_worker", None, "internal: programs | ours,BATCH | tunix,BATCH")
 
 
+def rounded(value: float) -> float:
+    """A figure for the JSON line: 3 decimals, or 3 significant digits below 0.1 (a log-prob mismatch of
+    0.0012 is not 0.001, nor one of 0.00016 zero)."""
+    return round(value, 3) if abs(value) >= 0.1 else float(f"{value:.3g}")
+
+
+def shown(value: float) -> str:
+    """A figure for the table: 2 decimals, or 2 significant digits below 0.1."""
+    return f"{value:.2f}" if abs(value) >= 0.1 or value == 0 else f"{value:.2g}"
+
+
 def main(argv) -> None:
     del argv
     args = flags.FLAGS  # the flags by name (scale() and startup() read them)
@@ -832,7 +843,7 @@ def main(argv) -> None:
     def report(key, name, ours, base, ratio, goal, note):
         """Record one measurement and print it at once (the whole run takes minutes)."""
         figures[key] = ratio
-        rows.append(f"{name:<52}{ours:>12.2f}{base:>12.2f}{ratio:>9.2f}  {goal:<9}{note}")
+        rows.append(f"{name:<52}{shown(ours):>12}{shown(base):>12}{shown(ratio):>9}  {goal:<9}{note}")
         print(rows[-1], flush=True)
 
     def finish(note: str) -> None:
@@ -841,7 +852,7 @@ def main(argv) -> None:
         print(note)
         print(f"whole benchmark: {time.perf_counter() - bench_start:.0f} s on "
               f"{jax.devices()[0].device_kind}; load average at end: {os.getloadavg()[0]:.2f}")
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+        print(json.dumps({k: rounded(v) if isinstance(v, float) else v for k, v in figures.items()}))
 
     report.figures = figures
     if args.precision:

@@ -57,11 +57,13 @@ def main(argv):
     paths = DemoPaths(config.workdir)
     # Both phases' configs are checked now, not when RL starts after SFT (their files come later).
     phases = sft_run_config(config, paths), rl_run_config(config, paths)
-    _, rl_checked = recipe.check_run_configs(config, *phases)
+    checked = recipe.check_run_configs(config, *phases)
+    rl_checked = checked[-1]
+    recipe.configure_compile_cache(_COMPILE_CACHE.value)
+    recipe.check_backend(checked)
     if _FRESH.value:
         shutil.rmtree(paths.workdir, ignore_errors=True)
     paths.workdir.mkdir(parents=True, exist_ok=True)
-    recipe.configure_compile_cache(_COMPILE_CACHE.value)
     timer = recipe.PhaseTimer()
     _launch.announce("rstar2jax demo", paths.workdir, runs={"sft": paths.sft_run, "rl": paths.rl_run},
                      options=rl_checked)

@@ -160,6 +160,15 @@ def check_run_configs(
     return [train.parse(before_files(run, config), check_data=False) for run in runs]
 
 
+def check_backend(checked: list[train.RunOptions]) -> None:
+    """What this backend must run for the phases (``check_run_configs``' options): an FP8 rollout's float8
+    support, a ConfigError naming the field before any work (``train.check_rollout_precision``). Sets the
+    process up first (the emulated devices of the largest mesh), as a JAX backend may start here."""
+    train.prepare_process(max(checked, key=lambda options: options.mesh.size))
+    for options in checked:
+        train.check_rollout_precision(options)
+
+
 def check_prompt_budget(config: ml_collections.ConfigDict, paths: DemoPaths) -> int:
     """Raises when a train or held-out prompt is longer than ``rl.batch.max_prompt_length``."""
     tokenizer = load_tokenizer(paths.tokenizer)

@@ -19,6 +19,24 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def shared_folder(tmp_path_factory, name: str, build) -> pathlib.Path:
+    """A folder built once per test run, shared by every pytest-xdist worker: the first worker to ask builds
+    it (``build(folder)``) under a file lock in the run's common temporary root, the others wait and reuse it.
+    For fixtures that cost tens of seconds to make (the tiny taught policy) and are only read afterwards."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base folders are siblings under the run's root
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def qwen3_tokenizer():
     """The real Qwen3 tokenizer, bundled with ``rstar2jax.models`` (loaded once per session)."""
@@ -40,10 +58,19 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """The tiny taught policy folder (``experiments.tiny_policy``), built once per test run."""
+    from experiments.tiny_policy import build_tiny_policy
+
+    return shared_folder(tmp_path_factory, "tiny-policy", build_tiny_policy)
+
+
+@pytest.fixture(scope="session")
 def compile_cache_env(tmp_path_factory) -> dict:
-    """Environment for subprocesses (launchers, resumed runs): one shared persistent JAX compilation cache,
-    fast compilation (XLA backend optimisation off: the test models are too small for it to matter)."""
-    cache = tmp_path_factory.mktemp("jax_cache")
+    """Environment for subprocesses (launchers, resumed runs): one persistent JAX compilation cache shared by
+    every worker of the run (JAX writes its entries atomically), fast compilation (XLA backend optimisation
+    off: the test models are too small for it to matter)."""
+    cache = shared_folder(tmp_path_factory, "jax_cache", lambda folder: None)
     return {
         **os.environ,
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip(),

@@ -52,6 +52,8 @@ def test_smoke_run_passes_every_stage_and_reports_the_contract_keys(tmp_path):
                 "decode_step_over_floor_b64", "engine_ready_s", "rl_step_generated_tokens_per_s_per_gpu"):
         assert result[key] > 0, key
     assert result["kv_bytes_ratio"] >= 1.0 and result["group_prompt_kv_ratio"] >= 1.0
+    # This CPU has float8 but converts it to float32 for a matmul: no FP8 fast path to measure.
+    assert result["fp8_decode_speedup"] is None and "no native FP8 matmul" in result["fp8_decode_why"]
     assert result["loop_steps"] == 2 and result["loop_step1_generated_tokens"] == 2 * 2 * 16
     assert result["nemo_rl_generated_tokens_per_s_per_gpu"] == 1562
 
@@ -186,6 +188,34 @@ def test_pytest_outcomes_are_read_from_its_output_and_its_report(tmp_path):
         "tests/models/test_x.py::test_b": "assert 1 == 2",
         "tests.train.test_colocate": "ModuleNotFoundError: No module named 'ml_collections'",
     }
+
+
+def test_fp8_decode_is_measured_only_where_the_backend_multiplies_float8(monkeypatch, tmp_path):
+    """``fp8_decode_speedup`` (issue 41): FP8 over bfloat16 decode tokens/s where both probes answer yes
+    (``bench_engine.fp8_decode_rates``' rates stand in: the measurement is the GPU's), else None and why."""
+    from experiments import bench_engine
+
+    shapes = []
+
+    def rates(shape, slots, prompt_len):
+        shapes.append((shape, slots, prompt_len))
+        return {"bf16": 1000.0, "fp8": 1300.0, "fp8_weights": 1100.0, "fp8_kv": 1200.0}
+
+    monkeypatch.setattr(bench_engine, "fp8_decode_rates", rates)
+    monkeypatch.setattr(platform, "fp8_matmul_native", lambda: True)
+    record = check.Recorder(tmp_path / "stage_engine.json")
+    check.fp8_decode(record, smoke=False)
+    assert shapes == [("1.7b", 64, 512)]
+    assert record.figures == {"fp8_decode_speedup": 1.3, "fp8_weights_decode_speedup": 1.1,
+                              "fp8_kv_decode_speedup": 1.2, "fp8_decode_tokens_per_s": 1300.0,
+                              "bf16_decode_tokens_per_s": 1000.0}
+    assert json.loads((tmp_path / "stage_engine.json").read_text()) == record.figures
+    for probe, why in (("fp8_matmul_native", "no native FP8 matmul"), ("float8_supported", "no float8")):
+        monkeypatch.setattr(platform, probe, lambda *args: False)
+        record = check.Recorder(tmp_path / f"{probe}.json")
+        check.fp8_decode(record, smoke=True)
+        assert record.figures["fp8_decode_speedup"] is None and why in record.figures["fp8_decode_why"]
+    assert len(shapes) == 1
 
 
 def test_stage_limits_share_the_time_left():

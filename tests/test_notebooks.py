@@ -26,7 +26,9 @@ SLOW_CELL_TIMEOUT_S = 1800  # token_entropy trains the demo's policies in one ce
 #: Notebook -> the fewest figures (image/png outputs) a run must draw. Every notebook needs an entry.
 MIN_FIGURES = {
     "quickstart.ipynb": 0,
-    "roc_ablation.ipynb": 1,  # accuracy, tool-error ratio in correct trajectories, response length per step
+    # accuracy, tool-error ratio in correct trajectories, response length per step; full vs LoRA; the
+    # sampler-vs-trainer mismatch per step, float32 vs FP8 rollout
+    "roc_ablation.ipynb": 3,
     "rollout_to_update.ipynb": 1,  # the change of the trained tokens' log-probs after one rl_step
     "token_entropy.ipynb": 2,  # the entropy distribution; entropy before and after RL
 }

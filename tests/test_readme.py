@@ -134,6 +134,13 @@ NOT_RUN = {
         "needs the demo's SFT policy; about an hour here (README figure)"
     ),
     "python -m experiments.bench_train --lora": "a benchmark (README figure); ten minutes here",
+    # FP8 rollout (issue 41): the fields through the launchers are tests/train/test_rollout_precision.py's.
+    "python -m experiments.train_rl --config=experiments/configs/qwen3_1p7b_1gpu.py "
+    "--config.rollout.weight_dtype=fp8 --config.rollout.kv_dtype=fp8": "needs an 80 GB GPU",
+    "python -m experiments.ablate_roc --modes=paper,fp8 --workdir=runs/ablate_fp8": (
+        "needs the demo's SFT policy; about an hour here"
+    ),
+    "python -m experiments.bench_engine --precision": "a benchmark (README figure); half an hour here",
 }
 
 

@@ -140,7 +140,6 @@ class EngineConfig:
     fp8_matmul: str = "auto"
 
     def __post_init__(self):
-        self._check_precision()
         for name in ("num_slots", "max_len", "decode_chunk", "max_stops", "max_stop_len", "page_size",
                      "attention_block", "prefill_tile"):
             value = getattr(self, name)
@@ -157,6 +156,7 @@ class EngineConfig:
             raise ValueError(f"num_pages must be an int >= 2 (page 0 is the null page), "
                              f"got {self.num_pages!r}")
         object.__setattr__(self, "attention", attention_name(self.attention, "decoding"))
+        self._check_precision()  # after the attention's old name became its new one
         buckets = self.token_buckets
         if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
             raise ValueError(f"token_buckets must be positive ints, got {buckets}")

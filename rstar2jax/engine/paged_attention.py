@@ -159,7 +159,7 @@ def decode_attention(impl: str, kv_dtype=None) -> str:
             return "blockwise"
         raise ValueError(f"attention={impl!r} cannot read FP8 KV pages on {jax.devices()[0].device_kind}: "
                          "the Pallas kernel does not compile for float8 pages there; use "
-                         "attention='blockwise' or kv_dtype=None")
+                         "attention='blockwise', or KV pages in the compute dtype")
     return resolved
 
 

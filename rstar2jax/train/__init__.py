@@ -19,6 +19,7 @@ from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rl_loop import train_rl
 from rstar2jax.train.run import Interrupted, RunPaths, StopSignal
 from rstar2jax.train.runtime import (
+    check_rollout_precision,
     initialize_distributed,
     mesh_from_config,
     prepare_process,
@@ -77,6 +78,7 @@ __all__ = [
     "with_adapters",
     "build_batch",
     "check_memory_plan",
+    "check_rollout_precision",
     "dry_run",
     "filter_hard_problems",
     "format_dry_run",

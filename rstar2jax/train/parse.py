@@ -23,7 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rstar2jax.data.problems import looks_local
-from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, SamplingParams
+from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
+from rstar2jax.models.config import ModelConfig
+from rstar2jax.models.quantization import check_weight_blocks
 from rstar2jax.train import schema, schema_rl
 from rstar2jax.train.checks import Field
 from rstar2jax.train.options import (
@@ -41,7 +43,7 @@ from rstar2jax.train.options import (
     StageOptions,
 )
 from rstar2jax.train.parse_model import policy_from_values
-from rstar2jax.train.rules import common_rules, rl_rules
+from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
 from rstar2jax.train.schedule import off_policy_correction
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.steps import RLLossConfig
@@ -151,22 +153,37 @@ def _fields_of(cls, prefix: str, exclude: tuple[str, ...] = ()) -> dict[str, str
     return {f.name: f"{prefix}.{f.name}" for f in dataclasses.fields(cls) if f.name not in exclude}
 
 
-def _rollout(values, stages: tuple[StageOptions, ...]) -> RolloutOptions:
+#: ``EngineConfig``'s precision and attention fields, from ``rollout.<same name>`` ('' dtypes: None).
+ENGINE_FIELDS = ("quantize_head", "weight_dtype", "kv_dtype", "weight_block", "fp8_matmul", "attention")
+
+
+def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> RolloutOptions:
     longest = max(stages, key=lambda s: s.max_response_length)
     kv_tokens = values["rollout.kv_cache_tokens"]
+    paths = {"num_slots": "rollout.engine_slots", "seed": "seed",
+             **{name: f"rollout.{name}" for name in ENGINE_FIELDS}}
+    engine_values = {path: values[path] for path in paths.values()}
+    for name in ("weight_dtype", "kv_dtype"):
+        engine_values[f"rollout.{name}"] = engine_values[f"rollout.{name}"] or None
     engine = _construct(
-        EngineConfig, {"num_slots": "rollout.engine_slots", "seed": "seed"}, values, "rollout",
+        EngineConfig, paths, engine_values, "rollout",
         max_len=longest.engine_max_len, page_size=longest.page_size,
         # The page pool the memory plan counts (+1: the engine's null page); 0: enough for every slot.
         num_pages=kv_tokens // longest.page_size + 1 if kv_tokens else None,
     )
+    if engine.weight_dtype == FP8:  # what the engine would refuse when built: now, naming the field
+        try:
+            check_weight_blocks(model, engine.weight_block, engine.quantize_head)
+        except ValueError as error:
+            raise ConfigError(f"config.rollout.weight_block={engine.weight_block}: {error}") from None
     sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
     return RolloutOptions(engine=engine, sampling=sampling, **{
         f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
         if f.name not in ("engine", "sampling")})
 
 
-def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int) -> RLLoopOptions:
+def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
+             model: ModelConfig) -> RLLoopOptions:
     set_per_stage = ("seq_len", "pack", "row_multiple")
     iterations = tuple(
         _construct(RLIterationConfig, _fields_of(RLIterationConfig, "rl", set_per_stage), values, "rl",
@@ -189,7 +206,7 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int) -> RLL
         max_prompt_length=values["batch.max_prompt_length"],
         iterations=iterations,
         loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction),
-        rollout=_rollout(values, stages),
+        rollout=_rollout(values, stages, model),
         device_memory_gib=values["device_memory_gib"],
     )
 
@@ -227,11 +244,15 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     stages = _stages(values, check_data) if kind == "rl" else ()
     common_rules(values)
     if kind == "rl":
+        values.update(mismatch_correction(values))  # "auto": from the rollout's precision
         rl_rules(values, stages)
+    policy = policy_from_values(values)
     mesh = _section(MeshShape, "mesh", values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
-    rl = _rl_loop(values, stages, num_microbatches * mesh.data_parallel) if kind == "rl" else None
+    rl = None
+    if kind == "rl":
+        rl = _rl_loop(values, stages, num_microbatches * mesh.data_parallel, policy.model)
     optimizer = OptimizerOptions(
         **{name: values[path] for name, path in _fields_of(OptimizerOptions, "optimizer",
                                                             ("warmup_fraction",)).items()},
@@ -241,7 +262,7 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         workdir=pathlib.Path(values["workdir"]),
         seed=values["seed"],
         notice=values["notice"],
-        policy=policy_from_values(values),
+        policy=policy,
         mesh=mesh,
         distributed=_section(DistributedOptions, "distributed", values),
         optimizer=optimizer,

@@ -13,7 +13,9 @@ from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.placement import rollout_devices
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
+from rstar2jax.train.rules import precision_gap
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
+from rstar2jax.train.runtime import check_rollout_precision
 from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule, make_schedule
 from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
@@ -143,6 +145,22 @@ class _RLStages:
             run.stop_if_requested()
 
 
+def _rollout_precision(run: Run) -> str:
+    """How the rollout's precision differs from the trainer's ('' when it does not); the warning, once, of a
+    run that trains on such a rollout with every rollout correction off."""
+    options = run.options
+    engine = options.rl.rollout.engine
+    gap = precision_gap(engine.weight_dtype, engine.kv_dtype, options.model.compute_dtype)
+    if gap and not options.rl.loss.rollout_correction and run.is_main:
+        logger.warning(
+            "warning: the rollout samples with %s while the trainer computes in %s, and every rollout "
+            "correction is off (loss.allow_uncorrected_mismatch=True): the update takes the sampler's tokens "
+            "as the trainer's own; mismatch_* in the metrics measure how far apart they are",
+            gap, options.model.compute_dtype,
+        )
+    return gap
+
+
 def train_rl(
     options: RunOptions,
     *,
@@ -166,6 +184,7 @@ def train_rl(
     schedule (``rl.schedule="async"``, ``rstar2jax.train.async_schedule``) keeps its released, untrained
     groups there too and drains at a stage's end; its engines stop when the run does.
     """
+    check_rollout_precision(options)  # before any work: a ConfigError naming the field
     optimizer = options.optimizer.optimizer()
     run = start_run(
         options,
@@ -198,6 +217,8 @@ def train_rl(
     keys = ("reward", "accuracy", "response_length", "grad_norm")
     if options.rl.schedule == "async":
         keys += ASYNC_PROGRESS_KEYS
+    if _rollout_precision(run):
+        keys += ("mismatch_abs_log_ratio",)
     dataset = None
     with Progress(run, total, "rl", keys, RL_ALERTS) as progress:
         try:

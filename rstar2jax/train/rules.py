@@ -10,6 +10,7 @@ from typing import Any
 
 from rstar2jax.train.options import ConfigError, StageOptions
 from rstar2jax.train.schedule import off_policy_correction
+from rstar2jax.train.schema_rl import AUTO, MISMATCH_IS_CAP
 
 
 def common_rules(v: Mapping[str, Any]) -> None:
@@ -143,6 +144,43 @@ def _asynchronous(v: Mapping[str, Any]) -> None:
         raise ConfigError("config.colocate.optimizer_memory='host' and rl.schedule='async' do not combine: "
                           "the trainer updates while the engine decodes, so the optimizer state stays on the "
                           "device ('auto' or 'device')")
+def precision_gap(weight_dtype: str | None, kv_dtype: str | None, compute_dtype: str) -> str:
+    """How the rollout engine's precision differs from the trainer's ``compute_dtype`` ('' when it does not):
+    e.g. "fp8 weights and fp8 KV pages" (an engine ``weight_dtype`` / ``kv_dtype`` of '' or None is the
+    compute dtype)."""
+    parts = [f"{dtype} {what}" for dtype, what in ((weight_dtype, "weights"), (kv_dtype, "KV pages"))
+             if dtype and dtype != compute_dtype]
+    return " and ".join(parts)
+
+
+def mismatch_correction(v: Mapping[str, Any]) -> dict[str, Any]:
+    """``loss.old_logprobs`` and ``loss.rollout_is_cap`` with "auto" resolved. A rollout in another precision
+    than the trainer computes in (``rollout.weight_dtype`` / ``kv_dtype``: FP8) samples from slightly other
+    probabilities, so it gets token-level TIS by default: pi_old recomputed by the trainer and token weights
+    pi_train / pi_rollout capped at ``MISMATCH_IS_CAP``; turning every correction off then takes
+    ``loss.allow_uncorrected_mismatch=True``. Otherwise "auto" is the sampler's log-probs and no cap."""
+    gap = precision_gap(v["rollout.weight_dtype"], v["rollout.kv_dtype"], v["model.compute_dtype"])
+    source, cap, mask = v["loss.old_logprobs"], v["loss.rollout_is_cap"], v["loss.rollout_mask"]
+    allowed = v["loss.allow_uncorrected_mismatch"]
+    uncorrected = cap is None and mask is None and not allowed
+    where = f"the rollout samples with {gap} while the trainer computes in {v['model.compute_dtype']}"
+    if gap and cap == AUTO and source == "sampler":
+        raise ConfigError(
+            f"config.loss.old_logprobs='sampler': {where}; the token-level TIS that corrects it by default "
+            "(loss.rollout_is_cap='auto') needs old_logprobs='recompute' (or 'auto'); to train uncorrected "
+            "set loss.rollout_is_cap=None and loss.allow_uncorrected_mismatch=True"
+        )
+    if gap and uncorrected:
+        raise ConfigError(
+            f"config.loss.rollout_is_cap=None: {where}, and no rollout correction is on; keep one "
+            f"(loss.rollout_is_cap='auto' is token-level TIS at C = {MISMATCH_IS_CAP:g}) or set "
+            "loss.allow_uncorrected_mismatch=True to train uncorrected"
+        )
+    if cap == AUTO:
+        cap = MISMATCH_IS_CAP if gap else None
+    if source == AUTO:
+        source = "recompute" if gap else "sampler"
+    return {"loss.old_logprobs": source, "loss.rollout_is_cap": None if cap is None else float(cap)}
 
 
 def rl_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:

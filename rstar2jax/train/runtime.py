@@ -14,7 +14,9 @@ import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
-from rstar2jax.train.options import DistributedOptions, RunOptions
+from rstar2jax.engine.config import FP8
+from rstar2jax.engine.programs import check_precision
+from rstar2jax.train.options import ConfigError, DistributedOptions, RunOptions
 from rstar2jax.train.placement import local_devices_needed, train_devices
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
@@ -91,3 +93,25 @@ def prepare_process(options: RunOptions) -> None:
     ``prepare_process(parse(config))``)."""
     request_host_devices(local_devices_needed(options))
     initialize_distributed(options.distributed)
+
+
+#: The engine fields a precision error may name, each ``config.rollout.<name>``.
+_PRECISION_FIELDS = ("weight_dtype", "kv_dtype", "weight_block", "quantize_head", "attention")
+
+
+def check_rollout_precision(options: RunOptions) -> None:
+    """After :func:`prepare_process`, before any work: a ``ConfigError`` naming the ``config.rollout`` field
+    whose precision the backend cannot run (``engine.check_precision``: FP8 weights or KV pages where JAX or
+    the device has no float8_e4m3fn, FP8 pages with an attention kernel that does not compile for them here,
+    an FP8 weight block that does not divide a weight). Starts the backend (parsing could not) when the
+    rollout has anything in FP8; otherwise there is nothing to check."""
+    engine = options.rl.rollout.engine if options.rl is not None else None
+    if engine is None or FP8 not in (engine.weight_dtype, engine.kv_dtype):
+        return
+    try:
+        check_precision(options.model, engine)
+    except ValueError as error:
+        # The field the message starts from ("attention='pallas_triton' cannot read FP8 KV pages ...").
+        found = {m.start(): n for n in _PRECISION_FIELDS if (m := re.search(rf"\b{n}=", str(error)))}
+        name = found[min(found)] if found else "weight_block"  # check_block's message names no field
+        raise ConfigError(f"config.rollout.{name}={getattr(engine, name)!r}: {error}") from None

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from rstar2jax import algo
+from rstar2jax.engine.config import FP8, FP8_MATMULS
 from rstar2jax.engine.plan import ON_UPDATE
+from rstar2jax.models.config import ATTENTION_ALIASES, DECODE_ATTENTION_IMPLEMENTATIONS, SUPPORTED_DTYPES
 from rstar2jax.train.checks import (
     AT_LEAST_0,
     POSITIVE,
@@ -24,6 +26,12 @@ from rstar2jax.train.schedule import OFF_POLICY_CORRECTION_OPTIONS, PLACEMENTS, 
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES
 
+#: ``loss.old_logprobs`` / ``loss.rollout_is_cap``: chosen from the rollout's precision (``rules``).
+AUTO = "auto"
+#: The token-level TIS cap ``loss.rollout_is_cap="auto"`` gives a run whose rollout samples in another
+#: precision than the trainer computes in (verl's default cap C = 2).
+MISMATCH_IS_CAP = 2.0
+
 ROC_MODE_HELP = "RoC down-sampling: " + choices(
     {
         "paper": "half the negatives at random, positives drawn with weight 1 / penalty",
@@ -42,6 +50,15 @@ STD_HELP = "group std of the advantages: " + choices(
     },
     algo.STD_MODES,
 )
+
+#: ``loss.rollout_is_cap``: "auto", None or a cap C > 1 (a placeholder of any type: overrides parse as
+#: literals, so ``--config.loss.rollout_is_cap=3`` is a number and ``=auto`` the word).
+_CAP = number(1, open_low=True)
+IS_CAP = Check(lambda v: v in (AUTO, None) or _CAP(v), "must be 'auto', a number > 1 or None", object,
+               _CAP.bad)
+#: ``rollout.attention``: the decode implementations and their old names.
+DECODE_ATTENTION = DECODE_ATTENTION_IMPLEMENTATIONS + tuple(
+    old for old, new in ATTENTION_ALIASES.items() if new in DECODE_ATTENTION_IMPLEMENTATIONS)
 
 _ITERATION = RLIterationConfig()  # the iteration's defaults (rl.*), stated once there
 SCHEDULE_HELP = "how rollouts and updates take turns: " + choices(
@@ -119,8 +136,10 @@ RL: dict[str, Field] = {
     ),
     "loss.entropy_coef": Field(0.0, number(0), "entropy bonus coefficient (paper: 0)"),
     "loss.old_logprobs": Field(
-        "sampler", choice(OLD_LOGPROB_SOURCES),
-        "pi_old from the sampler's log-probs or recomputed by the trainer",
+        AUTO, choice((AUTO, *OLD_LOGPROB_SOURCES)),
+        "pi_old from the sampler's log-probs or recomputed by the trainer; auto: recompute when the rollout "
+        "samples in another precision than the trainer computes in (rollout.weight_dtype / kv_dtype, e.g. "
+        "FP8), else sampler",
     ),
     "loss.importance_sampling_level": Field(
         "token", choice(algo.IS_LEVELS),
@@ -143,9 +162,10 @@ RL: dict[str, Field] = {
         "KL estimator: k1 / k2 / k3, + for the straight-through gradient of k2",
     ),
     "loss.rollout_is_cap": Field(
-        None, optional(number(1, open_low=True)),
-        "rollout correction (needs old_logprobs='recompute'): cap C of token weights pi_train / pi_rollout "
-        "(None: off)",
+        AUTO, IS_CAP,
+        "rollout correction, token-level truncated importance sampling (needs old_logprobs='recompute'): "
+        "cap C of token weights pi_train / pi_rollout (None: off); auto: C = 2 when the rollout samples in "
+        "another precision than the trainer computes in (FP8), else off",
     ),
     "loss.rollout_mask": Field(
         None, optional(choice(algo.SEQUENCE_RATIOS)),
@@ -158,6 +178,11 @@ RL: dict[str, Field] = {
     "loss.rollout_mask_threshold": Field(
         2.0, number(1, open_low=True),
         "rollout correction: C' of rollout_mask",
+    ),
+    "loss.allow_uncorrected_mismatch": Field(
+        False, flag(),
+        "True: a rollout in another precision than the trainer's (FP8) may train with every rollout "
+        "correction off (loss.rollout_is_cap=None, no rollout_mask); the run warns once",
     ),
     "rl.prompts_per_step": Field(512, POSITIVE, "problems per RL step"),
     "rl.samples_per_problem": Field(
@@ -258,6 +283,38 @@ RL: dict[str, Field] = {
     "rollout.kv_cache_tokens": Field(
         0, AT_LEAST_0,
         "tokens the KV page pool holds (0: engine_slots x the longest sequence)",
+    ),
+    # Low-precision rollout (issue 41): the engine's own copy of the weights and its KV pages; the trainer's
+    # weights and compute dtype stay as they are.
+    "rollout.weight_dtype": Field(
+        "", choice(("", FP8)),
+        "the engine's copy of the linear layers' weights: '' (model.compute_dtype) or fp8 (float8_e4m3fn in "
+        "weight_block x weight_block blocks with float32 scales, made at every weight update: 0.59x the "
+        "bfloat16 engine weights at Qwen3-1.7B)",
+    ),
+    "rollout.kv_dtype": Field(
+        "", choice(("", FP8, *SUPPORTED_DTYPES)),
+        "KV page dtype: '' (model.compute_dtype), fp8 (float8_e4m3fn with a scale per head and token slot: "
+        "a pool of the same bytes holds 1.97x the bfloat16 tokens) or a float dtype",
+    ),
+    "rollout.quantize_head": Field(
+        False, flag(),
+        "with weight_dtype=fp8, the output head in FP8 too (default: the compute dtype; the head is the "
+        "main source of mismatch)",
+    ),
+    "rollout.weight_block": Field(
+        128, POSITIVE,
+        "FP8 weight block edge (DeepSeek-V3 / verl: 128); must divide both sides of every quantized weight",
+    ),
+    "rollout.fp8_matmul": Field(
+        "auto", choice(FP8_MATMULS),
+        "FP8 weights' matmuls: auto (float8 dots where the backend has them: H100/H200, MI300; else "
+        "dequantize, then multiply) / native / reference",
+    ),
+    "rollout.attention": Field(
+        "auto", choice(DECODE_ATTENTION),
+        "the engine's paged decode attention: auto (the Pallas kernel on CUDA GPUs, else blockwise) / "
+        "blockwise / pallas_triton",
     ),
     "rollout.partial_token_budget": Field(
         0, AT_LEAST_0,

@@ -153,7 +153,8 @@ def rl_loss(
     ``ref_params`` (frozen, no gradient) give the reference log-probs of the KL term when
     ``loss_config.kl_coef`` > 0. Returns (loss, aux): ``aux["token_sums"]`` (entropy, clip fractions, approx
     KL, ratio, rollout-correction sums; divided by the batch's loss tokens after accumulation) and
-    ``aux["totals"]`` (the normalised pg / KL losses).
+    ``aux["totals"]`` (the normalised pg / KL losses). The token sums include ``algo.rollout_mismatch``'s
+    (``mismatch_*``, ``mismatch_tokens``).
     """
     logp, entropy = _logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
     old_logp = batch.old_logp
@@ -220,6 +221,8 @@ def rl_loss(
     }
     token_sums["entropy"] = jax.lax.stop_gradient(_masked_sum(entropy, batch.loss_mask))
     token_sums.update(correction_sums)
+    # The sampler's log-probs against the trainer's (this forward, before the update): no gradient.
+    token_sums.update(algo.rollout_mismatch(logp, batch.old_logp, batch.loss_mask, sums=True))
     totals = {k: v for k, v in metrics.items() if k in _NORMALISED_METRICS}
     return loss, {"token_sums": token_sums, "totals": totals}
 
@@ -353,12 +356,13 @@ def rl_step(
     policy ratio needs a deterministic policy.
 
     Metrics: loss, grad_norm, tokens (loss tokens), and token means of entropy and the policy-loss metrics
-    (clip fractions, approx KL, ratio); kl_loss with a KL term; with rollout correction
-    rollout_is_ratio (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was
-    truncated) and rollout_is_masked (share of loss tokens in masked sequences); with the decoupled
-    objective behaviour_ratio_mean (mean π_prox/π_behaviour) and behaviour_ratio_capped (share truncated).
-    Sequences dropped by the rollout mask stay in the loss normaliser (computed over the whole batch before
-    the forward pass).
+    (clip fractions, approx KL, ratio); kl_loss with a KL term; with rollout correction rollout_is_ratio
+    (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was truncated),
+    rollout_is_masked (share of loss tokens in masked sequences); decoupled: behaviour_ratio_mean (mean
+    π_prox/π_behaviour), behaviour_ratio_capped; always the sampler-vs-trainer mismatch of the loss tokens
+    (``algo.rollout_mismatch``, this forward's log-probs before the update against ``batch.old_logp``):
+    mismatch_abs_log_ratio, mismatch_k3_kl, mismatch_outside_band. Sequences dropped by the rollout mask stay
+    in the loss normaliser (computed over the whole batch before the forward pass).
     """
     tokens = jnp.sum(batch.loss_mask)
     normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)
@@ -371,7 +375,8 @@ def rl_step(
     if lora is not None:
         loss_fn = with_adapters(loss_fn, base, dataclasses.replace(lora, dropout=0.0))
     loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
-    metrics = {k: v / jnp.maximum(tokens, 1.0) for k, v in sums["token_sums"].items()}
+    count = jnp.maximum(tokens, 1.0)
+    metrics = {k: v / count for k, v in sums["token_sums"].items() if k != "mismatch_tokens"}
     metrics.update(sums["totals"], loss=loss, grad_norm=optax.global_norm(grads), tokens=tokens)
     return _apply_update(state, grads, optimizer), metrics
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.tiny_policy import OPENER, build_tiny_policy, conversations
+from experiments.tiny_policy import OPENER, conversations
 from rstar2jax import algo, models
 from rstar2jax.data.conversation import encode_text, render_chat
 from rstar2jax.engine import (
@@ -35,10 +35,10 @@ MEAN_ABS_LOGPROB_BOUND = 0.05
 
 
 @pytest.fixture(scope="module")
-def taught(tmp_path_factory):
+def taught(tiny_policy_dir):
     """The tiny taught policy (``experiments.tiny_policy``, as the serving tests build it) and the prompts
     of its three conversations, rendered as it was taught them."""
-    policy = load_policy(build_tiny_policy(tmp_path_factory.mktemp("tiny-policy")))
+    policy = load_policy(tiny_policy_dir)
     prompts = []
     for messages, tools in conversations(policy.prompt):
         first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

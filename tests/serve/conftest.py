@@ -1,18 +1,12 @@
-"""Fixtures of the serving tests: the tiny taught policy folder (built once), the same weights as a plain HF
-folder, and a live server on the policy."""
+"""Fixtures of the serving tests (the tiny taught policy folder is ``tests/conftest.py``'s): its weights as a
+plain HF folder, the policy loaded, and a live server on it."""
 
 import shutil
 
 import pytest
 
-from experiments.tiny_policy import build_tiny_policy
 from rstar2jax.data.conversation import PROMPT_CONFIG_FILE
 from rstar2jax.serve import BackgroundServer, ServerConfig, load_policy
-
-
-@pytest.fixture(scope="session")
-def tiny_policy_dir(tmp_path_factory):
-    return build_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,11 @@ process forked from one that imported the library once (a launcher's start costs
 and JAX's import), and prints per case its exit status, stderr and whether the work folder appeared:
 
   python -m tests.train.bad_options experiments.train_rl experiments/configs/tiny_cpu.py cases.json ROOT
+
+A case is a list of overrides, stopped where the launcher goes past parsing (``train.prepare_process``), or
+``{"args": [...], "refuse": "module:function"}``: that library function made to answer False in the case's
+process (what this backend can run, e.g. ``models.platform.float8_supported``), stopped where the launcher
+announces its work folder (after checking the rollout's precision on the backend).
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ CONTRADICTIONS = [
     ("rl", {"rl.off_policy_steps": 1}, "config.rl.off_policy_steps=1 trains on tokens an older policy"),
     ("rl", {"rollout.partial_token_budget": 64}, "config.rollout.partial_token_budget > 0 trains on tokens"),
     ("rl", {"rollout.engine_slots": 3}, "config.rollout.engine_slots=3: must be at least"),
+    # A low-precision rollout (issue 41); what the backend cannot run: tests/train/test_rollout_precision.py.
+    ("rl", {"rollout.weight_dtype": "fp8"}, "config.rollout.weight_block=128: FP8 weight block 128 does not"),
+    ("rl", {"rollout.weight_dtype": "fp8", "rollout.weight_block": 48}, "config.rollout.weight_block=48: "),
+    ("rl", {"rollout.quantize_head": True}, "config.rollout.quantize_head=True: quantize_head=True needs"),
+    ("rl", {"rollout.kv_dtype": "fp8", "loss.rollout_is_cap": None},
+     "config.loss.rollout_is_cap=None: the rollout samples with fp8 KV pages while the trainer computes in"),
+    ("rl", {"rollout.kv_dtype": "bfloat16", "loss.old_logprobs": "sampler"},
+     "config.loss.old_logprobs='sampler': the rollout samples with bfloat16 KV pages"),
     ("rl", {"stages[1].hard_filter_rollouts": 9}, "config.stages[1].hard_filter_rollouts=9: must be at most"),
     ("rl", {"rollout.kv_cache_tokens": 100}, "config.rollout.kv_cache_tokens=100: must be 0"),
     ("rl", {"distributed.process_id": 1}, "config.distributed.process_id=1: must be in [0"),
@@ -56,6 +69,19 @@ CONTRADICTIONS = [
     ("rl", {"model.preset": ""}, "config.model.spec: "),
     ("sft", {"model.lora.rank": 4096}, "config.model.lora.rank=4096: lora rank=4096 is larger than"),
     ("sft", {"distributed.process_id": 2}, "config.distributed.process_id=2: must be in [0"),
+]
+
+#: What the backend cannot run (issue 41), each made so on this CPU (which runs FP8) by the library's own
+#: probe answering False: (overrides, the probe ``module:function``, the start of the one line naming it).
+BACKEND_REFUSALS = [
+    ({"rollout.weight_dtype": "fp8", "rollout.weight_block": 32},
+     "rstar2jax.models.platform:float8_supported",
+     "config.rollout.weight_dtype='fp8': weight_dtype='fp8' needs float8_e4m3fn, which JAX"),
+    ({"rollout.kv_dtype": "fp8"}, "rstar2jax.models.platform:float8_supported",
+     "config.rollout.kv_dtype='fp8': kv_dtype='fp8' needs float8_e4m3fn, which JAX"),
+    ({"rollout.kv_dtype": "fp8", "rollout.attention": "pallas_triton"},
+     "rstar2jax.engine.paged_attention:pallas_reads_fp8",
+     "config.rollout.attention='pallas_triton': attention='pallas_triton' cannot read FP8 KV pages"),
 ]
 
 
@@ -115,8 +141,25 @@ class _Accepted(Exception):
     """The launcher went past parsing the config: the value was accepted (nothing may run)."""
 
 
-def _run_case(launcher: str, args: list[str]) -> tuple[int, str]:
-    """Forks, runs ``python -m launcher *args`` in the child and returns its exit status and stderr."""
+def _refuse(probe: str) -> None:
+    """Makes the library function ``probe`` ("module:function") answer False, and the launcher stop (as
+    accepted) where it announces its work folder, after checking what the backend runs."""
+    import importlib
+
+    from experiments import _launch
+
+    module, name = probe.split(":")
+    setattr(importlib.import_module(module), name, lambda *args, **kwargs: False)
+
+    def accepted(*args, **kwargs):
+        raise _Accepted
+
+    _launch.announce = accepted
+
+
+def _run_case(launcher: str, args: list[str], refuse: str = "") -> tuple[int, str]:
+    """Forks, runs ``python -m launcher *args`` in the child (with ``_refuse(refuse)`` first when given) and
+    returns its exit status and stderr."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the launcher as ``python -m`` runs it
@@ -126,6 +169,8 @@ def _run_case(launcher: str, args: list[str]) -> tuple[int, str]:
         sys.argv = [launcher, *args]
         status = 0
         try:
+            if refuse:
+                _refuse(refuse)
             runpy.run_module(launcher, run_name="__main__", alter_sys=True)
         except SystemExit as exit_:
             code = exit_.code
@@ -153,19 +198,23 @@ def main(argv: list[str]) -> None:
     from rstar2jax import train
     from rstar2jax.agent import outage  # noqa: F401
 
+    prepare_process = train.prepare_process
+
     def accepted(options):
         raise _Accepted
 
-    train.prepare_process = accepted  # the first thing a launcher does after parsing: stop there
     results = []
     with open(cases_file, encoding="utf-8") as f:
         cases = json.load(f)
-    for index, overrides in enumerate(cases):
+    for index, case in enumerate(cases):
+        overrides, refuse = (case["args"], case["refuse"]) if isinstance(case, dict) else (case, "")
+        # The first thing a launcher does after parsing: stop there, unless the case goes on to the backend.
+        train.prepare_process = prepare_process if refuse else accepted
         workdir = os.path.join(root, f"case{index}")
         args = [f"--config={config_file}", "--compilation_cache_dir=", *overrides]
         if not any(arg.startswith("--config.workdir=") for arg in overrides):
             args.append(f"--config.workdir={workdir}")
-        status, stderr = _run_case(launcher, args)
+        status, stderr = _run_case(launcher, args, refuse)
         wrote = os.path.exists(workdir)
         results.append({"args": overrides, "status": status, "stderr": stderr, "wrote": wrote})
     print(json.dumps(results))

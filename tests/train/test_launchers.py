@@ -11,7 +11,7 @@ import pytest
 
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from tests.conftest import REPO_ROOT
-from tests.train.bad_options import CONTRADICTIONS, bad_values, override
+from tests.train.bad_options import BACKEND_REFUSALS, CONTRADICTIONS, bad_values, override
 
 
 def _launch(module, *args, env=None, timeout=600):
@@ -299,9 +299,10 @@ def test_two_launches_in_one_process_share_no_stop_state(tmp_path):
 )
 def test_every_bad_option_gets_one_line(launcher, config_file, kind, tmp_path):
     """Every scalar field of the config (walked from the config itself, ``bad_options.bad_values``) set to
-    each bad value its check declares, and the values that contradict another field, each given to the
-    launcher on its command line: exit 2, one line ``error: ...`` naming the field, no traceback, nothing
-    written to the work folder. The launcher runs as ``python -m`` runs it, in a process forked per case
+    each bad value its check declares, the values that contradict another field, and (RL) a rollout precision
+    the backend cannot run, each given to the launcher on its command line: exit 2, one line ``error: ...``
+    naming the field, no traceback, nothing written to the work folder. The launcher runs as ``python -m``
+    runs it, in a process forked per case
     (``tests/train/bad_options.py``) so the cases share one start of the interpreter."""
     from experiments.configs import tiny_cpu
 
@@ -309,6 +310,10 @@ def test_every_bad_option_gets_one_line(launcher, config_file, kind, tmp_path):
     cases = [[override(path, value)] for path, value in fields]
     cases += [[override(path, value) for path, value in o.items()] for k, o, _ in CONTRADICTIONS if k == kind]
     expected = [f"config.{path}" for path, _ in fields] + [m for k, _, m in CONTRADICTIONS if k == kind]
+    if kind == "rl":
+        cases += [{"args": [override(p, v) for p, v in o.items()], "refuse": probe}
+                  for o, probe, _ in BACKEND_REFUSALS]
+        expected += [m for _, _, m in BACKEND_REFUSALS]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = _launch("tests.train.bad_options", launcher, config_file, str(tmp_path / "cases.json"),
                    str(tmp_path / "runs"))

@@ -236,9 +236,9 @@ def test_loss_options_in_rl_step_match_algo_and_accumulate(tiny_model):
             ref_logp=logp_of(ref_params), kl="k2", kl_coef=0.1, importance_sampling_level="sequence",
             segment_ids=batch.segment_ids, is_weights=weights,
         )
-        return full, micro, reference, sums
+        return full, micro, reference, sums, algo.rollout_mismatch(logp, batch.old_logp, batch.loss_mask)
 
-    full, micro, (loss, metrics), sums = full_and_micro(params, batch)
+    full, micro, (loss, metrics), sums, mismatch = full_and_micro(params, batch)
     _assert_trees_close(full, micro)
     np.testing.assert_allclose(full[0], loss, rtol=1e-5)
     np.testing.assert_allclose(full[1]["totals"]["kl_loss"], metrics["kl_loss"], rtol=1e-5)
@@ -257,6 +257,10 @@ def test_loss_options_in_rl_step_match_algo_and_accumulate(tiny_model):
     np.testing.assert_allclose(step_metrics["loss"], loss, rtol=1e-5)
     np.testing.assert_allclose(step_metrics["rollout_is_masked"], float(sums["rollout_is_masked"]) / tokens,
                                rtol=1e-5)
+    # The sampler-vs-trainer mismatch of the loss tokens: summed over the micro-batches, then divided.
+    assert "mismatch_tokens" not in step_metrics and float(mismatch["mismatch_outside_band"]) > 0
+    for name in ("mismatch_abs_log_ratio", "mismatch_k3_kl", "mismatch_outside_band"):
+        np.testing.assert_allclose(step_metrics[name], mismatch[name], rtol=1e-5, err_msg=name)
     _assert_trees_close(new_state.ref_params, ref_params, rtol=0, atol=0)  # frozen
     with pytest.raises(ValueError, match="kl_coef=0.1 needs a reference policy"):
         step(init_train_state(copy_tree(params), optimizer, 0), batch)
