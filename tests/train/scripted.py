@@ -22,6 +22,17 @@ from rstar2jax.data.trajectory import Trajectory
 TINY_VOCAB = 256
 
 
+def set_fields(config, fields: dict):
+    """``config`` with each ``{"section.field": value}`` of ``fields`` set (dotted paths); returns it."""
+    for path, value in fields.items():
+        *parents, leaf = path.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config
+
+
 def tiny_rl_config(workdir: str):
     """The tiny CPU recipe shrunk further: 256-token vocabulary, 3 + 3 steps, checkpoints every 2 steps."""
     from experiments.configs import tiny_cpu

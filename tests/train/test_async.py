@@ -35,20 +35,18 @@ from rstar2jax.train.placement import rollout_devices, train_devices
 from rstar2jax.train.steps import RLLossConfig
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
-from tests.train.scripted import make_async_scripted_rollout, make_scripted_rollout, tiny_rl_config
+from tests.train.scripted import (
+    make_async_scripted_rollout,
+    make_scripted_rollout,
+    set_fields,
+    tiny_rl_config,
+)
 
 NOT_COMPARED = ("time/", "throughput/", "async/")  # wall clock, and what only the producer reports
 
 
 def _config(workdir, **fields):
-    c = tiny_rl_config(str(workdir))
-    for path, value in fields.items():
-        *parents, leaf = path.split(".")
-        node = c
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return c
+    return set_fields(tiny_rl_config(str(workdir)), fields)
 
 
 def _same(a, b) -> bool:
