@@ -191,7 +191,6 @@ def test_sigkill_and_resume_trains_every_drawn_problem_once(tmp_path, compile_ca
     assert last["async/groups_trained_total"] + last["async/groups_dropped_total"] == 6 * 3
 
 
-@pytest.mark.slow  # two processes compile the tiny recipe each: about 3 minutes at load 13 here
 def test_two_processes_run_the_asynchronous_schedule(tmp_path, compile_cache_env):
     """Two processes joined by jax.distributed (CPU, one device each, colocated): each runs its engine on its
     own device and owns half of each batch's groups; the trainer's mesh spans both. The run ends with every
