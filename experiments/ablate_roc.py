@@ -4,9 +4,10 @@ The demo's SFT policy (made first if ``--demo_workdir`` has none) is trained by 
 seed and arm (``--modes``): with Resample-on-Correct (``paper``: 2G rollouts, correct ones down-sampled by
 fewest tool errors / format issues, incorrect ones uniformly), with plain GRPO (``uniform``: 2G -> G uniformly
 at random), with RoC training LoRA adapters instead of all weights (``lora``: the demo config's ``lora``
-rank, alpha and learning rate), or with RoC sampling in FP8 (``fp8``: the engine's weights in 64 x 64 blocks
-and its KV pages in float8, the trainer in the demo's float32, token-level TIS on as it is by default then).
-Every arm's final policy is evaluated by an engine in the trainer's precision. Writes, under --workdir:
+rank, alpha and learning rate), with RoC sampling in FP8 (``fp8``: the engine's weights in 64 x 64 blocks
+and its KV pages in float8, the trainer in the demo's float32, token-level TIS on as it is by default then),
+or with RoC on the asynchronous schedule (``async``: ``rl.schedule="async"``, eta = 1, the decoupled
+loss). Every arm's final policy is evaluated by an engine in the trainer's precision. Writes, under --workdir:
 
   ablation.png     tool-error ratio inside correct trajectories, accuracy and response length over steps
                    (mean +- std over seeds)
@@ -18,6 +19,7 @@ Every arm's final policy is evaluated by an engine in the trainer's precision. W
   python -m experiments.ablate_roc --seeds=0 --config.rl.stages[0].steps=4
   python -m experiments.ablate_roc --modes=paper,lora --workdir=runs/ablate_lora   # full vs LoRA
   python -m experiments.ablate_roc --modes=paper,fp8 --workdir=runs/ablate_fp8     # float32 vs FP8 rollout
+  python -m experiments.ablate_roc --modes=paper,async --workdir=runs/ablate_async # sync vs async (eta=1)
 
 Runs resume: a finished run (its exported policy exists) is skipped, an interrupted one continues.
 """
@@ -46,7 +48,8 @@ _DEMO_WORKDIR = flags.DEFINE_string(
 _WORKDIR = flags.DEFINE_string("workdir", "runs/ablate_roc", "Where the ablation's runs and results go.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs every arm).")
 _MODES = flags.DEFINE_list("modes", ["paper", "uniform"],
-                           "Arms: paper, uniform, lora (RoC training LoRA), fp8 (RoC, FP8 rollout + TIS).")
+                           "Arms: paper, uniform, lora (RoC training LoRA), fp8 (RoC, FP8 rollout + TIS), "
+                           "async (RoC, asynchronous).")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
@@ -55,14 +58,17 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HE
 CURVES = ("tool_error_ratio_correct", "accuracy", "response_length")
 #: The sampler-vs-trainer log-prob mismatch every RL step logs (``train.rl_step``), in the summary's curves.
 MISMATCH_CURVES = ("mismatch_abs_log_ratio", "mismatch_k3_kl", "mismatch_outside_band")
-LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA", "fp8": "GRPO-RoC, FP8 rollout"}
+LABELS = {"paper": "GRPO-RoC", "uniform": "GRPO", "lora": "GRPO-RoC + LoRA", "fp8": "GRPO-RoC, FP8 rollout",
+          "async": "GRPO-RoC, asynchronous"}
 #: Arm -> (roc_mode, LoRA adapters instead of all weights).
 ARMS = {"paper": ("paper", False), "uniform": ("uniform", False), "lora": ("paper", True),
-        "fp8": ("paper", False)}
+        "fp8": ("paper", False), "async": ("paper", False)}
 #: Arms whose RL run config changes more than that: run-config field -> value. FP8: the demo model's
 #: projections are 128 x 64 .. 384 x 128, so 64 x 64 blocks (the largest edge dividing them all); the loss
-#: defaults then give token-level TIS at C = 2 on recomputed log-probs.
-ARM_FIELDS = {"fp8": {"rollout.weight_dtype": "fp8", "rollout.kv_dtype": "fp8", "rollout.weight_block": 64}}
+#: defaults then give token-level TIS at C = 2 on recomputed log-probs. Asynchronous: eta = 1, the decoupled
+#: objective ("auto"), the engine colocated with the trainer.
+ARM_FIELDS = {"fp8": {"rollout.weight_dtype": "fp8", "rollout.kv_dtype": "fp8", "rollout.weight_block": 64},
+              "async": {"rl.schedule": "async", "rl.max_staleness": 1, "rl.off_policy_correction": "auto"}}
 
 
 def arm_run_config(config, paths, mode: str, **run):

@@ -17,7 +17,20 @@ JSON object (the keys are a contract):
   CPU seconds per step (``trl_grpo_step_cpu_ratio``), less sensitive to other jobs on a shared machine.
   The workload sets the ratio: TRL's generation costs about the same per decode step whatever the batch
   (8 or 64 sequences), ours grows with the batch, so ``--prompts=1`` (8 sequences of 64 tokens) gives a
-  larger ratio than the default 8 x 8.
+  larger ratio than ``--prompts=8`` (8 x 8); the default is the issue's 8 x 64 (1 prompt x 8 samples).
+* ``async``: the synchronous schedule against the asynchronous one at eta=1 on the same workload
+  (``experiments/_async_bench.py``: the tool-using tiny policy on the demo's problems, a real sandbox behind
+  ``sandbox_server.latency_proxy``, median 0.5 s / p95 2 s per tool call), the same ``--updates`` from the
+  same state and seeds, compile excluded (2 untimed updates first). ``async_speedup``: synchronous wall time
+  per update over asynchronous, colocated (the engine on the trainer's device). ``async_speedup_ceiling``:
+  synchronous wall time per update over its busy time per update (the engines' device-step seconds plus the
+  update, measured in the synchronous run): what no waiting at all would give. ``async_speedup_split``: the
+  same with the engine on a second emulated CPU device (its ceiling: the larger of engine and update time
+  per update, what separate devices allow; here both share the same two cores). ``max_staleness_seen``
+  (<= eta), ``trajectories_lost`` (released groups neither trained, counted dropped nor still waiting:
+  0), ``reward_gap_async`` (mean reward of the last 10 updates, synchronous minus asynchronous).
+* ``weights``: ``weight_update_ms_qwen3_0p6b``, an update of the Qwen3-0.6B shape (bfloat16) in flight,
+  split placement: copied from the trainer's device into the engine's while it decodes, and queued.
 
 TRL is a bench-only dependency (it is not needed by anything else): ``pip install trl==1.16.0`` (setup.py's
 ``bench`` extra), or beside this project without touching its environment,
@@ -25,6 +38,7 @@ TRL is a bench-only dependency (it is not needed by anything else): ``pip instal
 ``--trl_path=DIR``.
 
   python -m experiments.bench_async --trl_path=DIR                # every part
+  python -m experiments.bench_async --parts=async,weights         # the asynchronous schedule's parts
   python -m experiments.bench_async --parts=trl --trl_path=DIR   # one part
 
 Prints a table (what, value, goal) and, as the last line, one JSON object. The load average is printed with
@@ -50,16 +64,18 @@ from absl import app, flags
 from experiments import _launch
 
 # ------------------------------------------------------------------------------------------------- flags
-_PARTS = flags.DEFINE_list("parts", ["trl"], "parts to run (see the module docstring): trl")
+_PARTS = flags.DEFINE_list("parts", ["async", "weights", "trl"],
+                           "parts to run (see the module docstring): async, weights, trl")
 _TRL_PATH = flags.DEFINE_string(
     "trl_path", None, "a folder holding trl (pip install --no-deps --target DIR trl==1.16.0); default: the "
     "trl of this environment"
 )
-_PROMPTS = flags.DEFINE_integer("prompts", 8, "trl: prompts per GRPO step")
+_PROMPTS = flags.DEFINE_integer("prompts", 1, "trl: prompts per GRPO step")
 _GROUP = flags.DEFINE_integer("group", 8, "trl: samples per prompt (GRPO's group)")
 _COMPLETION_TOKENS = flags.DEFINE_integer("completion_tokens", 64, "trl: most new tokens per sample")
 _STEPS = flags.DEFINE_integer("steps", 3, "trl: timed steps per side, after one untimed first step")
 _SEED = flags.DEFINE_integer("seed", 0, "seed of the problems, the weights and the sampling")
+_UPDATES = flags.DEFINE_integer("updates", 12, "async: timed updates per run (after 2 untimed ones)")
 _WORKER = flags.DEFINE_list("worker", None, "internal: SIDE,FOLDER of one side's measurement (trl or ours)")
 
 #: JAX's monitoring event of one XLA compilation (``jax._src.dispatch.BACKEND_COMPILE_EVENT``).
@@ -421,13 +437,97 @@ def trl_part(table: Table) -> None:
               key="trl_grpo_step_ratio")
 
 
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def async_part(table: Table) -> None:
+    """``async_speedup``, its ceiling, the split figure, staleness, accounting and the reward gap (module
+    doc)."""
+    import jax
+
+    from experiments import _async_bench as bench
+    from rstar2jax.reward import AnswerVerifier
+    from sandbox_server import start_local
+    from sandbox_server.latency_proxy import start_latency_proxy
+
+    workload = bench.AsyncWorkload(updates=_UPDATES.value, seed=_SEED.value)
+    with tempfile.TemporaryDirectory(prefix="bench_async-") as folder:
+        policy, problems, prompt = bench.taught_policy(workload, folder)
+    max_prompt = bench.longest_prompt(policy, problems, prompt)
+    pieces = bench.train_pieces(policy, workload, max_prompt)
+    runs = {}
+    with (start_local(workers=2) as server, start_latency_proxy(server.url, seed=_SEED.value) as proxy,
+          AnswerVerifier(num_workers=1) as verifier):
+        rollout_fn = bench.policy_rollout(policy, prompt, proxy.url, verifier, workload, max_prompt)
+        run = lambda **how: bench.run_schedule(policy, problems, rollout_fn, pieces, workload, **how)
+        try:
+            runs["sync"] = run(asynchronous=False)
+            engines = rollout_fn.engines[-workload.updates:]  # the timed updates' (one call each)
+            runs["async"] = run(asynchronous=True)
+            if len(jax.devices()) > 1:
+                runs["split"] = run(asynchronous=True, rollout_device=jax.devices()[1])
+        finally:
+            rollout_fn.close()
+    sync = runs["sync"]
+    engine_s = sum(e.core.stats["busy_s"] for e in engines) / workload.updates
+    update_s = _mean(m["time/update"] for m in sync["history"])
+    per = f"{workload.prompts} x {workload.samples} rollouts, <= {workload.max_response_length} tokens"
+    table.add(f"synchronous s/update ({per}, tool calls 0.5 s median)", sync["s_per_update"])
+    table.add("  its engine busy s / update s (per update)", f"{engine_s:.3f} / {update_s:.3f}")
+    for name in ("async", "split"):
+        if name not in runs:
+            continue
+        run = runs[name]
+        label = "asynchronous eta=1, " + ("colocated" if name == "async" else "split 1 + 1 devices")
+        table.add(f"{label} s/update", run["s_per_update"])
+        table.add("  rollout busy / trainer busy (mean fractions)",
+                  f"{_mean(m['async/rollout_busy'] for m in run['history']):.2f} / "
+                  f"{_mean(m['async/trainer_busy'] for m in run['history']):.2f}")
+        table.add("  buffer depth (mean) / weight update ms (mean)",
+                  f"{_mean(m['async/buffer_depth'] for m in run['history']):.2f} / "
+                  f"{1000 * _mean(m['async/weight_update_s'] for m in run['history']):.1f}")
+    ceiling = sync["s_per_update"] / (engine_s + update_s)
+    speedup = sync["s_per_update"] / runs["async"]["s_per_update"]
+    table.add("async_speedup_ceiling (sync s / busy s per update)", ceiling, key="async_speedup_ceiling")
+    table.add("async_speedup (sync over async, colocated)", speedup, ">= 1.4 and >= 0.8 x ceiling",
+              key="async_speedup")
+    if "split" in runs:
+        table.add("async_speedup_split (sync over async, split)", sync["s_per_update"] / runs["split"][
+            "s_per_update"], "report", key="async_speedup_split")
+        table.add("  split ceiling (sync s / max(engine, update) s)",
+                  sync["s_per_update"] / max(engine_s, update_s), key="async_speedup_split_ceiling")
+    asynchronous = [run for name, run in runs.items() if name != "sync"]
+    seen = max(m.get("staleness/max", 0.0) for run in asynchronous for m in run["history"])
+    lost = sum(run["ledger"]["released"] - run["ledger"]["trained"] - run["ledger"]["dropped"]
+               - run["outstanding"] for run in asynchronous)
+    table.add("max_staleness_seen (eta = 1)", int(seen), "<= 1", key="max_staleness_seen")
+    table.add("trajectories_lost (groups released, not trained, dropped or waiting)", int(lost), "0",
+              key="trajectories_lost")
+    last = min(10, workload.updates)
+    gap = _mean(sync["rewards"][-last:]) - _mean(runs["async"]["rewards"][-last:])
+    table.add(f"mean reward of the last {last} updates, sync / async",
+              f"{_mean(sync['rewards'][-last:]):.3f} / {_mean(runs['async']['rewards'][-last:]):.3f}")
+    table.add("reward_gap_async (sync minus async)", gap, "<= 0.02", key="reward_gap_async")
+
+
+def weights_part(table: Table) -> None:
+    """``weight_update_ms_qwen3_0p6b`` (module doc)."""
+    from experiments import _async_bench as bench
+
+    result = bench.weight_update_ms()
+    table.add(f"in-flight update, Qwen3-0.6B shape ({result['params'] / 1e6:.0f} M params, bf16), split: "
+              "copy + queue ms", result["ms"], "report", key="weight_update_ms_qwen3_0p6b", digits=1)
+
+
 #: The parts, in the order they run; each adds rows and JSON keys to the table.
-PARTS = {"trl": trl_part}
+PARTS = {"async": async_part, "weights": weights_part, "trl": trl_part}
 
 
 def main(argv) -> None:
     del argv
-    positive_flags(_PROMPTS, _GROUP, _COMPLETION_TOKENS, _STEPS)
+    positive_flags(_PROMPTS, _GROUP, _COMPLETION_TOKENS, _STEPS, _UPDATES)
     if _WORKER.value:
         side, folder = _WORKER.value
         worker(side, folder, Workload(_PROMPTS.value, _GROUP.value, _COMPLETION_TOKENS.value, _STEPS.value,
@@ -436,6 +536,10 @@ def main(argv) -> None:
     unknown = sorted(set(_PARTS.value) - set(PARTS))
     if unknown or not _PARTS.value:
         _launch.fail(f"--parts: unknown or none {unknown}; choose from {list(PARTS)}")
+    if {"async", "weights"} & set(_PARTS.value):
+        from rstar2jax.train.runtime import request_host_devices
+
+        request_host_devices(2)  # split placement: the engine on a second (emulated) CPU device
     table = Table()
     table.add("load average (1 min) at the start", os.getloadavg()[0], digits=2, key="load_average_start")
     for name, part in PARTS.items():

@@ -31,6 +31,9 @@ _NAMES = {
         "rollout",
         "rollout_async",
     ],
+    "rstar2jax.agent.stream": [
+        "RolloutStream",
+    ],
     "rstar2jax.agent.rollout_types": [
         "PartialRollout",
         "RolloutConfig",

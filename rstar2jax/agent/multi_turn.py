@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -62,6 +63,7 @@ from rstar2jax.agent.rollout_types import (
     drop_infra_failures,
 )
 from rstar2jax.agent.session import _Rollout
+from rstar2jax.agent.stream import RolloutStream
 from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
@@ -205,10 +207,14 @@ class BackgroundLoop:
                 self._thread.start()
             return self._loop
 
+    def start(self, coroutine) -> concurrent.futures.Future:
+        """Schedules ``coroutine`` on the loop and returns its future at once (``cancel()`` stops it)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._running())
+
     def run(self, coroutine):
         """Runs ``coroutine`` on the loop and waits for its result (works inside Jupyter's running loop); an
         interruption (e.g. KeyboardInterrupt) cancels it, stopping its sessions and tool calls too."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._running())
+        future = self.start(coroutine)
         try:
             return future.result()
         except BaseException:
@@ -357,6 +363,15 @@ class PolicyRollout:
                         "trajectories kept", stats["sandbox_retried_calls"], stats["sandbox_outage_s"],
                         stats["sandbox_restarts"], len(kept), len(trajectories))
         return kept, unfinished
+
+    def stream(self, params, *, policy_version: int, samples_per_problem: int, max_response_length: int,
+               max_turns: int, on_update: str = "keep", device=None) -> RolloutStream:
+        """These rollouts as a stream (:class:`~rstar2jax.agent.stream.RolloutStream`): one engine on
+        ``device`` with ``params`` from now until the stream is closed, groups submitted one by one and handed
+        back as they finish, new weights taken in flight. The asynchronous schedule's producer."""
+        return RolloutStream(self, params, policy_version=policy_version,
+                             samples_per_problem=samples_per_problem, max_response_length=max_response_length,
+                             max_turns=max_turns, on_update=on_update, device=device)
 
     def make_engine(self, params, engine_config: EngineConfig, policy_version: int) -> RolloutEngine:
         """The engine one call samples with (not started: :func:`rollout` runs it)."""

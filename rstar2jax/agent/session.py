@@ -53,10 +53,12 @@ class _Rollout:
         self.tool_names = config.prompt.tool_names
         self.observer = observer
 
-    def group_seed(self, index: int) -> int | None:
-        if self.config.seed is None:
+    def group_seed(self, index: int, seed: int | None = None) -> int | None:
+        """The seed of group ``index`` of a call seeded ``seed`` (default: ``config.seed``; None: none)."""
+        seed = self.config.seed if seed is None else seed
+        if seed is None:
             return None
-        return int(np.random.SeedSequence([self.config.seed, index]).generate_state(1)[0])
+        return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
     def out_of_budget(self) -> bool:
         return self.token_budget is not None and self.sampled >= self.token_budget
@@ -71,9 +73,11 @@ class _Rollout:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    async def problem(self, index: int, problem: Problem, n: int) -> list[Trajectory | PartialRollout]:
+    async def problem(self, index: int, problem: Problem, n: int, *, seed: int | None = None
+                      ) -> list[Trajectory | PartialRollout]:
+        """Group ``index`` of this call (``seed``: of a call seeded so, default ``config.seed``)."""
         prompt_ids = render_prompt_ids(self.tokenizer, problem.problem, self.config.prompt)
-        seed = self.group_seed(index)
+        seed = self.group_seed(index, seed)
         if self.out_of_budget():  # not opened: the whole group waits for a later call
             return [PartialRollout(problem, list(prompt_ids), _Conversation(),
                                    seed=self.derived_seed(seed, j)) for j in range(n)]

@@ -8,6 +8,8 @@ padding and inserted tool tokens). Parity targets are verl's ``compute_policy_lo
 :func:`importance_log_ratio` (PPO's per-token or GSPO's per-sequence log-ratio), :func:`clipped_surrogate`,
 :func:`dual_clipped`, :func:`importance_weighted`, :func:`kl_penalty` (k1/k2/k3 and straight-through
 estimators), :func:`aggregate_loss` with :func:`loss_normalizer`, and the clip metrics.
+:func:`decoupled_policy_loss` is AReaL's decoupled objective for asynchronous RL, ``policy_loss`` against a
+proximal policy weighted by truncated behaviour-to-proximal importance ratios.
 
 Masked-out positions never reach the arithmetic: every token input is replaced by 0 where ``loss_mask`` is 0
 before anything is computed from it, so a NaN or Inf there (e.g. a padding position's log-prob) changes
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 
 from rstar2jax.algo import _checks
 from rstar2jax.algo._checks import masked as _masked
-from rstar2jax.algo.corrections import LOG_RATIO_BOUND, gspo_log_ratio
+from rstar2jax.algo.corrections import LOG_RATIO_BOUND, gspo_log_ratio, rollout_correction
 
 AGG_MODES = (
     "token_mean",
@@ -393,4 +395,43 @@ def policy_loss(
                                                    eps_high=eps_high, dual_clip=dual_clip)}
     loss = _with_kl_and_entropy(pg_loss, metrics, logp, mask, ref_logp=ref_logp, kl=kl, kl_coef=kl_coef,
                                 entropy=entropy, entropy_coef=entropy_coef, agg=agg, normalizer=normalizer)
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def decoupled_policy_loss(
+    logp: jax.Array,
+    proximal_logp: jax.Array,
+    behaviour_logp: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    is_cap: float = 5.0,
+    is_weights: jax.Array | None = None,
+    **options,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL", Eq. 5), to minimise: the tokens were sampled
+    by an older behaviour policy pi_behav (the engine's log-probs ``behaviour_logp``), the update is clipped
+    against the proximal policy pi_prox the update starts from (``proximal_logp``, recomputed by the
+    trainer), and each token is weighted by the truncated behaviour-to-proximal importance ratio:
+
+      u_t = exp(clip(logp_t - prox_t, -20, 20))                        (current over proximal)
+      w_t = min(exp(clip(prox_t - behav_t, -20, 20)), C)               (C = ``is_cap``, a constant)
+      l_t = w_t max(-A_t u_t, -A_t clip(u_t, 1 - eps_low, 1 + eps_high))    (dual-clipped for A_t < 0)
+      loss = agg(l) (+ the KL / entropy terms of ``policy_loss``)
+
+    ``options`` are :func:`policy_loss`'s (clip ranges, dual clip, aggregation, normaliser, KL, entropy,
+    importance-sampling level); ``is_weights`` (e.g. a sequence mask of ``rollout_correction``) multiply w.
+    ``proximal_logp`` and ``behaviour_logp`` are constants. With pi_behav = pi_prox (on-policy) w = 1 and this
+    is ``policy_loss``. Metrics: ``policy_loss``'s (its ``ratio_mean`` and clip fractions are u's) plus
+    ``behaviour_ratio_mean`` (mean of pi_prox / pi_behav over the loss tokens, before truncation) and
+    ``behaviour_ratio_capped`` (the share of loss tokens whose ratio exceeded C).
+    """
+    weights, sums = rollout_correction(proximal_logp, behaviour_logp, loss_mask, token_cap=is_cap,
+                                       segment_ids=options.get("segment_ids"))
+    if is_weights is not None:
+        weights = weights * _token_array("is_weights", is_weights, weights.shape).astype(weights.dtype)
+    loss, metrics = policy_loss(logp, proximal_logp, advantages, loss_mask, is_weights=weights, **options)
+    tokens = jnp.maximum(jnp.sum(jnp.asarray(loss_mask, weights.dtype)), 1.0)
+    metrics["behaviour_ratio_mean"] = sums["rollout_is_ratio"] / tokens
+    metrics["behaviour_ratio_capped"] = sums["rollout_is_capped"] / tokens
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from rstar2jax.engine.config import EngineConfig, SamplingParams
@@ -283,7 +284,11 @@ class Engine:
                 while self._waiting and core.admissible([self._waiting[0][0]]):
                     request, future = self._waiting.popleft()
                     admitted.append((core.admit([request])[0], future))
-                events = core.step() if core.num_active else []
+                events = []
+                if core.num_active:  # busy_s: the loop's seconds with work (a device step to run or read)
+                    start = time.perf_counter()
+                    events = core.step()
+                    core.stats["busy_s"] += time.perf_counter() - start
                 if admitted or events:
                     self._deliver_soon(admitted, events)
                 if not (core.num_active or self._commands or admitted):

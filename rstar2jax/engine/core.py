@@ -43,7 +43,8 @@ class EngineCore:
         check_policy_version(policy_version)
         self.config = config
         self.engine_config = engine_config
-        self.stats = collections.Counter()  # steps, prompt_tokens, cached_tokens, sampled_tokens
+        # steps, prompt_tokens, cached_tokens, sampled_tokens; busy_s (counted by Engine)
+        self.stats = collections.Counter()
         self.runner = StepRunner(params, config, engine_config)
         self.scheduler = Scheduler(engine_config, config.vocab_size, self.stats,
                                    policy_version=policy_version)

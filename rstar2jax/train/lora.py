@@ -141,12 +141,19 @@ class FrozenBase:
 class MergedRollout:
     """A rollout function that takes a LoRA run's adapters where ``rollout_fn`` takes params: each call
     samples from the base with the adapters merged in (in the compute dtype, the engine's). It has what
-    ``rollout_fn`` has of the trainer's rollout contract: ``partial`` (partial rollouts), ``last_stats``."""
+    ``rollout_fn`` has of the trainer's rollout contract: ``partial`` (partial rollouts), ``last_stats``,
+    ``stream`` (the asynchronous schedule's, which samples from :meth:`policy_params`)."""
 
     def __init__(self, base: FrozenBase, rollout_fn):
         self.base, self.rollout_fn = base, rollout_fn
         if hasattr(rollout_fn, "partial"):
             self.partial = functools.partial(self._merged_call, rollout_fn.partial)
+        if hasattr(rollout_fn, "stream"):  # the asynchronous schedule merges (policy_params), then copies
+            self.stream = rollout_fn.stream
+
+    def policy_params(self, adapters):
+        """The weights the policy samples with: the base with ``adapters`` merged in (compute dtype)."""
+        return self.base.merged(adapters, self.base.model_config.compute_dtype)
 
     @property
     def last_stats(self) -> dict | None:

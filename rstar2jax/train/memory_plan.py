@@ -12,6 +12,12 @@ Colocated RL alternates two phases on the same devices (``rstar2jax.train.coloca
   train peak   = compiled step peak (arguments + outputs - aliased + temporaries: params, optimizer state,
                  batch, gradients, activations); the KV page pool lives only while the engine runs
 
+The asynchronous schedule (``rl.schedule="async"``) keeps its engine running through the update, whole on
+one device of each process, with its own copy of the weights in fresh buffers: colocated, that device holds
+both phases at once (both peaks: the larger of the rollout peak and the step's peak plus the engine's
+weights, KV pool and decode temporaries; the optimizer state never leaves the device); split
+(``rl.placement="split"``), the rollout peak is the rollout device's (the engine alone).
+
 Sizes are per device, from the abstract train state's shardings and XLA's memory analysis of the compiled
 ``rl_step`` (``runner.dry_run``); the KV pool and the decode temporaries follow from the engine's shapes. A
 plan whose larger peak exceeds ``config.device_memory_gib`` fails at start-up with the table, instead of
@@ -41,8 +47,8 @@ class MemoryPlanError(ConfigError):
     """The configured run does not fit its devices; the message holds the whole plan (launchers exit 2)."""
 
 
-def _elements_per_device(leaf) -> int:
-    sharding = getattr(leaf, "sharding", None)
+def _elements_per_device(leaf, whole: bool = False) -> int:
+    sharding = None if whole else getattr(leaf, "sharding", None)
     return math.prod(sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape)
 
 
@@ -58,23 +64,25 @@ def kv_bytes_per_token(model_config, dtype: str | None = None) -> int:
     return paged_attention.kv_bytes_per_token(model_config, dtype)
 
 
-def engine_weight_bytes(weights: Any, model_config, engine_config, *, merged: bool = False) -> int:
+def engine_weight_bytes(weights: Any, model_config, engine_config, *, merged: bool = False,
+                        whole: bool = False) -> int:
     """Per-device bytes of the engine's own copy of ``weights`` (an abstract or concrete, sharded tree):
     with ``engine_config.weight_dtype="fp8"`` each projection in FP8 (a byte per value, a float32 scale per
     block) and the output head too with ``quantize_head`` (tied: an FP8 copy beside the embedding); every
     other leaf cast to the compute dtype where its dtype differs, or always for a LoRA run's ``merged``
-    copy; leaves the engine uses as they are cost nothing."""
+    copy; leaves the engine uses as they are cost nothing. ``whole``: the copy is a full replica on one
+    device (the asynchronous producer's engine), always in fresh buffers."""
     fp8 = engine_config.weight_dtype == FP8
     compute = np.dtype(model_config.compute_dtype)
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
         names = [getattr(key, "key", None) for key in path]
-        elements = _elements_per_device(leaf)
+        elements = _elements_per_device(leaf, whole)
         projection = names[0] == "layers" and names[-1] in LINEAR_WEIGHTS
         if fp8 and (projection or (engine_config.quantize_head and names[0] == "lm_head")):
             total += fp8_weight_bytes(elements, engine_config.weight_block)
             continue
-        if merged or np.dtype(leaf.dtype) != compute:
+        if merged or whole or np.dtype(leaf.dtype) != compute:
             total += elements * compute.itemsize
         if fp8 and engine_config.quantize_head and names[0] == "embed" and model_config.tie_word_embeddings:
             total += fp8_weight_bytes(elements, engine_config.weight_block)
@@ -105,17 +113,27 @@ def memory_plan(
     reference = params if rl.loss.kl_coef and base is None else 0
     engine = rl.rollout.engine
     weights = abstract_state.params if base is None else base
-    cast = engine_weight_bytes(weights, model_config, engine, merged=base is not None)  # LoRA: merged copy
+    # The asynchronous producer's engine is whole on one device (no data or tensor split) and stays while
+    # the trainer updates: colocated, the first device holds both phases at once; split, it has its own.
+    producer = rl.schedule == "async"
+    shards = 1 if producer else data_parallel
+    cast = engine_weight_bytes(weights, model_config, engine, merged=base is not None,  # LoRA: merged copy
+                               whole=producer)
     pool_tokens = rl.rollout.kv_pool_tokens
-    kv_pool = pool_tokens * kv_bytes_per_token(model_config, engine.kv_dtype) // (data_parallel * kv_split)
+    kv_pool = pool_tokens * kv_bytes_per_token(model_config, engine.kv_dtype) // (shards * (
+        1 if producer else kv_split))
     # float32 logits, probabilities and their sort for top-p, one row per engine slot.
-    slots = -(-rl.rollout.engine.num_slots // data_parallel)
+    slots = -(-rl.rollout.engine.num_slots // shards)
     decode_temporaries = 3 * slots * model_config.vocab_size * 4
-    offload = resolve_offload(rl.optimizer_memory, step_report["platform"])
+    offload = not producer and resolve_offload(rl.optimizer_memory, step_report["platform"])
     waiting = 0 if offload else optimizer + reference + frozen
     rollout_peak = params + cast + kv_pool + decode_temporaries + waiting
     gradients = params
     train_peak = step_report["peak_estimate_bytes"]  # the KV pool is freed when the rollout ends
+    if producer and rl.placement == "split":  # the rollout device holds the engine only
+        rollout_peak = cast + kv_pool + decode_temporaries
+    elif producer:  # colocated: the engine decodes while the step runs
+        rollout_peak = train_peak = max(rollout_peak, train_peak + cast + kv_pool + decode_temporaries)
     memory = device_memory_gib(options)
     plan = {
         "devices": step_report["devices"],
@@ -134,6 +152,7 @@ def memory_plan(
         "kv_pool_tokens": pool_tokens,
         "decode_temporaries_gib": decode_temporaries / GIB,
         "optimizer_offloaded_during_rollout": offload,
+        "engine_beside_trainer": producer and rl.placement != "split",
         "rollout_peak_gib": rollout_peak / GIB,
         "train_peak_gib": train_peak / GIB,
         "device_memory_gib": memory,
@@ -144,6 +163,9 @@ def memory_plan(
 
 def format_plan(plan: dict[str, Any]) -> str:
     """The plan as a table (GiB per device)."""
+    beside = plan.get("engine_beside_trainer", False)  # the asynchronous engine decodes through the update
+    engine = {k: plan[k] if beside else 0.0 for k in ("engine_weight_cast_gib", "kv_pool_gib",
+                                                      "decode_temporaries_gib")}
     rows = [
         ("parameters", plan["params_gib"], plan["params_gib"]),
         (
@@ -151,9 +173,10 @@ def format_plan(plan: dict[str, Any]) -> str:
             0.0 if plan["optimizer_offloaded_during_rollout"] else plan["frozen_base_gib"],
             plan["frozen_base_gib"],
         ),
-        (f"engine weights ({plan['engine_weight_dtype']})", plan["engine_weight_cast_gib"], 0.0),
-        (f"KV page pool ({plan['kv_dtype']})", plan["kv_pool_gib"], 0.0),
-        ("decode temporaries", plan["decode_temporaries_gib"], 0.0),
+        (f"engine weights ({plan['engine_weight_dtype']})", plan["engine_weight_cast_gib"],
+         engine["engine_weight_cast_gib"]),
+        (f"KV page pool ({plan['kv_dtype']})", plan["kv_pool_gib"], engine["kv_pool_gib"]),
+        ("decode temporaries", plan["decode_temporaries_gib"], engine["decode_temporaries_gib"]),
         (
             "optimizer state",
             0.0 if plan["optimizer_offloaded_during_rollout"] else plan["optimizer_state_gib"],

@@ -218,6 +218,7 @@ class RolloutOptions:
     tool_output_chars: int
     sandbox_outage_s: float
     partial_segment_tokens: int
+    on_update: str = "keep"
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -229,7 +230,8 @@ class RolloutOptions:
 @dataclasses.dataclass(frozen=True)
 class RLLoopOptions:
     """What the RL loop reads besides its stages: problems per step, the rollout schedule
-    (``off_policy_steps``, ``partial_token_budget``), the non-finite streak that stops a run, the hard
+    (``off_policy_steps``, ``partial_token_budget``; ``schedule="async"`` with ``max_staleness`` and the
+    producer's ``placement`` / ``rollout_devices``), the non-finite streak that stops a run, the hard
     filter's batch, the fixed batch rows (None: packed rows), where optimizer moments wait during rollout, the
     iteration options of each stage (``iterations[i]``: stage i's, its ``seq_len`` the stage's), the loss and
     the rollout."""
@@ -246,6 +248,10 @@ class RLLoopOptions:
     loss: RLLossConfig
     rollout: RolloutOptions
     device_memory_gib: float | None
+    schedule: str = "synchronous"
+    max_staleness: int = 1
+    placement: str = "colocated"
+    rollout_devices: int = 1
 
     @property
     def samples_per_problem(self) -> int:

@@ -44,6 +44,7 @@ from rstar2jax.train.options import (
 )
 from rstar2jax.train.parse_model import policy_from_values
 from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
+from rstar2jax.train.schedule import off_policy_correction
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.steps import RLLossConfig
 
@@ -189,7 +190,10 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
                    seq_len=s.seq_len, pack=values["batch.pack"], row_multiple=row_multiple)
         for s in stages
     )
-    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature",)), "temperature": "rollout.temperature"}
+    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature", "off_policy_correction")),
+                   "temperature": "rollout.temperature"}
+    correction = off_policy_correction(values["rl.off_policy_correction"], values["rl.schedule"],
+                                       values["rl.max_staleness"])
     # rl.* fields that are not the iteration's are the loop's, passed on by name (prompts_per_step, ...).
     loop = {f.name: values[f"rl.{f.name}"] for f in dataclasses.fields(RLLoopOptions)
             if f"rl.{f.name}" in values}
@@ -201,7 +205,7 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
         optimizer_memory=values["colocate.optimizer_memory"],
         max_prompt_length=values["batch.max_prompt_length"],
         iterations=iterations,
-        loss=_construct(RLLossConfig, loss_fields, values, "loss"),
+        loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction),
         rollout=_rollout(values, stages, model),
         device_memory_gib=values["device_memory_gib"],
     )

@@ -6,10 +6,14 @@ off-policy, partial), which owns what one step hands to the next; scoring, selec
 (``rstar2jax.train.multihost``).
 
 The iteration reports ``rollout/policy_lag_mean`` / ``rollout/policy_lag_max``: the version being updated
-minus each trained token's version, over the batch's loss tokens (0 in synchronous on-policy runs). With
+minus each sampled token's version, over the step's rollouts (0 in synchronous on-policy runs), and
+``staleness/max`` / ``staleness/mean`` / ``staleness/tokens_behind_<k>`` over the trained tokens. With
 rollouts across an update the sampler's log-probs of the older tokens come from an older policy: the
 trainer's rollout correction (``RLLossConfig`` with ``old_logprobs="recompute"`` and ``rollout_is_cap`` /
-``rollout_mask``, ``algo.rollout_correction``) weighs them by pi_current / pi_behaviour.
+``rollout_mask``, ``algo.rollout_correction``) weighs them by pi_current / pi_behaviour, or the decoupled
+objective (``off_policy_correction="decoupled"``) clips against the update's starting policy and weighs
+them by pi_proximal / pi_behaviour. After the update the schedule gets the new parameters (``updated``: the
+asynchronous schedule sends them to its engines, in flight).
 
 Faults: a ``rollout_fn`` with a ``last_stats`` dict of counts (:class:`~rstar2jax.agent.PolicyRollout`:
 sandbox outage seconds, calls retried, restarts, trajectories dropped) has them summed over the step's calls
@@ -48,6 +52,7 @@ from rstar2jax.train.selection import (
     rollout_metrics,
     score_groups,
     select_and_build_batch,
+    staleness_metrics,
 )
 from rstar2jax.train.state import TrainState
 
@@ -132,11 +137,12 @@ def rl_iteration(
     start = time.perf_counter()
     rng, roc_key, rollout_key = jax.random.split(state.rng, 3)
     version = int(jax.device_get(state.step.addressable_data(0)))
+    schedule = Synchronous() if schedule is None else schedule
     sampled = _sample(
         state.params,
         problems,
         rollout_fn=rollout_fn,
-        schedule=Synchronous() if schedule is None else schedule,
+        schedule=schedule,
         samples_per_problem=config.samples_per_problem, max_response_length=max_response_length,
         max_turns=max_turns, reward_fn=reward_fn, rollout_key=rollout_key, version=version,
     )
@@ -151,16 +157,20 @@ def rl_iteration(
     metrics.update(sampled.schedule_metrics)
     metrics.update({f"rollout/{name}": float(value) for name, value in sampled.rollout_stats.items()})
     metrics.update(policy_lag_metrics(groups, version))
+    metrics.update(staleness_metrics(batch, version))
     batch = batch.replace(policy_versions=None)  # bookkeeping only: the step's inputs are as they were
     update_start = time.perf_counter()
     # Optimizer state a colocated run parked in host memory during rollout comes back for the update.
     state = colocate.to_device(state.replace(rng=rng))
     state, step_metrics = rl_step(state, put_batch(batch, batch_sharding))
     step_metrics = jax.device_get(step_metrics)
-    end = time.perf_counter()
-    update_seconds = end - update_start
-
+    update_seconds = time.perf_counter() - update_start
     batch_tokens = float((batch.segment_ids > 0).sum())
+    # The asynchronous producer's engines take the new weights now, while they decode.
+    metrics.update(schedule.updated(state.params, version + 1, update_seconds=update_seconds,
+                                    trained_tokens=float(step_metrics["tokens"])))
+    end = time.perf_counter()
+
     response_tokens = sum(len(t.response_ids) for g in groups for t in g)
     metrics.update({k: float(v) for k, v in step_metrics.items()})
     metrics.update(

@@ -7,8 +7,10 @@ import logging
 
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.train import colocate
+from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.faults import NonFiniteStreak
 from rstar2jax.train.options import ConfigError, RunOptions
+from rstar2jax.train.placement import rollout_devices
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rules import precision_gap
@@ -19,6 +21,10 @@ from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
 
 logger = logging.getLogger(__name__)
+#: What the progress line adds under the asynchronous schedule: the producer's and trainer's busy fractions,
+#: finished groups waiting, the oldest trained token's lag, tokens generated per second.
+ASYNC_PROGRESS_KEYS = ("async/rollout_busy", "async/trainer_busy", "async/buffer_depth", "staleness/max",
+                       "throughput/generated_tokens_per_s")
 
 
 def _stage_problems(
@@ -78,12 +84,17 @@ class _RLStages:
         loop = run.options.rl
         self.run, self.step_fn, self.rollout_fn, self.reward_fn, self.total = (
             run, step_fn, rollout_fn, reward_fn, total)
-        self.offload = colocate.resolve_offload(loop.optimizer_memory)
-        self.schedule: RolloutSchedule = make_schedule(
-            off_policy_steps=loop.off_policy_steps,
-            partial_token_budget=loop.partial_token_budget,
-            prompts_per_step=loop.prompts_per_step,
-        )
+        # Asynchronous: the trainer updates while the engine runs, so the moments never leave the device.
+        self.offload = loop.schedule != "async" and colocate.resolve_offload(loop.optimizer_memory)
+        self.schedule: RolloutSchedule
+        if loop.schedule == "async":
+            self.schedule = AsyncSchedule(loop.max_staleness, devices=rollout_devices(run.options),
+                                          dtype=run.model_config.compute_dtype,
+                                          on_update=loop.rollout.on_update)
+        else:
+            self.schedule = make_schedule(off_policy_steps=loop.off_policy_steps,
+                                          partial_token_budget=loop.partial_token_budget,
+                                          prompts_per_step=loop.prompts_per_step)
         self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
@@ -100,6 +111,8 @@ class _RLStages:
         )
         iteration = options.rl.iterations[index]
         self.schedule.restore(run.meta)
+        self.schedule.begin_stage(min(s.steps, self.total - run.meta["stage_start"]),
+                                  run.step - run.meta["stage_start"])
         while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
                 run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
@@ -167,7 +180,9 @@ def train_rl(
     ``rstar2jax.train.schedule``): what one step hands to the next (the next step's rollout,
     unfinished rollouts) is kept in the checkpoint meta (``rollout_carry``), so a resumed run goes on
     exactly; it does not cross a stage boundary (a stage's last step rolls out nothing ahead, and its
-    unfinished rollouts are dropped: the next stage has its own budget and problems).
+    unfinished rollouts are dropped: the next stage has its own budget and problems). The asynchronous
+    schedule (``rl.schedule="async"``, ``rstar2jax.train.async_schedule``) keeps its released, untrained
+    groups there too and drains at a stage's end; its engines stop when the run does.
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
     optimizer = options.optimizer.optimizer()
@@ -200,6 +215,8 @@ def train_rl(
         )
     loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
+    if options.rl.schedule == "async":
+        keys += ASYNC_PROGRESS_KEYS
     if _rollout_precision(run):
         keys += ("mismatch_abs_log_ratio",)
     dataset = None
@@ -216,5 +233,8 @@ def train_rl(
                 run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
                 run.meta.pop(CARRY_META_KEY, None)
         finally:
-            run.close()
+            try:
+                loop.schedule.close()  # the asynchronous producer's engines stop
+            finally:
+                run.close()
     return run.logger.history

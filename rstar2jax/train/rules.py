@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rstar2jax.train.options import ConfigError, StageOptions
+from rstar2jax.train.schedule import off_policy_correction
 from rstar2jax.train.schema_rl import AUTO, MISMATCH_IS_CAP
 
 
@@ -75,11 +76,18 @@ def _engine_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:
                           "longest stage's max_response_length, in whole KV pages)")
 
 
+def _decoupled(v: Mapping[str, Any]) -> bool:
+    """Whether the loss is the decoupled objective (``rl.off_policy_correction``, "auto" resolved)."""
+    return off_policy_correction(v["rl.off_policy_correction"], v["rl.schedule"],
+                                 v["rl.max_staleness"]) == "decoupled"
+
+
 def _rollouts_across_updates(v: Mapping[str, Any]) -> None:
-    """One-step off-policy and partial rollouts: not both, and the rollout correction on."""
+    """One-step off-policy and partial rollouts: not both, and a correction on (the rollout correction, or
+    the decoupled objective)."""
     correction = v["loss.rollout_is_cap"] is not None or v["loss.rollout_mask"] is not None
     recompute = v["loss.old_logprobs"] == "recompute"
-    if correction and not recompute:
+    if correction and not recompute and not _decoupled(v):
         raise ConfigError(
             "config.loss.rollout_is_cap / loss.rollout_mask: rollout correction compares the trainer's "
             "log-probs with the sampler's; set loss.old_logprobs='recompute'"
@@ -93,15 +101,49 @@ def _rollouts_across_updates(v: Mapping[str, Any]) -> None:
     if not (off or budget):
         return
     option = "config.rl.off_policy_steps=1" if off else "config.rollout.partial_token_budget > 0"
-    if not (recompute and correction):
+    if not (recompute and correction) and not _decoupled(v):
         raise ConfigError(
             f"{option} trains on tokens an older policy sampled: it needs the rollout correction, "
-            "loss.old_logprobs='recompute' with loss.rollout_is_cap and/or loss.rollout_mask set"
+            "loss.old_logprobs='recompute' with loss.rollout_is_cap and/or loss.rollout_mask set, or "
+            "rl.off_policy_correction='decoupled'"
         )
     if budget and v["distributed.num_processes"] > 1:
         raise ConfigError(f"{option}: partial rollouts run in one process (distributed.num_processes=1)")
 
 
+def _asynchronous(v: Mapping[str, Any]) -> None:
+    """The asynchronous schedule: alone (no other way across an update), a correction for stale tokens, the
+    optimizer state on the device (the trainer updates while the engine runs), split placement only with
+    it, and the decoupled objective's own cap."""
+    schedule, eta = v["rl.schedule"], v["rl.max_staleness"]
+    if _decoupled(v) and v["loss.rollout_is_cap"] is not None:
+        raise ConfigError(
+            f"config.loss.rollout_is_cap={v['loss.rollout_is_cap']}: the decoupled objective "
+            f"(rl.off_policy_correction={v['rl.off_policy_correction']!r}) truncates the token weights at "
+            "loss.decoupled_is_cap; set loss.rollout_is_cap=None (loss.rollout_mask may stay)"
+        )
+    if v["rl.placement"] == "split" and schedule != "async":
+        raise ConfigError("config.rl.placement='split' sets devices apart for a producer that decodes beside "
+                          f"the trainer: it needs rl.schedule='async' (got {schedule!r})")
+    if schedule != "async":
+        return
+    for name, on in (("rl.off_policy_steps", v["rl.off_policy_steps"]),
+                     ("rollout.partial_token_budget", v["rollout.partial_token_budget"])):
+        if on:
+            raise ConfigError(f"config.{name}={on} and config.rl.schedule='async' do not combine: the "
+                              "asynchronous schedule is its own way across policy updates")
+    corrected = _decoupled(v) or v["loss.rollout_is_cap"] is not None or v["loss.rollout_mask"] is not None
+    if eta > 0 and not corrected:
+        raise ConfigError(
+            f"config.rl.off_policy_correction={v['rl.off_policy_correction']!r} with rl.schedule='async' and "
+            f"rl.max_staleness={eta}: tokens up to {eta} policy versions old need a correction, "
+            "rl.off_policy_correction='decoupled' (what 'auto' picks) or loss.rollout_is_cap / rollout_mask "
+            "with loss.old_logprobs='recompute'"
+        )
+    if v["colocate.optimizer_memory"] == "host":
+        raise ConfigError("config.colocate.optimizer_memory='host' and rl.schedule='async' do not combine: "
+                          "the trainer updates while the engine decodes, so the optimizer state stays on the "
+                          "device ('auto' or 'device')")
 def precision_gap(weight_dtype: str | None, kv_dtype: str | None, compute_dtype: str) -> str:
     """How the rollout engine's precision differs from the trainer's ``compute_dtype`` ('' when it does not):
     e.g. "fp8 weights and fp8 KV pages" (an engine ``weight_dtype`` / ``kv_dtype`` of '' or None is the
@@ -142,9 +184,11 @@ def mismatch_correction(v: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rl_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:
-    """An RL config's rules: selection and batch, the engine, rollouts across an update, the problems."""
+    """An RL config's rules: selection and batch, the engine, rollouts across an update, the asynchronous
+    schedule, the problems."""
     _selection_rules(v, stages)
     _engine_rules(v, stages)
     _rollouts_across_updates(v)
+    _asynchronous(v)
     if not v["data.source"] and not stages[0].dataset:
         raise ConfigError("config.data.source is empty and config.stages[0].dataset names no dataset")

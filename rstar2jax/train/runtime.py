@@ -17,6 +17,7 @@ from rstar2jax import models
 from rstar2jax.engine.config import FP8
 from rstar2jax.engine.programs import check_precision
 from rstar2jax.train.options import ConfigError, DistributedOptions, RunOptions
+from rstar2jax.train.placement import local_devices_needed, train_devices
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
@@ -63,31 +64,35 @@ def mesh_size(options: RunOptions) -> int:
 
 
 def mesh_from_config(options: RunOptions, *, allow_emulated: bool = False) -> Mesh:
-    """The ``data x fsdp x tensor`` mesh of the run (``config.mesh``) over the default backend's devices.
+    """The ``data x fsdp x tensor`` mesh of the run (``config.mesh``) over the default backend's devices (with
+    ``rl.placement="split"``, those the rollout does not take: ``placement.train_devices``).
 
     With ``allow_emulated`` (dry runs) a mesh larger than the default backend falls back to the host's
     (emulated) CPU devices, so a 64-device plan compiles on a laptop.
     """
     mesh = options.mesh
-    devices = jax.devices()
+    devices = train_devices(options)
     if len(devices) < mesh.size and allow_emulated:
-        devices = jax.devices("cpu")
+        devices = train_devices(options, jax.devices("cpu"))
     if len(devices) < mesh.size:
+        apart = len(jax.devices()) - len(devices)
+        split = f" ({apart} set apart for the rollout: rl.rollout_devices)" if apart else ""
         raise ValueError(
             f"config.mesh (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) "
-            f"needs {mesh.size} devices but {len(devices)} {devices[0].platform} devices exist (emulated CPU "
-            "devices must be requested before JAX starts: see request_host_devices)"
+            f"needs {mesh.size} devices but {len(devices)} {jax.devices()[0].platform} devices are left "
+            f"for training{split} (emulated CPU devices must be requested before JAX starts: see "
+            "request_host_devices)"
         )
     return models.make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=devices)
 
 
 def prepare_process(options: RunOptions) -> None:
-    """Before any device query: emulate enough CPU devices for this process's share of the run's mesh (only
-    the CPU backend is touched) and join the multi-host run its ``distributed`` options describe (parsing a
-    config starts no backend: ``prepare_process(parse(config))``)."""
-    mesh, distributed = options.mesh, options.distributed
-    request_host_devices(-(-mesh.size // distributed.num_processes))
-    initialize_distributed(distributed)
+    """Before any device query: emulate enough CPU devices for this process's share of the run's mesh (and,
+    split placement, its rollout devices; only the CPU backend is touched) and join the multi-host run its
+    ``distributed`` options describe (parsing a config starts no backend:
+    ``prepare_process(parse(config))``)."""
+    request_host_devices(local_devices_needed(options))
+    initialize_distributed(options.distributed)
 
 
 #: The engine fields a precision error may name, each ``config.rollout.<name>``.

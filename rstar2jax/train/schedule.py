@@ -52,6 +52,23 @@ RolloutFn = Callable[..., list["Trajectory"]]
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
     from rstar2jax.data.trajectory import Trajectory
 
+#: ``rl.schedule``: synchronous (refined by one-step off-policy or partial rollouts) or the asynchronous
+#: producer (``rstar2jax.train.async_schedule``).
+ROLLOUT_SCHEDULES = ("synchronous", "async")
+#: ``rl.placement``: where the asynchronous producer's engines run (``rstar2jax.train.placement``).
+PLACEMENTS = ("colocated", "split")
+#: ``rl.off_policy_correction``: "auto" or one of ``steps.OFF_POLICY_CORRECTIONS``.
+OFF_POLICY_CORRECTION_OPTIONS = ("auto", "none", "decoupled")
+
+
+def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
+    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
+    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
+    if option == "auto":
+        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
+    return option
+
+
 #: The checkpoint meta key of what a schedule carries from one step to the next.
 CARRY_META_KEY = "rollout_carry"
 
@@ -162,6 +179,16 @@ class RolloutSchedule:
         groups = run_rollouts(rollout_fn, params, problems, **options, seed=seed_from_key(rollout_key),
                               policy_version=version, stats=stats)
         return problems, groups, {}
+
+    def begin_stage(self, steps: int, done: int) -> None:
+        """A stage starts (or resumes) with ``steps`` steps to run in all, ``done`` of them run already."""
+
+    def updated(self, params, version: int, *, update_seconds: float, trained_tokens: float) -> dict:
+        """The update to ``version`` (``params``) is done; returns the schedule's figures of the step."""
+        return {}
+
+    def close(self) -> None:
+        """The run stops: whatever the schedule runs in the background stops."""
 
     @property
     def empty(self) -> bool:

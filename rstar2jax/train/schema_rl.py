@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rstar2jax import algo
 from rstar2jax.engine.config import FP8, FP8_MATMULS
+from rstar2jax.engine.plan import ON_UPDATE
 from rstar2jax.models.config import ATTENTION_ALIASES, DECODE_ATTENTION_IMPLEMENTATIONS, SUPPORTED_DTYPES
 from rstar2jax.train.checks import (
     AT_LEAST_0,
@@ -21,6 +22,7 @@ from rstar2jax.train.checks import (
     url,
 )
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
+from rstar2jax.train.schedule import OFF_POLICY_CORRECTION_OPTIONS, PLACEMENTS, ROLLOUT_SCHEDULES
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.steps import OLD_LOGPROB_SOURCES
 
@@ -59,6 +61,32 @@ DECODE_ATTENTION = DECODE_ATTENTION_IMPLEMENTATIONS + tuple(
     old for old, new in ATTENTION_ALIASES.items() if new in DECODE_ATTENTION_IMPLEMENTATIONS)
 
 _ITERATION = RLIterationConfig()  # the iteration's defaults (rl.*), stated once there
+SCHEDULE_HELP = "how rollouts and updates take turns: " + choices(
+    {
+        "synchronous": "each step rolls out its problems, then updates (rl.off_policy_steps, "
+        "rollout.partial_token_budget refine it)",
+        "async": "a producer rolls out continuously beside the trainer, at most rl.max_staleness policy "
+        "versions behind",
+    },
+    ROLLOUT_SCHEDULES,
+)
+CORRECTION_HELP = "how the loss corrects for tokens an older policy sampled: " + choices(
+    {
+        "auto": "decoupled under rl.schedule='async' (max_staleness > 0), none otherwise",
+        "decoupled": "AReaL's decoupled PPO: clip against the update's starting policy, weight tokens by "
+        "min(pi_prox / pi_behaviour, loss.decoupled_is_cap)",
+        "none": "no decoupled objective (loss.rollout_is_cap / loss.rollout_mask, TIS / MIS, when set)",
+    },
+    OFF_POLICY_CORRECTION_OPTIONS,
+)
+PLACEMENT_HELP = "where the asynchronous producer's engine runs: " + choices(
+    {
+        "colocated": "on the trainer's devices, with its own inference-dtype copy of the weights",
+        "split": "on rl.rollout_devices devices of each process set apart from the train mesh; new weights "
+        "are copied device to device while it decodes",
+    },
+    PLACEMENTS,
+)
 STAGE_LIST = Check(lambda v: isinstance(v, list | tuple) and len(v) > 0, "must list at least one stage", list)
 
 #: An RL run's own fields (GRPO-RoC; the paper's defaults where it gives them), after ``COMMON``'s.
@@ -143,6 +171,10 @@ RL: dict[str, Field] = {
         None, optional(choice(algo.SEQUENCE_RATIOS)),
         "rollout correction: drop sequences whose (geometric) ratio leaves [1/C', C']",
     ),
+    "loss.decoupled_is_cap": Field(
+        5.0, number(1, open_low=True),
+        "decoupled objective (rl.off_policy_correction): cap C of the token weights pi_prox / pi_behaviour",
+    ),
     "loss.rollout_mask_threshold": Field(
         2.0, number(1, open_low=True),
         "rollout correction: C' of rollout_mask",
@@ -201,6 +233,19 @@ RL: dict[str, Field] = {
         0, integer(0, 1),
         "1: roll out step n+1 with step n's parameters before step n's update (one-step off-policy, needs "
         "loss.old_logprobs='recompute' and a rollout correction); 0: on-policy",
+    ),
+    "rl.schedule": Field("synchronous", choice(ROLLOUT_SCHEDULES), SCHEDULE_HELP),
+    "rl.max_staleness": Field(
+        1, AT_LEAST_0,
+        "async: eta, the most policy versions a trained token may lag the parameters it updates (a "
+        "guarantee: admission waits; 0 gives the synchronous schedule's batches)",
+    ),
+    "rl.off_policy_correction": Field("auto", choice(OFF_POLICY_CORRECTION_OPTIONS), CORRECTION_HELP),
+    "rl.placement": Field("colocated", choice(PLACEMENTS), PLACEMENT_HELP),
+    "rl.rollout_devices": Field(
+        1, POSITIVE,
+        "split placement: devices of each process the rollout engines take (one engine per device); the "
+        "train mesh takes the others",
     ),
     "rl.max_nonfinite_steps": Field(
         3, POSITIVE,
@@ -275,6 +320,11 @@ RL: dict[str, Field] = {
         0, AT_LEAST_0,
         "partial rollouts: > 0 stops a step's rollouts after this many sampled tokens, trains on the "
         "finished groups and resumes the rest next step (0: off; needs the rollout correction)",
+    ),
+    "rollout.on_update": Field(
+        "keep", choice(ON_UPDATE),
+        "async: sequences running when new weights arrive decode on over their keys/values (keep) or "
+        "prefill them again with the new weights (recompute)",
     ),
     "rollout.partial_segment_tokens": Field(
         64, POSITIVE,

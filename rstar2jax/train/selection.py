@@ -102,6 +102,23 @@ def policy_lag_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> 
     }
 
 
+def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """How stale the trained tokens are: over the batch's loss tokens, ``version`` (the parameters the update
+    starts from) minus the version that sampled each: ``staleness/max``, ``staleness/mean`` and
+    ``staleness/tokens_behind_<k>`` (how many trained tokens were sampled k versions before), k from 0 to the
+    max. Needs ``batch.policy_versions``; empty without them."""
+    if batch.policy_versions is None:
+        return {}
+    versions = np.asarray(batch.policy_versions)[(np.asarray(batch.loss_mask) > 0)
+                                                 & (np.asarray(batch.policy_versions) >= 0)]
+    lag = version - versions.astype(np.int64)
+    if not lag.size:
+        return {}
+    counts = np.bincount(lag)
+    return {"staleness/max": float(lag.max()), "staleness/mean": float(lag.mean()),
+            **{f"staleness/tokens_behind_{k}": float(n) for k, n in enumerate(counts)}}
+
+
 def check_rewards(groups: list[list[Trajectory]]) -> None:
     """Raises ``ValueError`` naming the first trajectory whose reward is not a finite number (a NaN reward
     would otherwise zero or poison its whole group's advantages)."""

@@ -24,6 +24,11 @@ from rstar2jax.train.faults import skip_nonfinite_updates
 from rstar2jax.train.state import TrainState
 
 OLD_LOGPROB_SOURCES = ("sampler", "recompute")
+#: How the loss corrects for tokens an older policy sampled (``RLLossConfig.off_policy_correction``):
+#: "decoupled" is AReaL's objective (``algo.decoupled_policy_loss``); "none" leaves it to the rollout
+#: correction fields (TIS / MIS), when set.
+OFF_POLICY_CORRECTIONS = ("none", "decoupled")
+
 # policy_loss metrics already divided by the normaliser (additive over micro-batches, unlike its token means).
 _NORMALISED_METRICS = ("pg_loss", "kl_loss")
 
@@ -48,6 +53,10 @@ class RLLossConfig:
     ``old_logprobs="recompute"``: π_train is the recomputed π_old, π_rollout the sampler's log-probs):
     ``rollout_is_cap`` C truncates the token weights at C; ``rollout_mask`` ("sequence" / "geometric")
     drops sequences whose ratio leaves [1/C', C'], C' = ``rollout_mask_threshold``.
+
+    ``off_policy_correction="decoupled"``: AReaL's objective (``algo.decoupled_policy_loss``): proximal
+    log-probs recomputed by the trainer (whatever ``old_logprobs`` says), tokens weighted by min(pi_prox /
+    pi_sampler, ``decoupled_is_cap``); ``rollout_mask`` may drop sequences, ``rollout_is_cap`` must be None.
     """
 
     eps_low: float = 0.2
@@ -65,6 +74,8 @@ class RLLossConfig:
     rollout_is_cap: float | None = None
     rollout_mask: str | None = None
     rollout_mask_threshold: float = 2.0
+    off_policy_correction: str = "none"
+    decoupled_is_cap: float = 5.0
 
     def __post_init__(self):
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
@@ -84,11 +95,17 @@ class RLLossConfig:
             raise ValueError(
                 f"rollout_mask={self.rollout_mask!r}; expected None or one of {algo.SEQUENCE_RATIOS}"
             )
-        for name in ("rollout_is_cap", "rollout_mask_threshold"):
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(f"off_policy_correction={self.off_policy_correction!r}; expected one of "
+                             f"{OFF_POLICY_CORRECTIONS}")
+        if self.decoupled and self.rollout_is_cap is not None:
+            raise ValueError("off_policy_correction='decoupled' weights tokens by its own truncated ratio "
+                             "(decoupled_is_cap): rollout_is_cap must be None")
+        for name in ("rollout_is_cap", "rollout_mask_threshold", "decoupled_is_cap"):
             value = getattr(self, name)
             if value is not None and not value > 1:
                 raise ValueError(f"{name} must be > 1, got {value}")
-        if self.rollout_correction and self.old_logprobs != "recompute":
+        if self.rollout_correction and self.old_logprobs != "recompute" and not self.decoupled:
             raise ValueError(
                 "rollout correction (rollout_is_cap / rollout_mask) compares the trainer's π_old with the "
                 "sampler's log-probs: it needs old_logprobs='recompute'"
@@ -97,6 +114,10 @@ class RLLossConfig:
     @property
     def rollout_correction(self) -> bool:
         return self.rollout_is_cap is not None or self.rollout_mask is not None
+
+    @property
+    def decoupled(self) -> bool:
+        return self.off_policy_correction == "decoupled"
 
 
 def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -137,7 +158,7 @@ def rl_loss(
     """
     logp, entropy = _logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
     old_logp = batch.old_logp
-    if loss_config.old_logprobs == "recompute":
+    if loss_config.old_logprobs == "recompute" or loss_config.decoupled:
         # One update per rollout batch: π_old is the current policy before this update.
         old_logp = jax.lax.stop_gradient(logp)
     ref_logp = None
@@ -150,7 +171,7 @@ def rl_loss(
             jax.lax.stop_gradient(ref_params), model_config, batch, loss_config.temperature
         )
     is_weights, correction_sums = None, {}
-    if loss_config.rollout_correction:
+    if loss_config.rollout_correction:  # TIS / MIS; under the decoupled objective its sequence mask only
         # batch.old_logp holds the sampler's (rollout engine's) log-probs.
         is_weights, correction_sums = algo.rollout_correction(
             old_logp,
@@ -162,10 +183,13 @@ def rl_loss(
             segment_ids=batch.segment_ids,
         )
     sequence_level = loss_config.importance_sampling_level == "sequence"
+    if loss_config.decoupled:  # old_logp is the proximal policy's; batch.old_logp the sampler's (behaviour)
+        objective = functools.partial(algo.decoupled_policy_loss, logp, old_logp, batch.old_logp,
+                                      is_cap=loss_config.decoupled_is_cap)
+    else:
+        objective = functools.partial(algo.policy_loss, logp, old_logp)
     policy_loss = functools.partial(
-        algo.policy_loss,
-        logp,
-        old_logp,
+        objective,
         batch.advantages,
         eps_low=loss_config.gspo_eps_low if sequence_level else loss_config.eps_low,
         eps_high=loss_config.gspo_eps_high if sequence_level else loss_config.eps_high,
@@ -332,13 +356,13 @@ def rl_step(
     policy ratio needs a deterministic policy.
 
     Metrics: loss, grad_norm, tokens (loss tokens), and token means of entropy and the policy-loss metrics
-    (clip fractions, approx KL, ratio); kl_loss with a KL term; with rollout correction
-    rollout_is_ratio (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was
-    truncated) and rollout_is_masked (share of loss tokens in masked sequences); always the sampler-vs-trainer
-    mismatch of the loss tokens (``algo.rollout_mismatch`` of this forward's log-probs, before the update,
-    against ``batch.old_logp``): mismatch_abs_log_ratio, mismatch_k3_kl, mismatch_outside_band. Sequences
-    dropped by the rollout mask stay in the loss normaliser (computed over the whole batch before the forward
-    pass).
+    (clip fractions, approx KL, ratio); kl_loss with a KL term; with rollout correction rollout_is_ratio
+    (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was truncated),
+    rollout_is_masked (share of loss tokens in masked sequences); decoupled: behaviour_ratio_mean (mean
+    π_prox/π_behaviour), behaviour_ratio_capped; always the sampler-vs-trainer mismatch of the loss tokens
+    (``algo.rollout_mismatch``, this forward's log-probs before the update against ``batch.old_logp``):
+    mismatch_abs_log_ratio, mismatch_k3_kl, mismatch_outside_band. Sequences dropped by the rollout mask stay
+    in the loss normaliser (computed over the whole batch before the forward pass).
     """
     tokens = jnp.sum(batch.loss_mask)
     normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)

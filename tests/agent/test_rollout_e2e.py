@@ -34,6 +34,7 @@ from rstar2jax.data.problems import Problem
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.reward import AnswerVerifier
+from rstar2jax.train.placement import engine_copy
 from sandbox_server import start_local
 
 # A short prompt keeps the tiny model's sequences (and the teaching) cheap; the tool keeps the paper's name.
@@ -275,3 +276,72 @@ def test_a_sandbox_outage_mid_rollout_keeps_every_session_and_its_tokens(problem
     stats = outage_fn.last_stats
     assert stats["sandbox_outage_s"] > 0.4 and stats["sandbox_retried_calls"] >= 1
     assert stats["trajectories_dropped_for_sandbox_failures"] == 0
+
+
+def _head_only(params):
+    """Weights that sample differently but write the same keys/values (a new final norm and last layer's MLP
+    output), so tokens decoded on old keys/values after an update have the new weights' teacher-forced
+    log-probs."""
+    layers = params["layers"]
+    return {**params, "final_norm": params["final_norm"] * 1.5,
+            "layers": {**layers, "down_proj": layers["down_proj"].at[-1].multiply(-2.0)}}
+
+
+def test_stream_takes_new_weights_while_a_session_waits_on_its_tool(problems, policy, taught, server,
+                                                                   verifier):
+    """The asynchronous producer's stream: the update arrives while both sessions wait on their tool call;
+    they survive it, every sampled token carries the version that sampled it and that version's
+    teacher-forced log-prob, and the group submitted after the update is all new. The engine runs on
+    another device than the trainer's, with weights copied there (split placement). (That an update
+    compiles nothing: ``tests/engine/test_weights.py``.)"""
+
+    class HeldTool:  # the tool call waits until the test has updated the weights
+        def __init__(self, client):
+            self.client, self.calling, self.release = client, threading.Event(), threading.Event()
+
+        async def run(self, code, stdin="", timeout=None):
+            self.calling.set()
+            await asyncio.to_thread(self.release.wait, 120)
+            return await self.client.run(code, stdin=stdin, timeout=timeout)
+
+        async def close(self):
+            await self.client.close()
+
+    new = _head_only(taught)
+    device = jax.devices()[-1]
+    rollout_fn = policy_rollout(policy, server, verifier)
+    rollout_fn.sandbox = HeldTool(rollout_fn.sandbox)
+    stream = rollout_fn.stream(engine_copy(taught, device), policy_version=0, samples_per_problem=2,
+                               max_response_length=BUDGET, max_turns=3, device=device)
+    finished = {}
+    try:
+        stream.submit("before", problems[0], seed=1, index=0)
+        assert rollout_fn.sandbox.calling.wait(120)
+        stream.update_weights(engine_copy(new, device), 1)
+        rollout_fn.sandbox.release.set()
+        stream.submit("after", problems[1], seed=1, index=1)
+        while len(finished) < 2:
+            finished.update(stream.wait(timeout=120))
+        stats = stream.stats()
+        assert {a.devices().pop() for a in jax.tree.leaves(stream.core.runner.params)} == {device}
+    finally:
+        stream.close()
+        rollout_fn.close()
+    assert stats["generated_tokens"] == sum(sum(t.loss_mask) for g in finished.values() for t in g)
+    assert stats["busy_s"] > 0
+    params_of = {0: taught, 1: new}
+    for key, group in finished.items():
+        assert len(group) == 2
+        for t in group:
+            versions = np.asarray(t.policy_versions)
+            sampled = np.asarray(t.loss_mask, bool)
+            assert set(versions[sampled]) == ({0, 1} if key == "before" else {1}), (key, t.policy_versions)
+            assert (versions[~sampled] == -1).all()
+            tokens = np.array([t.prompt_ids + t.response_ids], np.int32)
+            for version, params in params_of.items():
+                logits, _ = models.forward(params, policy.model_config, tokens)
+                expected = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[
+                    0, len(t.prompt_ids) - 1:]
+                rows = sampled & (versions == version)
+                np.testing.assert_allclose(np.asarray(t.logprobs)[rows], expected[rows], atol=2e-4)
+    assert any(t.tool_outcomes == ["ok"] for t in finished["before"])

@@ -218,3 +218,17 @@ def rollout_correction(train_logp, rollout_logp, loss_mask, *, token_cap, sequen
                 sums["rollout_is_masked"] += len(idx)
         weights[b, idx] = w
     return weights, sums
+
+
+def decoupled_policy_loss(logp, proximal_logp, behaviour_logp, advantages, loss_mask, *, is_cap, **options):
+    """AReaL's decoupled objective: :func:`policy_loss` against the proximal log-probs with each token
+    weighted by w_t = min(pi_prox / pi_behav, C); plus the behaviour ratios' mean and capped share."""
+    mask = np.asarray(loss_mask, np.float64)
+    ratio = np.exp(np.asarray(proximal_logp, np.float64) - np.asarray(behaviour_logp, np.float64))
+    weights = np.where(mask > 0, np.minimum(ratio, is_cap), 0.0)
+    total, metrics, grad_logp, _ = policy_loss(logp, proximal_logp, advantages, loss_mask, is_weights=weights,
+                                               **options)
+    tokens = max(mask.sum(), 1.0)
+    metrics["behaviour_ratio_mean"] = float(np.sum(ratio * mask)) / tokens
+    metrics["behaviour_ratio_capped"] = float(np.sum((ratio > is_cap) * mask)) / tokens
+    return total, metrics, grad_logp

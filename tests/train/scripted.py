@@ -7,6 +7,8 @@ small driver that trains the tiny CPU recipe with it, so a run can be killed and
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
 import types
 import zlib
@@ -18,6 +20,17 @@ from rstar2jax import models
 from rstar2jax.data.trajectory import Trajectory
 
 TINY_VOCAB = 256
+
+
+def set_fields(config, fields: dict):
+    """``config`` with each ``{"section.field": value}`` of ``fields`` set (dotted paths); returns it."""
+    for path, value in fields.items():
+        *parents, leaf = path.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config
 
 
 def tiny_rl_config(workdir: str):
@@ -167,6 +180,108 @@ def make_partial_scripted_rollout(*, vocab_size: int = TINY_VOCAB):
     return types.SimpleNamespace(partial=rollout)
 
 
+@dataclasses.dataclass
+class _Job:
+    key: tuple
+    trajectories: list[Trajectory]
+    start: float
+    duration: float
+    versions: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+class ScriptedStream:
+    """The stream of ``rstar2jax.train.async_schedule`` over a scripted rollout's trajectories (those its
+    synchronous call gives for the same seed and problem): each group takes a random time (uniform up to
+    ``max_delay`` s, drawn from ``delay_seed``) on a thread of its own, its sampled tokens produced evenly
+    over that time, each tagged with the version the stream held when it was produced. ``received``: the
+    (version, weights) it was given, the first at opening."""
+
+    def __init__(self, scripted, params, *, policy_version, samples_per_problem, max_response_length,
+                 max_turns, on_update, device, max_delay: float, delay_seed: int):
+        del on_update
+        self.scripted, self.device, self.version = scripted, device, policy_version
+        self.options = dict(samples_per_problem=samples_per_problem, max_response_length=max_response_length,
+                            max_turns=max_turns)
+        self.received = [(policy_version, params)]
+        self.max_delay, self.rng = max_delay, np.random.default_rng(delay_seed)
+        self.jobs: list[_Job] = []
+        self.done: queue.Queue = queue.Queue()
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.counts = {"busy_s": 0.0, "generated_tokens": 0.0}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def submit(self, key, problem, *, seed, index):
+        del index  # scripted groups depend on (seed, problem id) only
+        trajectories = self.scripted(self.received[-1][1], [problem], **self.options, seed=seed)
+        with self.lock:
+            self.jobs.append(_Job(key, trajectories, time.perf_counter(), self.rng.uniform(0, self.max_delay),
+                                  [[] for _ in trajectories]))
+
+    def _run(self):
+        last = time.perf_counter()
+        while not self.stop.wait(0.002):
+            now = time.perf_counter()
+            with self.lock:
+                if self.jobs:
+                    self.counts["busy_s"] += now - last
+                for job in list(self.jobs):
+                    self._produce(job, now)
+            last = now
+
+    def _produce(self, job: _Job, now: float) -> None:
+        share = 1.0 if job.duration <= 0 else min((now - job.start) / job.duration, 1.0)
+        for t, versions in zip(job.trajectories, job.versions, strict=True):
+            due = int(share * len(t.loss_mask))
+            for m in t.loss_mask[len(versions):due]:
+                versions.append(self.version if m else -1)
+                self.counts["generated_tokens"] += m
+        if share >= 1.0:
+            self.jobs.remove(job)
+            self.done.put((job.key, [dataclasses.replace(t, policy_versions=v)
+                                     for t, v in zip(job.trajectories, job.versions, strict=True)]))
+
+    def update_weights(self, params, policy_version):
+        with self.lock:
+            self.version = policy_version
+            self.received.append((policy_version, params))
+
+    def wait(self, timeout):
+        finished = []
+        try:
+            finished.append(self.done.get(timeout=timeout) if timeout != 0.0 else self.done.get_nowait())
+            while True:
+                finished.append(self.done.get_nowait())
+        except queue.Empty:
+            return finished
+
+    def stats(self):
+        with self.lock:
+            return dict(self.counts)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+
+def make_async_scripted_rollout(*, max_delay: float = 0.02, delay_seed: int = 0,
+                                vocab_size: int = TINY_VOCAB):
+    """``make_scripted_rollout``'s rollout (its synchronous calls, e.g. the hard filter's) with a ``stream``
+    method (:class:`ScriptedStream`); ``streams``: every stream it opened."""
+    scripted = make_scripted_rollout(vocab_size=vocab_size)
+
+    def rollout(*args, **kwargs):
+        return scripted(*args, **kwargs)
+
+    def stream(params, **options):
+        rollout.streams.append(ScriptedStream(scripted, params, **options, max_delay=max_delay,
+                                              delay_seed=delay_seed + len(rollout.streams)))
+        return rollout.streams[-1]
+
+    rollout.stream, rollout.streams = stream, []
+    return rollout
+
+
 def main(argv):
     from experiments import _launch
     from rstar2jax import train
@@ -174,7 +289,11 @@ def main(argv):
     options = train.parse(_CONFIG.value)
     train.prepare_process(options)
     with _launch.console_logging():  # the library's lines (e.g. "resuming RL ...") on stdout, as a launcher's
-        train.train_rl(options, rollout_fn=make_scripted_rollout(delay=_DELAY.value))
+        if options.rl.schedule == "async":
+            rollout_fn = make_async_scripted_rollout(max_delay=_DELAY.value)
+        else:
+            rollout_fn = make_scripted_rollout(delay=_DELAY.value)
+        train.train_rl(options, rollout_fn=rollout_fn)
     jax.effects_barrier()
 
 

@@ -48,3 +48,28 @@ def test_fp8_engine_halves_the_kv_pool_and_shrinks_the_engine_weights(tmp_path):
     embed = np.prod(params["embed"].shape)  # tied: an FP8 head copy beside the bfloat16 embedding
     assert (head["engine_weight_cast_gib"] - fp8["engine_weight_cast_gib"]) * 2**30 == pytest.approx(
         embed * (1 + 4 / 32**2))
+
+
+def test_the_asynchronous_engine_is_counted_beside_the_trainer(tmp_path):
+    """Colocated, the asynchronous producer's engine (a whole fresh copy in the compute dtype, its pool)
+    decodes through the update: both peaks count it. Split, the rollout device holds the engine alone."""
+    config = tiny_rl_config(str(tmp_path))
+    config.rl.schedule = "async"
+    colocated = parse(config)
+    config.rl.placement = "split"
+    split = parse(config)
+    model_config = dataclasses.replace(colocated.model, compute_dtype="float32")
+    step = dict(devices=1, platform="cpu", peak_estimate_bytes=10 * 2**20, temp_size_in_bytes=0)
+    params = jax.eval_shape(lambda: models.init_params(model_config, jax.random.key(0)))
+    state = types.SimpleNamespace(params=params, opt_state={})
+    total = sum(np.prod(x.shape) * 4 for x in jax.tree.leaves(params))
+    plan = memory_plan.memory_plan(colocated, model_config, state, step)
+    engine = (plan["engine_weight_cast_gib"] + plan["kv_pool_gib"] + plan["decode_temporaries_gib"]) * 2**30
+    assert plan["engine_weight_cast_gib"] * 2**30 == total  # float32 kept, yet a copy of its own
+    assert plan["train_peak_gib"] * 2**30 == pytest.approx(10 * 2**20 + engine)
+    assert plan["rollout_peak_gib"] == plan["train_peak_gib"]
+    assert not plan["optimizer_offloaded_during_rollout"]
+    assert "engine weights (float32)" in memory_plan.format_plan(plan)
+    apart = memory_plan.memory_plan(split, model_config, state, step)
+    assert apart["rollout_peak_gib"] * 2**30 == pytest.approx(engine)
+    assert apart["train_peak_gib"] * 2**30 == 10 * 2**20

@@ -14,19 +14,13 @@ from rstar2jax.engine import paged_attention
 from rstar2jax.models import platform
 from rstar2jax.train import ConfigError, check_rollout_precision, parse
 from rstar2jax.train.rl_loop import _rollout_precision
+from tests.train.scripted import set_fields
 
 FP8 = {"rollout.weight_dtype": "fp8", "rollout.kv_dtype": "fp8", "rollout.weight_block": 32}
 
 
 def _config(**fields):
-    config = tiny_cpu.get_config()
-    for path, value in fields.items():
-        *parents, leaf = path.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
+    return set_fields(tiny_cpu.get_config(), fields)
 
 
 def _parse(fields: dict):

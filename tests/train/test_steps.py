@@ -266,7 +266,47 @@ def test_loss_options_in_rl_step_match_algo_and_accumulate(tiny_model):
         step(init_train_state(copy_tree(params), optimizer, 0), batch)
 
 
+def test_decoupled_objective_in_the_step_is_algos_and_accumulates(tiny_model):
+    """off_policy_correction="decoupled": the proximal log-probs recomputed by the trainer, the sampler's
+    as the behaviour policy; micro-batches add up to the full batch, which equals
+    ``algo.decoupled_policy_loss`` on the model's log-probs."""
+    config, params = tiny_model
+    batch = build_batch(random_sequences(5, 16), seq_len=32, num_rows=8, pack=True, with_rl_fields=True)
+    logits, _ = models.forward(params, config, batch.tokens, positions=batch.positions,
+                               segment_ids=batch.segment_ids)
+    noise = np.random.default_rng(1).normal(0.0, 0.6, batch.tokens.shape).astype(np.float32)
+    batch = jax.device_put(batch.replace(old_logp=np.asarray(models.token_logprobs(logits, batch.targets))
+                                         + noise))
+    loss_config = RLLossConfig(off_policy_correction="decoupled", decoupled_is_cap=1.5)
+    loss_fn = functools.partial(rl_loss, model_config=config, loss_config=loss_config)
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def full_micro_and_algo(params, batch):
+        normalizer = algo.loss_normalizer(batch.loss_mask)
+        full = accumulate_gradients(loss_fn, params, batch, normalizer, 1)
+        micro = accumulate_gradients(loss_fn, params, batch, normalizer, 4)
+        out, _ = models.forward(params, config, batch.tokens, positions=batch.positions,
+                                segment_ids=batch.segment_ids)
+        logp = models.token_logprobs(out, batch.targets)
+        return full, micro, algo.decoupled_policy_loss(logp, logp, batch.old_logp, batch.advantages,
+                                                       batch.loss_mask, is_cap=1.5)
+
+    full, micro, (loss, metrics) = full_micro_and_algo(params, batch)
+    _assert_trees_close(full, micro)
+    np.testing.assert_allclose(full[0], loss, rtol=1e-5)
+    tokens = float(batch.loss_mask.sum())
+    for name in ("behaviour_ratio_mean", "behaviour_ratio_capped", "clip_frac"):
+        np.testing.assert_allclose(micro[1]["token_sums"][name] / tokens, metrics[name], rtol=1e-5)
+    assert 0 < float(metrics["behaviour_ratio_capped"]) < 1
+
+
 def test_loss_config_errors():
+    with pytest.raises(ValueError, match="rollout_is_cap must be None"):
+        RLLossConfig(off_policy_correction="decoupled", rollout_is_cap=2.0, old_logprobs="recompute")
+    with pytest.raises(ValueError, match="off_policy_correction='tis'"):
+        RLLossConfig(off_policy_correction="tis")
+    with pytest.raises(ValueError, match="decoupled_is_cap must be > 1"):
+        RLLossConfig(off_policy_correction="decoupled", decoupled_is_cap=1.0)
     with pytest.raises(ValueError, match="needs old_logprobs='recompute'"):
         RLLossConfig(rollout_is_cap=2.0)
     with pytest.raises(ValueError, match="importance_sampling_level='seq'"):
