@@ -158,11 +158,15 @@ def mismatch_correction(v: Mapping[str, Any]) -> dict[str, Any]:
     than the trainer computes in (``rollout.weight_dtype`` / ``kv_dtype``: FP8) samples from slightly other
     probabilities, so it gets token-level TIS by default: pi_old recomputed by the trainer and token weights
     pi_train / pi_rollout capped at ``MISMATCH_IS_CAP``; turning every correction off then takes
-    ``loss.allow_uncorrected_mismatch=True``. Otherwise "auto" is the sampler's log-probs and no cap."""
+    ``loss.allow_uncorrected_mismatch=True``. Under the decoupled objective (the asynchronous schedule's
+    default) "auto" is no cap: its behaviour weight pi_prox / pi_behav, truncated at
+    ``loss.decoupled_is_cap``, is already the token-level TIS against the sampler's (FP8) log-probs.
+    Otherwise "auto" is the sampler's log-probs and no cap."""
     gap = precision_gap(v["rollout.weight_dtype"], v["rollout.kv_dtype"], v["model.compute_dtype"])
     source, cap, mask = v["loss.old_logprobs"], v["loss.rollout_is_cap"], v["loss.rollout_mask"]
     allowed = v["loss.allow_uncorrected_mismatch"]
-    uncorrected = cap is None and mask is None and not allowed
+    decoupled = _decoupled(v)
+    uncorrected = cap is None and mask is None and not allowed and not decoupled
     where = f"the rollout samples with {gap} while the trainer computes in {v['model.compute_dtype']}"
     if gap and cap == AUTO and source == "sampler":
         raise ConfigError(
@@ -177,7 +181,7 @@ def mismatch_correction(v: Mapping[str, Any]) -> dict[str, Any]:
             "loss.allow_uncorrected_mismatch=True to train uncorrected"
         )
     if cap == AUTO:
-        cap = MISMATCH_IS_CAP if gap else None
+        cap = MISMATCH_IS_CAP if gap and not decoupled else None
     if source == AUTO:
         source = "recompute" if gap else "sampler"
     return {"loss.old_logprobs": source, "loss.rollout_is_cap": None if cap is None else float(cap)}

@@ -168,3 +168,17 @@ def test_the_demo_launchers_refuse_what_the_backend_cannot_run_before_any_work(l
     assert result["status"] == 2 and len(lines) == 1, result
     assert lines[0].startswith("error: config.rollout.weight_dtype='fp8': weight_dtype='fp8' needs float8")
     assert not result["wrote"] and not (tmp_path / "out").exists(), result
+
+
+def test_an_fp8_rollout_under_the_asynchronous_schedule_is_corrected_by_the_decoupled_weights():
+    """'auto' under the decoupled objective sets no TIS cap (its truncated behaviour weight already compares
+    the trainer with the FP8 sampler), and an explicit cap beside it is still refused."""
+    config = tiny_cpu.get_config()
+    set_fields(config, {"rl.schedule": "async", "rollout.weight_dtype": "fp8", "rollout.kv_dtype": "fp8",
+                        "rollout.weight_block": 16})
+    loss = parse(config, check_data=False).rl.loss
+    assert loss.off_policy_correction == "decoupled"
+    assert (loss.rollout_is_cap, loss.old_logprobs) == (None, "recompute")
+    config.loss.rollout_is_cap = 2.0
+    with pytest.raises(ConfigError, match="config.loss.rollout_is_cap=2.0: the decoupled objective"):
+        parse(config, check_data=False)
