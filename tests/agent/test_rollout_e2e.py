@@ -76,8 +76,13 @@ def check_record(t, params, model_config, budget=BUDGET):
     assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
     assert set(t.tool_outcomes) <= FAILED_OUTCOMES | {"ok"}
     assert t.reward in (0.0, 1.0) and not (t.truncated and t.reward)
-    tokens = np.array([t.prompt_ids + t.response_ids], np.int32)
+    stream = t.prompt_ids + t.response_ids
+    # Padded to the engine's length: one compiled forward for every record (the model is causal, so the
+    # padding changes no logit of the stream).
+    tokens = np.zeros((1, ENGINE.max_len), np.int32)
+    tokens[0, :len(stream)] = stream
     logits, _ = models.forward(params, model_config, tokens)
+    logits, tokens = logits[:, :len(stream)], tokens[:, :len(stream)]
     recomputed = np.asarray(models.token_logprobs(logits[:, :-1], tokens[:, 1:]))[0, len(t.prompt_ids) - 1:]
     sampled = np.array(t.loss_mask, bool)
     np.testing.assert_allclose(np.array(t.logprobs)[sampled], recomputed[sampled], atol=2e-4)

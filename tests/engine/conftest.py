@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import jax
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -30,6 +32,16 @@ def tiny_qwen3(tmp_path_factory) -> TinyQwen3:
     model.save_pretrained(path)
     config, params = load_pretrained(path)
     return TinyQwen3(model, config, params)
+
+
+def teacher_forced(params, config, sequence, bucket: int = 64) -> np.ndarray:
+    """log_softmax of a full (cache-free) forward over ``sequence`` at every position: float32
+    [len, vocab]. The tokens are padded to a multiple of ``bucket`` so that the records of many lengths a
+    test checks share a few compiled forwards (the model is causal: padding changes no earlier logit)."""
+    padded = np.zeros((1, -(-len(sequence) // bucket) * bucket), np.int32)
+    padded[0, :len(sequence)] = sequence
+    logits, _ = models.forward(params, config, padded)
+    return np.asarray(jax.nn.log_softmax(logits[0, :len(sequence)], axis=-1))
 
 
 # One engine shape for the tests that share compiled programs (jit caches by shape).

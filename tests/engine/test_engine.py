@@ -5,7 +5,6 @@ import dataclasses
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -15,8 +14,8 @@ from rstar2jax import models
 from rstar2jax.engine import NO_POLICY_VERSION, Engine, EngineCore, SamplingParams, generate, init_state
 from rstar2jax.engine.programs import engine_params
 from rstar2jax.engine.step import StepLayout, compile_step
-from rstar2jax.models import forward, init_params, layers_are_unstacked
-from tests.engine.conftest import ENGINE_CONFIG
+from rstar2jax.models import init_params, layers_are_unstacked
+from tests.engine.conftest import ENGINE_CONFIG, teacher_forced
 
 # Lengths inside the first bucket, across buckets, and past the largest (split into two prefill rounds).
 PROMPT_LENGTHS = (1, 3, 8, 9, 20, 33)
@@ -25,12 +24,6 @@ PROMPT_LENGTHS = (1, 3, 8, 9, 20, 33)
 def _prompts(lengths, seed=0, vocab=256):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
-
-
-def _teacher_forced(tiny, sequence):
-    """log_softmax of the full (cache-free) forward at every position: float32 [len, vocab]."""
-    logits, _ = forward(tiny.params, tiny.config, jnp.asarray([sequence], jnp.int32))
-    return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
 
 
 def test_greedy_matches_transformers(tiny_qwen3):
@@ -70,7 +63,7 @@ def test_logprobs_equal_teacher_forced_logprobs(tiny_qwen3, unstacked_decode):
     )
     for prompt, result in zip(prompts, results, strict=True):
         assert result.policy_versions == [2] * len(result.tokens)
-        logprobs = _teacher_forced(tiny_qwen3, prompt + result.tokens)
+        logprobs = teacher_forced(tiny_qwen3.params, tiny_qwen3.config, prompt + result.tokens)
         # Raw policy log-probs (temperature 1, untruncated) of each sampled token.
         expected = logprobs[np.arange(len(prompt) - 1, len(prompt) + 15), result.tokens]
         np.testing.assert_allclose(result.logprobs, expected, rtol=0, atol=1e-5)
@@ -172,7 +165,7 @@ def test_concurrent_tool_sessions_stay_consistent(tiny_qwen3):
     asyncio.run(scenario())
     assert len(records) == 9
     for prompt, response, loss_mask, logprobs in records:
-        reference = _teacher_forced(tiny_qwen3, prompt + response)
+        reference = teacher_forced(tiny_qwen3.params, tiny_qwen3.config, prompt + response)
         sampled = np.flatnonzero(loss_mask)
         assert len(sampled) == len(response) - 8  # 2 + 6 tool tokens inserted
         positions = len(prompt) + sampled - 1
@@ -346,7 +339,8 @@ def test_tokens_appended_before_a_groups_first_segment(tiny_qwen3):
     assert [len(s.response_ids) for s in sessions] == [10, 6, 10]
     for session in sessions:
         response = np.asarray(session.response_ids)
-        reference = _teacher_forced(tiny_qwen3, session.prompt_ids + session.response_ids)
+        stream = session.prompt_ids + session.response_ids
+        reference = teacher_forced(tiny_qwen3.params, tiny_qwen3.config, stream)
         sampled = np.flatnonzero(session.loss_mask)
         positions = len(prompt) + sampled - 1
         np.testing.assert_array_equal(response[sampled], reference[positions].argmax(-1))

@@ -13,8 +13,7 @@ import pytest
 
 from rstar2jax.engine import Engine, EngineCore, PageAllocator, SamplingParams, generate
 from rstar2jax.engine.paged_attention import paged_attention_reference, paged_decode_attention_pallas
-from rstar2jax.models import forward
-from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.conftest import ENGINE_CONFIG, teacher_forced
 
 # Small pages and a pool that holds about two full sequences: sharing, waiting and page reuse all happen.
 PAGED_CONFIG = dataclasses.replace(ENGINE_CONFIG, page_size=8, num_pages=17, attention_block=16,
@@ -154,15 +153,10 @@ def test_page_allocator_keeps_its_invariants(ops):
         _check_allocator(pool, num_pages)
 
 
-def _teacher_forced(tiny, sequence):
-    logits, _ = forward(tiny.params, tiny.config, jnp.asarray([sequence], jnp.int32))
-    return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
-
-
 def _check_against_dense(tiny, prompt, response, loss_mask, logprobs, entropies=None, greedy=True):
     """Every sampled token has the log-prob (and entropy) of a full (dense, cache-free) forward over the
     record, and is its greedy choice if ``greedy``."""
-    reference = _teacher_forced(tiny, prompt + response)
+    reference = teacher_forced(tiny.params, tiny.config, prompt + response)
     sampled = np.flatnonzero(loss_mask)
     positions = len(prompt) + sampled - 1
     if greedy:

@@ -25,7 +25,7 @@ from rstar2jax.engine.programs import PROGRAMS, engine_weights
 from rstar2jax.models import platform
 from rstar2jax.models.quantization import Fp8Weight
 from rstar2jax.serve import load_policy
-from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.conftest import ENGINE_CONFIG, teacher_forced
 from tests.engine.test_paged import PAGED_CONFIG, _run
 
 FP8_BOTH = dict(weight_dtype="fp8", weight_block=32, kv_dtype="fp8")
@@ -49,9 +49,8 @@ def taught(tiny_policy_dir):
 
 def _trainer_logprobs(policy, prompt, tokens):
     """The float32 trainer's log-probs of ``tokens`` after ``prompt`` (teacher-forced forward)."""
-    logits, _ = models.forward(policy.params, policy.model_config, jnp.asarray([prompt + tokens], jnp.int32))
-    logprobs = jax.nn.log_softmax(logits[0], axis=-1)
-    return np.asarray(logprobs[np.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1), tokens])
+    logprobs = teacher_forced(policy.params, policy.model_config, prompt + tokens)
+    return logprobs[np.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1), tokens]
 
 
 def _mismatch(policy, prompts, results):

@@ -4,8 +4,6 @@ driven directly through :class:`StepBuilder` (no scheduler)."""
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,7 +20,7 @@ from rstar2jax.engine import (
 )
 from rstar2jax.engine.config import pages_for
 from rstar2jax.engine.step import compile_step
-from rstar2jax.models import forward
+from tests.engine.conftest import teacher_forced
 
 CONFIG = EngineConfig(num_slots=4, max_len=64, page_size=8, attention_block=16, prefill_tile=8,
                       decode_chunk=3, num_pages=24, poison_freed_pages=True, token_buckets=(32,),
@@ -47,8 +45,7 @@ def _update(builder, slot, seq, *, clear, running, segment_end=0):
 
 
 def _check(tiny, seq):
-    logits, _ = forward(tiny.params, tiny.config, jnp.asarray([seq.tokens], jnp.int32))
-    logprobs = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+    logprobs = teacher_forced(tiny.params, tiny.config, seq.tokens)
     for position, logprob in seq.sampled:
         assert seq.tokens[position] == logprobs[position - 1].argmax()
         np.testing.assert_allclose(logprob, logprobs[position - 1, seq.tokens[position]], atol=2e-5)

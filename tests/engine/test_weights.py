@@ -16,8 +16,7 @@ from rstar2jax.engine import Engine, EngineCore, SamplingParams
 from rstar2jax.engine.programs import PROGRAMS
 from rstar2jax.engine.requests import pages_needed
 from rstar2jax.engine.scheduler import Scheduler
-from rstar2jax.models import forward
-from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.conftest import ENGINE_CONFIG, teacher_forced
 from tests.engine.test_paged import PAGED_CONFIG
 
 SAMPLED = SamplingParams(temperature=1.0)
@@ -54,8 +53,7 @@ def _check_versions(tiny, prompt_ids, response_ids, loss_mask, logprobs, version
     response = np.asarray(response_ids)
     for version, params in params_of.items():
         rows = sampled[tagged == version]
-        logits, _ = forward(params, tiny.config, jnp.asarray([list(prompt_ids) + list(response_ids)]))
-        reference = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+        reference = teacher_forced(params, tiny.config, list(prompt_ids) + list(response_ids))
         positions = len(prompt_ids) + rows - 1
         expected = reference[positions, response[rows]]
         np.testing.assert_allclose(np.asarray(logprobs)[rows], expected, atol=1e-5)
