@@ -96,6 +96,9 @@ def check_record(t, params, model_config, budget=BUDGET):
     np.testing.assert_allclose(entropies[sampled], expected[sampled], atol=2e-4)
 
 
+# A minute or more on 2 cores (the random model's tool calls run in the sandbox, and its 8 records' dense
+# references): the default run keeps the taught policy's real-sandbox rollout below, with the same checks.
+@pytest.mark.slow
 def test_random_model_batch_with_real_sandbox_finishes(problems, policy, server, verifier):
     budget = BUDGET // 2  # the engine holds more: a session's budget is data, not a shape
     config = RolloutConfig(max_response_length=budget, seed=0, prompt=PROMPT)
