@@ -536,6 +536,8 @@ def main(argv) -> None:
     unknown = sorted(set(_PARTS.value) - set(PARTS))
     if unknown or not _PARTS.value:
         _launch.fail(f"--parts: unknown or none {unknown}; choose from {list(PARTS)}")
+    if "trl" in _PARTS.value:
+        trl_location()  # no trl: exit 2 before the other parts' minutes of work
     if {"async", "weights"} & set(_PARTS.value):
         from rstar2jax.train.runtime import request_host_devices
 
