@@ -145,6 +145,9 @@ NOT_RUN = {
     # Asynchronous RL (issue 40): the schedule itself is tests/train/test_async.py's.
     "python -m experiments.bench_async --parts=async,weights": "a benchmark (README figure); 15 minutes here",
     "python -m experiments.ablate_roc --modes=paper,async": "needs the demo's SFT policy; about an hour here",
+    # The measured run behind the README's FP8 learning figure (issue 41) and the TRL comparison.
+    "python -m experiments.ablate_roc --modes=paper,fp8 --seeds=0": "the demo's SFT policy; 30 min",
+    "python -m experiments.bench_async --parts=trl --trl_path=DIR": "a benchmark (README figure); needs trl",
 }
 
 
