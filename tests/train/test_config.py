@@ -530,10 +530,10 @@ def test_a_declared_field_the_options_do_not_carry_fails_parsing(monkeypatch):
     parsing says so instead (a field in ``RLLoopOptions`` of the same name would be filled by name)."""
     from rstar2jax.train import checks, schema_rl
 
-    monkeypatch.setitem(schema_rl.RL, "rl.schedule", checks.Field("sync", checks.choice(("sync",)), "x"))
+    monkeypatch.setitem(schema_rl.RL, "rl.unplugged", checks.Field("sync", checks.choice(("sync",)), "x"))
     config = tiny_cpu.get_config()
-    config.rl.schedule = "sync"
-    with pytest.raises(RuntimeError, match=r"parse builds no option from config.rl.schedule"):
+    config.rl.unplugged = "sync"
+    with pytest.raises(RuntimeError, match=r"parse builds no option from config.rl.unplugged"):
         parse(config)
 
 
@@ -541,8 +541,8 @@ def test_the_walk_sees_a_field_without_a_check():
     """A field a config file adds without declaring it, and a declared one whose check refuses nothing, fail
     the walk (the test above cannot pass by seeing nothing)."""
     config = tiny_cpu.get_config()
-    config.rl.schedule = "sync"
-    with pytest.raises(AssertionError, match=r"config.rl.schedule has no schema entry"):
+    config.rl.unplugged = "sync"
+    with pytest.raises(AssertionError, match=r"config.rl.unplugged has no schema entry"):
         bad_values(config, "rl")
     from rstar2jax.train import checks, schema_rl
 
