@@ -645,12 +645,14 @@ def run_stage(name: str) -> None:
 
 def stage_environ(smoke: bool) -> dict:
     """The environment every stage process runs in: the checkout first on the path (so it runs without
-    installing), the parent's JAX settings otherwise; under ``smoke`` XLA's backend optimisation is off
-    (tiny programs compile several times faster, and no figure of a smoke run is a measurement)."""
+    installing), the parent's JAX settings otherwise; under ``smoke`` XLA's backend optimisation and CPU
+    fusion emitters are off (tiny programs compile several times faster, and no figure of a smoke run is a
+    measurement)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}  # each line as it is printed
     if smoke:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+        env["XLA_FLAGS"] = (f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
+                            " --xla_cpu_use_fusion_emitters=false").strip()
     return env
 
 

@@ -26,6 +26,7 @@ def _python(code: str, *args: str, timeout: float = 600) -> subprocess.Completed
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # every stage in its own process: 3-4 minutes on 2 cores; the pieces are tested below
 def test_smoke_run_passes_every_stage_and_reports_the_contract_keys(tmp_path):
     """The budget is generous so that a loaded test machine cannot fail it; the script's own smoke default is
     120 s."""

@@ -189,7 +189,10 @@ def _exec_block(code: str, name: str) -> dict:
 STANDALONE_BLOCKS = [body for body in PYTHON_BLOCKS if body not in SERVER_BLOCKS]
 
 
-@pytest.mark.parametrize("index", range(len(STANDALONE_BLOCKS)))
+# Slow: the tool rollout block (a random model at the real vocabulary writes 256 tokens per sample, over a
+# minute on 2 cores; tool rollouts on the taught policy: tests/agent/).
+@pytest.mark.parametrize("index", [pytest.param(i, marks=pytest.mark.slow) if "start_local" in block else i
+                                   for i, block in enumerate(STANDALONE_BLOCKS)])
 def test_python_block_runs(index, tiny_model_folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks may write relative paths ("out/")
     code = _stand_ins(STANDALONE_BLOCKS[index], tiny_model_folder)
@@ -305,10 +308,11 @@ RUN_WITH = {
 }
 
 
-# Slow (CI's slow stage runs them): from-scratch RL on the tiny config, whose launcher and config the default
-# run already exercise through the SFT command's RL half; the server launcher with the README's client
-# blocks, whose server tests/serve/test_server.py exercises by default.
+# Slow (CI's slow stage runs them): SFT then RL on the tiny config at the real vocabulary (3 minutes on 2
+# cores; the launchers on small configs: tests/train/test_launchers.py) and from-scratch RL; the server
+# launcher with the README's client blocks, whose server tests/serve/test_server.py exercises by default.
 SLOW_COMMANDS = {
+    "python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft",
     "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1",
     "python -m experiments.serve --model=DIR --host=127.0.0.1 --port=8000",
 }

@@ -57,6 +57,7 @@ def sandbox_url():
         yield server.url
 
 
+@pytest.mark.slow  # a minute on 2 cores; evaluation in-process: tests/eval/ (its resumable log: test_samples)
 def test_evaluate_writes_samples_and_summary_and_resumes(launch, tiny_policy, sandbox_url, tmp_path):
     data = tmp_path / "arith.jsonl"
     data.write_text(

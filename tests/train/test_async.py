@@ -33,7 +33,7 @@ from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.options import ConfigError
 from rstar2jax.train.placement import rollout_devices, train_devices
 from rstar2jax.train.steps import RLLossConfig
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, cpu_xla_flags
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import (
     make_async_scripted_rollout,
@@ -191,6 +191,7 @@ def test_sigkill_and_resume_trains_every_drawn_problem_once(tmp_path, compile_ca
     assert last["async/groups_trained_total"] + last["async/groups_dropped_total"] == 6 * 3
 
 
+@pytest.mark.slow  # a minute on 2 cores; two processes by jax.distributed: tests/train/test_distributed.py
 def test_two_processes_run_the_asynchronous_schedule(tmp_path, compile_cache_env):
     """Two processes joined by jax.distributed (CPU, one device each, colocated): each runs its engine on its
     own device and owns half of each batch's groups; the trainer's mesh spans both. The run ends with every
@@ -199,7 +200,7 @@ def test_two_processes_run_the_asynchronous_schedule(tmp_path, compile_cache_env
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**compile_cache_env, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+           "XLA_FLAGS": cpu_xla_flags(1)}
     command = [sys.executable, "-m", "tests.train.scripted", f"--config.workdir={tmp_path / 'run'}",
                "--delay=0.1", "--config.rl.schedule=async", "--config.rl.prompts_per_step=4",
                "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",

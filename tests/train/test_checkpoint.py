@@ -61,6 +61,7 @@ def _metrics(workdir):
     return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in lines]
 
 
+@pytest.mark.slow  # 40 s on 2 cores; SIGKILL and resume by default: tests/train/test_async.py
 def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path, compile_cache_env):
     env = compile_cache_env
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"

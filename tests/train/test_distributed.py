@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, cpu_xla_flags
 
 
 def _free_port() -> int:
@@ -18,8 +18,7 @@ def _free_port() -> int:
 
 
 def _env(base: dict, local_devices: int) -> dict:
-    flags = f"--xla_force_host_platform_device_count={local_devices} --xla_backend_optimization_level=0"
-    return {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    return {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(local_devices)}
 
 
 def test_two_processes_match_one(tmp_path, compile_cache_env):

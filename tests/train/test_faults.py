@@ -108,6 +108,7 @@ def restored(checkpoints, step):
         manager.close()
 
 
+@pytest.mark.slow  # 50 s on 2 cores; each fault's handling alone: tests/agent/test_outage.py, the tests below
 def test_sandbox_and_verifier_faults_in_a_real_run(tmp_path, agent_args, compile_cache_env):
     env = compile_cache_env
     reference_dir, faulty_dir = tmp_path / "reference", tmp_path / "faulty"
