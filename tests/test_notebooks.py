@@ -33,7 +33,8 @@ MIN_FIGURES = {
     "token_entropy.ipynb": 2,  # the entropy distribution; entropy before and after RL
 }
 #: Notebooks that take more than about a minute on a 2-core CPU: marked slow.
-SLOW = {"roc_ablation.ipynb", "rollout_to_update.ipynb", "token_entropy.ipynb"}
+# Each runs in CI's slow stage; the quickstart too (35 s on 2 cores, its calls tested one by one by default).
+SLOW = {"quickstart.ipynb", "roc_ablation.ipynb", "rollout_to_update.ipynb", "token_entropy.ipynb"}
 
 # Appended to each notebook: prints the kernel's interpreter, which must be the one running the tests.
 _INTERPRETER_PROBE = "import sys; print(sys.executable)"

@@ -86,6 +86,7 @@ def test_help_and_config_errors():
         assert done.stderr.count("\n") == 1, done.stderr
 
 
+@pytest.mark.slow  # 25 s on 2 cores; the paper config's parse and memory plan: tests/train/test_config.py
 def test_paper_config_dry_runs_on_64_emulated_devices(compile_cache_env):
     env = {k: v for k, v in compile_cache_env.items() if k != "XLA_FLAGS"}  # the launcher must ask for 64
     done = _launch(
@@ -266,6 +267,7 @@ print(clock.programs_line())
 """
 
 
+@pytest.mark.slow  # two process starts, 23 s on 2 cores
 def test_a_second_process_compiles_nothing(tmp_path):
     """With a launcher's compilation cache (JAX's thresholds left as the launcher sets them), a second process
     doing the same work loads every program the first compiled (the engine's step programs, the small ones

@@ -106,6 +106,7 @@ def tiny_base(tmp_path_factory):
     return folder / "base", folder / "other"
 
 
+@pytest.mark.slow  # 28 s on 2 cores; LoRA steps and adapters by default: the tests above, tests/models/
 def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_base):
     base_dir, other_dir = tiny_base
     reference = _lora_config(tmp_path / "reference", base_dir)
