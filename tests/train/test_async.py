@@ -159,6 +159,7 @@ def test_split_placement_sets_the_last_devices_of_each_process_apart():
     assert rollout_devices(colocated) == devices[:1] and train_devices(colocated) == devices
 
 
+@pytest.mark.slow  # 30-36 s on 2 cores: a launcher started, killed and resumed
 def test_sigkill_and_resume_trains_every_drawn_problem_once(tmp_path, compile_cache_env):
     """Killed with SIGKILL mid-run (groups in flight, finished groups waiting), the resumed run issues the
     in-flight groups again and ends with every drawn problem trained once or counted dropped, the bound

@@ -21,6 +21,7 @@ def _env(base: dict, local_devices: int) -> dict:
     return {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(local_devices)}
 
 
+@pytest.mark.slow  # 30 s on 2 cores: three launcher processes
 def test_two_processes_match_one(tmp_path, compile_cache_env):
     worker = [sys.executable, "-m", "tests.train.distributed_worker"]
     single = subprocess.run(
