@@ -123,6 +123,7 @@ def test_evaluate_writes_samples_and_summary_and_resumes(launch, tiny_policy, sa
     assert third.returncode == 0 and (work / "samples.jsonl").read_text().count("\n") == 6
 
 
+@pytest.mark.slow  # 17-23 s on 2 cores: a launcher run with a tool call; the chat launcher: the tests below
 def test_chat_one_shot_shows_the_call_and_its_real_output(launch, tiny_policy_dir, sandbox_url):
     result = launch(
         "experiments.chat",

@@ -263,6 +263,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow  # 16-21 s on 2 cores: a server process; draining in-process: the tests above
 def test_sigterm_drains_a_real_server_mid_stream_and_exits_0(tiny_policy_dir, compile_cache_env):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -82,6 +82,7 @@ def test_the_throttle_takes_due_groups_first_and_fills_with_the_oldest():
     assert choose_batch(tickets, {(2, 1), (1, 1), (2, 0)}, 2, 0, 1) == [(1, 1), (2, 0)]
 
 
+@pytest.mark.slow  # two full runs, 16-22 s on 2 cores; the bound at eta 1 and 2 by default: below
 def test_max_staleness_0_gives_the_synchronous_batches_and_losses(tmp_path):
     """Two stages, the stage-2 hard filter and optimizer reset: every step's numbers and the final parameters
     of the asynchronous run at eta=0 are the synchronous run's."""

@@ -148,6 +148,7 @@ def test_sandbox_and_verifier_faults_in_a_real_run(tmp_path, agent_args, compile
     assert compared(records(faulty_dir)) == compared(expected)
 
 
+@pytest.mark.slow  # two launcher runs, 14-36 s on 2 cores
 def test_a_nan_gradient_skips_its_update_and_too_many_in_a_row_stop_the_run(tmp_path, compile_cache_env):
     """NaN sampler log-probs at steps 2, 4 and 5 (rl.max_nonfinite_steps=2): step 2's update is skipped
     (parameters and optimizer state as after step 1), step 3 trains, steps 4-5 stop the run."""
@@ -176,6 +177,7 @@ def test_a_nan_gradient_skips_its_update_and_too_many_in_a_row_stop_the_run(tmp_
     assert [states[s].meta["nonfinite_in_a_row"] for s in (1, 2, 3, 5)] == [0, 1, 0, 2]
 
 
+@pytest.mark.slow  # a launcher run, 14-25 s on 2 cores
 def test_a_checkpoint_write_failing_half_way_keeps_the_previous_one(tmp_path, compile_cache_env):
     """Step 3's checkpoint runs out of disk while writing its JSON record (after its arrays): the run stops
     with one line naming the folder, and the newest checkpoint, the one a resume uses, is step 2's."""

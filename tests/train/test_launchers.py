@@ -101,6 +101,7 @@ def test_paper_config_dry_runs_on_64_emulated_devices(compile_cache_env):
     assert 3 < peak < 80, peak  # GiB per device: sharded weights + AdamW + one row's activations
 
 
+@pytest.mark.slow  # a launcher run and its resume, 24-38 s on 2 cores
 def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
     rng = np.random.default_rng(0)
     data = tmp_path / "sft.jsonl"
@@ -157,6 +158,7 @@ def test_sft_launcher_trains_and_resumes(tmp_path, compile_cache_env):
     assert f"compilation cache: {compile_cache_env['JAX_COMPILATION_CACHE_DIR']} " in first.stdout
 
 
+@pytest.mark.slow  # a launcher run stopped and resumed, 10-22 s on 2 cores
 def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path, compile_cache_env):
     data = tmp_path / "sft.jsonl"
     data.write_text(
