@@ -17,6 +17,7 @@ import sys
 import time
 
 import aiohttp
+import pytest
 
 from experiments.tiny_policy import HELLO, HELLO_ANSWER
 from rstar2jax.serve import BackgroundServer
