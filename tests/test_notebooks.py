@@ -1,8 +1,8 @@
 """Executes every ``notebooks/*.ipynb`` top to bottom in a fresh kernel; a cell that raises fails its test,
 and so does a notebook that draws fewer figures (``image/png`` outputs) than :data:`MIN_FIGURES` expects.
-Notebooks are committed without outputs. The notebooks in :data:`SLOW` (more than about a minute on a
-2-core CPU) run with ``-m slow``, which ``.ci/run`` includes:
-``python -m pytest -q -m slow tests/test_notebooks.py``.
+Notebooks are committed without outputs. Every notebook's run is marked slow (from 35 s for the quickstart to
+many minutes on a 2-core CPU; the calls they make are tested one by one by default) and runs with ``-m slow``,
+which ``.ci/run`` includes: ``python -m pytest -q -m slow tests/test_notebooks.py``.
 
 The kernel is ipykernel's built-in ``python3`` spec, which runs ``sys.executable``: the interpreter running
 pytest, so the notebooks see the same installed rstar2jax whatever kernelspecs the machine has.
@@ -32,9 +32,8 @@ MIN_FIGURES = {
     "rollout_to_update.ipynb": 1,  # the change of the trained tokens' log-probs after one rl_step
     "token_entropy.ipynb": 2,  # the entropy distribution; entropy before and after RL
 }
-#: Notebooks that take more than about a minute on a 2-core CPU: marked slow.
-# Each runs in CI's slow stage; the quickstart too (35 s on 2 cores, its calls tested one by one by default).
-SLOW = {"quickstart.ipynb", "roc_ablation.ipynb", "rollout_to_update.ipynb", "token_entropy.ipynb"}
+#: Notebooks that take more than about a minute on a 2-core CPU: their cells get the long timeout.
+LONG_RUNNING = {"roc_ablation.ipynb", "rollout_to_update.ipynb", "token_entropy.ipynb"}
 
 # Appended to each notebook: prints the kernel's interpreter, which must be the one running the tests.
 _INTERPRETER_PROBE = "import sys; print(sys.executable)"
@@ -84,11 +83,8 @@ def test_committed_notebook_has_no_outputs(path: pathlib.Path):
     )
 
 
-@pytest.mark.parametrize(
-    "path",
-    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p for p in NOTEBOOKS],
-    ids=lambda path: path.name,
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
 def test_notebook_runs(path: pathlib.Path):
     notebook = nbformat.read(path, as_version=4)
     notebook.cells.append(nbformat.v4.new_code_cell(_INTERPRETER_PROBE))
@@ -96,7 +92,7 @@ def test_notebook_runs(path: pathlib.Path):
         notebook,
         kernel_name="python3",
         kernel_manager_class=_TestKernelManager,
-        timeout=SLOW_CELL_TIMEOUT_S if path.name in SLOW else CELL_TIMEOUT_S,
+        timeout=SLOW_CELL_TIMEOUT_S if path.name in LONG_RUNNING else CELL_TIMEOUT_S,
         resources={"metadata": {"path": str(path.parent)}},  # the kernel's working directory
     )
     # A failing cell raises CellExecutionError, whose message holds the cell's source and traceback.

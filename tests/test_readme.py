@@ -309,8 +309,8 @@ RUN_WITH = {
 
 
 # Slow (CI's slow stage runs them): SFT then RL on the tiny config at the real vocabulary (3 minutes on 2
-# cores; the launchers on small configs: tests/train/test_launchers.py) and from-scratch RL; the server
-# launcher with the README's client blocks, whose server tests/serve/test_server.py exercises by default.
+# cores; by default an SFT launch runs in-process: tests/train/test_launchers.py) and from-scratch RL; the
+# server launcher with the README's client blocks, whose server tests/serve/test_server.py runs by default.
 SLOW_COMMANDS = {
     "python -m experiments.sft --config=experiments/configs/tiny_cpu.py:sft",
     "python -m experiments.train_rl --config=experiments/configs/tiny_cpu.py --config.seed=1",
