@@ -23,7 +23,7 @@ from rstar2jax.data.rollout_contract import (
     rollout_stats,
 )
 from rstar2jax.engine.config import EngineConfig
-from rstar2jax.train import ConfigError
+from rstar2jax.train import ConfigError, parse, train_rl
 from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.lora import MergedRollout, merged_rollout
 from rstar2jax.train.schedule import OneStepOffPolicy, Partial, Synchronous
@@ -33,6 +33,8 @@ from tests.train.scripted import (
     make_async_scripted_rollout,
     make_partial_scripted_rollout,
     make_scripted_rollout,
+    set_fields,
+    tiny_rl_config,
 )
 
 CAPABILITIES = (BatchRollout, SupportsPartial, SupportsStream, SupportsStats, SupportsPolicyParams,
@@ -235,3 +237,11 @@ def test_partial_rollouts_pickled_under_the_records_old_name_still_load():
     assert old != data
     loaded = pickle.loads(old)
     assert isinstance(loaded.conversation, SessionRecord) and loaded.num_tokens == 2
+
+
+def test_train_rl_refuses_a_rollout_without_the_schedules_capability_before_any_work(tmp_path):
+    workdir = tmp_path / "run"
+    options = parse(set_fields(tiny_rl_config(str(workdir)), {"rl.schedule": "async"}))
+    with pytest.raises(ConfigError, match=r"^rl.schedule='async' needs a rollout with stream\(\)"):
+        train_rl(options, rollout_fn=make_scripted_rollout())
+    assert not workdir.exists()
