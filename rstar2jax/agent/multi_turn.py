@@ -146,7 +146,7 @@ async def rollout_async(
         if not isinstance(partial, PartialRollout):
             raise TypeError(f"resume[{i}] is a {type(partial).__name__}, expected a PartialRollout")
     run = SessionLoop(engine, sandbox, tokenizer, verifier or default_verifier(), config,
-                   token_budget=token_budget, outage=outage)
+                      token_budget=token_budget, outage=outage)
     groups = await gather_or_cancel(
         [run.resume(p) for p in resume]
         + [run.problem(i, p, samples_per_problem) for i, p in enumerate(problems)])
