@@ -336,6 +336,12 @@ def sequence_logprobs(
     x = hidden_states(params, config, tokens, positions=positions, segment_ids=segment_ids)
     # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
     head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
+    if config.numerics == "exact":
+        from rstar2jax.models import exact  # it builds on this module
+
+        logp, entropy = exact.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
+                                             head_layout=layout, temperature=temperature)
+        return logp.reshape(targets.shape), entropy.reshape(targets.shape)
     return token_logprobs_and_entropy(x, head, targets, temperature=temperature, head_layout=layout)
 
 
@@ -346,6 +352,10 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
     dtype = jnp.dtype(config.compute_dtype)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if config.numerics == "exact":
+        from rstar2jax.models import exact  # it builds on this module
+
+        return exact.exact_trunk(params, config, tokens, positions, segment_ids, cache)
 
     angles = positions[..., None, None].astype(jnp.float32) * rope_inverse_frequencies(config)
     rope = (jnp.cos(angles), jnp.sin(angles))
