@@ -63,6 +63,7 @@ __all__ = [
     "REMAT_POLICIES",
     "attention",
     "segments",
+    "exact",
     "hidden_states",
     "output_head",
     "sequence_logprobs",

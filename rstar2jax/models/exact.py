@@ -8,7 +8,8 @@ in float32 and 1e-3 in bfloat16 at ``[m, 512] @ [512, 1536]`` for m = 2..16 agai
 attention and the trainer's blockwise attention reduce over keys in other blocks, and the vocabulary softmax
 is blocked by the token count.
 
-What exact mode does instead, for every token alike, in the engine's ragged step and the trainer's packed rows:
+What exact mode does instead, for every token alike, in the engine's ragged step and the trainer's packed
+rows:
 
 - every per-token computation (norms, projections, RoPE, MLP, final norm, logits, the log-prob) runs over
   tiles of :data:`TILE_ROWS` rows with :func:`tiled_rows`: the same shapes, hence the same code, whatever the
@@ -32,6 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.quantization import cast_floats
 from rstar2jax.models.segments import segment_starts
@@ -145,9 +147,9 @@ def logits(hidden: jax.Array, head: jax.Array, head_layout: str) -> jax.Array:
 
 
 def exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
-    """``transformer._trunk`` with exact numerics (the module doc): every per-token computation over fixed row
-    tiles, attention by ``exact.attend_tile`` (packed rows here; a paged cache attends itself, as it decides
-    from its ``attention``); no remat names, no MLP chunks, no :class:`KVCache`."""
+    """``transformer._trunk`` with exact numerics (the module doc): every per-token computation over fixed
+    row tiles, attention by :func:`attend_tile` (packed rows here; a paged cache attends itself, as its
+    ``attention`` says); no remat names, no :class:`KVCache`."""
     if isinstance(cache, KVCache):
         raise ValueError("numerics='exact' runs without a cache or with a paged cache, not a KVCache")
     B, T = tokens.shape

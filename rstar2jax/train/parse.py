@@ -247,6 +247,9 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         values.update(mismatch_correction(values))  # "auto": from the rollout's precision
         rl_rules(values, stages)
     policy = policy_from_values(values)
+    if kind == "rl":  # the engine and the trainer run the policy's model config: both get the numerics
+        model = dataclasses.replace(policy.model, numerics=values["rollout.numerics"])
+        policy = dataclasses.replace(policy, model=model)
     mesh = _section(MeshShape, "mesh", values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
