@@ -27,27 +27,13 @@ theirs with :func:`packed_attention`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
-from rstar2jax.models.quantization import cast_floats
 from rstar2jax.models.segments import segment_starts
-from rstar2jax.models.transformer import (
-    _REMAT_POLICIES,
-    KVCache,
-    _apply_rope,
-    _mlp,
-    _project,
-    _rms_norm,
-    _split_layers,
-    layers_are_unstacked,
-    rope_inverse_frequencies,
-)
 
 TILE_ROWS = 8
 MIN_TILES = 2
@@ -144,58 +130,3 @@ def logits(hidden: jax.Array, head: jax.Array, head_layout: str) -> jax.Array:
     """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of rows (what the engine samples from)."""
     spec = "nd,vd->nv" if head_layout == "vd" else "nd,dv->nv"
     return tiled_rows(lambda h: jnp.einsum(spec, h, head, preferred_element_type=jnp.float32), hidden)
-
-
-def exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
-    """``transformer._trunk`` with exact numerics (the module doc): every per-token computation over fixed
-    row tiles, attention by :func:`attend_tile` (packed rows here; a paged cache attends itself, as its
-    ``attention`` says); no remat names, no :class:`KVCache`."""
-    if isinstance(cache, KVCache):
-        raise ValueError("numerics='exact' runs without a cache or with a paged cache, not a KVCache")
-    B, T = tokens.shape
-    dtype, eps = jnp.dtype(config.compute_dtype), config.rms_norm_eps
-    inverse_frequencies = rope_inverse_frequencies(config)
-
-    def pre_attention(layer, x, pos):  # one tile: x [R, D], pos [R] -> q (scaled), k, v [R, heads, Dh]
-        h = _rms_norm(x, layer["attn_norm"], eps)[None]
-        q, k, v = (_project(h, layer, f"{name}_proj", "btd,dhk->bthk") for name in "qkv")
-        if config.qkv_bias:
-            q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
-        if config.qk_norm:
-            q, k = _rms_norm(q, layer["q_norm"], eps), _rms_norm(k, layer["k_norm"], eps)
-        angles = pos[None, :, None, None].astype(jnp.float32) * inverse_frequencies
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-        scale = config.head_dim**-0.5
-        return _apply_rope(q, cos * scale, sin * scale)[0], _apply_rope(k, cos, sin)[0], v[0]
-
-    def post_attention(layer, x, attn):  # one tile: x [R, D], attn [R, H, Dh] -> x [R, D]
-        x = x + _project(attn[None], layer, "o_proj", "bthk,hkd->btd")[0]
-        return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer)[0]
-
-    def block(x, layer, layer_index, kv):
-        layer = cast_floats(layer, dtype)
-        q, k, v = tiled_rows(functools.partial(pre_attention, layer), x, positions.reshape(-1))
-        if kv is None:
-            shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]
-            attn = packed_attention(*shaped, segment_ids).reshape(q.shape)
-        else:
-            attn, kv = kv.write_and_attend(layer_index, q[None], k[None], v[None])
-            attn = attn[0]
-        return tiled_rows(functools.partial(post_attention, layer), x, attn), kv
-
-    if config.remat_policy != "none":
-        block = jax.checkpoint(block, policy=_REMAT_POLICIES[config.remat_policy])
-    x = jnp.take(params["embed"], tokens.reshape(-1), axis=0, mode="clip").astype(dtype)
-    if config.scan_layers and not layers_are_unstacked(params):
-        def scan_step(carry, layer_inputs):
-            return block(*carry[:1], *layer_inputs, carry[1]), None
-
-        indices = jnp.arange(config.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(scan_step, (x, cache), (params["layers"], indices))
-    else:
-        unstacked = layers_are_unstacked(params)
-        layers = params["layers"] if unstacked else _split_layers(params["layers"], config.num_layers)
-        for i, layer in enumerate(layers):
-            x, cache = block(x, layer, i, cache)
-    x = tiled_rows(lambda x: _rms_norm(x, params["final_norm"], eps), x)
-    return x.reshape(B, T, -1), cache
