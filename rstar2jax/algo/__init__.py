@@ -51,6 +51,7 @@ from rstar2jax.algo.registry import (
     PolicyLoss,
     get_policy_loss,
     register_policy_loss,
+    registered_loss_options,
 )
 from rstar2jax.algo.roc import ROC_MODES, RocSelection, roc_select
 
@@ -91,6 +92,7 @@ __all__ = [
     "policy_loss",
     "register_estimator",
     "register_policy_loss",
+    "registered_loss_options",
     "roc_select",
     "rollout_correction",
     "rollout_mismatch",

@@ -181,7 +181,7 @@ def get_policy_loss(mode: str) -> PolicyLoss:
         raise ValueError(f"mode={mode!r}: {error}") from None
 
 
-def option_fields() -> dict[str, tuple[Any, str]]:
+def registered_loss_options() -> dict[str, tuple[Any, str]]:
     """Every registered loss's options: name -> (default, the losses declaring it), first default kept."""
     fields: dict[str, tuple[Any, str]] = {}
     for entry in POLICY_LOSSES.values():

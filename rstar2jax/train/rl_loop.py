@@ -185,11 +185,12 @@ def train_rl(
     groups there too and drains at a stage's end; its engines stop when the run does.
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
-    optimizer = options.optimizer.optimizer()
+    updates = options.rl.updates_per_step  # the optimizer and its schedule count updates
+    optimizer = options.optimizer.optimizer(updates_per_step=updates)
     run = start_run(
         options,
         optimizer,
-        options.optimizer.learning_rate_schedule(),
+        options.optimizer.learning_rate_schedule(updates_per_step=updates),
         initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
     )
@@ -201,6 +202,8 @@ def train_rl(
         mesh=run.mesh,
         shardings=run.shardings,
         lora=run.lora,
+        ppo_epochs=options.rl.ppo_epochs,
+        mini_batches=options.rl.mini_batches,
     )
     if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
         step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
