@@ -11,7 +11,13 @@ import optax
 import pytest
 
 from rstar2jax import models
-from rstar2jax.train import RLLossConfig, init_train_state, make_optimizer, make_rl_step
+from rstar2jax.train import (
+    RLLossConfig,
+    init_train_state,
+    learning_rate_schedule,
+    make_optimizer,
+    make_rl_step,
+)
 from rstar2jax.train.options import OptimizerOptions
 from rstar2jax.train.updates import several_updates
 from tests.train.conftest import FAST_COMPILE, copy_tree
@@ -26,6 +32,11 @@ def _on_policy(config, params, batch, noise=0.0):
     logp = np.asarray(models.token_logprobs(logits, batch.targets))
     noise = np.random.default_rng(0).normal(0.0, noise, logp.shape).astype(np.float32)
     return batch.replace(old_logp=logp + noise)
+
+
+def _update_counts(opt_state) -> set[int]:
+    """The optimizer's counters (Adam's, the schedule's): the updates it applied."""
+    return {int(x) for x in jax.tree.leaves(opt_state) if np.asarray(x).dtype == np.int32 and np.ndim(x) == 0}
 
 
 def _step(config, params, batch, optimizer, loss, **options):
@@ -44,7 +55,7 @@ def test_with_two_epochs_the_clip_acts_and_cispo_differs(tiny_model, rl_batch):
     # pi_old is the policy before the first update: the later updates see ratios away from 1.
     assert float(ppo["clip_frac"]) > 0 and float(cispo["clip_frac"]) > 0
     assert abs(float(ppo["ratio_mean"]) - 1.0) > 1e-3 and float(ppo["mismatch_abs_log_ratio"]) < 1e-5
-    assert int(ppo_state.step) == 1 and int(ppo_state.opt_state[-1][0].count) == 4  # 2 epochs x 2 minis
+    assert int(ppo_state.step) == 1 and _update_counts(ppo_state.opt_state) == {4}  # 2 epochs x 2 minis
     differences = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ppo_state.params,
                                                cispo_state.params))
     assert max(differences) > 1e-4 and float(ppo["grad_norm"]) != float(cispo["grad_norm"])
@@ -68,7 +79,7 @@ def test_lora_and_the_decoupled_objective_over_several_updates(tiny_model, rl_ba
     config, params = tiny_model
     batch = _on_policy(config, params, rl_batch, noise=0.3)
     optimizer = make_optimizer(3e-2, warmup_steps=1)
-    loss = RLLossConfig(off_policy_correction="decoupled")
+    loss = RLLossConfig(off_policy_correction="decoupled", decoupled_is_cap=1.5, eps_low=0.01, eps_high=0.01)
     step = make_rl_step(config, optimizer, loss, num_microbatches=2, lora=LORA, ppo_epochs=3,
                         compiler_options=FAST_COMPILE)
     adapters = jax.tree.map(lambda x: x + 0.05, models.lora.init_lora(config, LORA, jax.random.key(1)))
@@ -80,16 +91,21 @@ def test_lora_and_the_decoupled_objective_over_several_updates(tiny_model, rl_ba
 
 
 def test_the_schedule_counts_updates():
+    """Warm-up and total in RL steps, the schedule in updates; a step's logged rate is its last update's."""
     options = OptimizerOptions(learning_rate=1.0, warmup_steps=2, schedule="cosine", total_steps=10,
                                weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=None)
-    per_update = options.learning_rate_schedule(updates_per_step=3)
-    plain = options.learning_rate_schedule()
-    # Warm-up and total in RL steps, the schedule in updates: a step's rate is its last update's.
-    np.testing.assert_allclose(per_update(0), 3 / 6)  # update 2 of a 6-update warm-up
-    np.testing.assert_allclose(per_update(1), plain(1))  # the end of the warm-up, either way
-    np.testing.assert_allclose(per_update(9), 0.0, atol=1e-6)
-    assert float(per_update(5)) != float(plain(5))
-    assert options.learning_rate_schedule(updates_per_step=1) is not None and plain(3) == plain(3)
+    per_update = learning_rate_schedule(1.0, warmup_steps=6, schedule="cosine", total_steps=30)
+    per_step = options.learning_rate_schedule(updates_per_step=3)
+    for step in range(10):
+        np.testing.assert_allclose(per_step(step), per_update(3 * step + 2), rtol=1e-6)
+    np.testing.assert_allclose(per_step(0), 0.5)  # update 3 of a 6-update warm-up
+    assert options.learning_rate_schedule()(0) == 0.5  # one update per step: update 1 of 2
+    params = {"w": np.ones(3, np.float32)}
+    optimizer = options.optimizer(updates_per_step=3)
+    state = optimizer.init(params)
+    for _ in range(3):  # the first step's three updates: warm-up rates 1/6, 2/6, 3/6
+        _, state = optimizer.update({"w": np.ones(3, np.float32)}, state, params)
+    assert _update_counts(state) == {3}
 
 
 def test_rows_must_divide_into_mini_and_micro_batches(tiny_model, rl_batch):
