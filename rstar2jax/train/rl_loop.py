@@ -198,17 +198,10 @@ def train_rl(
         initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
     )
-    step_fn = make_rl_step(
-        run.model_config,
-        optimizer,
-        options.rl.loss,
-        num_microbatches=options.num_microbatches,
-        mesh=run.mesh,
-        shardings=run.shardings,
-        lora=run.lora,
-        ppo_epochs=options.rl.ppo_epochs,
-        mini_batches=options.rl.mini_batches,
-    )
+    rl = options.rl
+    step_fn = make_rl_step(run.model_config, optimizer, rl.loss, num_microbatches=options.num_microbatches,
+                           mesh=run.mesh, shardings=run.shardings, lora=run.lora, ppo_epochs=rl.ppo_epochs,
+                           mini_batches=rl.mini_batches)
     if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
         step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
     stages = run.options.stages
