@@ -55,7 +55,8 @@ class RolloutStream:
             self.engine = rollout.make_engine(params, engine_config, policy_version)
         self.core = self.engine.core
         self.run = _Rollout(self.engine, rollout.sandbox, rollout.tokenizer,
-                            rollout.verifier or default_verifier(), config, outage=rollout.outage)
+                            rollout.verifier or default_verifier(), config, outage=rollout.outage,
+                            tools=rollout.tools, reward=rollout.reward)
         self.finished: queue.Queue = queue.Queue()
         self.futures: dict[Hashable, object] = {}
         self.tasks: set[asyncio.Task] = set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 import pathlib
 import re
@@ -36,6 +37,7 @@ from rstar2jax.train.options import (
     LoggingOptions,
     MeshShape,
     OptimizerOptions,
+    PolicyOptions,
     RLLoopOptions,
     RolloutOptions,
     RunOptions,
@@ -177,9 +179,33 @@ def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> Ro
         except ValueError as error:
             raise ConfigError(f"config.rollout.weight_block={engine.weight_block}: {error}") from None
     sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
-    return RolloutOptions(engine=engine, sampling=sampling, **{
+    return RolloutOptions(engine=engine, sampling=sampling, reward_fn=_reward_fn(values["reward.fn"]), **{
         f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
-        if f.name not in ("engine", "sampling")})
+        if f.name not in ("engine", "sampling", "reward_fn")})
+
+
+def _reward_fn(spec: str) -> str:
+    """``reward.fn`` once it imports as a function (its workers import it again)."""
+    if spec:
+        module, _, name = spec.partition(":")
+        try:
+            function = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(f"config.reward.fn={spec!r}: {error}") from None
+        if not callable(function):
+            raise ConfigError(f"config.reward.fn={spec!r}: not a function")
+    return spec
+
+
+def _with_tools(policy: PolicyOptions, specs) -> PolicyOptions:
+    """``policy`` whose prompt lists the schemas of ``rollout.tools`` (what the run trains and exports)."""
+    from rstar2jax.agent.tools import load_tools  # noqa: PLC0415  (an RL run's only)
+
+    try:
+        _, prompt = load_tools(tuple(specs), None, policy.prompt)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"config.rollout.tools={tuple(specs)!r}: {error}") from None
+    return dataclasses.replace(policy, prompt=prompt)
 
 
 def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
@@ -247,6 +273,8 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         values.update(mismatch_correction(values))  # "auto": from the rollout's precision
         rl_rules(values, stages)
     policy = policy_from_values(values)
+    if kind == "rl":
+        policy = _with_tools(policy, values["rollout.tools"])
     mesh = _section(MeshShape, "mesh", values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None

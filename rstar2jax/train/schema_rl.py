@@ -87,6 +87,16 @@ PLACEMENT_HELP = "where the asynchronous producer's engine runs: " + choices(
     },
     PLACEMENTS,
 )
+TOOL_LIST = Check(
+    lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(isinstance(t, str) and t for t in v)
+    and len(set(v)) == len(v),
+    "must list tools, each once: 'python', a registered tool or 'module:function'", tuple,
+    ((), ("python", "python")),
+)
+FUNCTION_NAME = Check(
+    lambda v: isinstance(v, str) and (v == "" or all(v.partition(":")[::2])),
+    "must be '' or 'module:function'", str, ("no_function",),
+)
 STAGE_LIST = Check(lambda v: isinstance(v, list | tuple) and len(v) > 0, "must list at least one stage", list)
 
 #: An RL run's own fields (GRPO-RoC; the paper's defaults where it gives them), after ``COMMON``'s.
@@ -278,6 +288,16 @@ RL: dict[str, Field] = {
                                       "of seconds"),
         "seconds tool calls wait (retrying with back-off) for a sandbox that does not answer; past it the "
         "run stops (exit 3) keeping the last finished step's checkpoint",
+    ),
+    "rollout.tools": Field(
+        ("python",), TOOL_LIST,
+        "the model's tools, each listed in the prompt: python (the sandbox's), a registered tool or "
+        "module:function (a function with type hints and an Args: docstring; docs/extending.md)",
+    ),
+    "reward.fn": Field(
+        "", FUNCTION_NAME,
+        "module:function scoring a finished trajectory from (trajectory, problem) in place of the answer "
+        "verifier (run in its worker processes, under its timeout); empty: the verifier",
     ),
     "rollout.engine_slots": Field(64, POSITIVE, "concurrent sequences in the generation engine"),
     "rollout.kv_cache_tokens": Field(
