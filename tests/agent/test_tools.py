@@ -5,9 +5,11 @@ display of any tool, and a reward function in place of the answer verifier."""
 import asyncio
 import io
 import json
+import sys
 
 import pytest
 
+from experiments import _launch
 from rstar2jax.agent import (
     PYTHON_TOOL_NAME,
     FunctionTool,
@@ -159,3 +161,14 @@ def test_a_reward_that_raises_or_returns_no_number_stops_the_rollout(tokenizer, 
     turns = [[" It is in Europe.</reason>\nAnswer: Paris<|im_end|>"]]
     with pytest.raises(RewardError, match=match):
         run(tokenizer, verifier, turns, ["python"], problems=CAPITALS[:1], reward=PLUGINS + function)
+
+
+def test_a_reward_error_stops_a_launcher_in_one_line(monkeypatch, capsys):
+    def main(argv):
+        raise RewardError("reward m:f raised KeyError: 'x' (problem 'p')")
+
+    monkeypatch.setattr(sys, "argv", ["train_rl"])
+    with pytest.raises(SystemExit) as stopped:
+        _launch.run(main)
+    assert stopped.value.code == 3  # a fault that stopped the run, as a sandbox gone for good
+    assert capsys.readouterr().err == "error: reward m:f raised KeyError: 'x' (problem 'p')\n"
