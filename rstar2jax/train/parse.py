@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
 from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
 from rstar2jax.models.config import ModelConfig
@@ -197,6 +198,24 @@ def _reward_fn(spec: str) -> str:
     return spec
 
 
+def _estimator(spec: str) -> str:
+    """The ``algo.ADVANTAGE_ESTIMATORS`` name of ``rl.estimator``: a registered name as it is; a
+    ``module:function`` imported (which may register it) and, when it is not registered, registered under
+    ``spec``."""
+    if spec in algo.ADVANTAGE_ESTIMATORS:
+        return spec
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"config.rl.estimator={spec!r}: {error}") from None
+    known = [key for key, estimator in algo.ADVANTAGE_ESTIMATORS.items() if estimator is function]
+    if known:
+        return known[0]
+    algo.register_estimator(spec, function)
+    return spec
+
+
 def _with_tools(policy: PolicyOptions, specs) -> PolicyOptions:
     """``policy`` whose prompt lists the schemas of ``rollout.tools`` (what the run trains and exports)."""
     from rstar2jax.agent.tools import load_tools  # noqa: PLC0415  (an RL run's only)
@@ -271,6 +290,7 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     common_rules(values)
     if kind == "rl":
         values.update(mismatch_correction(values))  # "auto": from the rollout's precision
+        values["rl.estimator"] = _estimator(values["rl.estimator"])
         rl_rules(values, stages)
     policy = policy_from_values(values)
     if kind == "rl":

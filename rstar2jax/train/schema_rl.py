@@ -93,6 +93,13 @@ TOOL_LIST = Check(
     "must list tools, each once: 'python', a registered tool or 'module:function'", tuple,
     ((), ("python", "python")),
 )
+#: A registered advantage estimator (looked up when checked: a user's module may have added one) or
+#: ``module:function``, loaded when the config is parsed.
+ESTIMATOR = Check(
+    lambda v: isinstance(v, str) and (v in algo.ADVANTAGE_ESTIMATORS or all(v.partition(":")[::2])),
+    "must be a registered advantage estimator (algo.ADVANTAGE_ESTIMATORS) or 'module:function'", str,
+    ("no_such_estimator",),
+)
 FUNCTION_NAME = Check(
     lambda v: isinstance(v, str) and (v == "" or all(v.partition(":")[::2])),
     "must be '' or 'module:function'", str, ("no_function",),
@@ -218,8 +225,9 @@ RL: dict[str, Field] = {
         "tie-breaking epsilon of the RoC penalty ordering",
     ),
     "rl.estimator": Field(
-        _ITERATION.estimator, choice(algo.ADVANTAGE_ESTIMATORS),
-        "advantage estimator (grpo: group-normalised reward)",
+        _ITERATION.estimator, ESTIMATOR,
+        "advantage estimator: a registered one (grpo: group-normalised reward; algo.ADVANTAGE_ESTIMATORS) or "
+        "module:function (docs/extending.md)",
     ),
     "rl.std": Field(_ITERATION.std, choice(algo.STD_MODES), STD_HELP),
     "rl.advantage_eps": Field(
