@@ -4,6 +4,10 @@ Every ``<tool_call>`` block becomes either a :class:`ToolCall` ready for the san
 :class:`ToolCallError` whose ``message`` is shown to the model as the tool response (rStar2-Agent feeds
 parse failures back instead of dropping them). The body must be one JSON value; nothing is guessed from
 broken JSON.
+
+:func:`parse_function_call` reads any tool's call (name and JSON arguments); each tool then checks its own
+arguments (``rstar2jax.agent.tools.parse_calls``: the Python tool with :func:`python_arguments_error`, a
+function tool against its schema). :func:`parse_tool_call` is the Python tool's parse in one step.
 """
 
 from __future__ import annotations
