@@ -172,3 +172,20 @@ def test_a_reward_error_stops_a_launcher_in_one_line(monkeypatch, capsys):
         _launch.run(main)
     assert stopped.value.code == 3  # a fault that stopped the run, as a sandbox gone for good
     assert capsys.readouterr().err == "error: reward m:f raised KeyError: 'x' (problem 'p')\n"
+
+
+def test_the_asynchronous_schedules_sessions_have_the_rollouts_tools_and_reward(tokenizer, verifier):
+    from rstar2jax.agent import PolicyRollout
+    from rstar2jax.engine import EngineConfig
+
+    sandbox = ScriptedSandbox()
+    tools, prompt = load_tools(["python", ADD], sandbox, PromptConfig())
+    rollout = PolicyRollout(None, tokenizer, sandbox, engine_config=EngineConfig(), max_prompt_length=64,
+                            config=RolloutConfig(prompt=prompt), verifier=verifier, tools=tools,
+                            reward=PLUGINS + "string_match")
+    try:
+        sessions = rollout.stream_sessions(None, 64, 2)
+        assert list(sessions.tools) == [PYTHON_TOOL_NAME, "add"]
+        assert sessions.reward == PLUGINS + "string_match"
+    finally:
+        rollout.close()
