@@ -54,7 +54,7 @@ WANDB_NAME = Check(lambda v: isinstance(v, str) and not set(v) & set("/\\#?%:") 
                    "must be '' or a W&B name (at most 128 characters, none of / \\ # ? % :)", str,
                    ("team/project", "x" * 129))
 TAGS = Check(lambda v: isinstance(v, list | tuple) and all(isinstance(t, str) and t for t in v),
-             "must be a list of non-empty strings", tuple, (("",), "x"))
+             "must be a list of non-empty strings", tuple, (("",), ("a", 1)))
 LORA_TARGET_LIST = Check(
     lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(t in LORA_TARGETS for t in v)
     and len(set(v)) == len(v),
