@@ -67,7 +67,7 @@ CONTRADICTIONS = [
     ("rl", {"distributed.num_processes": 1, "distributed.process_id": 1},
      "config.distributed.process_id=1: must be in [0"),
     # num_processes "auto" (the default): the cluster's environment gives each process its id (issue 54).
-    ("rl", {"distributed.process_id": 1}, "config.distributed.process_id=1: the cluster says each process's id"),
+    ("rl", {"distributed.process_id": 1}, "config.distributed.process_id=1: the cluster says each process"),
     ("rl", {"distributed.num_processes": 2}, "config.distributed.coordinator_address=''"),
     ("rl", {"data.source": ""}, "config.data.source is empty and config.stages[0].dataset names no dataset"),
     ("rl", {"model.preset": ""}, "config.model.spec: "),

@@ -125,7 +125,8 @@ def test_a_slurm_job_script_that_runs_the_launcher_without_srun_exits_2_in_one_l
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: config.distributed.num_processes='auto': SLURM launched several "
                            "processes (SLURM_NTASKS=2, SLURM_PROCID=0) but jax.distributed.initialize() "
-                           "could not join them from that environment (coordinator_address should be defined"), line
+                           "could not join them from that environment (coordinator_address should be "
+                           "defined"), line
     assert line.endswith("start one process per task (srun / mpirun), or set "
                          "config.distributed.coordinator_address, num_processes and process_id"), line
     assert not workdir.exists()
