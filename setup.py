@@ -56,7 +56,7 @@ setup(
         "rocm": ["jax[rocm7-local]==0.10.2"],
         # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
         "tensorboard": ["tensorboard>=2.21"],
-        # Weights & Biases as a logger of runs (config.logging.wandb; docs/cluster.md); the library runs without.
+        # Weights & Biases as a run logger (config.logging.wandb; docs/cluster.md); the library runs without.
         "wandb": ["wandb>=0.31"],
         # google-tunix, the side `bench_engine --startup` compares decoding with. Bench-only, and for an
         # environment of its own: it pins transformers 5.12. Beside this project, install it into a folder
