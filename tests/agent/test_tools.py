@@ -189,3 +189,16 @@ def test_the_asynchronous_schedules_sessions_have_the_rollouts_tools_and_reward(
         assert sessions.reward == PLUGINS + "string_match"
     finally:
         rollout.close()
+
+
+def test_a_registered_tool_is_named_in_a_config(monkeypatch):
+    from rstar2jax.agent import TOOLS, register_tool
+
+    monkeypatch.setattr("rstar2jax.agent.tools.TOOLS", dict(TOOLS))  # the registration stays in this test
+    register_tool("adder")(plugins.add)
+    tool = load_tool("adder")
+    assert isinstance(tool, FunctionTool) and tool.name == "add"
+    with pytest.raises(ValueError, match="a tool named 'adder' is already registered"):
+        register_tool("adder")(plugins.divide)
+    with pytest.raises(TypeError, match="a tool must be a Tool or a function, got int"):
+        rollout_tools(PromptConfig(tools=()), None, [3])
