@@ -18,9 +18,9 @@ from typing import Any
 from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.state import learning_rate_schedule, make_optimizer
-from rstar2jax.train.steps import RLLossConfig
 
 
 class ConfigError(ValueError):
@@ -44,20 +44,25 @@ class OptimizerOptions:
     max_grad_norm: float | None
     warmup_fraction: float = 0.0
 
-    def _schedule_options(self, total_steps: int | None) -> dict[str, Any]:
+    def _schedule_options(self, total_steps: int | None, updates_per_step: int) -> dict[str, Any]:
         total = self.total_steps or total_steps
         warmup = self.warmup_steps if self.warmup_steps >= 0 else math.ceil(self.warmup_fraction * total)
-        return dict(warmup_steps=warmup, schedule=self.schedule, total_steps=total)
+        return dict(warmup_steps=warmup * updates_per_step, schedule=self.schedule,
+                    total_steps=None if total is None else total * updates_per_step)
 
-    def learning_rate_schedule(self, total_steps: int | None = None):
-        """The learning-rate schedule (what :meth:`optimizer` applies)."""
-        return learning_rate_schedule(self.learning_rate, **self._schedule_options(total_steps))
+    def learning_rate_schedule(self, total_steps: int | None = None, updates_per_step: int = 1):
+        """The learning rate of each step (its last update's, of what :meth:`optimizer` applies)."""
+        schedule = learning_rate_schedule(self.learning_rate,
+                                          **self._schedule_options(total_steps, updates_per_step))
+        return schedule if updates_per_step == 1 else lambda step: schedule(step * updates_per_step
+                                                                             + updates_per_step - 1)
 
-    def optimizer(self, total_steps: int | None = None):
-        """The optimizer (``total_steps``: the run's step count when ``total_steps`` is not set)."""
+    def optimizer(self, total_steps: int | None = None, updates_per_step: int = 1):
+        """The optimizer (``total_steps``: the run's step count when ``total_steps`` is not set). Its
+        schedule counts updates: ``updates_per_step`` per step (warm-up and total steps given in steps)."""
         return make_optimizer(
             self.learning_rate,
-            **self._schedule_options(total_steps),
+            **self._schedule_options(total_steps, updates_per_step),
             weight_decay=self.weight_decay,
             b1=self.b1,
             b2=self.b2,
@@ -123,12 +128,28 @@ class CheckpointOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbOptions:
+    """``config.logging.wandb``: the Weights & Biases run (``project`` '': none)."""
+
+    project: str = ""
+    entity: str = ""
+    name: str = ""
+    tags: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.project)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, and the progress bar / lines (every ``progress_every``)."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``) and the
+    Weights & Biases run."""
 
     tensorboard: bool = True
     progress: bool = True
     progress_every: int = 10
+    wandb: WandbOptions = WandbOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +171,12 @@ class MeshShape:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptions:
-    """``config.distributed``: the processes of a multi-host run (one: a single process)."""
+    """``config.distributed``: the processes of a multi-host run (one: a single process). ``num_processes``
+    None (the config's ``"auto"``): the cluster scheduler's environment says (``train.cluster``; one process
+    outside a scheduler's launch)."""
 
     coordinator_address: str = ""
-    num_processes: int = 1
+    num_processes: int | None = 1
     process_id: int = 0
 
 
@@ -206,8 +229,8 @@ class StageOptions:
 class RolloutOptions:
     """What the trainer's rollout function is built from (``config.rollout``): the engine of the run's longest
     stage (its ``max_len`` that stage's ``engine_max_len``: the largest engine the run builds), the sampling
-    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits and the
-    partial-rollout segment."""
+    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits, the
+    partial-rollout segment, the tools and the reward function."""
 
     engine: EngineConfig
     sampling: SamplingParams
@@ -219,6 +242,8 @@ class RolloutOptions:
     sandbox_outage_s: float
     partial_segment_tokens: int
     on_update: str = "keep"
+    tools: tuple[str, ...] = ("python",)  # rollout.tools
+    reward_fn: str = ""  # reward.fn: '' the answer verifier
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -252,6 +277,13 @@ class RLLoopOptions:
     max_staleness: int = 1
     placement: str = "colocated"
     rollout_devices: int = 1
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per RL step: ``ppo_epochs`` x ``mini_batches``."""
+        return self.ppo_epochs * self.mini_batches
 
     @property
     def samples_per_problem(self) -> int:
@@ -303,9 +335,10 @@ class RunOptions:
 
     @property
     def row_multiple(self) -> int:
-        """Batch rows must split into ``num_microbatches`` micro-batches whose rows split over the
-        data-parallel devices: ``num_microbatches x mesh.data x mesh.fsdp``."""
-        return self.num_microbatches * self.mesh.data_parallel
+        """Batch rows must split into (RL: ``rl.mini_batches`` mini-batches of) ``num_microbatches``
+        micro-batches whose rows split over the data-parallel devices: ``[mini_batches x] num_microbatches x
+        mesh.data x mesh.fsdp``."""
+        return (self.rl.mini_batches if self.rl else 1) * self.num_microbatches * self.mesh.data_parallel
 
     @property
     def model(self) -> models.ModelConfig:

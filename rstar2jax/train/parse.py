@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
 from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.quantization import check_weight_blocks
 from rstar2jax.train import schema, schema_rl
-from rstar2jax.train.checks import Field
+from rstar2jax.train.checks import Check, Field
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.options import (
     CheckpointOptions,
     ConfigError,
@@ -36,17 +39,18 @@ from rstar2jax.train.options import (
     LoggingOptions,
     MeshShape,
     OptimizerOptions,
+    PolicyOptions,
     RLLoopOptions,
     RolloutOptions,
     RunOptions,
     SFTOptions,
     StageOptions,
+    WandbOptions,
 )
 from rstar2jax.train.parse_model import policy_from_values
 from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
 from rstar2jax.train.schedule import off_policy_correction
 from rstar2jax.train.selection import RLIterationConfig
-from rstar2jax.train.steps import RLLossConfig
 
 _MISSING = object()
 #: Fields that moved, with where they went (a config written for an older version names them).
@@ -124,6 +128,32 @@ def _unknown_fields(node, fields: Mapping[str, Field], where: str = "", prefix: 
         raise ConfigError(f"config.{where}{path}: no such field{hint}")
 
 
+def _mode_option_fields(config, fields: Mapping[str, Field]) -> dict[str, Field]:
+    """The fields of the options of ``config.loss.mode``'s loss that ``fields`` lacks and the config sets (a
+    ``module:function`` loss's, written in the config file as ``config.loss.<option> = value``); an option
+    the config does not set keeps the loss's default."""
+    mode = _lookup(config, "loss.mode")
+    if mode is _MISSING or not fields["loss.mode"].check(mode):
+        return {}  # reading loss.mode reports it
+    loss = algo.get_policy_loss(mode)
+    extra = {}
+    for option, default in loss.options.items():
+        path = f"loss.{option}"
+        if path not in fields and _lookup(config, path) is not _MISSING:
+            check = Check(lambda v, option=option: _resolves(loss, option, v), f"must be a valid {option} "
+                          f"(an option of loss {mode!r})", object)
+            extra[path] = Field(default, check, f"option of policy loss {mode}")
+    return extra
+
+
+def _resolves(loss, option: str, value) -> bool:
+    try:
+        loss.resolve({option: value})
+    except ValueError:
+        return False
+    return True
+
+
 def _stages(values: Mapping[str, Any], check_data: bool) -> tuple[StageOptions, ...]:
     options = []
     for index, raw in enumerate(values["stages"]):
@@ -177,9 +207,51 @@ def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> Ro
         except ValueError as error:
             raise ConfigError(f"config.rollout.weight_block={engine.weight_block}: {error}") from None
     sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
-    return RolloutOptions(engine=engine, sampling=sampling, **{
+    return RolloutOptions(engine=engine, sampling=sampling, reward_fn=_reward_fn(values["reward.fn"]), **{
         f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
-        if f.name not in ("engine", "sampling")})
+        if f.name not in ("engine", "sampling", "reward_fn")})
+
+
+def _reward_fn(spec: str) -> str:
+    """``reward.fn`` once it imports as a function (its workers import it again)."""
+    if spec:
+        module, _, name = spec.partition(":")
+        try:
+            function = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(f"config.reward.fn={spec!r}: {error}") from None
+        if not callable(function):
+            raise ConfigError(f"config.reward.fn={spec!r}: not a function")
+    return spec
+
+
+def _estimator(spec: str) -> str:
+    """The ``algo.ADVANTAGE_ESTIMATORS`` name of ``rl.estimator``: a registered name as it is; a
+    ``module:function`` imported (which may register it) and, when it is not registered, registered under
+    ``spec``."""
+    if spec in algo.ADVANTAGE_ESTIMATORS:
+        return spec
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"config.rl.estimator={spec!r}: {error}") from None
+    known = [key for key, estimator in algo.ADVANTAGE_ESTIMATORS.items() if estimator is function]
+    if known:
+        return known[0]
+    algo.register_estimator(spec, function)
+    return spec
+
+
+def _with_tools(policy: PolicyOptions, specs) -> PolicyOptions:
+    """``policy`` whose prompt lists the schemas of ``rollout.tools`` (what the run trains and exports)."""
+    from rstar2jax.agent.tools import load_tools  # noqa: PLC0415  (an RL run's only)
+
+    try:
+        _, prompt = load_tools(tuple(specs), None, policy.prompt)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"config.rollout.tools={tuple(specs)!r}: {error}") from None
+    return dataclasses.replace(policy, prompt=prompt)
 
 
 def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
@@ -190,8 +262,12 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
                    seq_len=s.seq_len, pack=values["batch.pack"], row_multiple=row_multiple)
         for s in stages
     )
-    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature", "off_policy_correction")),
+    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature", "off_policy_correction", "options")),
                    "temperature": "rollout.temperature"}
+    # The policy losses' own options (loss.<option> fields the RLLossConfig lacks), by name.
+    loss_options = tuple((path.removeprefix("loss."), values[path]) for path in values
+                         if path.startswith("loss.") and path not in loss_fields.values()
+                         and path != "loss.allow_uncorrected_mismatch")
     correction = off_policy_correction(values["rl.off_policy_correction"], values["rl.schedule"],
                                        values["rl.max_staleness"])
     # rl.* fields that are not the iteration's are the loop's, passed on by name (prompts_per_step, ...).
@@ -205,7 +281,8 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
         optimizer_memory=values["colocate.optimizer_memory"],
         max_prompt_length=values["batch.max_prompt_length"],
         iterations=iterations,
-        loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction),
+        loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction,
+                        options=loss_options),
         rollout=_rollout(values, stages, model),
         device_memory_gib=values["device_memory_gib"],
     )
@@ -217,8 +294,23 @@ def _data(values) -> DataOptions:
     return DataOptions(**data)
 
 
-def _section(cls, prefix: str, values) -> Any:
-    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix).items()})
+def _section(cls, prefix: str, values, **nested) -> Any:
+    """``cls`` of the fields ``prefix.<name>``, and ``nested`` options (built from their own section)."""
+    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix, tuple(nested)).items()},
+               **nested)
+
+
+def _distributed(values) -> DistributedOptions:
+    distributed = _section(DistributedOptions, "distributed", values)
+    if distributed.num_processes == schema_rl.AUTO:
+        return dataclasses.replace(distributed, num_processes=None)  # None: the cluster's environment says
+    return distributed
+
+
+def _logging(values) -> LoggingOptions:
+    wandb = _section(WandbOptions, "logging.wandb", values)
+    wandb = dataclasses.replace(wandb, tags=tuple(wandb.tags))
+    return _section(LoggingOptions, "logging", values, wandb=wandb)
 
 
 def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOptions:
@@ -239,23 +331,27 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         raise ConfigError(f"config.{kind} is missing: {other} config where {wanted} one is needed (e.g. "
                           "experiments/configs/tiny_cpu.py for RL, tiny_cpu.py:sft for SFT)")
     fields = schema.fields(kind)
+    if kind == "rl":
+        fields.update(_mode_option_fields(config, fields))
     values = _Values(_read(config, fields, "", check_data))
     _unknown_fields(config, fields)
     stages = _stages(values, check_data) if kind == "rl" else ()
     common_rules(values)
     if kind == "rl":
         values.update(mismatch_correction(values))  # "auto": from the rollout's precision
+        values["rl.estimator"] = _estimator(values["rl.estimator"])
         rl_rules(values, stages)
     policy = policy_from_values(values)
     if kind == "rl":  # the engine and the trainer run the policy's model config: both get the numerics
         model = dataclasses.replace(policy.model, numerics=values["rollout.numerics"])
-        policy = dataclasses.replace(policy, model=model)
+        policy = _with_tools(dataclasses.replace(policy, model=model), values["rollout.tools"])
     mesh = _section(MeshShape, "mesh", values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
     rl = None
     if kind == "rl":
-        rl = _rl_loop(values, stages, num_microbatches * mesh.data_parallel, policy.model)
+        rl = _rl_loop(values, stages, values["rl.mini_batches"] * num_microbatches * mesh.data_parallel,
+                      policy.model)
     optimizer = OptimizerOptions(
         **{name: values[path] for name, path in _fields_of(OptimizerOptions, "optimizer",
                                                             ("warmup_fraction",)).items()},
@@ -267,10 +363,10 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         notice=values["notice"],
         policy=policy,
         mesh=mesh,
-        distributed=_section(DistributedOptions, "distributed", values),
+        distributed=_distributed(values),
         optimizer=optimizer,
         checkpoint=_section(CheckpointOptions, "checkpoint", values),
-        logging=_section(LoggingOptions, "logging", values),
+        logging=_logging(values),
         num_microbatches=num_microbatches,
         record=config.to_json_best_effort(indent=1),
         stages=stages,
