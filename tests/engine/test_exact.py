@@ -5,6 +5,8 @@ model and keeps pi_old the sampler's (no recompute pass, no TIS)."""
 
 import asyncio
 import dataclasses
+import pathlib
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -18,6 +20,7 @@ from rstar2jax.engine import Engine, EngineConfig, SamplingParams, generate
 from rstar2jax.train import ConfigError, parse
 from tests.train.scripted import set_fields
 
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "exact_numerics.md"
 ROW = 192  # the trainer's packed row width: one compiled forward for every example
 EXACT_ENGINE = EngineConfig(num_slots=4, max_len=64, decode_chunk=4, token_buckets=(4, 16), prefill_tile=8,
                             page_size=8, eos_token_ids=(), prefix_sharing=True, poison_freed_pages=True)
@@ -114,3 +117,9 @@ def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
         parse(set_fields(config, {"rollout.numerics": "exact", "rollout.kv_dtype": "fp8"}))
     with pytest.raises(ValueError, match="numerics='fast'"):
         dataclasses.replace(default.policy.model, numerics="fast")
+
+
+def test_the_guide_runs():
+    """docs/exact_numerics.md: its Python block (an engine's log-probs against the trainer's) runs."""
+    (block,) = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.DOTALL)
+    exec(compile(block, str(GUIDE), "exec"), {})  # noqa: S102 (the guide's own code)
