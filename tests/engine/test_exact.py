@@ -90,11 +90,13 @@ def test_multi_turn_forks_and_shared_prompts_are_exact(tiny_qwen3):
         records.append((session.prompt_ids, session.response_ids, session.loss_mask, session.logprobs))
         session.close()
 
+    async def group(engine, prompt):  # opened and run together: 6 sessions share 4 slots
+        sessions = await engine.open(prompt, n=2, sampling=SamplingParams(temperature=1.0), max_tokens=24)
+        await asyncio.gather(*[rollout(s, j) for j, s in enumerate(sessions)])
+
     async def scenario():
         async with Engine(tiny_qwen3.params, config, EXACT_ENGINE) as engine:
-            groups = [await engine.open(p, n=2, sampling=SamplingParams(temperature=1.0), max_tokens=24)
-                      for p in prompts]
-            await asyncio.gather(*[rollout(s, j) for group in groups for j, s in enumerate(group)])
+            await asyncio.gather(*[group(engine, p) for p in prompts])
 
     asyncio.run(scenario())
     assert len(records) == 6
