@@ -16,7 +16,8 @@ from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rules import precision_gap
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
-from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule, make_schedule
+from rstar2jax.train.schedule import RolloutFn, RolloutSchedule, make_schedule
+from rstar2jax.train.schedule_state import ScheduleInvariantError
 from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
 
@@ -52,11 +53,11 @@ def _stage_problems(
 
 
 def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: RolloutFn) -> list[Problem]:
-    """Stage ``index``'s problems after its hard-problem filter (kept ids live in the checkpoint meta)."""
+    """Stage ``index``'s problems after its hard-problem filter (kept ids live in the host state)."""
     s = run.options.stages[index]
     if not s.hard_filter_rollouts:
         return problems
-    if run.meta["problem_ids"] is None:
+    if run.host.problem_ids is None:
         kept, stats = filter_hard_problems(
             run.state.params,
             problems,
@@ -70,9 +71,9 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
         )
         if not kept:
             raise ValueError(f"stage {s.name!r}: the hard-problem filter dropped every problem ({stats})")
-        run.meta["problem_ids"] = [p.id for p in kept]
+        run.host = run.host.replace(problem_ids=tuple(p.id for p in kept))
         logger.info("stage %s: hard-problem filter kept %d of %d problems", s.name, len(kept), len(problems))
-    keep = set(run.meta["problem_ids"])
+    keep = set(run.host.problem_ids)
     return [p for p in problems if p.id in keep]
 
 
@@ -95,30 +96,29 @@ class _RLStages:
             self.schedule = make_schedule(off_policy_steps=loop.off_policy_steps,
                                           partial_token_budget=loop.partial_token_budget,
                                           prompts_per_step=loop.prompts_per_step)
-        self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
+        self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.host.nonfinite_in_a_row)
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
         """Runs stage ``index`` from where the run stands (its start, or the resumed step)."""
         run, options = self.run, self.run.options
-        s = options.stages[index]
-        if run.step == run.meta["stage_start"] and s.reset_optimizer:
+        s, start = options.stages[index], run.host.stage_start
+        if run.step == start and s.reset_optimizer:
             run.reset_optimizer()
         iterator = ProblemIterator(
             _hard_problems(run, index, dataset, self.rollout_fn),
             options.rl.prompts_per_step,
             seed=options.seed + 7919 * index,
-            position=run.meta["position"],
+            position=run.host.position,
         )
         iteration = options.rl.iterations[index]
-        self.schedule.restore(run.meta)
-        self.schedule.begin_stage(min(s.steps, self.total - run.meta["stage_start"]),
-                                  run.step - run.meta["stage_start"])
-        while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
+        self.schedule.restore(run.host.schedule)
+        self.schedule.begin_stage(min(s.steps, self.total - start), run.step - start)
+        while run.step - start < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
                 run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
             # A stage's last step rolls out nothing ahead (max_steps does not count: a run it stopped
             # resumes exactly).
-            stage_last = run.step - run.meta["stage_start"] + 1 >= s.steps
+            stage_last = run.step - start + 1 >= s.steps
             run.state, metrics = rl_iteration(
                 run.state,
                 self.schedule.draw(iterator, stage_last=stage_last),
@@ -138,9 +138,9 @@ class _RLStages:
                 {"stage": index, **data_metrics, **metrics},
                 position=iterator.position,
                 nonfinite_in_a_row=self.streak.observe(metrics),
-                **self.schedule.checkpoint_meta(),
+                schedule=self.schedule.checkpoint_meta(),
             )
-            progress.update(record, f"stage {s.name!r} {run.step - run.meta['stage_start']}/{s.steps}")
+            progress.update(record, f"stage {s.name!r} {run.step - start}/{s.steps}")
             self.streak.check(run.step, run.workdir / CHECKPOINT_DIR)
             run.stop_if_requested()
 
@@ -190,7 +190,6 @@ def train_rl(
         options,
         optimizer,
         options.optimizer.learning_rate_schedule(),
-        initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
     )
     step_fn = make_rl_step(
@@ -207,11 +206,11 @@ def train_rl(
     stages = run.options.stages
     total = run.options.total_steps if max_steps is None else min(max_steps, run.options.total_steps)
     if run.resumed and run.is_main:
-        current = stages[min(run.meta["stage"], len(stages) - 1)]
+        current = stages[min(run.host.stage, len(stages) - 1)]
         logger.info(
             "resuming RL from the checkpoint at step %d in %s: stage %d/%d %r, step %d of %d",
-            run.step, run.workdir / CHECKPOINT_DIR, run.meta["stage"] + 1, len(stages),
-            current.name, run.step - run.meta["stage_start"], current.steps,
+            run.step, run.workdir / CHECKPOINT_DIR, run.host.stage + 1, len(stages),
+            current.name, run.step - run.host.stage_start, current.steps,
         )
     loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
@@ -225,13 +224,17 @@ def train_rl(
             run.accept_stop_requests()
             for index in range(len(stages)):
                 dataset, data_metrics = _stage_problems(run.options, index, dataset)
-                if index < run.meta["stage"]:
+                if index < run.host.stage:
                     continue
-                loop.stage(index, dataset, data_metrics, progress)
+                try:
+                    loop.stage(index, dataset, data_metrics, progress)
+                except ScheduleInvariantError as error:  # a bug: one line, and where the run can resume
+                    where = f"resume from the checkpoint of step {run.step} in {run.workdir / CHECKPOINT_DIR}"
+                    raise ScheduleInvariantError(error.invariant, f"{error.detail}; {where}") from error
                 if run.step >= total:
                     break
-                run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
-                run.meta.pop(CARRY_META_KEY, None)
+                run.host = run.host.replace(stage=index + 1, stage_start=run.step, position=0,
+                                            problem_ids=None)
         finally:
             try:
                 loop.schedule.close()  # the asynchronous producer's engines stop
