@@ -218,6 +218,11 @@ class AsyncSchedule(RolloutSchedule):
         self.state.check(self.eta)
         return [t.problem for t in self.taken], groups, self._metrics(time.perf_counter() - start)
 
+    def release_versions(self, groups, version: int) -> list[int]:
+        """The versions the last step's groups were released (or issued again) at."""
+        del groups, version
+        return [t.version for t in self.taken]
+
     def _complete(self) -> set:
         """The keys of every process's finished groups."""
         finished = sorted(self.state.finished)

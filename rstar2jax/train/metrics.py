@@ -77,6 +77,11 @@ class MetricsLogger:
                 self._writer.flush()
         return record
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A TensorBoard text entry (nothing without a TensorBoard writer)."""
+        if self._writer is not None:
+            self._writer.add_text(tag, text, step)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()

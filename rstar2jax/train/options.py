@@ -124,11 +124,13 @@ class CheckpointOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, and the progress bar / lines (every ``progress_every``)."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``), and the
+    fraction of each RL step's groups on the rollout record (None: ``rollout_record.auto_fraction``)."""
 
     tensorboard: bool = True
     progress: bool = True
     progress_every: int = 10
+    rollout_record: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

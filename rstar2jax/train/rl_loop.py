@@ -13,6 +13,7 @@ from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.placement import rollout_devices
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
+from rstar2jax.train.rollout_record import RolloutRecord, auto_fraction
 from rstar2jax.train.rules import precision_gap
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
@@ -97,6 +98,7 @@ class _RLStages:
                                           partial_token_budget=loop.partial_token_budget,
                                           prompts_per_step=loop.prompts_per_step)
         self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.host.nonfinite_in_a_row)
+        self.record = _rollout_record(run)
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
         """Runs stage ``index`` from where the run stands (its start, or the resumed step)."""
@@ -131,6 +133,7 @@ class _RLStages:
                 num_rows=options.rl.num_rows,
                 batch_sharding=batch_sharding(run.mesh),
                 schedule=self.schedule,
+                record=self.record.write,
             )
             if stage_last:
                 self.schedule.end_stage()  # nothing crosses into the next stage
@@ -143,6 +146,24 @@ class _RLStages:
             progress.update(record, f"stage {s.name!r} {run.step - start}/{s.steps}")
             self.streak.check(run.step, run.workdir / CHECKPOINT_DIR)
             run.stop_if_requested()
+
+
+def _rollout_record(run: Run) -> RolloutRecord:
+    """The run's rollout record (``logging.rollout_record``): its text decoded with the policy's tokenizer
+    when it has one, a few samples per step as TensorBoard text."""
+    options = run.options
+    fraction = options.logging.rollout_record
+    if fraction is None:
+        samples = max(i.samples_per_problem for i in options.rl.iterations)
+        fraction = auto_fraction(options.rl.prompts_per_step, samples)
+    decode = None
+    if fraction > 0 and options.policy.tokenizer and run.is_main:
+        from rstar2jax.data.tokenizer import load_tokenizer  # transformers loads only when needed
+
+        tokenizer = load_tokenizer(options.policy.tokenizer)
+        decode = tokenizer.decode
+    return RolloutRecord(run.workdir, fraction=fraction, resumed_at=run.step, decode=decode,
+                         show=run.logger.text, enabled=run.is_main)
 
 
 def _rollout_precision(run: Run) -> str:

@@ -180,6 +180,12 @@ class RolloutSchedule:
                               policy_version=version, stats=stats)
         return problems, groups, {}
 
+    def release_versions(self, groups: Sequence[Sequence[Trajectory]], version: int) -> list[int]:
+        """Per group of the last ``rollouts``, the policy version it was released at (its tokens are at least
+        that new): here the oldest version of its sampled tokens (``version`` when none is tagged)."""
+        return [min((v for t in g for v in (t.policy_versions or ()) if v != NO_POLICY_VERSION),
+                    default=version) for g in groups]
+
     def begin_stage(self, steps: int, done: int) -> None:
         """A stage starts (or resumes) with ``steps`` steps to run in all, ``done`` of them run already."""
 

@@ -174,6 +174,11 @@ COMMON: dict[str, Field] = {
         10, POSITIVE,
         "steps between progress lines when the output is not a terminal",
     ),
+    "logging.rollout_record": Field(
+        None, optional(number(0, 1)),
+        "RL: the fraction of each step's groups written to <workdir>/rollouts/ (docs/async.md); None: every "
+        "group while a step samples at most 64 rollouts, else about 64 rollouts' worth",
+    ),
     # Multi-host: every process gets the same config plus its own process_id (see the README).
     "distributed.coordinator_address": Field(
         "", text(),

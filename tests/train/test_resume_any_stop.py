@@ -15,7 +15,7 @@ FIXTURE = REPO_ROOT / "tests/train/fixtures/async_eta1_stopped_at_1"
 
 
 def _options(workdir, eta: int):
-    fields = {"rl.schedule": "async", "rl.max_staleness": eta, "checkpoint.keep": 1,
+    fields = {"rl.schedule": "async", "rl.max_staleness": eta, "checkpoint.keep": 2,
               "logging.tensorboard": False}
     if eta == 0:
         fields["rl.off_policy_correction"] = "none"
@@ -36,11 +36,26 @@ def _accounted(history, steps: int) -> dict:
 def test_a_run_stopped_by_max_steps_resumes_to_the_stage_end(tmp_path, eta):
     """Stopped after step 1 with nothing waiting, rerun to the stage's end: no group released twice (the
     eta 0 run used to stop with "N groups are due at version 1, more than a batch", the eta 1 one at step 3)
-    and none left over at the stage end."""
+    and none left over at the stage end. Then killed before step 3's checkpoint landed and rerun: the
+    rollout record lists every trained group once, with the step that trained it."""
     train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=1)
     history = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=3)
     assert _accounted(history, 3) == {"released": 9, "trained": 9, "stage_end": 0}
     assert all(r["staleness/max"] <= eta for r in history if "staleness/max" in r)
+    shutil.rmtree(tmp_path / "checkpoints" / "3")  # killed before step 3's checkpoint was written
+    (tmp_path / "rollouts" / "step_000004.jsonl").write_text("{}\n")  # and after a step 4 it recorded
+    history = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=3)
+    assert _accounted(history, 3) == {"released": 9, "trained": 9, "stage_end": 0}
+    lines = [json.loads(line) for step in (1, 2, 3)
+             for line in (tmp_path / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    assert [sum(r["step"] == s for r in lines) for s in (1, 2, 3)] == [3, 3, 3]
+    assert len({(r["step"], r["problem_id"]) for r in lines}) == 9
+    assert not (tmp_path / "rollouts" / "step_000004.jsonl").exists()
+    for r in lines:
+        assert r["trained_version"] - eta <= r["release_version"] <= r["trained_version"] == r["step"] - 1
+        assert len(r["samples"]) == 4 and sum(s["roc_kept"] for s in r["samples"]) in (0, 2)
+        for sample in r["samples"]:
+            assert len(sample["policy_versions"]) == len(sample["response_ids"]) == len(sample["logprobs"])
 
 
 def test_a_checkpoint_written_before_the_state_value_resumes(tmp_path):
