@@ -4,10 +4,14 @@ checkpoint written by the code before the schedule state was a declared value (a
 
 import json
 import shutil
+import sys
 
 import pytest
 
+from experiments import _launch
+from rstar2jax.data.problems import Problem
 from rstar2jax.train import parse, train_rl
+from rstar2jax.train.schedule_state import STATE_META_KEY, AsyncState, ScheduleInvariantError
 from tests.conftest import REPO_ROOT
 from tests.train.scripted import make_async_scripted_rollout, set_fields, tiny_rl_config
 
@@ -69,3 +73,29 @@ def test_a_checkpoint_written_before_the_state_value_resumes(tmp_path):
     assert history[0] == json.loads((FIXTURE / "metrics.jsonl").read_text().splitlines()[0])
     assert _accounted(history, 3) == {"released": 9, "trained": 9, "stage_end": 0}
     assert not any(key[0] < 2 for stream in rollout.streams for key in stream.submitted)
+
+
+def test_a_broken_schedule_invariant_stops_in_one_line_naming_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """A checkpoint whose schedule state does not belong to its step: the run stops before any work with
+    one line naming the invariant and the checkpoint; a launcher says it as one line and exits 1."""
+    workdir = tmp_path / "run"
+    shutil.copytree(FIXTURE, workdir)
+    record = workdir / "checkpoints" / "1" / "meta" / "metadata"
+    meta = json.loads(record.read_text())
+    state, _ = AsyncState().release([Problem("p", "q", "1")], seed=0, version=0, processes=1)
+    meta["schedule"] = {STATE_META_KEY: state.to_dict()}  # a batch waits, none consumed: not step 1's
+    record.write_text(json.dumps(meta))
+    with pytest.raises(ScheduleInvariantError) as raised:
+        train_rl(_options(workdir, 1), rollout_fn=make_async_scripted_rollout())
+    message = str(raised.value)
+    assert "\n" not in message and "belongs to its checkpoint's step" in message
+    assert f"resume from the checkpoint of step 1 in {workdir / 'checkpoints'}" in message
+
+    def main(argv):
+        raise raised.value
+
+    monkeypatch.setattr(sys, "argv", ["launcher"])
+    with pytest.raises(SystemExit) as exited:
+        _launch.run(main)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.strip() == f"error: {message}"
