@@ -4,11 +4,11 @@ checkpoint written by the code before the schedule state was a declared value (a
 
 import json
 import shutil
+import subprocess
 import sys
 
 import pytest
 
-from experiments import _launch
 from rstar2jax.data.problems import Problem
 from rstar2jax.train import parse, train_rl
 from rstar2jax.train.schedule_state import STATE_META_KEY, AsyncState, ScheduleInvariantError
@@ -75,7 +75,7 @@ def test_a_checkpoint_written_before_the_state_value_resumes(tmp_path):
     assert not any(key[0] < 2 for stream in rollout.streams for key in stream.submitted)
 
 
-def test_a_broken_schedule_invariant_stops_in_one_line_naming_the_checkpoint(tmp_path, monkeypatch, capsys):
+def test_a_broken_schedule_invariant_stops_in_one_line_naming_the_checkpoint(tmp_path):
     """A checkpoint whose schedule state does not belong to its step: the run stops before any work with
     one line naming the invariant and the checkpoint; a launcher says it as one line and exits 1."""
     workdir = tmp_path / "run"
@@ -91,11 +91,11 @@ def test_a_broken_schedule_invariant_stops_in_one_line_naming_the_checkpoint(tmp
     assert "\n" not in message and "belongs to its checkpoint's step" in message
     assert f"resume from the checkpoint of step 1 in {workdir / 'checkpoints'}" in message
 
-    def main(argv):
-        raise raised.value
-
-    monkeypatch.setattr(sys, "argv", ["launcher"])
-    with pytest.raises(SystemExit) as exited:
-        _launch.run(main)
-    assert exited.value.code == 1
-    assert capsys.readouterr().err.strip() == f"error: {message}"
+    launcher = ("from experiments import _launch\n"
+                "from rstar2jax.train import ScheduleInvariantError\n"
+                "def main(argv):\n"
+                f"    raise ScheduleInvariantError({raised.value.invariant!r}, {raised.value.detail!r})\n"
+                "_launch.run(main)\n")
+    done = subprocess.run([sys.executable, "-c", launcher], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == f"error: {message}", done.stderr[-2000:]
