@@ -18,6 +18,7 @@ from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.trajectory import TRAJECTORY_FIELDS, Trajectory, trajectory_from_dict, trajectory_to_dict
 from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.host_state import HostState
+from rstar2jax.train.schedule import CARRY_META_KEY, OneStepOffPolicy
 from rstar2jax.train.schedule_state import (
     STATE_META_KEY,
     AsyncState,
@@ -234,3 +235,16 @@ def _repeats() -> int:
         iterator = ProblemIterator(PROBLEMS, PER_STEP, seed=index)
         repeats += sum(PER_STEP - len({p.id for p in next(iterator)}) for _ in range(steps))
     return repeats
+
+
+def test_the_one_step_rollout_is_checkpointed_as_json_and_read_from_the_legacy_pickle():
+    ready = ([PROBLEMS[0]], [[_trajectory("p0", 1), _trajectory("p0", 2)]])
+    schedule = OneStepOffPolicy()
+    schedule.ready = ready
+    meta = json.loads(json.dumps(schedule.checkpoint_meta()))
+    restored = OneStepOffPolicy()
+    restored.restore(meta)
+    assert restored.ready == ready
+    legacy = {CARRY_META_KEY: base64.b64encode(zlib.compress(pickle.dumps({"ready": ready}))).decode()}
+    restored.restore(legacy)
+    assert restored.ready == ready
