@@ -26,7 +26,8 @@ at the resumed version. Every released group is trained once or counted dropped 
 (``async/groups_dropped_total{reason="no_trajectory"}``: every rollout lost to the sandbox;
 ``{reason="stage_end"}``: released and not trained when its stage ended, said in the log).
 
-The stream a ``rollout_fn`` offers (``rstar2jax.agent.PolicyRollout.stream``)::
+The stream a ``rollout_fn`` offers (``SupportsStream`` and ``TrajectoryStream`` of
+``rstar2jax.data.rollout_contract``; ``rstar2jax.agent.PolicyRollout.stream``)::
 
     stream = rollout_fn.stream(params, policy_version=, samples_per_problem=, max_response_length=,
                                max_turns=, on_update=, device=)
@@ -36,7 +37,8 @@ The stream a ``rollout_fn`` offers (``rstar2jax.agent.PolicyRollout.stream``)::
     stream.stats() -> {name: count}               # cumulative: busy_s, generated_tokens, sandbox counts
     stream.close()                                # cancels what runs, stops the engine
 
-A ``rollout_fn`` with ``policy_params(params)`` (a LoRA run's) gives the weights the engine samples with.
+A ``rollout_fn`` with ``policy_params(params)`` (``SupportsPolicyParams``, a LoRA run's) gives the weights
+the engine samples with.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ from typing import Any
 import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
+from rstar2jax.data.rollout_contract import SupportsPolicyParams, SupportsStream
 from rstar2jax.train.multihost import gather_to_all_processes
 from rstar2jax.train.placement import engine_copy
 from rstar2jax.train.schedule import (
     CARRY_META_KEY,
-    RolloutFn,
     RolloutSchedule,
     seed_from_key,
     tag_versions,
@@ -80,12 +82,12 @@ POLL_S = 0.05
 class Producer:
     """The open streams of a stage (one per rollout device), what is in flight on each, and their counts."""
 
-    def __init__(self, rollout_fn: RolloutFn, params, version: int, options: dict[str, int], *,
+    def __init__(self, rollout_fn: SupportsStream, params, version: int, options: dict[str, int], *,
                  devices: Sequence[Any], dtype, on_update: str):
-        self.rollout_fn, self.devices, self.dtype = rollout_fn, list(devices), dtype
-        if not hasattr(rollout_fn, "stream"):
-            raise ValueError("rl.schedule='async' needs a rollout_fn with a stream() method "
-                             "(PolicyRollout's)")
+        self.devices, self.dtype = list(devices), dtype
+        # The weights the engines sample with: the trainer's, or the rollout's of them (LoRA: merged).
+        merges = isinstance(rollout_fn, SupportsPolicyParams)
+        self.policy_params = rollout_fn.policy_params if merges else None
         copies = self.place(params)
         self.streams = [rollout_fn.stream(copy, policy_version=version, **options, on_update=on_update,
                                           device=device) for copy, device in zip(copies, self.devices,
@@ -96,8 +98,7 @@ class Producer:
 
     def place(self, params) -> list:
         """The engines' copies of the trainer's ``params`` (LoRA: merged), one per rollout device."""
-        merge = getattr(self.rollout_fn, "policy_params", None)
-        params = merge(params) if merge is not None else params
+        params = self.policy_params(params) if self.policy_params is not None else params
         return [engine_copy(params, device, self.dtype) for device in self.devices]
 
     def submit(self, ticket: Ticket) -> None:
@@ -149,8 +150,9 @@ def _global(items: list) -> list:
 
 
 class AsyncSchedule(RolloutSchedule):
-    """``rl.schedule="async"`` (see the module doc): a shell around ``state`` (an ``AsyncState``) that runs
-    the producer and gathers the processes' finished groups.
+    """``rl.schedule="async"`` (see the module doc); the rollout needs ``stream`` (``SupportsStream``). A
+    shell around ``state`` (an ``AsyncState``) that runs the producer and gathers the processes' finished
+    groups.
 
     Args:
       max_staleness: eta, the most policy versions a trained token may lag the parameters it updates.
@@ -158,6 +160,8 @@ class AsyncSchedule(RolloutSchedule):
       dtype: the engines' compute dtype (their copies of the weights are cast to it; None: kept).
       on_update: what running sequences do when new weights arrive ("keep" or "recompute").
     """
+
+    needs = SupportsStream
 
     def __init__(self, max_staleness: int, *, devices: Sequence[Any], dtype=None, on_update: str = "keep"):
         if max_staleness < 0:
