@@ -3,6 +3,7 @@ the RL steps with exact resume (see ``rstar2jax.train.run`` for what the checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
@@ -175,6 +176,17 @@ def _rollout_precision(run: Run) -> str:
     return gap
 
 
+@contextlib.contextmanager
+def _saying_where_to_resume(run: Run):
+    """A broken schedule invariant (a bug) re-raised naming the checkpoint to resume from: the last finished
+    step's, which ``run.close`` writes as the run stops."""
+    try:
+        yield
+    except ScheduleInvariantError as error:
+        where = f"resume from the checkpoint of step {run.step} in {run.workdir / CHECKPOINT_DIR}"
+        raise ScheduleInvariantError(error.invariant, f"{error.detail}; {where}") from error
+
+
 def _schedule(options: RunOptions, rollout_fn: RolloutFn) -> RolloutSchedule:
     """The rollout schedule of ``options.rl`` (``make_schedule``): a ``ConfigError`` naming what it needs
     and ``rollout_fn`` lacks (a LoRA run's merged rollout has exactly the capabilities of ``rollout_fn``)."""
@@ -207,8 +219,7 @@ def train_rl(
     ahead, and its unfinished rollouts are dropped: the next stage has its own budget and problems). The
     asynchronous schedule (``rl.schedule="async"``, ``rstar2jax.train.async_schedule``) keeps its whole
     state there too (``schedule_state.AsyncState``) and drains at a stage's end; its engines stop when the
-    run does. Every trained step's rollouts go on the record (``logging.rollout_record``,
-    ``rollout_record``).
+    run does. Trained rollouts go on the record (``logging.rollout_record``, ``rollout_record``).
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
     schedule = _schedule(options, rollout_fn)  # before any work too
@@ -253,11 +264,8 @@ def train_rl(
                 dataset, data_metrics = _stage_problems(run.options, index, dataset)
                 if index < run.host.stage:
                     continue
-                try:
+                with _saying_where_to_resume(run):
                     loop.stage(index, dataset, data_metrics, progress)
-                except ScheduleInvariantError as error:  # a bug: one line, and where the run can resume
-                    where = f"resume from the checkpoint of step {run.step} in {run.workdir / CHECKPOINT_DIR}"
-                    raise ScheduleInvariantError(error.invariant, f"{error.detail}; {where}") from error
                 if run.step >= total:
                     break
                 run.host = run.host.replace(stage=index + 1, stage_start=run.step, position=0,

@@ -42,7 +42,8 @@ def test_a_run_stopped_by_max_steps_resumes_to_the_stage_end(tmp_path, eta):
     eta 0 run used to stop with "N groups are due at version 1, more than a batch", the eta 1 one at step 3)
     and none left over at the stage end. Then killed before step 3's checkpoint landed and rerun: the
     rollout record lists every trained group once, with the step that trained it."""
-    train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=1)
+    first = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=1)
+    assert _accounted(first, 1) == {"released": 3, "trained": 3, "stage_end": 0}  # no more than it trains
     history = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=3)
     assert _accounted(history, 3) == {"released": 9, "trained": 9, "stage_end": 0}
     assert all(r["staleness/max"] <= eta for r in history if "staleness/max" in r)

@@ -6,6 +6,7 @@ import base64
 import collections
 import dataclasses
 import json
+import logging
 import pickle
 import zlib
 
@@ -248,3 +249,15 @@ def test_the_one_step_rollout_is_checkpointed_as_json_and_read_from_the_legacy_p
     legacy = {CARRY_META_KEY: base64.b64encode(zlib.compress(pickle.dumps({"ready": ready}))).decode()}
     restored.restore(legacy)
     assert restored.ready == ready
+
+
+def test_a_stage_end_with_groups_left_says_so_once(caplog):
+    schedule = AsyncSchedule(1, devices=jax.devices()[:1])
+    schedule.state, _ = AsyncState().release(PROBLEMS[:2], seed=0, version=0, processes=1)
+    with caplog.at_level(logging.WARNING, logger="rstar2jax.train.async_schedule"):
+        schedule.end_stage()
+        schedule.end_stage()
+    assert [r.getMessage() for r in caplog.records] == [
+        "the stage ended with 2 released groups untrained: counted in "
+        'async/groups_dropped_total{reason="stage_end"}']
+    assert schedule.state.ledger.dropped_by("stage_end") == 2 and schedule.state.empty
