@@ -18,9 +18,9 @@ from tests.train.scripted import make_async_scripted_rollout, set_fields, tiny_r
 FIXTURE = REPO_ROOT / "tests/train/fixtures/async_eta1_stopped_at_1"
 
 
-def _options(workdir, eta: int):
+def _options(workdir, eta: int, placement: str = "colocated"):
     fields = {"rl.schedule": "async", "rl.max_staleness": eta, "checkpoint.keep": 2,
-              "logging.tensorboard": False}
+              "logging.tensorboard": False, "rl.placement": placement}
     if eta == 0:
         fields["rl.off_policy_correction"] = "none"
     return parse(set_fields(tiny_rl_config(str(workdir)), fields))
@@ -36,20 +36,21 @@ def _accounted(history, steps: int) -> dict:
             "stage_end": last['async/groups_dropped_total{reason="stage_end"}']}
 
 
-@pytest.mark.parametrize("eta", [0, 1])
-def test_a_run_stopped_by_max_steps_resumes_to_the_stage_end(tmp_path, eta):
-    """Stopped after step 1 with nothing waiting, rerun to the stage's end: no group released twice (the
-    eta 0 run used to stop with "N groups are due at version 1, more than a batch", the eta 1 one at step 3)
-    and none left over at the stage end. Then killed before step 3's checkpoint landed and rerun: the
-    rollout record lists every trained group once, with the step that trained it."""
-    first = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=1)
+@pytest.mark.parametrize("eta, placement", [(0, "colocated"), (1, "split")])
+def test_a_run_stopped_by_max_steps_resumes_to_the_stage_end(tmp_path, eta, placement):
+    """Stopped after step 1 with nothing waiting (colocated at eta 0, split at eta 1), rerun to the stage's
+    end: no group released twice (the eta 0 run used to stop with "N groups are due at version 1, more than
+    a batch", the eta 1 one at step 3) and none left over at the stage end. Then killed before step 3's
+    checkpoint landed and rerun: the rollout record lists every trained group once, with its step."""
+    options = _options(tmp_path, eta, placement)
+    first = train_rl(options, rollout_fn=make_async_scripted_rollout(), max_steps=1)
     assert _accounted(first, 1) == {"released": 3, "trained": 3, "stage_end": 0}  # no more than it trains
-    history = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=3)
+    history = train_rl(options, rollout_fn=make_async_scripted_rollout(), max_steps=3)
     assert _accounted(history, 3) == {"released": 9, "trained": 9, "stage_end": 0}
     assert all(r["staleness/max"] <= eta for r in history if "staleness/max" in r)
     shutil.rmtree(tmp_path / "checkpoints" / "3")  # killed before step 3's checkpoint was written
     (tmp_path / "rollouts" / "step_000004.jsonl").write_text("{}\n")  # and after a step 4 it recorded
-    history = train_rl(_options(tmp_path, eta), rollout_fn=make_async_scripted_rollout(), max_steps=3)
+    history = train_rl(options, rollout_fn=make_async_scripted_rollout(), max_steps=3)
     assert _accounted(history, 3) == {"released": 9, "trained": 9, "stage_end": 0}
     lines = [json.loads(line) for step in (1, 2, 3)
              for line in (tmp_path / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
