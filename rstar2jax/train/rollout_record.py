@@ -1,5 +1,6 @@
 """The rollouts on the record: per trained RL step, ``<workdir>/rollouts/step_XXXXXX.jsonl``, one JSON line
-per recorded group (the format: ``docs/async.md``), and a few samples as TensorBoard text.
+per recorded group (the format: ``docs/async.md``), the same rows as ``step_XXXXXX.parquet`` where pyarrow is
+installed (``datasets`` brings it), and a few samples as TensorBoard text.
 
 Which groups: ``logging.rollout_record`` (a fraction; None: ``auto_fraction``), drawn by a hash of the step
 and the problem id, so a resumed run records the same ones. A resumed run rewrites from its checkpoint: the
@@ -9,6 +10,7 @@ files of steps after it (a killed attempt's) are removed, as the metrics JSONL i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -59,19 +61,22 @@ class RolloutRecord:
       decode: token ids -> text (None: no ``text`` fields).
       show: ``(tag, text, step)`` -> a TensorBoard text entry (None: none).
       enabled: False on the processes other than 0.
+      parquet: also write each step's rows as parquet (default: where pyarrow is installed).
     """
 
     def __init__(self, workdir: str | os.PathLike, *, fraction: float, resumed_at: int = 0,
                  decode: Callable[[list[int]], str] | None = None,
-                 show: Callable[[str, str, int], None] | None = None, enabled: bool = True):
+                 show: Callable[[str, str, int], None] | None = None, enabled: bool = True,
+                 parquet: bool | None = None):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"rollout record fraction {fraction} is not in [0, 1]")
         self.folder = pathlib.Path(workdir) / ROLLOUTS_DIR
         self.fraction, self.decode, self.show = fraction, decode, show
         self.enabled = enabled and fraction > 0
+        self.parquet = importlib.util.find_spec("pyarrow") is not None if parquet is None else parquet
         if self.enabled and self.folder.exists():
-            for path in self.folder.glob("step_*.jsonl"):
-                if int(path.stem.split("_")[1]) > resumed_at:
+            for path in self.folder.glob("step_*.*"):
+                if int(path.name[len("step_"):].split(".")[0]) > resumed_at:
                     path.unlink()
 
     def chosen(self, step: int, problem_id: str) -> bool:
@@ -109,6 +114,8 @@ class RolloutRecord:
         text = "".join(json.dumps(line) + "\n" for line in lines)
         partial.write_text(text, encoding="utf-8")
         partial.replace(path)
+        if self.parquet and lines:
+            _write_parquet(lines, path.with_suffix(".parquet"))
         if self.show is not None:
             for line in lines[:SHOWN_SAMPLES]:
                 sample = line["samples"][0] if line["samples"] else None
@@ -117,3 +124,24 @@ class RolloutRecord:
                     self.show(f"rollouts/{line['problem_id']}", f"reward {sample['reward']}: {shown}",
                               rollouts.step)
         return len(text.encode())
+
+
+def parquet_row(value):
+    """``value`` as parquet holds it: an empty mapping (e.g. no ``timings``) is null (parquet has no empty
+    struct)."""
+    if isinstance(value, dict):
+        return {k: parquet_row(v) for k, v in value.items()} if value else None
+    if isinstance(value, list):
+        return [parquet_row(v) for v in value]
+    return value
+
+
+def _write_parquet(lines: list[dict], path: pathlib.Path) -> None:
+    """``lines`` as one parquet table (one row per group, samples a list of structs), written beside and
+    renamed into place."""
+    import pyarrow
+    import pyarrow.parquet
+
+    partial = path.with_suffix(".parquet.tmp")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([parquet_row(line) for line in lines]), partial)
+    partial.replace(path)

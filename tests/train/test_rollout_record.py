@@ -7,7 +7,7 @@ import pytest
 
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
-from rstar2jax.train.rollout_record import RolloutRecord, StepRollouts, auto_fraction, step_file
+from rstar2jax.train.rollout_record import RolloutRecord, StepRollouts, auto_fraction, parquet_row, step_file
 
 PROBLEMS = [Problem(f"p{i}", "q", "1") for i in range(40)]
 
@@ -36,7 +36,7 @@ def test_each_group_is_one_line_with_its_samples_and_what_roc_kept(tmp_path):
 
 
 def test_a_fraction_records_the_same_groups_on_every_attempt_and_a_resume_drops_later_steps(tmp_path):
-    first = RolloutRecord(tmp_path, fraction=0.25)
+    first = RolloutRecord(tmp_path, fraction=0.25, parquet=False)
     for step in (1, 2, 3):
         first.write(_step(step, PROBLEMS))
     lines = step_file(tmp_path / "rollouts", 2).read_text().splitlines()
@@ -54,3 +54,15 @@ def test_a_fraction_records_the_same_groups_on_every_attempt_and_a_resume_drops_
 
 def test_auto_records_every_group_of_a_small_run_and_about_64_rollouts_of_a_large_one():
     assert auto_fraction(3, 4) == 1.0 and auto_fraction(64, 16) == 64 / 1024
+
+
+def test_parquet_holds_the_same_rows_as_the_jsonl(tmp_path):
+    pyarrow_parquet = pytest.importorskip("pyarrow.parquet")
+    record = RolloutRecord(tmp_path, fraction=1.0, parquet=True)
+    record.write(_step(2))
+    path = step_file(tmp_path / "rollouts", 2)
+    rows = pyarrow_parquet.read_table(path.with_suffix(".parquet")).to_pylist()
+    assert rows == [parquet_row(json.loads(line)) for line in path.read_text().splitlines()]
+    assert rows[0]["samples"][1]["logprobs"] == [-0.5, 0.0, -2.0] and rows[0]["samples"][0]["timings"] is None
+    RolloutRecord(tmp_path, fraction=1.0, resumed_at=1)
+    assert not any((tmp_path / "rollouts").iterdir())
