@@ -123,14 +123,30 @@ class CheckpointOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbOptions:
+    """``config.logging.wandb``: the Weights & Biases run (``project`` '': none)."""
+
+    project: str = ""
+    entity: str = ""
+    name: str = ""
+    tags: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.project)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``), and the
-    fraction of each RL step's groups on the rollout record (None: ``rollout_record.auto_fraction``)."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``), the
+    Weights & Biases run, and the fraction of each RL step's groups on the rollout record (None:
+    ``rollout_record.auto_fraction``)."""
 
     tensorboard: bool = True
     progress: bool = True
     progress_every: int = 10
     rollout_record: float | None = None
+    wandb: WandbOptions = WandbOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +168,12 @@ class MeshShape:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptions:
-    """``config.distributed``: the processes of a multi-host run (one: a single process)."""
+    """``config.distributed``: the processes of a multi-host run (one: a single process). ``num_processes``
+    None (the config's ``"auto"``): the cluster scheduler's environment says (``train.cluster``; one process
+    outside a scheduler's launch)."""
 
     coordinator_address: str = ""
-    num_processes: int = 1
+    num_processes: int | None = 1
     process_id: int = 0
 
 
@@ -208,8 +226,8 @@ class StageOptions:
 class RolloutOptions:
     """What the trainer's rollout function is built from (``config.rollout``): the engine of the run's longest
     stage (its ``max_len`` that stage's ``engine_max_len``: the largest engine the run builds), the sampling
-    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits and the
-    partial-rollout segment."""
+    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits, the
+    partial-rollout segment, the tools and the reward function."""
 
     engine: EngineConfig
     sampling: SamplingParams
@@ -221,6 +239,8 @@ class RolloutOptions:
     sandbox_outage_s: float
     partial_segment_tokens: int
     on_update: str = "keep"
+    tools: tuple[str, ...] = ("python",)  # rollout.tools
+    reward_fn: str = ""  # reward.fn: '' the answer verifier
 
     @property
     def kv_pool_tokens(self) -> int:

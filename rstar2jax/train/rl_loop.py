@@ -13,7 +13,7 @@ from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.placement import rollout_devices
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
-from rstar2jax.train.rollout_record import RolloutRecord, auto_fraction
+from rstar2jax.train.rollout_record import RolloutRecord, StepRollouts, auto_fraction
 from rstar2jax.train.rules import precision_gap
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
@@ -22,6 +22,7 @@ from rstar2jax.train.schedule_choice import make_schedule
 from rstar2jax.train.schedule_state import ScheduleInvariantError
 from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
+from rstar2jax.train.wandb_run import check_wandb
 
 logger = logging.getLogger(__name__)
 #: What the progress line adds under the asynchronous schedule: the producer's and trainer's busy fractions,
@@ -115,6 +116,7 @@ class _RLStages:
             # A stage's last step rolls out nothing ahead (max_steps does not count: a run it stopped
             # resumes exactly).
             stage_last = run.step - start + 1 >= s.steps
+            trained: list[StepRollouts] = []
             run.state, metrics = rl_iteration(
                 run.state,
                 self.schedule.draw(iterator, stage_last=stage_last),
@@ -127,8 +129,9 @@ class _RLStages:
                 num_rows=options.rl.num_rows,
                 batch_sharding=batch_sharding(run.mesh),
                 schedule=self.schedule,
-                record=self.record.write,
+                record=trained.append,
             )
+            self.record.write(trained[0])  # before the step's checkpoint: a step it keeps is on the record
             if stage_last:
                 self.schedule.end_stage()  # nothing crosses into the next stage
             record = run.record(
@@ -137,6 +140,7 @@ class _RLStages:
                 nonfinite_in_a_row=self.streak.observe(metrics),
                 schedule=self.schedule.checkpoint_meta(),
             )
+            run.logger.log_samples(record["step"], [g for g in trained[0].groups if g])
             progress.update(record, f"stage {s.name!r} {run.step - start}/{s.steps}")
             self.streak.check(run.step, run.workdir / CHECKPOINT_DIR)
             run.stop_if_requested()
@@ -222,6 +226,7 @@ def train_rl(
     run does. Trained rollouts go on the record (``logging.rollout_record``, ``rollout_record``).
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
+    check_wandb(options)
     schedule = _schedule(options, rollout_fn)  # before any work too
     optimizer = options.optimizer.optimizer()
     run = start_run(
