@@ -132,7 +132,7 @@ def tool_error_ratios(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 TRAJECTORY_FIELDS = (
     "problem_id", "prompt_ids", "response_ids", "loss_mask", "logprobs", "tool_outcomes", "num_turns",
     "num_answer_blocks", "truncated", "answer", "reward", "timings", "num_answer_closes", "num_answer_pairs",
-    "policy_versions", "entropies",
+    "policy_versions", "entropies", "text",
 )
 
 

@@ -58,7 +58,7 @@ class RolloutRecord:
       workdir: the run folder.
       fraction: of each step's groups, the share recorded (0: nothing is written).
       resumed_at: the step the run resumes from: the files of later steps are removed.
-      decode: token ids -> text (None: no ``text`` fields).
+      decode: token ids -> text, for samples whose rollout kept no ``text`` (None: left None).
       show: ``(tag, text, step)`` -> a TensorBoard text entry (None: none).
       enabled: False on the processes other than 0.
       parquet: also write each step's rows as parquet (default: where pyarrow is installed).
@@ -95,7 +95,7 @@ class RolloutRecord:
             samples = []
             for i, t in enumerate(group):
                 sample = {**trajectory_to_dict(t), "roc_kept": i in kept}
-                if self.decode is not None:
+                if sample["text"] is None and self.decode is not None:  # the rollout kept no text
                     sample["text"] = self.decode(t.response_ids)
                 samples.append(sample)
             out.append({"format": RECORD_FORMAT, "step": rollouts.step, "problem_id": problem.id,
@@ -120,7 +120,7 @@ class RolloutRecord:
             for line in lines[:SHOWN_SAMPLES]:
                 sample = line["samples"][0] if line["samples"] else None
                 if sample is not None:
-                    shown = sample.get("text", str(sample["response_ids"]))
+                    shown = sample["text"] if sample["text"] is not None else str(sample["response_ids"])
                     self.show(f"rollouts/{line['problem_id']}", f"reward {sample['reward']}: {shown}",
                               rollouts.step)
         return len(text.encode())
