@@ -65,10 +65,12 @@ class SlotRecords:
         """The slot records a dispatched step writes."""
         for change in updates.slots:
             old = self._records.pop(change.slot, None)
-            self._sampling -= old is not None and old.temperature != 0
+            if old is not None and old.temperature != 0:
+                self._sampling -= 1
             if change.record.status != FREE:
                 self._records[change.slot] = change.record
-                self._sampling += change.record.temperature != 0
+                if change.record.temperature != 0:
+                    self._sampling += 1
 
     @property
     def greedy(self) -> bool:

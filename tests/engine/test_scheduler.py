@@ -15,6 +15,7 @@ from rstar2jax.engine.config import pages_for
 from rstar2jax.engine.plan import DecodeResult, StepPlan, WeightUpdate
 from rstar2jax.engine.records import Chunk, Phase, SlotSequence
 from rstar2jax.engine.requests import pages_needed
+from rstar2jax.engine.runner import SlotRecords
 from rstar2jax.engine.scheduler import Scheduler
 
 CONFIG = EngineConfig(num_slots=4, max_len=64, decode_chunk=4, token_buckets=(4, 32), prefill_tile=8,
@@ -241,3 +242,21 @@ def test_collected_rows_go_to_the_sequences_they_were_planned_for():
     assert scheduler.schedule().decoding == ()  # the newcomer's prompt: no decode row
     with pytest.raises(AssertionError, match="do not match"):
         scheduler.update_from_output([DecodeResult(0, None)])
+
+
+def test_the_runner_tells_greedy_steps_from_its_own_slot_records():
+    """The runner keeps the record last written to each slot (from the plans' snapshots): a step is greedy
+    while no occupied slot samples, whatever the scheduler's sequences do after planning it."""
+    scheduler, slots = _scheduler(), SlotRecords()
+    greedy = SamplingParams(temperature=0.0)
+    scheduler.sequences.admit([(PROMPT, 2, greedy, 10, (0,))])
+    slots.apply(scheduler.schedule().updates)
+    assert slots.greedy
+    ((sampled,),) = scheduler.sequences.admit([(PROMPT[:3], 1, SAMPLED, 10, (1,))])
+    plan = scheduler.schedule()
+    slots.apply(plan.updates)
+    assert not slots.greedy
+    scheduler.sequences.close(sampled)
+    assert not slots.greedy  # the release reaches the runner with the next plan
+    slots.apply(scheduler.schedule().updates)
+    assert slots.greedy
