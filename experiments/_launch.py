@@ -332,6 +332,7 @@ def run(main: Callable[[list[str]], None]) -> None:
 
     def guarded(argv):
         from rstar2jax.agent.outage import SandboxUnavailable
+        from rstar2jax.reward import RewardError
         from rstar2jax.train import CheckpointError, ConfigError, Interrupted, RunFault
 
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
@@ -344,7 +345,7 @@ def run(main: Callable[[list[str]], None]) -> None:
                 main(argv)
         except ConfigError as e:
             fail(str(e))
-        except (SandboxUnavailable, RunFault, CheckpointError) as e:
+        except (SandboxUnavailable, RunFault, CheckpointError, RewardError) as e:
             fail(str(e), FAULT_EXIT)
         except Interrupted as e:
             print(
@@ -455,6 +456,8 @@ def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool
         print_config(config)
         return None
     options = train.parse(config, kind, check_data=not dry_run)
+    if not dry_run:
+        train.check_wandb(options)  # a missing package: one line, before the processes join
     train.prepare_process(options)
     if dry_run:
         report = train.dry_run(options)

@@ -22,7 +22,17 @@ _NAMES = {
         "tool_response_text",
     ],
     "rstar2jax.data.tool_result": [
+        "ToolResult",
         "format_tool_result",
+    ],
+    "rstar2jax.agent.tools": [
+        "FunctionTool",
+        "PythonTool",
+        "Tool",
+        "TOOLS",
+        "load_tool",
+        "load_tools",
+        "register_tool",
     ],
     "rstar2jax.agent.multi_turn": [
         "PolicyRollout",
@@ -33,12 +43,17 @@ _NAMES = {
     ],
     "rstar2jax.agent.stream": [
         "RolloutStream",
+        "StreamSpec",
+    ],
+    "rstar2jax.agent.session": [
+        "SessionLoop",
     ],
     "rstar2jax.agent.rollout_types": [
         "PartialRollout",
         "RolloutConfig",
         "RolloutEngine",
         "RolloutSession",
+        "SessionRecord",
         "ToolSandbox",
         "Observer",
         "tool_outcome",

@@ -123,12 +123,28 @@ class CheckpointOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbOptions:
+    """``config.logging.wandb``: the Weights & Biases run (``project`` '': none)."""
+
+    project: str = ""
+    entity: str = ""
+    name: str = ""
+    tags: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.project)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, and the progress bar / lines (every ``progress_every``)."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``) and the
+    Weights & Biases run."""
 
     tensorboard: bool = True
     progress: bool = True
     progress_every: int = 10
+    wandb: WandbOptions = WandbOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +166,12 @@ class MeshShape:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptions:
-    """``config.distributed``: the processes of a multi-host run (one: a single process)."""
+    """``config.distributed``: the processes of a multi-host run (one: a single process). ``num_processes``
+    None (the config's ``"auto"``): the cluster scheduler's environment says (``train.cluster``; one process
+    outside a scheduler's launch)."""
 
     coordinator_address: str = ""
-    num_processes: int = 1
+    num_processes: int | None = 1
     process_id: int = 0
 
 
@@ -206,8 +224,8 @@ class StageOptions:
 class RolloutOptions:
     """What the trainer's rollout function is built from (``config.rollout``): the engine of the run's longest
     stage (its ``max_len`` that stage's ``engine_max_len``: the largest engine the run builds), the sampling
-    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits and the
-    partial-rollout segment."""
+    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits, the
+    partial-rollout segment, the tools and the reward function."""
 
     engine: EngineConfig
     sampling: SamplingParams
@@ -219,6 +237,8 @@ class RolloutOptions:
     sandbox_outage_s: float
     partial_segment_tokens: int
     on_update: str = "keep"
+    tools: tuple[str, ...] = ("python",)  # rollout.tools
+    reward_fn: str = ""  # reward.fn: '' the answer verifier
 
     @property
     def kv_pool_tokens(self) -> int:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
 from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
 from rstar2jax.models.config import ModelConfig
@@ -36,11 +38,13 @@ from rstar2jax.train.options import (
     LoggingOptions,
     MeshShape,
     OptimizerOptions,
+    PolicyOptions,
     RLLoopOptions,
     RolloutOptions,
     RunOptions,
     SFTOptions,
     StageOptions,
+    WandbOptions,
 )
 from rstar2jax.train.parse_model import policy_from_values
 from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
@@ -177,9 +181,51 @@ def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> Ro
         except ValueError as error:
             raise ConfigError(f"config.rollout.weight_block={engine.weight_block}: {error}") from None
     sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
-    return RolloutOptions(engine=engine, sampling=sampling, **{
+    return RolloutOptions(engine=engine, sampling=sampling, reward_fn=_reward_fn(values["reward.fn"]), **{
         f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
-        if f.name not in ("engine", "sampling")})
+        if f.name not in ("engine", "sampling", "reward_fn")})
+
+
+def _reward_fn(spec: str) -> str:
+    """``reward.fn`` once it imports as a function (its workers import it again)."""
+    if spec:
+        module, _, name = spec.partition(":")
+        try:
+            function = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(f"config.reward.fn={spec!r}: {error}") from None
+        if not callable(function):
+            raise ConfigError(f"config.reward.fn={spec!r}: not a function")
+    return spec
+
+
+def _estimator(spec: str) -> str:
+    """The ``algo.ADVANTAGE_ESTIMATORS`` name of ``rl.estimator``: a registered name as it is; a
+    ``module:function`` imported (which may register it) and, when it is not registered, registered under
+    ``spec``."""
+    if spec in algo.ADVANTAGE_ESTIMATORS:
+        return spec
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"config.rl.estimator={spec!r}: {error}") from None
+    known = [key for key, estimator in algo.ADVANTAGE_ESTIMATORS.items() if estimator is function]
+    if known:
+        return known[0]
+    algo.register_estimator(spec, function)
+    return spec
+
+
+def _with_tools(policy: PolicyOptions, specs) -> PolicyOptions:
+    """``policy`` whose prompt lists the schemas of ``rollout.tools`` (what the run trains and exports)."""
+    from rstar2jax.agent.tools import load_tools  # noqa: PLC0415  (an RL run's only)
+
+    try:
+        _, prompt = load_tools(tuple(specs), None, policy.prompt)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"config.rollout.tools={tuple(specs)!r}: {error}") from None
+    return dataclasses.replace(policy, prompt=prompt)
 
 
 def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
@@ -217,8 +263,23 @@ def _data(values) -> DataOptions:
     return DataOptions(**data)
 
 
-def _section(cls, prefix: str, values) -> Any:
-    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix).items()})
+def _section(cls, prefix: str, values, **nested) -> Any:
+    """``cls`` of the fields ``prefix.<name>``, and ``nested`` options (built from their own section)."""
+    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix, tuple(nested)).items()},
+               **nested)
+
+
+def _distributed(values) -> DistributedOptions:
+    distributed = _section(DistributedOptions, "distributed", values)
+    if distributed.num_processes == schema_rl.AUTO:
+        return dataclasses.replace(distributed, num_processes=None)  # None: the cluster's environment says
+    return distributed
+
+
+def _logging(values) -> LoggingOptions:
+    wandb = _section(WandbOptions, "logging.wandb", values)
+    wandb = dataclasses.replace(wandb, tags=tuple(wandb.tags))
+    return _section(LoggingOptions, "logging", values, wandb=wandb)
 
 
 def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOptions:
@@ -245,8 +306,11 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     common_rules(values)
     if kind == "rl":
         values.update(mismatch_correction(values))  # "auto": from the rollout's precision
+        values["rl.estimator"] = _estimator(values["rl.estimator"])
         rl_rules(values, stages)
     policy = policy_from_values(values)
+    if kind == "rl":
+        policy = _with_tools(policy, values["rollout.tools"])
     mesh = _section(MeshShape, "mesh", values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
@@ -264,10 +328,10 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         notice=values["notice"],
         policy=policy,
         mesh=mesh,
-        distributed=_section(DistributedOptions, "distributed", values),
+        distributed=_distributed(values),
         optimizer=optimizer,
         checkpoint=_section(CheckpointOptions, "checkpoint", values),
-        logging=_section(LoggingOptions, "logging", values),
+        logging=_logging(values),
         num_microbatches=num_microbatches,
         record=config.to_json_best_effort(indent=1),
         stages=stages,
