@@ -11,7 +11,6 @@ renders every record under ``docs/results/`` into ``docs/measured.md``.
 from __future__ import annotations
 
 import datetime
-import functools
 import io
 import json
 import os
@@ -96,8 +95,9 @@ def record(argv: list[str], figures: dict, *, started: float, load_before: tuple
     }
 
 
-def _recorded(main, argv: list[str]):
-    out = flags.FLAGS.out
+def record_run(main, argv: list[str], out: str | None):
+    """Runs ``main(argv)``; with ``out``, writes the run's record there (its figures: the last line of what
+    it printed that is a JSON object; none is an error)."""
     if not out:
         return main(argv)
     started, load_before = time.time(), os.getloadavg()
@@ -122,4 +122,4 @@ def run(main) -> None:
     """``app.run(main)`` with ``--out=PATH`` (see the module docstring)."""
     flags.DEFINE_string("out", None, "write the run's record (command, commit, date, machine, load and the "
                         "figures of the last line) to this JSON file")
-    app.run(functools.partial(_recorded, main))
+    app.run(lambda argv: record_run(main, argv, flags.FLAGS.out))

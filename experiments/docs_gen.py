@@ -166,20 +166,35 @@ def pages() -> dict[str, str]:
     return {"config.md": config_page(), "measured.md": measured_page(), **api_pages()}
 
 
+def is_generated(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a page this script writes (``config.md``, ``measured.md``, ``api/*``)."""
+    try:
+        relative = path.resolve().relative_to(DOCS)
+    except ValueError:
+        return False
+    return relative.as_posix() in ("config.md", "measured.md") or relative.parts[0] == "api"
+
+
+def stale_pages(written: dict[str, str]) -> list[str]:
+    """The generated pages whose file differs from ``written`` (or is missing), and API pages of no
+    package."""
+    stale = [name for name, text in written.items()
+             if not (DOCS / name).is_file() or (DOCS / name).read_text(encoding="utf-8") != text]
+    extra = [path.relative_to(DOCS).as_posix() for path in sorted((DOCS / "api").glob("*.md"))]
+    return stale + [name for name in extra if name not in written]
+
+
 def main(argv: list[str]) -> int:
-    check = "--check" in argv[1:]
-    stale = []
-    for name, text in pages().items():
+    written = pages()
+    if "--check" in argv[1:]:
+        if stale := stale_pages(written):
+            sys.stderr.write(f"stale generated docs (python -m experiments.docs_gen): {', '.join(stale)}\n")
+            return 1
+        return 0
+    for name, text in written.items():
         path = DOCS / name
-        if check:
-            if not path.is_file() or path.read_text(encoding="utf-8") != text:
-                stale.append(name)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-    if stale:
-        sys.stderr.write(f"stale generated docs (run python -m experiments.docs_gen): {', '.join(stale)}\n")
-        return 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
     return 0
 
 
