@@ -53,6 +53,22 @@ def _field_table(fields, prefix: str = "") -> list[str]:
     return rows
 
 
+def _demo_table() -> list[str]:
+    """The demo's own fields (``experiments/configs/demo.py``): default and meaning; its ``sft`` and ``rl``
+    parts are the SFT and RL configs above, checked as those are when the demo parses them."""
+    from experiments.configs import demo
+
+    config = demo.get_config()
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for name, meaning in demo.FIELD_HELP.items():
+        value = config
+        for part in name.removesuffix(".*").split("."):
+            value = value[part]
+        default = "" if name.endswith(".*") or hasattr(value, "keys") else _code(value)
+        rows.append(f"| `{name}` | {default} | {_cell(meaning)} |")
+    return rows
+
+
 def config_page() -> str:
     lines = [
         GENERATED_NOTE.format(source="the schema tables (`rstar2jax/train/schema.py`, `schema_rl.py`)"),
@@ -70,6 +86,13 @@ def config_page() -> str:
             lines += ["### Each stage", "",
                       "The fields of one entry of `stages` (written with `config.stage(...)`).", "",
                       *_field_table(schema_rl.STAGE, "stages[i]."), ""]
+    lines += ["## demo", "", "`python -m experiments.demo` and `python -m experiments.ablate_roc` "
+              "(`experiments/configs/demo.py`): the demo's own fields; its `sft` and `rl` parts are the "
+              "configs above, checked as those are when the demo reads them.", "", *_demo_table(), "",
+              "## evaluate, chat, serve, export", "",
+              "These launchers take flags, not a config: `python -m experiments.evaluate --help` (and "
+              "`chat`, `serve`, `export`) lists each flag with its default and meaning; the guide is "
+              "[Evaluate, chat, serve, export](guides/serving.md).", ""]
     return "\n".join(lines)
 
 

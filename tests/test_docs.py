@@ -29,6 +29,7 @@ def test_the_config_reference_lists_every_field_with_its_check():
         for name in fields():
             assert f"| `{name}` | " in page, name
     assert "| `stages[i].steps` | `1` | must be a positive integer |" in page
+    assert "## demo" in page and "| `task.num_train` | `2400` |" in page
 
 
 def test_every_public_name_has_a_docstring():
