@@ -33,12 +33,17 @@ _NAMES = {
     ],
     "rstar2jax.agent.stream": [
         "RolloutStream",
+        "StreamSpec",
+    ],
+    "rstar2jax.agent.session": [
+        "SessionLoop",
     ],
     "rstar2jax.agent.rollout_types": [
         "PartialRollout",
         "RolloutConfig",
         "RolloutEngine",
         "RolloutSession",
+        "SessionRecord",
         "ToolSandbox",
         "Observer",
         "tool_outcome",

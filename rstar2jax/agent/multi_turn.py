@@ -58,12 +58,12 @@ from rstar2jax.agent.rollout_types import (
     RolloutConfig,
     RolloutEngine,
     RolloutSession,
+    SessionRecord,
     ToolSandbox,
-    _Conversation,
     drop_infra_failures,
 )
-from rstar2jax.agent.session import _Rollout
-from rstar2jax.agent.stream import RolloutStream
+from rstar2jax.agent.session import SessionLoop
+from rstar2jax.agent.stream import RolloutStream, StreamSpec
 from rstar2jax.agent.tasks import gather_or_cancel
 from rstar2jax.data.problems import Problem
 from rstar2jax.data.trajectory import Trajectory
@@ -145,8 +145,8 @@ async def rollout_async(
     for i, partial in enumerate(resume):
         if not isinstance(partial, PartialRollout):
             raise TypeError(f"resume[{i}] is a {type(partial).__name__}, expected a PartialRollout")
-    run = _Rollout(engine, sandbox, tokenizer, verifier or default_verifier(), config,
-                   token_budget=token_budget, outage=outage)
+    run = SessionLoop(engine, sandbox, tokenizer, verifier or default_verifier(), config,
+                      token_budget=token_budget, outage=outage)
     groups = await gather_or_cancel(
         [run.resume(p) for p in resume]
         + [run.problem(i, p, samples_per_problem) for i, p in enumerate(problems)])
@@ -181,8 +181,8 @@ async def converse_async(
     tool responses, until the model ends its turn without a call or a limit is hit), without grading: the
     chat's turn. ``observer`` sees the text and the tool calls as they happen. The session is left open
     (the caller closes it)."""
-    run = _Rollout(None, sandbox, tokenizer, None, config, observer=observer)
-    conversation = _Conversation()
+    run = SessionLoop(None, sandbox, tokenizer, None, config, observer=observer)
+    conversation = SessionRecord()
     await run.converse(session, conversation)
     return Conversation(conversation.response_ids, conversation.loss_mask, "".join(conversation.model_text),
                         conversation.tool_outcomes, conversation.num_turns, conversation.truncated)
@@ -274,7 +274,8 @@ class PolicyRollout:
         finished, unfinished = rollout_fn.partial(params, problems, ..., token_budget=4096, resume=unfinished)
 
     Each call decodes with the ``params`` it is given, on a fresh :class:`~rstar2jax.engine.Engine` (a new KV
-    cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages. The
+    cache) with ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages
+    (:meth:`engine_for`, for calls and streams alike). The
     engine's programs are compiled for shapes, never values, so the new parameters of every training step
     reuse them; only a new response budget (a new stage) compiles again. Every call runs on this object's
     own :class:`BackgroundLoop` (the sandbox client is bound to it); :meth:`close` closes both.
@@ -342,15 +343,12 @@ class PolicyRollout:
 
     def _run(self, params, problems, samples_per_problem, max_response_length, max_turns, seed,
              policy_version, *, token_budget: int | None, resume: Sequence[PartialRollout]):
-        max_len = page_rounded(self.max_prompt_length + max_response_length, self.engine_config.page_size)
-        engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
-        config = dataclasses.replace(self.config, max_response_length=max_response_length,
-                                     max_turns=max_turns, seed=seed)
+        config = self._call_config(max_response_length, max_turns, seed)
         if token_budget is not None and config.segment_tokens is None:
             config = dataclasses.replace(config, segment_tokens=self.partial_segment_tokens)
         stats = collections.Counter()
         self.last_stats = {}
-        engine = self.make_engine(params, engine_config, policy_version)
+        engine = self.engine_for(params, max_response_length, policy_version)
         results = rollout(problems, samples_per_problem, engine=engine, sandbox=self.sandbox,
                           tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats,
                           token_budget=token_budget, resume=resume, outage=self.outage, loop=self.loop)
@@ -369,9 +367,27 @@ class PolicyRollout:
         """These rollouts as a stream (:class:`~rstar2jax.agent.stream.RolloutStream`): one engine on
         ``device`` with ``params`` from now until the stream is closed, groups submitted one by one and handed
         back as they finish, new weights taken in flight. The asynchronous schedule's producer."""
-        return RolloutStream(self, params, policy_version=policy_version,
+        spec = StreamSpec(engine=self.engine_for, sessions=self.stream_sessions, loop=self.loop)
+        return RolloutStream(spec, params, policy_version=policy_version,
                              samples_per_problem=samples_per_problem, max_response_length=max_response_length,
                              max_turns=max_turns, on_update=on_update, device=device)
+
+    def engine_for(self, params, max_response_length: int, policy_version: int) -> RolloutEngine:
+        """The engine of a call or a stream with this response budget (not started): ``engine_config`` with
+        ``max_len = max_prompt_length + max_response_length`` rounded up to whole KV pages."""
+        max_len = page_rounded(self.max_prompt_length + max_response_length, self.engine_config.page_size)
+        engine_config = dataclasses.replace(self.engine_config, max_len=max_len)
+        return self.make_engine(params, engine_config, policy_version)
+
+    def stream_sessions(self, engine: RolloutEngine, max_response_length: int, max_turns: int) -> SessionLoop:
+        """The session loop of a stream's groups on ``engine`` (no call seed: each group is seeded when it is
+        submitted), with this rollout's sandbox, tokenizer, verifier and outage policy."""
+        return SessionLoop(engine, self.sandbox, self.tokenizer, self.verifier or default_verifier(),
+                           self._call_config(max_response_length, max_turns, None), outage=self.outage)
+
+    def _call_config(self, max_response_length: int, max_turns: int, seed: int | None) -> RolloutConfig:
+        return dataclasses.replace(self.config, max_response_length=max_response_length, max_turns=max_turns,
+                                   seed=seed)
 
     def make_engine(self, params, engine_config: EngineConfig, policy_version: int) -> RolloutEngine:
         """The engine one call samples with (not started: :func:`rollout` runs it)."""

@@ -170,8 +170,9 @@ class _Clock:
 
 
 @dataclasses.dataclass
-class _Conversation:
-    """The growing record of one session: token stream, the model's own text and per-call outcomes."""
+class SessionRecord:
+    """The growing record of one session (:class:`~rstar2jax.agent.session.SessionLoop` writes it): token
+    stream, the model's own text and per-call outcomes; a :class:`PartialRollout` keeps it to resume."""
 
     response_ids: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
@@ -213,6 +214,11 @@ class _Conversation:
             self.entropies += [0.0] * len(token_ids)
 
 
+#: The record's name before it was public: partial rollouts pickled in the checkpoints of earlier runs
+#: (``rollout_carry``) name it, and unpickle through it.
+_Conversation = SessionRecord
+
+
 @dataclasses.dataclass(eq=False)
 class PartialRollout:
     """A rollout a token budget stopped before it finished (see :func:`rollout_async`): everything needed to
@@ -230,7 +236,7 @@ class PartialRollout:
 
     problem: Problem
     prompt_ids: list[int]
-    conversation: _Conversation
+    conversation: SessionRecord
     unparsed: str = ""
     seed: int | None = None
     resumes: int = 0

@@ -20,8 +20,8 @@ from rstar2jax.agent.rollout_types import (
     RolloutConfig,
     RolloutEngine,
     RolloutSession,
+    SessionRecord,
     ToolSandbox,
-    _Conversation,
     tool_outcome,
 )
 from rstar2jax.agent.tasks import gather_or_cancel
@@ -34,8 +34,12 @@ from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.reward import AnswerVerifier, extract_answer
 
 
-class _Rollout:
-    """One ``rollout_async`` call: the shared pieces and the per-group / per-session coroutines."""
+class SessionLoop:
+    """The agent's sessions on one engine: the shared pieces (sandbox, tokenizer, verifier, options, outage
+    tracker, token budget) and the per-group (:meth:`problem`, :meth:`resume`) and per-session
+    (:meth:`session`, :meth:`converse`) coroutines. One per ``rollout_async`` call, one per open
+    :class:`~rstar2jax.agent.stream.RolloutStream`, one per chat turn (:func:`converse_async`, no engine);
+    each session's :class:`~rstar2jax.agent.rollout_types.SessionRecord` becomes its trajectory."""
 
     def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
                  verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None,
@@ -79,7 +83,7 @@ class _Rollout:
         prompt_ids = render_prompt_ids(self.tokenizer, problem.problem, self.config.prompt)
         seed = self.group_seed(index, seed)
         if self.out_of_budget():  # not opened: the whole group waits for a later call
-            return [PartialRollout(problem, list(prompt_ids), _Conversation(),
+            return [PartialRollout(problem, list(prompt_ids), SessionRecord(),
                                    seed=self.derived_seed(seed, j)) for j in range(n)]
         start = time.perf_counter()
         try:
@@ -113,10 +117,10 @@ class _Rollout:
                                   conversation=conversation, unparsed=partial.unparsed, resumes=resumes)
 
     async def session(self, session: RolloutSession, problem: Problem, prompt_ids: list[int],
-                      queued: float, *, seed: int | None = None, conversation: _Conversation | None = None,
+                      queued: float, *, seed: int | None = None, conversation: SessionRecord | None = None,
                       unparsed: str = "", resumes: int = 0) -> Trajectory | PartialRollout:
         if conversation is None:
-            conversation = _Conversation()
+            conversation = SessionRecord()
             if self.config.stateful_tool:  # unguessable: the capability
                 conversation.tool_session = f"rollout-{secrets.token_urlsafe(18)}"
         conversation.clock.seconds["queue"] += queued
@@ -174,14 +178,14 @@ class _Rollout:
             self.observer.on_result(call, outcome, response)
         return outcome, response
 
-    async def collect(self, running: list[asyncio.Task], conversation: _Conversation) -> list[str]:
+    async def collect(self, running: list[asyncio.Task], conversation: SessionRecord) -> list[str]:
         """Wait for a turn's dispatched calls, record their outcomes and return the texts the model sees."""
         with conversation.clock.phase("tool"):
             results = await asyncio.gather(*running)
         conversation.tool_outcomes += [outcome for outcome, _ in results]
         return [response for _, response in results]
 
-    async def converse(self, session: RolloutSession, conversation: _Conversation, unparsed: str = ""
+    async def converse(self, session: RolloutSession, conversation: SessionRecord, unparsed: str = ""
                        ) -> str | None:
         """Run the turns of one session until it finishes, is truncated or hits a limit (returns None), or
         until the call's token budget is spent at a point where it can stop (no tool call running, budget

@@ -10,7 +10,9 @@ handed back as they finish, new weights taken in flight. The producer of the tra
     for key, trajectories in stream.wait(timeout=1.0): ...
     stream.close()
 
-Each group runs the session loop of a rollout call (:mod:`rstar2jax.agent.session`): tool calls in the
+The stream is built from a :class:`StreamSpec` (an engine factory, a session factory and the event loop),
+which :meth:`PolicyRollout.stream <rstar2jax.agent.PolicyRollout.stream>` makes of the rollout. Each group
+runs the session loop of a rollout call (:class:`~rstar2jax.agent.session.SessionLoop`): tool calls in the
 sandbox under the rollout's outage policy (one outage tracker for the stream), answers graded, trajectories
 whose tool call failed for the sandbox's own reasons dropped from their group. A sandbox down past the
 outage budget fails the stream: :meth:`RolloutStream.wait` raises its
@@ -21,51 +23,69 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import queue
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any, Protocol
 
 import jax
 
-from rstar2jax.agent.rollout_types import drop_infra_failures
-from rstar2jax.agent.session import _Rollout
+from rstar2jax.agent.rollout_types import RolloutEngine, drop_infra_failures
+from rstar2jax.agent.session import SessionLoop
 from rstar2jax.data.problems import Problem
-from rstar2jax.engine.config import page_rounded
-from rstar2jax.reward import default_verifier
+
+
+class EventLoop(Protocol):
+    """What a stream needs of the event loop its sessions run on (``multi_turn.BackgroundLoop`` has it)."""
+
+    def start(self, coroutine: Coroutine) -> concurrent.futures.Future: ...
+
+    def run(self, coroutine: Coroutine) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """What a :class:`RolloutStream` needs of the rollout that opens it
+    (:meth:`PolicyRollout.stream <rstar2jax.agent.PolicyRollout.stream>` makes it of itself).
+
+    Attributes:
+      engine: ``engine(params, max_response_length, policy_version)``: an engine, not started, long enough
+        for a prompt and that response budget (``PolicyRollout.engine_for``).
+      sessions: ``sessions(engine, max_response_length, max_turns)``: the session loop of the stream's
+        groups on ``engine``, with no call seed (each group is seeded when submitted).
+      loop: the event loop the sessions run on (the rollout's: its sandbox client is bound to it).
+    """
+
+    engine: Callable[[Any, int, int], RolloutEngine]
+    sessions: Callable[[RolloutEngine, int, int], SessionLoop]
+    loop: EventLoop
 
 
 class RolloutStream:
-    """``rollout``'s (a :class:`~rstar2jax.agent.PolicyRollout`) rollouts as a stream (module doc), on an
-    engine built
-    on ``device`` (None: the default device) with ``params`` (its own copy: the engine keeps the buffers),
-    sampling at ``policy_version``; ``on_update``: what running sequences do when new weights arrive
+    """Rollouts as a stream (module doc) on the engine ``spec.engine`` builds on ``device`` (None: the
+    default device) with ``params`` (its own copy: the engine keeps the buffers), sampling at
+    ``policy_version``; ``on_update``: what running sequences do when new weights arrive
     (:meth:`~rstar2jax.engine.EngineCore.update_weights`)."""
 
-    def __init__(self, rollout: Any, params, *, policy_version: int, samples_per_problem: int,
+    def __init__(self, spec: StreamSpec, params, *, policy_version: int, samples_per_problem: int,
                  max_response_length: int, max_turns: int, on_update: str = "keep", device=None):
-        self.rollout, self.samples_per_problem, self.on_update = rollout, samples_per_problem, on_update
-        page_size = rollout.engine_config.page_size
-        max_len = page_rounded(rollout.max_prompt_length + max_response_length, page_size)
-        engine_config = dataclasses.replace(rollout.engine_config, max_len=max_len)
-        config = dataclasses.replace(rollout.config, max_response_length=max_response_length,
-                                     max_turns=max_turns, seed=None)
+        self.loop, self.samples_per_problem, self.on_update = spec.loop, samples_per_problem, on_update
         with jax.default_device(device) if device is not None else contextlib.nullcontext():
-            self.engine = rollout.make_engine(params, engine_config, policy_version)
+            self.engine = spec.engine(params, max_response_length, policy_version)
         self.core = self.engine.core
-        self.run = _Rollout(self.engine, rollout.sandbox, rollout.tokenizer,
-                            rollout.verifier or default_verifier(), config, outage=rollout.outage)
+        self.run = spec.sessions(self.engine, max_response_length, max_turns)
         self.finished: queue.Queue = queue.Queue()
         self.futures: dict[Hashable, object] = {}
         self.tasks: set[asyncio.Task] = set()
         self.dropped = 0
-        rollout.loop.run(self.engine.__aenter__())
+        self.loop.run(self.engine.__aenter__())
 
     def submit(self, key: Hashable, problem: Problem, *, seed: int, index: int) -> None:
         """Start ``problem``'s group (``samples_per_problem`` sessions), seeded as group ``index`` of a
         rollout call seeded ``seed``; it comes back from :meth:`wait` under ``key``."""
-        self.futures[key] = self.rollout.loop.start(self._group(key, problem, seed, index))
+        self.futures[key] = self.loop.start(self._group(key, problem, seed, index))
 
     async def _group(self, key: Hashable, problem: Problem, seed: int, index: int) -> None:
         self.tasks.add(asyncio.current_task())
@@ -85,7 +105,7 @@ class RolloutStream:
     def update_weights(self, params, policy_version: int) -> None:
         """Sample with ``params`` (version ``policy_version``) from the engine's next step on; returns once
         the engine has queued them (the step in flight keeps the old ones)."""
-        self.rollout.loop.run(self.engine.update_weights(params, policy_version, on_update=self.on_update))
+        self.loop.run(self.engine.update_weights(params, policy_version, on_update=self.on_update))
 
     def wait(self, timeout: float | None) -> list[tuple[Hashable, list]]:
         """The groups finished since the last call, waiting up to ``timeout`` seconds (None: until one) for
@@ -120,7 +140,7 @@ class RolloutStream:
             future.cancel()
         self.futures = {}
         if self.engine is not None:
-            self.rollout.loop.run(self._stop())
+            self.loop.run(self._stop())
             self.engine = None
 
     async def _stop(self) -> None:

@@ -25,7 +25,8 @@ from rstar2jax.train.runtime import (
     prepare_process,
     request_host_devices,
 )
-from rstar2jax.train.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous, make_schedule
+from rstar2jax.train.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous
+from rstar2jax.train.schedule_choice import make_schedule
 from rstar2jax.train.selection import RLIterationConfig, rollout_metrics, select_and_build_batch
 from rstar2jax.train.sft_loop import train_sft
 from rstar2jax.train.state import (

@@ -24,7 +24,8 @@ ones and issues the unfinished ones again, from scratch, at the resumed version.
 trained once or counted dropped (``async/groups_dropped``: no trajectory left, every one lost to the
 sandbox).
 
-The stream a ``rollout_fn`` offers (``rstar2jax.agent.PolicyRollout.stream``)::
+The stream a ``rollout_fn`` offers (``SupportsStream`` and ``TrajectoryStream`` of
+``rstar2jax.data.rollout_contract``; ``rstar2jax.agent.PolicyRollout.stream``)::
 
     stream = rollout_fn.stream(params, policy_version=, samples_per_problem=, max_response_length=,
                                max_turns=, on_update=, device=)
@@ -34,7 +35,8 @@ The stream a ``rollout_fn`` offers (``rstar2jax.agent.PolicyRollout.stream``)::
     stream.stats() -> {name: count}               # cumulative: busy_s, generated_tokens, sandbox counts
     stream.close()                                # cancels what runs, stops the engine
 
-A ``rollout_fn`` with ``policy_params(params)`` (a LoRA run's) gives the weights the engine samples with.
+A ``rollout_fn`` with ``policy_params(params)`` (``SupportsPolicyParams``, a LoRA run's) gives the weights
+the engine samples with.
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ from typing import Any
 import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
+from rstar2jax.data.rollout_contract import SupportsPolicyParams, SupportsStream
 from rstar2jax.train.multihost import gather_to_all_processes
 from rstar2jax.train.placement import engine_copy
 from rstar2jax.train.schedule import (
-    RolloutFn,
     _CarryingSchedule,
     seed_from_key,
     tag_versions,
@@ -101,12 +103,12 @@ def choose_batch(tickets: dict[Hashable, Ticket], complete: set, size: int, vers
 class Producer:
     """The open streams of a stage (one per rollout device), what is in flight on each, and their counts."""
 
-    def __init__(self, rollout_fn: RolloutFn, params, version: int, options: dict[str, int], *,
+    def __init__(self, rollout_fn: SupportsStream, params, version: int, options: dict[str, int], *,
                  devices: Sequence[Any], dtype, on_update: str):
-        self.rollout_fn, self.devices, self.dtype = rollout_fn, list(devices), dtype
-        if not hasattr(rollout_fn, "stream"):
-            raise ValueError("rl.schedule='async' needs a rollout_fn with a stream() method "
-                             "(PolicyRollout's)")
+        self.devices, self.dtype = list(devices), dtype
+        # The weights the engines sample with: the trainer's, or the rollout's of them (LoRA: merged).
+        merges = isinstance(rollout_fn, SupportsPolicyParams)
+        self.policy_params = rollout_fn.policy_params if merges else None
         copies = self.place(params)
         self.streams = [rollout_fn.stream(copy, policy_version=version, **options, on_update=on_update,
                                           device=device) for copy, device in zip(copies, self.devices,
@@ -117,8 +119,7 @@ class Producer:
 
     def place(self, params) -> list:
         """The engines' copies of the trainer's ``params`` (LoRA: merged), one per rollout device."""
-        merge = getattr(self.rollout_fn, "policy_params", None)
-        params = merge(params) if merge is not None else params
+        params = self.policy_params(params) if self.policy_params is not None else params
         return [engine_copy(params, device, self.dtype) for device in self.devices]
 
     def submit(self, ticket: Ticket) -> None:
@@ -170,7 +171,7 @@ def _global(items: list) -> list:
 
 
 class AsyncSchedule(_CarryingSchedule):
-    """``rl.schedule="async"`` (see the module doc).
+    """``rl.schedule="async"`` (see the module doc); the rollout needs ``stream`` (``SupportsStream``).
 
     Args:
       max_staleness: eta, the most policy versions a trained token may lag the parameters it updates.
@@ -182,6 +183,8 @@ class AsyncSchedule(_CarryingSchedule):
       tickets: the released groups not yet trained, by key; ``complete``: this process's finished ones.
       ledger: over the run, groups ``released``, ``trained`` and ``dropped`` (no trajectory left).
     """
+
+    needs = SupportsStream
 
     def __init__(self, max_staleness: int, *, devices: Sequence[Any], dtype=None, on_update: str = "keep"):
         if max_staleness < 0:

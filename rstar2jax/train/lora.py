@@ -31,6 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar2jax import models
+from rstar2jax.data.rollout_contract import (
+    BatchRollout,
+    SupportsClose,
+    SupportsPartial,
+    SupportsStats,
+    SupportsStream,
+)
 from rstar2jax.models import peft_adapter
 from rstar2jax.train import colocate
 from rstar2jax.train.options import ConfigError, ModelSource, PolicyOptions
@@ -135,32 +142,23 @@ class FrozenBase:
 
     def rollout(self, rollout_fn) -> MergedRollout:
         """``rollout_fn`` taking adapters where it took params (see :class:`MergedRollout`)."""
-        return MergedRollout(self, rollout_fn)
+        return merged_rollout(self, rollout_fn)
 
 
 class MergedRollout:
-    """A rollout function that takes a LoRA run's adapters where ``rollout_fn`` takes params: each call
-    samples from the base with the adapters merged in (in the compute dtype, the engine's). It has what
-    ``rollout_fn`` has of the trainer's rollout contract: ``partial`` (partial rollouts), ``last_stats``,
-    ``stream`` (the asynchronous schedule's, which samples from :meth:`policy_params`)."""
+    """A rollout that takes a LoRA run's adapters where ``rollout_fn`` takes params: each call samples from
+    the base with the adapters merged in (in the compute dtype, the engine's). Of the trainer's rollout
+    contract (``rstar2jax.data.rollout_contract``) it has exactly what ``rollout_fn`` declares: the call
+    and ``partial`` sample from the merged policy; ``stream`` is ``rollout_fn``'s (the asynchronous
+    schedule merges with :meth:`policy_params`, then copies); ``last_stats`` and ``close`` are
+    ``rollout_fn``'s. Built by :func:`merged_rollout`, which picks the class of those capabilities."""
 
     def __init__(self, base: FrozenBase, rollout_fn):
         self.base, self.rollout_fn = base, rollout_fn
-        if hasattr(rollout_fn, "partial"):
-            self.partial = functools.partial(self._merged_call, rollout_fn.partial)
-        if hasattr(rollout_fn, "stream"):  # the asynchronous schedule merges (policy_params), then copies
-            self.stream = rollout_fn.stream
 
     def policy_params(self, adapters):
         """The weights the policy samples with: the base with ``adapters`` merged in (compute dtype)."""
         return self.base.merged(adapters, self.base.model_config.compute_dtype)
-
-    @property
-    def last_stats(self) -> dict | None:
-        return getattr(self.rollout_fn, "last_stats", None)
-
-    def __call__(self, adapters, problems, **options):
-        return self._merged_call(self.rollout_fn, adapters, problems, **options)
 
     def _merged_call(self, call, adapters, problems, **options):
         base = self.base
@@ -173,6 +171,49 @@ class MergedRollout:
             del merged
             if base.offload:
                 base.params = colocate.to_device(base.params)
+
+
+class _MergedBatch(MergedRollout):
+    def __call__(self, adapters, problems, **options):
+        return self._merged_call(self.rollout_fn, adapters, problems, **options)
+
+
+class _MergedPartial(MergedRollout):
+    def partial(self, adapters, problems, **options):
+        return self._merged_call(self.rollout_fn.partial, adapters, problems, **options)
+
+
+class _ForwardedStream(MergedRollout):
+    def stream(self, params, **options):
+        return self.rollout_fn.stream(params, **options)
+
+
+class _ForwardedStats(MergedRollout):
+    @property
+    def last_stats(self):
+        return self.rollout_fn.last_stats
+
+
+class _ForwardedClose(MergedRollout):
+    def close(self) -> None:
+        self.rollout_fn.close()
+
+
+#: Each capability a wrapped rollout may declare, with the part of :class:`MergedRollout` that forwards it.
+_FORWARDS = ((BatchRollout, _MergedBatch), (SupportsPartial, _MergedPartial),
+             (SupportsStream, _ForwardedStream), (SupportsStats, _ForwardedStats),
+             (SupportsClose, _ForwardedClose))
+
+
+@functools.cache
+def _merged_class(parts: tuple[type, ...]) -> type:
+    return type(MergedRollout.__name__, parts or (MergedRollout,), {"__doc__": MergedRollout.__doc__})
+
+
+def merged_rollout(base: FrozenBase, rollout_fn) -> MergedRollout:
+    """A :class:`MergedRollout` of ``rollout_fn`` with the capabilities it declares, no other."""
+    parts = tuple(part for capability, part in _FORWARDS if isinstance(rollout_fn, capability))
+    return _merged_class(parts)(base, rollout_fn)
 
 
 def initial_adapters(policy: PolicyOptions, mesh):

@@ -7,7 +7,6 @@ import logging
 
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
 from rstar2jax.train import colocate
-from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.faults import NonFiniteStreak
 from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.placement import rollout_devices
@@ -16,7 +15,8 @@ from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rules import precision_gap
 from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
-from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule, make_schedule
+from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule
+from rstar2jax.train.schedule_choice import make_schedule
 from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
 
@@ -80,21 +80,14 @@ class _RLStages:
     """The RL loop's parts that stay across its stages: the run, its step and rollout functions, the
     rollout schedule, the non-finite streak and the progress line."""
 
-    def __init__(self, run: Run, step_fn, rollout_fn: RolloutFn, reward_fn: RewardFn | None, total: int):
+    def __init__(self, run: Run, step_fn, rollout_fn: RolloutFn, reward_fn: RewardFn | None, total: int,
+                 schedule: RolloutSchedule):
         loop = run.options.rl
         self.run, self.step_fn, self.rollout_fn, self.reward_fn, self.total = (
             run, step_fn, rollout_fn, reward_fn, total)
         # Asynchronous: the trainer updates while the engine runs, so the moments never leave the device.
         self.offload = loop.schedule != "async" and colocate.resolve_offload(loop.optimizer_memory)
-        self.schedule: RolloutSchedule
-        if loop.schedule == "async":
-            self.schedule = AsyncSchedule(loop.max_staleness, devices=rollout_devices(run.options),
-                                          dtype=run.model_config.compute_dtype,
-                                          on_update=loop.rollout.on_update)
-        else:
-            self.schedule = make_schedule(off_policy_steps=loop.off_policy_steps,
-                                          partial_token_budget=loop.partial_token_budget,
-                                          prompts_per_step=loop.prompts_per_step)
+        self.schedule = schedule
         self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
@@ -161,6 +154,16 @@ def _rollout_precision(run: Run) -> str:
     return gap
 
 
+def _schedule(options: RunOptions, rollout_fn: RolloutFn) -> RolloutSchedule:
+    """The rollout schedule of ``options.rl`` (``make_schedule``): a ``ConfigError`` naming what it needs
+    and ``rollout_fn`` lacks (a LoRA run's merged rollout has exactly the capabilities of ``rollout_fn``)."""
+    rl = options.rl
+    return make_schedule(rollout_fn, schedule=rl.schedule, off_policy_steps=rl.off_policy_steps,
+                         partial_token_budget=rl.partial_token_budget, prompts_per_step=rl.prompts_per_step,
+                         max_staleness=rl.max_staleness, devices=rollout_devices(options),
+                         dtype=options.model.compute_dtype, on_update=rl.rollout.on_update)
+
+
 def train_rl(
     options: RunOptions,
     *,
@@ -185,6 +188,7 @@ def train_rl(
     groups there too and drains at a stage's end; its engines stop when the run does.
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
+    schedule = _schedule(options, rollout_fn)  # before any work too
     optimizer = options.optimizer.optimizer()
     run = start_run(
         options,
@@ -213,7 +217,7 @@ def train_rl(
             run.step, run.workdir / CHECKPOINT_DIR, run.meta["stage"] + 1, len(stages),
             current.name, run.step - run.meta["stage_start"], current.steps,
         )
-    loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total)
+    loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total, schedule)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
     if options.rl.schedule == "async":
         keys += ASYNC_PROGRESS_KEYS

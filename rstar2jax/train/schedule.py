@@ -8,7 +8,8 @@
 * ``Partial`` (``rollout.partial_token_budget > 0``): the rollout stops once its sessions sampled that many
   tokens, the groups whose rollouts all finished are trained on, and the unfinished rollouts are resumed in
   the next step with the new parameters (their tokens keep their versions and sampler log-probs). The
-  ``rollout_fn`` needs a ``partial`` method (:meth:`~rstar2jax.agent.PolicyRollout.partial`)::
+  ``rollout_fn`` needs a ``partial`` method (``SupportsPartial``,
+  :meth:`~rstar2jax.agent.PolicyRollout.partial`)::
 
       rollout_fn.partial(params, problems, *, samples_per_problem, max_response_length, max_turns, seed,
                          policy_version, token_budget, resume) -> (finished, unfinished)
@@ -20,7 +21,9 @@ to the next step: ``checkpoint_meta`` / ``restore`` keep that in the checkpoint 
 resumed run goes on exactly; ``end_stage`` drops it (nothing crosses a stage boundary).
 
 The rollout is injected (``rollout_fn``), so the same iteration runs the real agent (engine + sandbox) or a
-scripted rollout in tests. Signature expected of it::
+scripted rollout in tests. What each schedule needs of it is a protocol of ``rstar2jax.data.rollout_contract``
+(``RolloutSchedule.needs``), checked once when ``rstar2jax.train.schedule_choice.make_schedule`` builds the
+schedule. A batch rollout (``BatchRollout``)::
 
     rollout_fn(params, problems, *, samples_per_problem, max_response_length, max_turns, seed, policy_version)
         -> list[Trajectory]      # samples_per_problem per problem, rewards filled in
@@ -28,7 +31,8 @@ scripted rollout in tests. Signature expected of it::
 Policy versions: the version of parameters is the trainer step that produced them (``state.step``), passed
 as ``policy_version``. A rollout may tag the tokens it samples with it (``Trajectory.policy_versions``, as
 :class:`~rstar2jax.agent.PolicyRollout` does); trajectories that come back without tags get it on every
-sampled token. A ``rollout_fn`` with a ``last_stats`` dict of counts has them summed over a step's calls.
+sampled token. A ``rollout_fn`` with a ``last_stats`` dict of counts (``SupportsStats``) has them summed
+over a step's calls.
 """
 
 from __future__ import annotations
@@ -38,16 +42,18 @@ import collections
 import dataclasses
 import pickle
 import zlib
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
+from rstar2jax.data.rollout_contract import BatchRollout, Rollout, SupportsPartial, rollout_stats
 from rstar2jax.data.trajectory import NO_POLICY_VERSION
 from rstar2jax.train.multihost import gather_to_all_processes
 
-RolloutFn = Callable[..., list["Trajectory"]]
+#: What the trainer takes as a rollout (``rollout_contract.Rollout``: one or more of its capabilities).
+RolloutFn = Rollout
 
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
     from rstar2jax.data.trajectory import Trajectory
@@ -107,7 +113,7 @@ def collect_stats(rollout_fn: RolloutFn, into: collections.Counter | None) -> No
     """Adds the ``last_stats`` counts of ``rollout_fn``'s last call (when it keeps them, as
     :class:`~rstar2jax.agent.PolicyRollout` does) to ``into``."""
     if into is not None:
-        into.update(getattr(rollout_fn, "last_stats", None) or {})
+        into.update(rollout_stats(rollout_fn))
 
 
 def run_rollouts(
@@ -163,6 +169,8 @@ class RolloutSchedule:
     """
 
     num_groups: int | None = None
+    #: The capability the schedule needs of the rollout (``schedule_choice.make_schedule`` checks it).
+    needs: ClassVar[type] = BatchRollout
 
     def draw(self, iterator: ProblemIterator, *, stage_last: bool) -> list[Problem]:
         """This step's new problems from ``iterator`` (``stage_last``: the stage's last step)."""
@@ -286,6 +294,8 @@ class Partial(_CarryingSchedule):
       problems: the open groups' problems, by id, in the order they were opened.
     """
 
+    needs = SupportsPartial
+
     def __init__(self, token_budget: int, num_groups: int):
         if token_budget < 1 or num_groups < 1:
             raise ValueError(f"token_budget ({token_budget}) and num_groups ({num_groups}) must be positive")
@@ -307,16 +317,13 @@ class Partial(_CarryingSchedule):
         groups' problems and groups (the carried ones first) and counts; the rest stay open."""
         if jax.process_count() > 1:
             raise ValueError("partial rollouts (token_budget) run in one process only")
-        partial = getattr(rollout_fn, "partial", None)
-        if partial is None:
-            raise ValueError("partial rollouts need a rollout_fn with a partial() method (PolicyRollout's)")
         new = [p for p in problems if p.id not in self.problems]
         for p in new:
             self.problems[p.id], self.held[p.id] = p, []
         resumed, resumed_tokens = len(self.unfinished), sum(u.num_tokens for u in self.unfinished)
         unfinished, calls, seed = self.unfinished, 0, seed_from_key(rollout_key)
         while True:
-            finished, unfinished = partial(
+            finished, unfinished = rollout_fn.partial(
                 params, new, **options, seed=seed + calls, policy_version=version,
                 token_budget=self.token_budget, resume=unfinished,
             )
@@ -368,16 +375,3 @@ class Partial(_CarryingSchedule):
     def _take_up(self, carried: dict[str, Any]) -> None:
         self.unfinished, self.held = carried["unfinished"], carried["held"]
         self.problems = carried["problems"]
-
-
-def make_schedule(*, off_policy_steps: int = 0, partial_token_budget: int = 0,
-                  prompts_per_step: int = 0) -> RolloutSchedule:
-    """The schedule of the options: ``rl.off_policy_steps`` (0 or 1), ``rollout.partial_token_budget``
-    (0: off) and, for partial rollouts, ``rl.prompts_per_step`` (the most groups open at once)."""
-    if off_policy_steps not in (0, 1):
-        raise ValueError(f"off_policy_steps={off_policy_steps!r}; expected 0 or 1")
-    if partial_token_budget and off_policy_steps:
-        raise ValueError("partial rollouts (token_budget) and off_policy_steps=1 do not combine")
-    if partial_token_budget:
-        return Partial(partial_token_budget, prompts_per_step)
-    return OneStepOffPolicy() if off_policy_steps else Synchronous()
