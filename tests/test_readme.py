@@ -50,8 +50,12 @@ def _fenced_blocks(text: str, page: str) -> list[tuple[str, str]]:
 
 
 BLOCKS = {page: _fenced_blocks(text, page) for page, text in PAGES.items()}
-#: (page, body) of every python block.
-PYTHON_BLOCKS = [(page, body) for page, blocks in BLOCKS.items() for info, body in blocks if info == "python"]
+#: Pages whose python blocks build on each other, run in order by a test of their own (named here, which
+#: must name the page): their commands are checked here, their blocks there.
+BLOCKS_RUN_ELSEWHERE: dict[str, str] = {}
+#: (page, body) of every python block run here.
+PYTHON_BLOCKS = [(page, body) for page, blocks in BLOCKS.items() if page not in BLOCKS_RUN_ELSEWHERE
+                 for info, body in blocks if info == "python"]
 # Blocks that talk to the serving guide's `experiments.serve` command: run by _serve against that server.
 SERVER_BLOCKS = [(page, body) for page, body in PYTHON_BLOCKS if "OpenAI(" in body]
 
@@ -193,6 +197,8 @@ def test_every_readme_command_is_covered():
     assert all(command in COMMANDS for command in runs | set(NOT_RUN))
     assert len(PYTHON_BLOCKS) >= 3
     assert any(page == "README.md" for page, _ in PYTHON_BLOCKS), "the README's quickstart block"
+    for page, test in BLOCKS_RUN_ELSEWHERE.items():
+        assert page in PAGES and page.rsplit("/", 1)[-1] in (REPO_ROOT / test).read_text(encoding="utf-8")
 
 
 def _exec_block(code: str, name: str) -> dict:
