@@ -60,6 +60,8 @@ setup(
         "rocm": ["jax[rocm7-local]==0.10.2"],
         # The TensorBoard viewer for the events the launchers write (`tensorboard --logdir <workdir>`).
         "tensorboard": ["tensorboard>=2.21"],
+        # Weights & Biases as a run logger (config.logging.wandb; docs/cluster.md); the library runs without.
+        "wandb": ["wandb>=0.31"],
         # google-tunix, the side `bench_engine --startup` compares decoding with. Bench-only, and for an
         # environment of its own: it pins transformers 5.12. Beside this project, install it into a folder
         # with --no-deps instead (see experiments/bench_engine.py) and pass --tunix_path.
@@ -87,6 +89,7 @@ setup(
             "peft==0.21.2",  # the LoRA tests load our adapter folders with PEFT itself
             "prometheus-client>=0.20",  # the serving tests parse /metrics with Prometheus' own parser
             "tokamax==0.0.12",  # its XLA kernels check the segment mask the GPU kernels get
+            "wandb>=0.31",  # the W&B logger's offline run files (tests/train/test_wandb.py)
         ],
     },
 )

@@ -455,6 +455,8 @@ def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool
         print_config(config)
         return None
     options = train.parse(config, kind, check_data=not dry_run)
+    if not dry_run:
+        train.check_wandb(options)  # a missing package: one line, before the processes join
     train.prepare_process(options)
     if dry_run:
         report = train.dry_run(options)

@@ -8,6 +8,7 @@ from rstar2jax.data.batch import Batch, TokenSequence, build_batch, trajectory_s
 from rstar2jax.data.sft_data import load_sft_sequences
 from rstar2jax.train import lora  # the module: LoRA runs (train.lora.FrozenBase, adapter_folder, ...)
 from rstar2jax.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
+from rstar2jax.train.cluster import ClusterLaunch, cluster_launch
 from rstar2jax.train.config import rl_config, sft_config, stage
 from rstar2jax.train.dry_run import check_memory_plan, dry_run, format_dry_run
 from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
@@ -49,12 +50,14 @@ from rstar2jax.train.steps import (
     trainable_params,
     with_adapters,
 )
+from rstar2jax.train.wandb_run import WandbRun, check_wandb
 
 __all__ = [
     "Batch",
     "CheckpointError",
     "CheckpointWriteError",
     "Checkpointer",
+    "ClusterLaunch",
     "ConfigError",
     "EmptyRollout",
     "Interrupted",
@@ -73,6 +76,7 @@ __all__ = [
     "StageOptions",
     "TokenSequence",
     "TrainState",
+    "WandbRun",
     "accumulate_gradients",
     "lora",
     "trainable_params",
@@ -80,6 +84,8 @@ __all__ = [
     "build_batch",
     "check_memory_plan",
     "check_rollout_precision",
+    "check_wandb",
+    "cluster_launch",
     "dry_run",
     "filter_hard_problems",
     "format_dry_run",

@@ -1,5 +1,6 @@
-"""Per-step metrics to JSONL and TensorBoard, resumable: a resumed run rewrites both from the checkpoint's
-history, so no step from the crashed attempt after its last checkpoint survives."""
+"""Per-step metrics to JSONL and TensorBoard (and, with ``logging.wandb``, Weights & Biases:
+``rstar2jax.train.wandb_run``), resumable: a resumed run rewrites the JSONL and TensorBoard from the
+checkpoint's history, so no step from the crashed attempt after its last checkpoint survives there."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from rstar2jax.data.trajectory import Trajectory
 
 #: A run's metrics file and TensorBoard folder, inside its work folder.
 METRICS_FILE = "metrics.jsonl"
@@ -37,6 +40,7 @@ class MetricsLogger:
         TensorBoard events at later steps are purged.
       tensorboard: also write TensorBoard events.
       enabled: False on non-zero processes of a multi-host run (only process 0 writes).
+      wandb: a W&B run (``wandb_run.WandbRun``) that gets every record and the rollout samples too.
     """
 
     def __init__(
@@ -46,10 +50,12 @@ class MetricsLogger:
         history: Sequence[Mapping[str, Any]] = (),
         tensorboard: bool = True,
         enabled: bool = True,
+        wandb=None,
     ):
         self.history: list[dict[str, Any]] = [dict(h) for h in history]
         self._enabled = enabled
         self._writer = None
+        self._wandb = wandb if enabled else None
         if not enabled:
             return
         workdir = pathlib.Path(workdir)
@@ -75,8 +81,41 @@ class MetricsLogger:
                     if key != "step" and math.isfinite(value):
                         self._writer.add_scalar(key, value, step)
                 self._writer.flush()
+            if self._wandb is not None:
+                self._wandb.log(record)
         return record
 
+    def log_samples(self, step: int, groups: Sequence[Sequence[Trajectory]]) -> None:
+        """A step's rollout groups, one row per sample (``sample_rows``), to W&B as a table (when on)."""
+        if self._wandb is not None:
+            self._wandb.log_samples(step, sample_rows(groups))
+
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            if self._wandb is not None:
+                self._wandb.close()
+
+
+def sample_rows(groups: Sequence[Sequence[Trajectory]]) -> list[dict[str, Any]]:
+    """One row per rollout of ``groups`` (a step's, each one problem's samples): problem id, sample index,
+    reward, answer, turns, tool calls and their outcomes, response tokens (sampled ones apart) and whether
+    the response was truncated."""
+    return [
+        {
+            "problem_id": t.problem_id,
+            "sample": index,
+            "reward": float(t.reward),
+            "answer": "" if t.answer is None else str(t.answer),
+            "turns": int(t.num_turns),
+            "tool_calls": len(t.tool_outcomes),
+            "tool_outcomes": " ".join(t.tool_outcomes),
+            "response_tokens": len(t.response_ids),
+            "sampled_tokens": int(sum(t.loss_mask)),
+            "truncated": bool(t.truncated),
+        }
+        for group in groups
+        for index, t in enumerate(group)
+    ]

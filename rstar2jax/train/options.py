@@ -123,12 +123,28 @@ class CheckpointOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbOptions:
+    """``config.logging.wandb``: the Weights & Biases run (``project`` '': none)."""
+
+    project: str = ""
+    entity: str = ""
+    name: str = ""
+    tags: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.project)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, and the progress bar / lines (every ``progress_every``)."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``) and the
+    Weights & Biases run."""
 
     tensorboard: bool = True
     progress: bool = True
     progress_every: int = 10
+    wandb: WandbOptions = WandbOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +166,12 @@ class MeshShape:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptions:
-    """``config.distributed``: the processes of a multi-host run (one: a single process)."""
+    """``config.distributed``: the processes of a multi-host run (one: a single process). ``num_processes``
+    None (the config's ``"auto"``): the cluster scheduler's environment says (``train.cluster``; one process
+    outside a scheduler's launch)."""
 
     coordinator_address: str = ""
-    num_processes: int = 1
+    num_processes: int | None = 1
     process_id: int = 0
 
 

@@ -41,6 +41,7 @@ from rstar2jax.train.options import (
     RunOptions,
     SFTOptions,
     StageOptions,
+    WandbOptions,
 )
 from rstar2jax.train.parse_model import policy_from_values
 from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
@@ -217,8 +218,23 @@ def _data(values) -> DataOptions:
     return DataOptions(**data)
 
 
-def _section(cls, prefix: str, values) -> Any:
-    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix).items()})
+def _section(cls, prefix: str, values, **nested) -> Any:
+    """``cls`` of the fields ``prefix.<name>``, and ``nested`` options (built from their own section)."""
+    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix, tuple(nested)).items()},
+               **nested)
+
+
+def _distributed(values) -> DistributedOptions:
+    distributed = _section(DistributedOptions, "distributed", values)
+    if distributed.num_processes == schema_rl.AUTO:
+        return dataclasses.replace(distributed, num_processes=None)  # None: the cluster's environment says
+    return distributed
+
+
+def _logging(values) -> LoggingOptions:
+    wandb = _section(WandbOptions, "logging.wandb", values)
+    wandb = dataclasses.replace(wandb, tags=tuple(wandb.tags))
+    return _section(LoggingOptions, "logging", values, wandb=wandb)
 
 
 def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOptions:
@@ -264,10 +280,10 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         notice=values["notice"],
         policy=policy,
         mesh=mesh,
-        distributed=_section(DistributedOptions, "distributed", values),
+        distributed=_distributed(values),
         optimizer=optimizer,
         checkpoint=_section(CheckpointOptions, "checkpoint", values),
-        logging=_section(LoggingOptions, "logging", values),
+        logging=_logging(values),
         num_microbatches=num_microbatches,
         record=config.to_json_best_effort(indent=1),
         stages=stages,

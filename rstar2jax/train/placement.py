@@ -28,9 +28,12 @@ def _split(options: RunOptions | None) -> int:
     return rl.rollout_devices if rl is not None and rl.placement == "split" else 0
 
 
-def local_devices_needed(options: RunOptions) -> int:
-    """Devices each process needs: its share of the train mesh plus, split, its rollout devices."""
-    return -(-options.mesh.size // options.distributed.num_processes) + _split(options)
+def local_devices_needed(options: RunOptions, num_processes: int | None = None) -> int:
+    """Devices each process needs: its share of the train mesh plus, split, its rollout devices.
+    ``num_processes``: the run's processes (default ``distributed.num_processes``; None there, the count the
+    cluster's environment said, else one)."""
+    processes = num_processes or options.distributed.num_processes or 1
+    return -(-options.mesh.size // processes) + _split(options)
 
 
 def rollout_devices(options: RunOptions | None, devices: Sequence[jax.Device] | None = None) -> list:

@@ -123,8 +123,10 @@ def rl_iteration(
     num_rows: int | None = None,
     batch_sharding: jax.sharding.Sharding | None = None,
     schedule: RolloutSchedule | None = None,
+    on_groups: Callable[[list[list]], None] | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
-    """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats).
+    """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats); ``on_groups``
+    gets the step's scored groups of trajectories (the samples a logger records).
 
     ``state.rng`` is split into the next state key, the RoC key and the rollout seed, so the iteration is a
     deterministic function of (state, problems) for a deterministic rollout. Repeated problems in
@@ -148,6 +150,8 @@ def rl_iteration(
     )
     groups = sampled.groups
     scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
+    if on_groups is not None:
+        on_groups([g for g in groups if g])  # without the schedule's padding groups
     metrics = rollout_metrics(groups, scored)
     batch, select_metrics = select_and_build_batch(
         roc_key, groups, config, num_rows, scored, max_response_length=max_response_length,

@@ -19,6 +19,7 @@ from rstar2jax.train.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule
 from rstar2jax.train.schedule_choice import make_schedule
 from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.steps import batch_sharding, make_rl_step
+from rstar2jax.train.wandb_run import check_wandb
 
 logger = logging.getLogger(__name__)
 #: What the progress line adds under the asynchronous schedule: the producer's and trainer's busy fractions,
@@ -112,6 +113,7 @@ class _RLStages:
             # A stage's last step rolls out nothing ahead (max_steps does not count: a run it stopped
             # resumes exactly).
             stage_last = run.step - run.meta["stage_start"] + 1 >= s.steps
+            samples = []
             run.state, metrics = rl_iteration(
                 run.state,
                 self.schedule.draw(iterator, stage_last=stage_last),
@@ -124,6 +126,7 @@ class _RLStages:
                 num_rows=options.rl.num_rows,
                 batch_sharding=batch_sharding(run.mesh),
                 schedule=self.schedule,
+                on_groups=samples.append,
             )
             if stage_last:
                 self.schedule.end_stage()  # nothing crosses into the next stage
@@ -133,6 +136,7 @@ class _RLStages:
                 nonfinite_in_a_row=self.streak.observe(metrics),
                 **self.schedule.checkpoint_meta(),
             )
+            run.logger.log_samples(record["step"], samples[0])
             progress.update(record, f"stage {s.name!r} {run.step - run.meta['stage_start']}/{s.steps}")
             self.streak.check(run.step, run.workdir / CHECKPOINT_DIR)
             run.stop_if_requested()
@@ -188,6 +192,7 @@ def train_rl(
     groups there too and drains at a stage's end; its engines stop when the run does.
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
+    check_wandb(options)
     schedule = _schedule(options, rollout_fn)  # before any work too
     optimizer = options.optimizer.optimizer()
     run = start_run(

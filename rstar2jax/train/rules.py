@@ -25,6 +25,12 @@ def common_rules(v: Mapping[str, Any]) -> None:
                 f"model.path wins over all of them), got {sources or 'none'}"
             )
     processes = v["distributed.num_processes"]
+    if processes in (AUTO, None):  # the cluster's environment says, when the process starts
+        if v["distributed.process_id"]:
+            raise ConfigError(f"config.distributed.process_id={v['distributed.process_id']}: the cluster "
+                              f"says each process's id when distributed.num_processes={processes!r}; set "
+                              "num_processes too, or leave process_id 0")
+        return
     if v["distributed.process_id"] >= processes:
         raise ConfigError(f"config.distributed.process_id={v['distributed.process_id']}: must be in [0, "
                           f"distributed.num_processes={processes})")
@@ -107,8 +113,18 @@ def _rollouts_across_updates(v: Mapping[str, Any]) -> None:
             "loss.old_logprobs='recompute' with loss.rollout_is_cap and/or loss.rollout_mask set, or "
             "rl.off_policy_correction='decoupled'"
         )
-    if budget and v["distributed.num_processes"] > 1:
-        raise ConfigError(f"{option}: partial rollouts run in one process (distributed.num_processes=1)")
+    processes = v["distributed.num_processes"]
+    if processes not in (AUTO, None):  # "auto": checked once the cluster said (runtime.prepare_process)
+        partial_rollout_processes(budget, processes)
+
+
+def partial_rollout_processes(budget: int, processes: int, launch: str = "") -> None:
+    """Partial rollouts (``rollout.partial_token_budget`` > 0) run in one process; ``launch``: where the
+    process count came from (a cluster's launch), for the message."""
+    if budget and processes > 1:
+        said = f"; {launch} says {processes}" if launch else ""
+        raise ConfigError("config.rollout.partial_token_budget > 0: partial rollouts run in one process "
+                          f"(distributed.num_processes=1{said})")
 
 
 def _asynchronous(v: Mapping[str, Any]) -> None:

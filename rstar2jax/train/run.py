@@ -31,6 +31,7 @@ from rstar2jax.train.options import ModelSource, RunOptions
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import state_shardings, trainable_params
+from rstar2jax.train.wandb_run import WandbRun
 
 
 def initial_params(source: ModelSource, model_config: models.ModelConfig, mesh: Mesh | None):
@@ -312,8 +313,10 @@ def start_run(
     is_main = jax.process_index() == 0
     if is_main:
         write_run_config(workdir, options.record)
+    wandb = WandbRun(options, workdir) if is_main and options.logging.wandb.enabled else None
     logger = MetricsLogger(
-        workdir, history=meta["history"], tensorboard=options.logging.tensorboard, enabled=is_main
+        workdir, history=meta["history"], tensorboard=options.logging.tensorboard, enabled=is_main,
+        wandb=wandb,
     )
     return Run(
         options=options,

@@ -7,6 +7,7 @@ query), not when ``jax`` is imported. Launchers therefore call ``request_host_de
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -16,8 +17,12 @@ from jax.sharding import Mesh
 from rstar2jax import models
 from rstar2jax.engine.config import FP8
 from rstar2jax.engine.programs import check_precision
+from rstar2jax.train.cluster import ClusterLaunch, cluster_launch
 from rstar2jax.train.options import ConfigError, DistributedOptions, RunOptions
 from rstar2jax.train.placement import local_devices_needed, train_devices
+from rstar2jax.train.rules import partial_rollout_processes
+
+logger = logging.getLogger(__name__)
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
@@ -41,21 +46,53 @@ def request_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = _DEVICE_COUNT_FLAG.sub(flag, flags) if match else f"{flags} {flag}".strip()
 
 
+def _cluster_processes(distributed: DistributedOptions) -> ClusterLaunch | None:
+    """With ``num_processes`` None ("auto"), the scheduler's launch of several processes this one belongs
+    to (None: one process, or the count is explicit)."""
+    if distributed.num_processes is not None:
+        return None
+    launch = cluster_launch(os.environ)
+    return launch if launch is not None and launch.several else None
+
+
 def initialize_distributed(distributed: DistributedOptions) -> None:
     """``jax.distributed.initialize`` when ``distributed`` (``config.distributed``) names more than one
-    process.
+    process, or (``num_processes`` None, the config's "auto") when a cluster scheduler launched several:
+    then JAX's own cluster detection (SLURM, Open MPI, Kubernetes) finds the coordinator, count and id
+    (``coordinator_address``, when set, is passed on), and the process logs its id and the count once. A
+    launch whose environment says several processes where that detection fails (a SLURM job's script run
+    without ``srun``, Open MPI 5's ``mpirun``, a Kubernetes Job without the ``kubernetes`` package), or finds
+    another count, is a ``ConfigError``; JAX's backend starts here in that case (the count is JAX's).
 
     CPU collectives across processes go through gloo (set here; it only affects the CPU backend).
     """
     d = distributed
-    if d.num_processes <= 1:
-        return
-    if not d.coordinator_address:
-        raise ValueError("config.distributed.coordinator_address is empty but num_processes > 1")
+    launch = _cluster_processes(d)
+    if launch is None:
+        if (d.num_processes or 1) <= 1:
+            return
+        if not d.coordinator_address:
+            raise ValueError("config.distributed.coordinator_address is empty but num_processes > 1")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id
-    )
+    if launch is None:
+        jax.distributed.initialize(
+            coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id
+        )
+        return
+    fix = ("start one process per task (srun / mpirun), or set config.distributed.coordinator_address, "
+           "num_processes and process_id")
+    try:
+        jax.distributed.initialize(coordinator_address=d.coordinator_address or None)
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(f"config.distributed.num_processes='auto': {launch.scheduler} launched several "
+                          f"processes ({launch.evidence}) but jax.distributed.initialize() could not join "
+                          f"them from that environment ({error}); {fix}") from None
+    count, index = jax.process_count(), jax.process_index()
+    if launch.num_processes not in (None, count):
+        raise ConfigError(f"config.distributed.num_processes='auto': {launch.scheduler} says "
+                          f"{launch.num_processes} processes ({launch.evidence}) but JAX's cluster detection "
+                          f"joined {count}; {fix}")
+    logger.info("jax.distributed: process %d of %d (%s: %s)", index, count, launch.scheduler, launch.evidence)
 
 
 def mesh_size(options: RunOptions) -> int:
@@ -91,8 +128,11 @@ def prepare_process(options: RunOptions) -> None:
     split placement, its rollout devices; only the CPU backend is touched) and join the multi-host run its
     ``distributed`` options describe (parsing a config starts no backend:
     ``prepare_process(parse(config))``)."""
-    request_host_devices(local_devices_needed(options))
+    launch = _cluster_processes(options.distributed)
+    request_host_devices(local_devices_needed(options, launch and launch.num_processes))
     initialize_distributed(options.distributed)
+    if launch is not None and options.rl is not None:
+        partial_rollout_processes(options.rl.partial_token_budget, jax.process_count(), launch.scheduler)
 
 
 #: The engine fields a precision error may name, each ``config.rollout.<name>``.

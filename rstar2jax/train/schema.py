@@ -39,12 +39,22 @@ from rstar2jax.train.checks import (
     optional,
     text,
 )
-from rstar2jax.train.schema_rl import RL
+from rstar2jax.train.schema_rl import AUTO, RL
 from rstar2jax.train.state import SCHEDULES
 
 DTYPE = choice(SUPPORTED_DTYPES)
 #: A check of ``model.spec``'s mapping only: its fields are ``ModelConfig``'s, checked when it is built.
 MODEL_FIELDS = Check(lambda v: hasattr(v, "keys"), "must be a mapping of ModelConfig fields", dict)
+#: ``distributed.num_processes``: "auto" (or None) asks the cluster scheduler's environment.
+PROCESSES = Check(lambda v: v in (AUTO, None) or POSITIVE(v),
+                  "must be 'auto' (the cluster's environment says; None too) or a positive integer", object,
+                  (0, -1, "x"))
+#: What W&B refuses in a project or entity name.
+WANDB_NAME = Check(lambda v: isinstance(v, str) and not set(v) & set("/\\#?%:") and len(v) <= 128,
+                   "must be '' or a W&B name (at most 128 characters, none of / \\ # ? % :)", str,
+                   ("team/project", "x" * 129))
+TAGS = Check(lambda v: isinstance(v, list | tuple) and all(isinstance(t, str) and t for t in v),
+             "must be a list of non-empty strings", tuple, (("",), ("a", 1)))
 LORA_TARGET_LIST = Check(
     lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(t in LORA_TARGETS for t in v)
     and len(set(v)) == len(v),
@@ -174,15 +184,29 @@ COMMON: dict[str, Field] = {
         10, POSITIVE,
         "steps between progress lines when the output is not a terminal",
     ),
-    # Multi-host: every process gets the same config plus its own process_id (see the README).
+    # Weights & Biases (docs/cluster.md): pip install -e '.[wandb]'; WANDB_MODE=offline: local files only.
+    "logging.wandb.project": Field(
+        "", WANDB_NAME,
+        "Weights & Biases project to log the run to ('': off); process 0 logs, resumes continue the run",
+    ),
+    "logging.wandb.entity": Field("", WANDB_NAME, "Weights & Biases team or user ('': your default)"),
+    "logging.wandb.name": Field("", text(), "Weights & Biases run name ('': the work folder's name)"),
+    "logging.wandb.tags": Field((), TAGS, "Weights & Biases run tags"),
+    # Multi-host (docs/cluster.md): under SLURM, Open MPI or a Kubernetes indexed Job "auto" is enough;
+    # elsewhere every process gets the same config plus its own process_id.
     "distributed.coordinator_address": Field(
         "", text(),
-        "multi-host: HOST:PORT of process 0 (empty: one process)",
+        "multi-host: HOST:PORT of process 0 (empty: one process, or with num_processes 'auto' the "
+        "cluster's)",
     ),
-    "distributed.num_processes": Field(1, POSITIVE, "multi-host: number of processes (hosts)"),
+    "distributed.num_processes": Field(
+        AUTO, PROCESSES,
+        "multi-host: number of processes (hosts); 'auto': what SLURM / Open MPI / a Kubernetes indexed Job "
+        "says (jax.distributed's own detection), one process elsewhere",
+    ),
     "distributed.process_id": Field(
         0, AT_LEAST_0,
-        "multi-host: this process's index, 0 .. num_processes - 1",
+        "multi-host: this process's index, 0 .. num_processes - 1 (with 'auto': the cluster's)",
     ),
     # What the policy sees around a problem (PromptConfig), recorded in every exported policy folder. SFT data
     # written for this policy must use the same prompt (the demo copies its own prompt here).

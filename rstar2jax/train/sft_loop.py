@@ -18,6 +18,7 @@ from rstar2jax.train.options import ConfigError, RunOptions
 from rstar2jax.train.progress import Progress
 from rstar2jax.train.run import CHECKPOINT_DIR, StopSignal, start_run
 from rstar2jax.train.steps import batch_sharding, make_sft_step
+from rstar2jax.train.wandb_run import check_wandb
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def train_sft(
     """
     from rstar2jax.data.tokenizer import load_tokenizer  # transformers (and torch) load only when needed
 
+    check_wandb(options)  # before any work
     sft = options.sft
     tokenizer_dir = options.policy.tokenizer
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None

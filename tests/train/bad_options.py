@@ -39,6 +39,7 @@ FREE_TEXT = {
     "data.solution_field",
     "data.id_field",
     "distributed.coordinator_address",
+    "logging.wandb.name",
 }
 MISSING_FILE = "/nonexistent/rstar2jax/missing.jsonl"
 
@@ -63,12 +64,16 @@ CONTRADICTIONS = [
      "config.loss.old_logprobs='sampler': the rollout samples with bfloat16 KV pages"),
     ("rl", {"stages[1].hard_filter_rollouts": 9}, "config.stages[1].hard_filter_rollouts=9: must be at most"),
     ("rl", {"rollout.kv_cache_tokens": 100}, "config.rollout.kv_cache_tokens=100: must be 0"),
-    ("rl", {"distributed.process_id": 1}, "config.distributed.process_id=1: must be in [0"),
+    ("rl", {"distributed.num_processes": 1, "distributed.process_id": 1},
+     "config.distributed.process_id=1: must be in [0"),
+    # num_processes "auto" (the default): the cluster's environment gives each process its id (issue 54).
+    ("rl", {"distributed.process_id": 1}, "config.distributed.process_id=1: the cluster says each process"),
     ("rl", {"distributed.num_processes": 2}, "config.distributed.coordinator_address=''"),
     ("rl", {"data.source": ""}, "config.data.source is empty and config.stages[0].dataset names no dataset"),
     ("rl", {"model.preset": ""}, "config.model.spec: "),
     ("sft", {"model.lora.rank": 4096}, "config.model.lora.rank=4096: lora rank=4096 is larger than"),
-    ("sft", {"distributed.process_id": 2}, "config.distributed.process_id=2: must be in [0"),
+    ("sft", {"distributed.num_processes": 2, "distributed.coordinator_address": "host0:1234",
+             "distributed.process_id": 2}, "config.distributed.process_id=2: must be in [0"),
 ]
 
 #: What the backend cannot run (issue 41), each made so on this CPU (which runs FP8) by the library's own

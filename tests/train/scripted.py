@@ -1,7 +1,7 @@
 """Test fixture: a scripted rollout (deterministic token streams instead of an engine and a sandbox) and a
 small driver that trains the tiny CPU recipe with it, so a run can be killed and resumed in a subprocess.
 
-  python -m tests.train.scripted --workdir=/tmp/run [--delay=0.2] [--config.rl.keep=2 ...]
+  python -m tests.train.scripted --config.workdir=/tmp/run [--delay=0.2] [--max_steps=2] [--config.rl.keep=2]
 """
 
 from __future__ import annotations
@@ -287,13 +287,14 @@ def main(argv):
     from rstar2jax import train
 
     options = train.parse(_CONFIG.value)
-    train.prepare_process(options)
-    with _launch.console_logging():  # the library's lines (e.g. "resuming RL ...") on stdout, as a launcher's
+    # The library's lines ("resuming RL ...", the process a cluster launch joined) on stdout, as a launcher's.
+    with _launch.console_logging():
+        train.prepare_process(options)
         if options.rl.schedule == "async":
             rollout_fn = make_async_scripted_rollout(max_delay=_DELAY.value)
         else:
             rollout_fn = make_scripted_rollout(delay=_DELAY.value)
-        train.train_rl(options, rollout_fn=rollout_fn)
+        train.train_rl(options, rollout_fn=rollout_fn, max_steps=_MAX_STEPS.value)
     jax.effects_barrier()
 
 
@@ -305,4 +306,5 @@ if __name__ == "__main__":
     _DELAY = flags.DEFINE_float(
         "delay", 0.0, "seconds each rollout call sleeps (gives a test time to kill it)"
     )
+    _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "stop after this many RL steps (default: all)")
     app.run(main)

@@ -480,7 +480,8 @@ def test_run_options_carry_the_typed_objects_the_library_reads():
     options = parse(config)
     assert dict(xla_bridge._backends) == started  # before prepare_process, nothing may start JAX
     assert options.model == policy_options(config).model and options.lora is None
-    assert options.mesh == MeshShape(**config.mesh.to_dict()) and options.distributed.num_processes == 1
+    # num_processes "auto" (the default, issue 54): None, what the cluster's environment says at start.
+    assert options.mesh == MeshShape(**config.mesh.to_dict()) and options.distributed.num_processes is None
     assert options.uses_reference and options.rl.loss.kl_coef == 0.1
     rollout = options.rl.rollout
     assert rollout.engine == EngineConfig(
