@@ -332,6 +332,7 @@ def run(main: Callable[[list[str]], None]) -> None:
 
     def guarded(argv):
         from rstar2jax.agent.outage import SandboxUnavailable
+        from rstar2jax.reward import RewardError
         from rstar2jax.train import CheckpointError, ConfigError, Interrupted, RunFault
 
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
@@ -344,7 +345,7 @@ def run(main: Callable[[list[str]], None]) -> None:
                 main(argv)
         except ConfigError as e:
             fail(str(e))
-        except (SandboxUnavailable, RunFault, CheckpointError) as e:
+        except (SandboxUnavailable, RunFault, CheckpointError, RewardError) as e:
             fail(str(e), FAULT_EXIT)
         except Interrupted as e:
             print(

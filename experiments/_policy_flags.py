@@ -64,6 +64,29 @@ def define_adapter_flags() -> flags.FlagHolder:
     return _launch.key_flag(flags.DEFINE_string("adapter", None, ADAPTER_HELP))
 
 
+TOOLS_HELP = (
+    "The model's tools: python (the sandbox's), a registered tool's name, or module:function (a function "
+    "with type hints and an Args: docstring; see docs/extending.md). The prompt lists their schemas."
+)
+
+
+def define_tools_flag() -> flags.FlagHolder:
+    """Defines ``--tools`` (evaluate, chat): the tools by name, read by :func:`tools_from_flags`."""
+    return _launch.key_flag(flags.DEFINE_list("tools", ["python"], TOOLS_HELP))
+
+
+def tools_from_flags(sandbox, prompt):
+    """``(tools, prompt listing them)`` of ``--tools`` (``agent.load_tools``); a tool that does not load is
+    one line and exit 2. ``sandbox`` may be None to check the flag before a sandbox is up."""
+    from rstar2jax.agent.tools import load_tools
+
+    specs = flags.FLAGS["tools"].value
+    try:
+        return load_tools(specs, sandbox, prompt)
+    except (ValueError, TypeError) as error:
+        _launch.fail(f"--tools={','.join(specs)}: {error}")
+
+
 def _given(name: str):
     return flags.FLAGS[name].value if name in flags.FLAGS else None
 

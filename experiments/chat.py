@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 
 from absl import flags
@@ -35,6 +36,7 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling threshold, in (0, 1]
 _MAX_LEN = flags.DEFINE_integer("max_len", 16384, "Context length of the whole chat.", lower_bound=2)
 _SEED = flags.DEFINE_integer("seed", None, "Seed for reproducible answers.")
 _SANDBOX_URL = flags.DEFINE_string("sandbox_url", None, "Sandbox server URL; default: start a local one.")
+_policy_flags.define_tools_flag()
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
 flags.mark_flag_as_required("model")
 
@@ -79,10 +81,12 @@ def main(argv):
             url = stack.enter_context(start_local(workers=1)).url
         runner = stack.enter_context(asyncio.Runner())
         sandbox = SandboxClient(url, default_timeout=config.tool_timeout)
+        tools, prompt = _policy_flags.tools_from_flags(sandbox, config.prompt)
+        config = dataclasses.replace(config, prompt=prompt)
         runner.run(engine.__aenter__())
         stack.callback(lambda: runner.run(sandbox.close()))
         stack.callback(lambda: runner.run(engine.__aexit__(None, None, None)))
-        chat = ChatSession(engine, policy.tokenizer, sandbox, config, max_len=_MAX_LEN.value)
+        chat = ChatSession(engine, policy.tokenizer, sandbox, config, max_len=_MAX_LEN.value, tools=tools)
         if interactive:
             print(f"chatting with {policy.path}; Ctrl-D or Ctrl-C exits", flush=True)
             print(_policy_flags.describe_format(policy, config.prompt), flush=True)

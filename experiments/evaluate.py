@@ -48,6 +48,7 @@ flags.DEFINE_alias("prompt", "prompt_format")  # the flag's earlier name
 _NUM_SLOTS = flags.DEFINE_integer(
     "num_slots", 32, "Sequences the engine decodes side by side.", lower_bound=1
 )
+_policy_flags.define_tools_flag()
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds every problem's samples.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and compute dtype.")
 flags.mark_flags_as_required(["model", "workdir"])
@@ -105,7 +106,7 @@ def main(argv):
         _MODEL.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value, adapter=_ADAPTER.value
     )
     clock.mark("weights and tokenizer")
-    prompt = _policy_flags.format_from_flags(policy)
+    _, prompt = _policy_flags.tools_from_flags(None, _policy_flags.format_from_flags(policy))
     print(
         f"model {policy.path} ({policy.source}{'' if policy.step is None else f', step {policy.step}'})"
         f"{'' if policy.adapter is None else f' + adapter {policy.adapter}'}; "
@@ -120,6 +121,7 @@ def main(argv):
 
     async def run(url: str):
         async with SandboxClient(url, default_timeout=protocol.tool_timeout) as sandbox:
+            tools, _ = _policy_flags.tools_from_flags(sandbox, prompt)
             return await evaluate_to_files(
                 policy,
                 datasets,
@@ -130,6 +132,7 @@ def main(argv):
                 prompt=prompt,
                 num_slots=_NUM_SLOTS.value,
                 progress=True,
+                tools=tools,
             )
 
     with contextlib.ExitStack() as stack:

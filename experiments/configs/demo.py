@@ -20,7 +20,8 @@ from rstar2jax.train.config import rl_config, sft_config, stage
 FAMILIES = ("modpow", "lcm")
 
 
-#: The demo's own fields (``--print_config``); its ``sft`` and ``rl`` parts are ``train.config.FIELD_HELP``'s.
+#: The demo's own fields (``--print_config``); its ``prompt``, ``sft`` and ``rl`` parts are the library's
+#: (``rstar2jax.train.field_help``).
 FIELD_HELP = {
     "task.num_train": "synthetic training problems",
     "task.num_eval": "held-out problems (disjoint from the training ones)",
@@ -29,10 +30,6 @@ FIELD_HELP = {
     "sft_data.num_examples": "SFT conversations written, every tool call run in the sandbox",
     "sft_data.fail_rate": "share of conversations whose first tool call is broken, then fixed",
     "sft_data.bug_kinds": "kinds of broken first calls",
-    "prompt.paper": "the paper's prompt (system text, tool schema listed); False: the fields below",
-    "prompt.system_prompt": "system text when prompt.paper is False",
-    "prompt.user_prefix": "text put before each problem when prompt.paper is False",
-    "prompt.list_tools": "list the Python tool's schema in the prompt when prompt.paper is False",
     "tokenizer_vocab_size": "vocabulary of the BPE tokenizer the demo trains",
     "tokenizer_digit_group": "numbers split into groups of up to this many digits, one token each",
     "sandbox_workers": "workers of the local code sandbox",
@@ -221,9 +218,9 @@ def _demo_config() -> ml_collections.ConfigDict:
     # The paper's protocol (<reason>, Hermes <tool_call> to execute_python_code_with_standard_io,
     # <answer> with \\boxed{}) with no system text and the tool callable but not listed: the paper's full
     # prompt (paper=True) is ~390 tokens, twice a whole trajectory; SFT teaches the call format instead.
-    c.prompt = ml_collections.ConfigDict(
-        dict(paper=False, system_prompt="", user_prefix="", list_tools=False)
-    )
+    c.prompt = rl_config().prompt  # the library's prompt section: its fields, defaults and help
+    c.prompt.paper = False
+    c.prompt.list_tools = False
     # Numbers in groups of up to three digits, one token each (as Llama 3 and GPT-4 split them).
     c.tokenizer_vocab_size = 2048
     c.tokenizer_digit_group = 3

@@ -22,7 +22,17 @@ _NAMES = {
         "tool_response_text",
     ],
     "rstar2jax.data.tool_result": [
+        "ToolResult",
         "format_tool_result",
+    ],
+    "rstar2jax.agent.tools": [
+        "FunctionTool",
+        "PythonTool",
+        "Tool",
+        "TOOLS",
+        "load_tool",
+        "load_tools",
+        "register_tool",
     ],
     "rstar2jax.agent.multi_turn": [
         "PolicyRollout",

@@ -97,7 +97,7 @@ async def rollout_async(
     samples_per_problem: int,
     *,
     engine: RolloutEngine,
-    sandbox: ToolSandbox,
+    sandbox: ToolSandbox | None,
     tokenizer: PreTrainedTokenizerBase,
     verifier: AnswerVerifier | None = None,
     config: RolloutConfig = DEFAULT_CONFIG,
@@ -105,6 +105,8 @@ async def rollout_async(
     token_budget: int | None = None,
     resume: Sequence[PartialRollout] = (),
     outage: OutagePolicy | None = None,
+    tools: Sequence[Any] | None = None,
+    reward: str | None = None,
 ) -> list[Trajectory | PartialRollout]:
     """Roll out every problem ``samples_per_problem`` times with the tool, concurrently; see the module doc.
 
@@ -113,7 +115,8 @@ async def rollout_async(
       samples_per_problem: rollouts per problem (2G in GRPO-RoC); one engine group each, so the prompt is
         prefilled once. At most the engine's slot count.
       engine: a running :class:`~rstar2jax.engine.Engine` (inside ``async with engine``) holding the policy.
-      sandbox: a :class:`~rstar2jax.agent.SandboxClient` (or anything with its ``run``).
+      sandbox: a :class:`~rstar2jax.agent.SandboxClient` (or anything with its ``run``): the Python tool
+        under every name ``config.prompt`` lists, unless ``tools`` are given (None: none needed).
       tokenizer: the policy's tokenizer (its chat template frames prompts and tool responses).
       verifier: grades final answers; None: the process-wide :func:`~rstar2jax.reward.default_verifier`.
       config: limits, sampling and prompt.
@@ -126,6 +129,12 @@ async def rollout_async(
         tokens; ``config.max_response_length`` must be the one they started with).
       outage: how long and how to wait for a sandbox that does not answer (default ``OutagePolicy()``: up
         to 300 s); past it :class:`~rstar2jax.agent.outage.SandboxUnavailable` is raised.
+      tools: the rollout's tools (:class:`~rstar2jax.agent.tools.Tool` objects or plain functions, e.g.
+        ``[PythonTool(sandbox), calculator]``); ``config.prompt`` must list their schemas (it shows them to
+        the model; ``agent.load_tools`` builds both). None: the sandbox's Python tool.
+      reward: ``"module:function"`` scoring a finished trajectory from ``(trajectory, problem)`` instead of
+        the answer verifier (run in the verifier's worker processes, see
+        :meth:`~rstar2jax.reward.AnswerVerifier.reward`); None: the verifier's answer check.
 
     Returns:
       The resumed rollouts (in ``resume`` order), then ``len(problems) * samples_per_problem`` rollouts,
@@ -146,7 +155,7 @@ async def rollout_async(
         if not isinstance(partial, PartialRollout):
             raise TypeError(f"resume[{i}] is a {type(partial).__name__}, expected a PartialRollout")
     run = SessionLoop(engine, sandbox, tokenizer, verifier or default_verifier(), config,
-                      token_budget=token_budget, outage=outage)
+                      token_budget=token_budget, outage=outage, tools=tools, reward=reward)
     groups = await gather_or_cancel(
         [run.resume(p) for p in resume]
         + [run.problem(i, p, samples_per_problem) for i, p in enumerate(problems)])
@@ -172,16 +181,17 @@ class Conversation:
 async def converse_async(
     session: RolloutSession,
     *,
-    sandbox: ToolSandbox,
+    sandbox: ToolSandbox | None,
     tokenizer: PreTrainedTokenizerBase,
     config: RolloutConfig = DEFAULT_CONFIG,
     observer: Observer | None = None,
+    tools: Sequence[Any] | None = None,
 ) -> Conversation:
     """Runs one opened session as a rollout does (generate, parse calls, run them in the sandbox, append the
     tool responses, until the model ends its turn without a call or a limit is hit), without grading: the
     chat's turn. ``observer`` sees the text and the tool calls as they happen. The session is left open
-    (the caller closes it)."""
-    run = SessionLoop(None, sandbox, tokenizer, None, config, observer=observer)
+    (the caller closes it). ``tools``: as :func:`rollout_async`'s."""
+    run = SessionLoop(None, sandbox, tokenizer, None, config, observer=observer, tools=tools)
     conversation = SessionRecord()
     await run.converse(session, conversation)
     return Conversation(conversation.response_ids, conversation.loss_mask, "".join(conversation.model_text),
@@ -290,6 +300,7 @@ class PolicyRollout:
       verifier: grades final answers; None: the process-wide default.
       outage: how long and how to wait for a sandbox that does not answer (:mod:`rstar2jax.agent.outage`);
         past its budget a call raises :class:`~rstar2jax.agent.outage.SandboxUnavailable`.
+      tools, reward: as :func:`rollout_async`'s (None: the sandbox's Python tool, the answer verifier).
 
     A sandbox outage shorter than the budget costs time, not trajectories: the calls wait and every session
     keeps its tokens. A trajectory whose tool call still failed for the sandbox's own reasons (its worker
@@ -317,6 +328,8 @@ class PolicyRollout:
     verifier: AnswerVerifier | None = None
     partial_segment_tokens: int = 64
     outage: OutagePolicy = OutagePolicy()
+    tools: Sequence[Any] | None = None
+    reward: str | None = None
     last_stats: dict = dataclasses.field(default_factory=dict, init=False)
     loop: BackgroundLoop = dataclasses.field(default_factory=BackgroundLoop, init=False)
 
@@ -351,7 +364,8 @@ class PolicyRollout:
         engine = self.engine_for(params, max_response_length, policy_version)
         results = rollout(problems, samples_per_problem, engine=engine, sandbox=self.sandbox,
                           tokenizer=self.tokenizer, verifier=self.verifier, config=config, stats=stats,
-                          token_budget=token_budget, resume=resume, outage=self.outage, loop=self.loop)
+                          token_budget=token_budget, resume=resume, outage=self.outage, loop=self.loop,
+                          tools=self.tools, reward=self.reward)
         trajectories = [t for t in results if isinstance(t, Trajectory)]
         unfinished = [t for t in results if isinstance(t, PartialRollout)]
         kept, dropped = drop_infra_failures(trajectories)
@@ -381,9 +395,10 @@ class PolicyRollout:
 
     def stream_sessions(self, engine: RolloutEngine, max_response_length: int, max_turns: int) -> SessionLoop:
         """The session loop of a stream's groups on ``engine`` (no call seed: each group is seeded when it is
-        submitted), with this rollout's sandbox, tokenizer, verifier and outage policy."""
+        submitted), with this rollout's sandbox, tokenizer, verifier, outage policy, tools and reward."""
         return SessionLoop(engine, self.sandbox, self.tokenizer, self.verifier or default_verifier(),
-                           self._call_config(max_response_length, max_turns, None), outage=self.outage)
+                           self._call_config(max_response_length, max_turns, None), outage=self.outage,
+                           tools=self.tools, reward=self.reward)
 
     def _call_config(self, max_response_length: int, max_turns: int, seed: int | None) -> RolloutConfig:
         return dataclasses.replace(self.config, max_response_length=max_response_length, max_turns=max_turns,

@@ -15,7 +15,7 @@ from rstar2jax.data.conversation import (
     PromptConfig,
 )
 from rstar2jax.data.problems import Problem
-from rstar2jax.data.tool_parser import ToolCall, ToolCallError
+from rstar2jax.data.tool_parser import FunctionCall, ToolCallError
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, Trajectory
 from rstar2jax.engine.config import SamplingParams
 from rstar2jax.engine.records import Segment
@@ -118,7 +118,9 @@ class ToolSandbox(Protocol):
     """What a rollout needs of the code sandbox (:class:`rstar2jax.agent.SandboxClient` has it): ``run``
     returns a result with ``status``, ``stdout``, ``stderr`` and ``error_type`` and never raises for service
     failures. With ``RolloutConfig.stateful_tool`` it is also called with ``session=`` and needs an async
-    ``close_session(session)``."""
+    ``close_session(session)``. The rollout runs it as its Python tool
+    (:class:`~rstar2jax.agent.tools.PythonTool`); other tools plug in as
+    :class:`~rstar2jax.agent.tools.Tool` objects or plain functions (``tools=``)."""
 
     async def run(self, code: str, stdin: str = "", timeout: float | None = None) -> Any: ...
 
@@ -129,13 +131,13 @@ class Observer(Protocol):
 
     def on_text(self, text: str) -> None: ...
 
-    def on_call(self, call: ToolCall | ToolCallError) -> None: ...
+    def on_call(self, call: FunctionCall | ToolCallError) -> None: ...
 
-    def on_result(self, call: ToolCall | ToolCallError, outcome: str, response: str) -> None: ...
+    def on_result(self, call: FunctionCall | ToolCallError, outcome: str, response: str) -> None: ...
 
 
 def tool_outcome(result: Any) -> str:
-    """The :data:`~rstar2jax.data.trajectory.ToolOutcome` of a sandbox result: its status, or
+    """The :data:`~rstar2jax.data.trajectory.ToolOutcome` of a tool's result: its status, or
     ``"unreachable"`` for the ``internal`` results the client returns when no server answered."""
     error_type = result.error_type or ""
     if result.status == "internal" and (error_type in _CLIENT_FAILURE_TYPES or error_type.startswith("HTTP")):

@@ -25,10 +25,11 @@ from rstar2jax.agent.rollout_types import (
     tool_outcome,
 )
 from rstar2jax.agent.tasks import gather_or_cancel
+from rstar2jax.agent.tools import parse_calls, rollout_tools
 from rstar2jax.data.chat_template import encode_text
 from rstar2jax.data.conversation import render_prompt_ids, tool_response_ids
 from rstar2jax.data.problems import Problem
-from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, ToolCall, ToolCallError, parse_tool_calls
+from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, FunctionCall, ToolCallError
 from rstar2jax.data.tool_result import format_tool_result, truncate_middle
 from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
 from rstar2jax.reward import AnswerVerifier, extract_answer
@@ -43,9 +44,14 @@ class SessionLoop:
 
     def __init__(self, engine: RolloutEngine | None, sandbox: ToolSandbox, tokenizer: PreTrainedTokenizerBase,
                  verifier: AnswerVerifier | None, config: RolloutConfig, observer: Observer | None = None,
-                 token_budget: int | None = None, outage: OutagePolicy | None = None):
+                 token_budget: int | None = None, outage: OutagePolicy | None = None, tools=None,
+                 reward: str | None = None):
         self.engine, self.sandbox, self.tokenizer, self.verifier, self.config = (
             engine, sandbox, tokenizer, verifier, config)
+        self.reward = reward  # "module:function" in place of the answer check; None: the verifier's
+        if config.stateful_tool and sandbox is None:
+            raise ValueError("RolloutConfig.stateful_tool needs a sandbox (its sessions hold the state)")
+        self.tools = rollout_tools(config.prompt, sandbox, tools)
         where = ", ".join(getattr(sandbox, "urls", ())) or "service"
         self.outage = OutageTracker(outage or OutagePolicy(), where, worker_retries=config.tool_infra_retries)
         self.token_budget = token_budget
@@ -54,7 +60,6 @@ class SessionLoop:
             raise ValueError("the tokenizer has no eos_token: the rollout needs the end-of-turn token")
         self.tool_call_end = encode_text(tokenizer, TOOL_CALL_CLOSE)
         self.stops = [self.tool_call_end, encode_text(tokenizer, tokenizer.eos_token)]
-        self.tool_names = config.prompt.tool_names
         self.observer = observer
 
     def group_seed(self, index: int, seed: int | None = None) -> int | None:
@@ -135,13 +140,12 @@ class SessionLoop:
             return PartialRollout(problem, list(prompt_ids), conversation, interrupted, seed, resumes)
         text = "".join(conversation.model_text)
         opens, closes, pairs = answer_tag_counts(text)
-        if conversation.truncated:
-            answer, reward = extract_answer(text), 0.0
-        else:
+        answer, reward = extract_answer(text), 0.0  # a truncated response scores 0 (paper §4.3.1)
+        if not conversation.truncated and self.reward is None:
             with conversation.clock.phase("verify"):
                 grade = await self.verifier.grade(text, problem.answer)
             answer, reward = grade.extracted_answer, float(grade.is_correct)
-        return Trajectory(
+        trajectory = Trajectory(
             problem_id=problem.id,
             prompt_ids=list(prompt_ids),
             response_ids=conversation.response_ids,
@@ -158,9 +162,16 @@ class SessionLoop:
             timings=dict(conversation.clock.seconds),
             policy_versions=conversation.policy_versions,
             entropies=conversation.entropies,
+            text=text,
         )
+        if not conversation.truncated and self.reward is not None:
+            with conversation.clock.phase("verify"):
+                trajectory.reward = await self.verifier.reward(self.reward, trajectory, problem)
+            trajectory.timings = dict(conversation.clock.seconds)
+        return trajectory
 
-    async def execute(self, call: ToolCall | ToolCallError, session: str | None = None) -> tuple[str, str]:
+    async def execute(self, call: FunctionCall | ToolCallError, session: str | None = None
+                      ) -> tuple[str, str]:
         """(outcome, text the model sees) of one parsed call, run under the rollout's outage policy."""
         limit = self.config.tool_output_chars
         if self.observer is not None:
@@ -168,10 +179,9 @@ class SessionLoop:
         if isinstance(call, ToolCallError):
             outcome, response = "parse_error", truncate_middle(call.message, limit)
         else:
-            extra = {} if session is None else {"session": session}
-            timeout = self.config.tool_timeout
+            tool, timeout = self.tools[call.name], self.config.tool_timeout
             result = await self.outage.call(
-                lambda: self.sandbox.run(call.code, stdin=call.input, timeout=timeout, **extra),
+                lambda: tool.call(call.arguments, timeout=timeout, session=session),
                 session=session is not None)
             outcome, response = tool_outcome(result), format_tool_result(result, limit)
         if self.observer is not None:
@@ -214,7 +224,7 @@ class SessionLoop:
                 turn_over = not called and segment.finish_reason in ("stop", "eos")
                 if not (called or turn_over):
                     continue  # paused mid-turn ("length"): keep sampling
-                calls = parse_tool_calls(unparsed, tool_names=self.tool_names)
+                calls = parse_calls(unparsed, self.tools)
                 unparsed = ""
                 if calls and conversation.num_turns >= config.max_turns and not session.done:
                     conversation.truncated = True  # no turn is left to show the results in

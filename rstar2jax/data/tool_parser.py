@@ -4,6 +4,10 @@ Every ``<tool_call>`` block becomes either a :class:`ToolCall` ready for the san
 :class:`ToolCallError` whose ``message`` is shown to the model as the tool response (rStar2-Agent feeds
 parse failures back instead of dropping them). The body must be one JSON value; nothing is guessed from
 broken JSON.
+
+:func:`parse_function_call` reads any tool's call (name and JSON arguments); each tool then checks its own
+arguments (``rstar2jax.agent.tools.parse_calls``: the Python tool with :func:`python_arguments_error`, a
+function tool against its schema). :func:`parse_tool_call` is the Python tool's parse in one step.
 """
 
 from __future__ import annotations
@@ -111,30 +115,44 @@ def parse_function_call(body: str, *, tool_names: Sequence[str]) -> FunctionCall
     return FunctionCall(name=name, arguments=arguments)
 
 
+def python_arguments_error(name: str, arguments: dict[str, Any]) -> str | None:
+    """Why ``arguments`` cannot be a call of the Python tool ``name`` (None: they can): a string ``code``
+    and optionally a string ``input`` (standard input, default ''), nothing else."""
+    unexpected = sorted(set(arguments) - set(_ARGUMENT_NAMES))
+    if unexpected:
+        return f"unexpected argument(s) {unexpected}; {name} takes 'code' and optionally 'input'"
+    code, stdin = arguments.get("code"), arguments.get("input", "")
+    if not isinstance(code, str) or not code.strip():
+        return f"'code' must be a non-empty string, got {code!r}"
+    if not isinstance(stdin, str):
+        return f"'input' must be a string, got {stdin!r}"
+    return None
+
+
+def bad_arguments(detail: str) -> ToolCallError:
+    """The ``BAD_ARGUMENTS`` error the model sees for a call whose arguments its tool refuses."""
+    return _error(ToolCallErrorKind.BAD_ARGUMENTS, detail)
+
+
 def parse_tool_call(
     body: str, *, tool_names: Sequence[str] = (PYTHON_TOOL_NAME,)
 ) -> ToolCall | ToolCallError:
     """Parses the text between ``<tool_call>`` and ``</tool_call>`` as a call of the Python tool.
 
-    The call must pass :func:`parse_function_call`; its arguments must contain a string ``code`` and may
-    contain a string ``input`` (standard input, default '').
+    The call must pass :func:`parse_function_call`; its arguments must pass :func:`python_arguments_error`.
     """
     call = parse_function_call(body, tool_names=tool_names)
     if isinstance(call, ToolCallError):
         return call
-    name, arguments = call.name, call.arguments
-    unexpected = sorted(set(arguments) - set(_ARGUMENT_NAMES))
-    if unexpected:
-        return _error(
-            ToolCallErrorKind.BAD_ARGUMENTS,
-            f"unexpected argument(s) {unexpected}; {name} takes 'code' and optionally 'input'",
-        )
-    code, stdin = arguments.get("code"), arguments.get("input", "")
-    if not isinstance(code, str) or not code.strip():
-        return _error(ToolCallErrorKind.BAD_ARGUMENTS, f"'code' must be a non-empty string, got {code!r}")
-    if not isinstance(stdin, str):
-        return _error(ToolCallErrorKind.BAD_ARGUMENTS, f"'input' must be a string, got {stdin!r}")
-    return ToolCall(name=name, code=code, input=stdin)
+    return as_python_call(call)
+
+
+def as_python_call(call: FunctionCall) -> ToolCall | ToolCallError:
+    """``call`` as a call of the Python tool, or the error its arguments give."""
+    problem = python_arguments_error(call.name, call.arguments)
+    if problem is not None:
+        return bad_arguments(problem)
+    return ToolCall(name=call.name, code=call.arguments["code"], input=call.arguments.get("input", ""))
 
 
 def tool_call_bodies(text: str) -> list[str | ToolCallError]:

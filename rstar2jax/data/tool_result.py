@@ -1,12 +1,28 @@
-"""How a sandbox result is shown to the model: labelled streams, cut in the middle to a character budget.
+"""A tool's result and how it is shown to the model: labelled streams, cut in the middle to a character
+budget.
 
 Part of the conversation format (``rstar2jax.data.conversation`` re-exports both names).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """What one tool call returns, shaped like the sandbox's result (``agent.SandboxResult``) so that every
+    tool's outcome is read the same way: ``status`` is the call's
+    :data:`~rstar2jax.data.trajectory.ToolOutcome` (``"ok"``, ``"error"``, ``"timeout"``, ...: anything but
+    ``"ok"`` counts as a failed call for the RoC tool-error penalty), ``stdout`` what the tool returned,
+    ``stderr`` what went wrong, ``error_type`` the failure's kind (an exception's class name, say)."""
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    error_type: str | None = None
 
 
 def truncate_middle(text: str, max_chars: int) -> str:

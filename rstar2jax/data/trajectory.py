@@ -58,7 +58,7 @@ class Trajectory:
         recorded.
       truncated: the response hit its token budget (or the turn limit) before the model finished.
       answer: the extracted final answer, or None.
-      reward: binary reward (0.0 or 1.0).
+      reward: the reward: binary (0.0 or 1.0) from the answer verifier, or a reward function's float.
       timings: seconds spent per phase (e.g. "generate", "tool", "verify").
       policy_versions: per response token, the policy version (trainer step) whose parameters sampled it,
         ``NO_POLICY_VERSION`` (-1) where ``loss_mask`` is 0; None when the rollout did not record them (the
@@ -69,6 +69,8 @@ class Trajectory:
         it costs no extra pass over the vocabulary); 0.0 where ``loss_mask`` is 0; None when the rollout
         did not record them. High-entropy "forking" tokens are the paper's section 5 analysis
         (``rstar2jax.eval`` has the tools).
+      text: the text the model wrote (tool responses and turn tokens left out): what the answer is
+        extracted from and a reward function (``reward.fn``) reads; None when not recorded.
     """
 
     problem_id: str
@@ -87,6 +89,7 @@ class Trajectory:
     num_answer_pairs: int | None = None
     policy_versions: list[int] | None = None
     entropies: list[float] | None = None
+    text: str | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)

@@ -295,12 +295,15 @@ async def evaluate_to_files(
     prompt: PromptConfig | None = None,
     num_slots: int = 32,
     progress: bool = True,
+    tools: Sequence | None = None,
 ) -> dict[str, dict[str, float]]:
     """Runs every unfinished problem of ``datasets`` and writes ``workdir/samples.jsonl`` (appended, one
     problem at a time) and ``workdir/summary.json``; returns the summary (see
     :func:`rstar2jax.eval.samples.summarize`). ``sandbox``: an ``agent.ToolSandbox`` (a ``SandboxClient``);
     ``verifier``: the ``reward.AnswerVerifier`` that grades answers; ``prompt``: the conversation format
-    (default: the one the policy was trained in, :func:`~rstar2jax.data.conversation.prompt_format`)."""
+    (default: the one the policy was trained in, :func:`~rstar2jax.data.conversation.prompt_format`);
+    ``tools``: the model's tools, as ``agent.rollout_async``'s (None: the sandbox's Python tool; the prompt
+    must list their schemas, ``agent.load_tools`` gives both)."""
     workdir = pathlib.Path(workdir)
     prompt = prompt or prompt_format(policy)
     log = SampleLog(workdir / "samples.jsonl")
@@ -316,13 +319,15 @@ async def evaluate_to_files(
         with tqdm.tqdm(
             total=finished + len(todo), initial=finished, desc="problems", disable=not progress
         ) as bar:
-            await _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, prompt, num_slots)
+            await _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, prompt, num_slots,
+                                   tools)
     summary = summarize(log.records, k)
     _write_summary(workdir / "summary.json", summary, protocol, policy.path, prompt)
     return summary
 
 
-async def _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, prompt, num_slots) -> None:
+async def _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, prompt, num_slots,
+                           tools) -> None:
     """Samples the missing samples of every problem of ``todo`` on one engine (enough groups queued to
     keep its slots busy) and appends each problem's records as it finishes."""
     from rstar2jax.agent.multi_turn import rollout_async  # deferred: see the module doc
@@ -344,7 +349,7 @@ async def _sample_problems(policy, todo, log, bar, sandbox, verifier, protocol, 
                 config = protocol.rollout_config(prompt, seed)
                 trajectories = await rollout_async(
                     [item.problem], len(item.missing), engine=engine, sandbox=sandbox,
-                    tokenizer=policy.tokenizer, verifier=verifier, config=config,
+                    tokenizer=policy.tokenizer, verifier=verifier, config=config, tools=tools,
                 )  # fmt: skip
             log.append(_records(item, trajectories, policy.tokenizer, protocol.max_turns))
             bar.update(1)

@@ -3,14 +3,17 @@
 Started by :class:`rstar2jax.reward.AnswerVerifier` as a fresh interpreter (never a fork of a possibly
 threaded JAX parent, never a re-import of the parent's ``__main__``). It talks over the socket ``FD`` with
 ``multiprocessing.connection`` messages: it sends ``"ready"`` once math-verify is imported, then answers each
-``(gold, answer)`` request with ``(is_correct, reason)`` until it receives ``None`` or the socket closes.
-math-verify's own signal-based timeouts are disabled; the parent enforces the deadline by killing
-this process.
+``(gold, answer)`` request with ``(is_correct, reason)``, and each ``("reward", "module:function",
+search_path, trajectory, problem)`` request with ``("ok", value)`` or ``("raised", "ExceptionType: message")``
+(a reward function of the user's, :meth:`~rstar2jax.reward.AnswerVerifier.reward`), until it receives ``None``
+or the socket closes. math-verify's own signal-based timeouts are disabled; the parent enforces the deadline
+by killing this process.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import signal
 import sys
@@ -41,6 +44,22 @@ def compare(gold: str, answer: str) -> tuple[bool, str]:
     return False, "math-verify: not equivalent"
 
 
+@functools.lru_cache(maxsize=64)
+def _function(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def call_reward(spec: str, search_path: list[str], trajectory, problem) -> tuple[str, object]:
+    """``("ok", value)`` of the reward function ``spec`` on ``(trajectory, problem)``, or ``("raised",
+    message)``; ``search_path``: the parent's ``sys.path``, where the function's module is found."""
+    sys.path.extend(p for p in search_path if p not in sys.path)
+    try:
+        return "ok", _function(spec)(trajectory, problem)
+    except Exception as e:  # noqa: BLE001  (the parent stops the run, naming the function and this)
+        return "raised", f"{type(e).__name__}: {e}"
+
+
 def serve(conn: Connection, memory_limit_bytes: int | None) -> None:
     """Answers requests on ``conn`` until ``None`` or end of file."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the parent's terminal must not kill workers
@@ -61,7 +80,7 @@ def serve(conn: Connection, memory_limit_bytes: int | None) -> None:
         if request is None:
             return
         try:
-            reply = compare(*request)
+            reply = call_reward(*request[1:]) if request[0] == "reward" else compare(*request)
         except MemoryError:
             reply = (False, f"math-verify exceeded the worker memory limit of {memory_limit_bytes} bytes")
         except Exception as e:  # noqa: BLE001  (any math-verify/sympy failure scores 0 with its reason)

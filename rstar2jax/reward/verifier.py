@@ -19,6 +19,8 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import math
+import numbers
 import os
 import pathlib
 import queue
@@ -38,6 +40,10 @@ READY = "ready"  # a worker's first message, once math-verify is imported
 _DEFAULT_MEMORY_LIMIT = 2 << 30  # bytes of address space per worker: sympy blow-ups fail fast, not swap
 # The directory holding the rstar2jax package, put on the workers' PYTHONPATH in case it is not installed.
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+
+class RewardError(RuntimeError):
+    """A reward function (``reward.fn``) raised or returned no finite number: the run stops, naming it."""
 
 
 class AnswerGrade(NamedTuple):
@@ -212,14 +218,21 @@ class AnswerVerifier:
         raise RuntimeError(f"answer-verifier worker {problem}")
 
     def _compare_blocking(self, gold: str, answer: str) -> tuple[bool, str]:
+        reply, reason = self._ask_blocking((gold, answer), "math-verify", gold, answer)
+        return (False, reason) if reply is None else reply
+
+    def _ask_blocking(self, request: tuple, what: str, gold: str, answer: str) -> tuple[object, str | None]:
+        """``(a worker's reply to request, None)``, or ``(None, why it scores 0)`` when ``what`` timed out or
+        killed its workers ``crash_retries + 1`` times (logged with ``gold`` and ``answer``)."""
         error: BaseException | None = None
         for _ in range(1 + self.crash_retries):
             worker = self._acquire()
             try:
-                worker.conn.send((gold, answer))
+                worker.conn.send(request)
                 if not worker.conn.poll(self.timeout_s):
                     self._replace(worker)
-                    return self._scored_zero(f"math-verify timed out after {self.timeout_s} s", gold, answer)
+                    reason = f"{what} timed out after {self.timeout_s} s"
+                    return None, self._scored_zero(reason, gold, answer)[1]
                 reply = worker.conn.recv()
             except (EOFError, OSError) as e:
                 if self._closed:
@@ -230,9 +243,9 @@ class AnswerVerifier:
                 error = e
                 continue
             self._idle.put(worker)
-            return reply
+            return reply, None
         reason = f"verifier workers died {1 + self.crash_retries} times on this answer ({error!r})"
-        return self._scored_zero(reason, gold, answer)
+        return None, self._scored_zero(reason, gold, answer)[1]
 
     @staticmethod
     def _scored_zero(reason: str, gold: str, answer: str) -> tuple[bool, str]:
@@ -257,6 +270,25 @@ class AnswerVerifier:
         loop = asyncio.get_running_loop()
         is_correct, reason = await loop.run_in_executor(self._threads, self._compare_blocking, gold, answer)
         return AnswerGrade(is_correct, answer, reason)
+
+    async def reward(self, function: str, trajectory, problem) -> float:
+        """The reward function ``function`` (``"module:function"``, taking ``(trajectory, problem)``: a
+        :class:`~rstar2jax.data.trajectory.Trajectory` with the model's ``text`` and the
+        :class:`~rstar2jax.data.problems.Problem` row) run in a worker process under :attr:`timeout_s` (past
+        it: 0.0, logged), off the event loop. :class:`RewardError` naming ``function`` when it raises or
+        returns anything but a finite number."""
+        request = ("reward", function, list(sys.path), trajectory, problem)
+        loop = asyncio.get_running_loop()
+        what, text = f"reward {function}", trajectory.text or ""
+        reply, _ = await loop.run_in_executor(self._threads, self._ask_blocking, request, what,
+                                              str(problem.answer), text)
+        status, value = reply or ("ok", 0.0)
+        if status == "raised":
+            raise RewardError(f"reward {function} raised {value} (problem {problem.id!r})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(f"reward {function} returned {value!r} for problem {problem.id!r}: a reward "
+                              "must be a finite number")
+        return float(value)
 
     async def score(self, response_text: str, gold: str | int) -> bool:
         """The binary reward of ``response_text``: 1 iff its final boxed answer equals ``gold``."""

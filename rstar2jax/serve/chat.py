@@ -11,20 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sys
-from typing import TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from rstar2jax.agent.multi_turn import Conversation, converse_async
 from rstar2jax.agent.rollout_types import RolloutConfig, ToolSandbox
 from rstar2jax.data.chat_template import encode_text
 from rstar2jax.data.conversation import render_prompt_ids, user_turn_text
-from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, ToolCallError
+from rstar2jax.data.tool_parser import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    FunctionCall,
+    ToolCall,
+    ToolCallError,
+    as_python_call,
+)
 from rstar2jax.engine import Engine
 
 
 class TerminalObserver:
     """Prints a turn as it happens: the model's text (its reasoning) as it is sampled, each Python call's
-    code instead of its JSON, and the call's real output."""
+    code instead of its JSON (another tool's call as its name and arguments), and the call's real output."""
 
     def __init__(
         self,
@@ -74,16 +83,19 @@ class TerminalObserver:
         self.out.write("".join(shown))
         self.out.flush()
 
-    def on_call(self, call: ToolCall | ToolCallError) -> None:
-        if isinstance(call, ToolCall):
-            text = f"\n[python]\n{call.code}" + (f"\n[stdin]\n{call.input}" if call.input else "")
+    def on_call(self, call: FunctionCall | ToolCallError) -> None:
+        python = as_python_call(call) if isinstance(call, FunctionCall) else None
+        if isinstance(python, ToolCall):
+            text = f"\n[python]\n{python.code}" + (f"\n[stdin]\n{python.input}" if python.input else "")
+        elif isinstance(call, FunctionCall):
+            text = f"\n[{call.name}] {json.dumps(call.arguments, ensure_ascii=False)}"
         else:
             text = f"\n[invalid tool call] {call.message}"
         self.out.write(self._style(text.rstrip("\n") + "\n", "36"))
         self.out.flush()
 
-    def on_result(self, call: ToolCall | ToolCallError, outcome: str, response: str) -> None:
-        if isinstance(call, ToolCall):
+    def on_result(self, call: FunctionCall | ToolCallError, outcome: str, response: str) -> None:
+        if isinstance(call, FunctionCall):
             self.out.write(self._style(f"[output: {outcome}]\n{response.rstrip()}\n", "33"))
             self.out.flush()
         self.turn_start = True
@@ -98,7 +110,8 @@ class ChatSession:
     """A chat's state: the token stream so far (None before the first turn) and the rollout settings.
 
     ``engine`` must be running (``async with engine``); ``max_tokens`` bounds each assistant turn (tool
-    output included); the context of the whole chat must fit the engine's ``max_len``.
+    output included); the context of the whole chat must fit the engine's ``max_len``. ``tools``: as
+    :func:`~rstar2jax.agent.rollout_async`'s (None: the sandbox's Python tool).
     """
 
     engine: Engine
@@ -107,6 +120,7 @@ class ChatSession:
     config: RolloutConfig
     max_len: int
     history: list[int] | None = None
+    tools: Sequence[Any] | None = None
 
     async def turn(self, text: str, observer=None) -> Conversation:
         """Sends a user message, runs the assistant's turn (with its tool calls), returns it."""
@@ -129,7 +143,8 @@ class ChatSession:
         (session,) = await self.engine.open(prompt_ids, 1, sampling=self.config.sampling, max_tokens=budget)
         try:
             conversation = await converse_async(
-                session, sandbox=self.sandbox, tokenizer=self.tokenizer, config=self.config, observer=observer
+                session, sandbox=self.sandbox, tokenizer=self.tokenizer, config=self.config,
+                observer=observer, tools=self.tools,
             )
         finally:
             with contextlib.suppress(RuntimeError):  # interrupted mid-generate: the engine is stopping

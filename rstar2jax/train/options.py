@@ -224,8 +224,8 @@ class StageOptions:
 class RolloutOptions:
     """What the trainer's rollout function is built from (``config.rollout``): the engine of the run's longest
     stage (its ``max_len`` that stage's ``engine_max_len``: the largest engine the run builds), the sampling
-    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits and the
-    partial-rollout segment."""
+    (whose temperature the loss divides logits by as well), the sandbox, the tool-call limits, the
+    partial-rollout segment, the tools and the reward function."""
 
     engine: EngineConfig
     sampling: SamplingParams
@@ -237,6 +237,8 @@ class RolloutOptions:
     sandbox_outage_s: float
     partial_segment_tokens: int
     on_update: str = "keep"
+    tools: tuple[str, ...] = ("python",)  # rollout.tools
+    reward_fn: str = ""  # reward.fn: '' the answer verifier
 
     @property
     def kv_pool_tokens(self) -> int:

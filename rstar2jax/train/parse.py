@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from rstar2jax import algo
 from rstar2jax.data.problems import looks_local
 from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
 from rstar2jax.models.config import ModelConfig
@@ -36,6 +38,7 @@ from rstar2jax.train.options import (
     LoggingOptions,
     MeshShape,
     OptimizerOptions,
+    PolicyOptions,
     RLLoopOptions,
     RolloutOptions,
     RunOptions,
@@ -178,9 +181,51 @@ def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> Ro
         except ValueError as error:
             raise ConfigError(f"config.rollout.weight_block={engine.weight_block}: {error}") from None
     sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
-    return RolloutOptions(engine=engine, sampling=sampling, **{
+    return RolloutOptions(engine=engine, sampling=sampling, reward_fn=_reward_fn(values["reward.fn"]), **{
         f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
-        if f.name not in ("engine", "sampling")})
+        if f.name not in ("engine", "sampling", "reward_fn")})
+
+
+def _reward_fn(spec: str) -> str:
+    """``reward.fn`` once it imports as a function (its workers import it again)."""
+    if spec:
+        module, _, name = spec.partition(":")
+        try:
+            function = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(f"config.reward.fn={spec!r}: {error}") from None
+        if not callable(function):
+            raise ConfigError(f"config.reward.fn={spec!r}: not a function")
+    return spec
+
+
+def _estimator(spec: str) -> str:
+    """The ``algo.ADVANTAGE_ESTIMATORS`` name of ``rl.estimator``: a registered name as it is; a
+    ``module:function`` imported (which may register it) and, when it is not registered, registered under
+    ``spec``."""
+    if spec in algo.ADVANTAGE_ESTIMATORS:
+        return spec
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"config.rl.estimator={spec!r}: {error}") from None
+    known = [key for key, estimator in algo.ADVANTAGE_ESTIMATORS.items() if estimator is function]
+    if known:
+        return known[0]
+    algo.register_estimator(spec, function)
+    return spec
+
+
+def _with_tools(policy: PolicyOptions, specs) -> PolicyOptions:
+    """``policy`` whose prompt lists the schemas of ``rollout.tools`` (what the run trains and exports)."""
+    from rstar2jax.agent.tools import load_tools  # noqa: PLC0415  (an RL run's only)
+
+    try:
+        _, prompt = load_tools(tuple(specs), None, policy.prompt)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"config.rollout.tools={tuple(specs)!r}: {error}") from None
+    return dataclasses.replace(policy, prompt=prompt)
 
 
 def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
@@ -261,8 +306,11 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     common_rules(values)
     if kind == "rl":
         values.update(mismatch_correction(values))  # "auto": from the rollout's precision
+        values["rl.estimator"] = _estimator(values["rl.estimator"])
         rl_rules(values, stages)
     policy = policy_from_values(values)
+    if kind == "rl":
+        policy = _with_tools(policy, values["rollout.tools"])
     mesh = _section(MeshShape, "mesh", values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None

@@ -22,7 +22,8 @@ def policy_rollout(
     the engine's model and sampling temperature are the trainer's): the engine on the given parameters, the
     sandbox at ``sandbox_url`` (waited for up to ``rollout.sandbox_outage_s`` when it does not answer;
     ``restart_sandbox``: for a sandbox the run started, restarts it if it died, see
-    ``agent.OutagePolicy.restart``), the default answer verifier; call its ``close()`` when done."""
+    ``agent.OutagePolicy.restart``), the default answer verifier, the run's tools (``rollout.tools``, listed
+    in ``prompt``) and reward function (``reward.fn``); call its ``close()`` when done."""
     from rstar2jax import agent
 
     tokenizer = run_tokenizer(options)
@@ -32,10 +33,12 @@ def policy_rollout(
             "policy's tokenizer"
         )
     r = options.rl.rollout
+    sandbox = agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout)
+    tools, prompt = agent.load_tools(r.tools, sandbox, prompt)
     return agent.PolicyRollout(
         options.model,
         tokenizer,
-        agent.SandboxClient(sandbox_url, default_timeout=r.tool_timeout),
+        sandbox,
         engine_config=r.engine,
         max_prompt_length=options.rl.max_prompt_length,
         partial_segment_tokens=r.partial_segment_tokens,
@@ -47,4 +50,6 @@ def policy_rollout(
             sampling=r.sampling,
             prompt=prompt,
         ),
+        tools=tools,
+        reward=r.reward_fn or None,
     )

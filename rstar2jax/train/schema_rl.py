@@ -87,6 +87,23 @@ PLACEMENT_HELP = "where the asynchronous producer's engine runs: " + choices(
     },
     PLACEMENTS,
 )
+TOOL_LIST = Check(
+    lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(isinstance(t, str) and t for t in v)
+    and len(set(v)) == len(v),
+    "must list tools, each once: 'python', a registered tool or 'module:function'", tuple,
+    ((), ("python", "python")),
+)
+#: A registered advantage estimator (looked up when checked: a user's module may have added one) or
+#: ``module:function``, loaded when the config is parsed.
+ESTIMATOR = Check(
+    lambda v: isinstance(v, str) and (v in algo.ADVANTAGE_ESTIMATORS or all(v.partition(":")[::2])),
+    "must be a registered advantage estimator (algo.ADVANTAGE_ESTIMATORS) or 'module:function'", str,
+    ("no_such_estimator",),
+)
+FUNCTION_NAME = Check(
+    lambda v: isinstance(v, str) and (v == "" or all(v.partition(":")[::2])),
+    "must be '' or 'module:function'", str, ("no_function",),
+)
 STAGE_LIST = Check(lambda v: isinstance(v, list | tuple) and len(v) > 0, "must list at least one stage", list)
 
 #: An RL run's own fields (GRPO-RoC; the paper's defaults where it gives them), after ``COMMON``'s.
@@ -208,8 +225,9 @@ RL: dict[str, Field] = {
         "tie-breaking epsilon of the RoC penalty ordering",
     ),
     "rl.estimator": Field(
-        _ITERATION.estimator, choice(algo.ADVANTAGE_ESTIMATORS),
-        "advantage estimator (grpo: group-normalised reward)",
+        _ITERATION.estimator, ESTIMATOR,
+        "advantage estimator: a registered one (grpo: group-normalised reward; algo.ADVANTAGE_ESTIMATORS) or "
+        "module:function (docs/extending.md)",
     ),
     "rl.std": Field(_ITERATION.std, choice(algo.STD_MODES), STD_HELP),
     "rl.advantage_eps": Field(
@@ -278,6 +296,16 @@ RL: dict[str, Field] = {
                                       "of seconds"),
         "seconds tool calls wait (retrying with back-off) for a sandbox that does not answer; past it the "
         "run stops (exit 3) keeping the last finished step's checkpoint",
+    ),
+    "rollout.tools": Field(
+        ("python",), TOOL_LIST,
+        "the model's tools, each listed in the prompt: python (the sandbox's), a registered tool or "
+        "module:function (a function with type hints and an Args: docstring; docs/extending.md)",
+    ),
+    "reward.fn": Field(
+        "", FUNCTION_NAME,
+        "module:function scoring a finished trajectory from (trajectory, problem) in place of the answer "
+        "verifier (run in its worker processes, under its timeout); empty: the verifier",
     ),
     "rollout.engine_slots": Field(64, POSITIVE, "concurrent sequences in the generation engine"),
     "rollout.kv_cache_tokens": Field(

@@ -175,3 +175,40 @@ def test_evaluate_policy_groups_a_batched_rollout_by_problem():
     assert result.problem_ids == ["p1", "p2"]
     np.testing.assert_array_equal(result.correct, [[1, 0, 1, 1], [0, 0, 0, 0]])
     assert result.metrics["pass@1"] == pytest.approx(3 / 8)
+
+
+def test_evaluate_to_files_hands_its_tools_to_every_rollout(tmp_path, monkeypatch):
+    import types
+
+    from rstar2jax import engine
+    from rstar2jax.agent import multi_turn
+    from rstar2jax.data.tokenizer import train_tiny_tokenizer
+    from rstar2jax.eval.evaluate import evaluate_to_files
+    from tests.agent import plugins
+
+    handed = []
+
+    async def rollout(problems, k, *, tools, **options):
+        handed.append(tools)
+        return [_trajectory(problems[0].id, *sample) for sample in SCRIPT[problems[0].id][:k]]
+
+    class Idle:  # the engine the rollouts would sample with: nothing to sample here
+        def __init__(self, *args, **kwargs):
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return None
+
+    monkeypatch.setattr(multi_turn, "rollout_async", rollout)
+    monkeypatch.setattr(engine, "Engine", Idle)
+    tokenizer = train_tiny_tokenizer(["x?", "y?"], 300, tmp_path / "tokenizer")
+    policy = types.SimpleNamespace(params=None, model_config=None, tokenizer=tokenizer, eos_token_ids=(0,),
+                                   path="tiny", prompt=None)
+    tools = [plugins.add]
+    summary = asyncio.run(evaluate_to_files(policy, {"a": PROBLEMS["a"]}, tmp_path / "eval", sandbox=None,
+                                            verifier=None, protocol=EvalProtocol(samples=2), progress=False,
+                                            tools=tools))
+    assert handed == [tools, tools] and summary["a"]["num_problems"] == 2

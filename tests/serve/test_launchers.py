@@ -189,6 +189,7 @@ def test_launchers_answer_bad_input_with_one_line_and_exit_2(tmp_path, compile_c
         (*evaluate, "--datasets=aime24,aime99"): "--datasets: eval set 'aime99' is neither an existing file",
         (*evaluate, f"--datasets={data}", "--samples=0"): "--samples=0",
         (*evaluate, f"--datasets={data}", "--prompt_format=papr"): "--prompt_format=papr",
+        (*evaluate, f"--datasets={data}", "--tools=python,no:f"): "--tools=python,no:f: tool 'no:f'",
         ("experiments.serve", f"--model={tiny_policy_dir}", "--port=70000"): "--port=70000",
         ("experiments.serve", f"--model={tiny_policy_dir}", "--max_waiting=0"): "--max_waiting=0",
         ("experiments.serve", f"--model={tiny_policy_dir}", "--drain_timeout_s=-1"): "--drain_timeout_s=-1",
@@ -213,7 +214,7 @@ def test_help_lists_the_format_adapter_and_cache_flags(module):
     if module != "experiments.export":
         flags += ["--system_prompt", "--assistant_opener"]
     if module in ("experiments.evaluate", "experiments.chat"):
-        flags += ["--prompt_format", "--user_prefix"]
+        flags += ["--prompt_format", "--user_prefix", "--tools"]
     if module == "experiments.serve":
         flags += ["--max_waiting", "--drain_timeout_s"]
     if module == "experiments.export":

@@ -72,6 +72,13 @@ def _set(config, path, value):
         ("rollout.sandbox_outage_s", 0.0, "config.rollout.sandbox_outage_s=0.0: must be a positive number"),
         ("rollout.sandbox_outage_s", float("inf"), "config.rollout.sandbox_outage_s=inf"),
         ("rl.max_nonfinite_steps", 0, "config.rl.max_nonfinite_steps=0: must be a positive integer"),
+        ("rollout.tools", ("python", "tests.agent.plugins:nothing"),
+         "config.rollout.tools=('python', 'tests.agent.plugins:nothing'): tool 'tests.agent.plugins:"),
+        ("rollout.tools", ("calc",), "config.rollout.tools=('calc',): tool 'calc': not 'python'"),
+        ("rollout.tools", (), "config.rollout.tools=(): must list tools"),
+        ("reward.fn", "tests.agent.plugins", "config.reward.fn='tests.agent.plugins': must be ''"),
+        ("reward.fn", "tests.agent.nowhere:f", "config.reward.fn='tests.agent.nowhere:f': No module named"),
+        ("reward.fn", "tests.agent.plugins:string_match", None),  # valid
     ],
 )
 def test_invalid_field_is_named(path, value, message):
@@ -552,3 +559,19 @@ def test_the_walk_sees_a_field_without_a_check():
         patch.setitem(schema_rl.RL, "data.split", lax)
         with pytest.raises(AssertionError, match=r"config.data.split: its check refuses nothing"):
             bad_values(tiny_cpu.get_config(), "rl")
+
+
+def test_the_tools_a_run_lists_are_in_its_prompt():
+    config = tiny_cpu.get_config()
+    config.rollout.tools = ("python", "tests.agent.plugins:add")
+    options = parse(config)
+    assert options.policy.prompt.tool_names == ("execute_python_code_with_standard_io", "add")
+    assert options.rl.rollout.tools == ("python", "tests.agent.plugins:add")
+    assert parse(tiny_cpu.get_config()).policy.prompt == rl_prompt_default()
+
+
+def rl_prompt_default():
+    """The prompt of a run that lists only the Python tool: the one ``prompt.*`` gives, as before tools."""
+    from rstar2jax.train.parse_model import prompt_from_config
+
+    return prompt_from_config(tiny_cpu.get_config())
