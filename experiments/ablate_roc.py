@@ -7,7 +7,10 @@ at random), with RoC training LoRA adapters instead of all weights (``lora``: th
 rank, alpha and learning rate), with RoC sampling in FP8 (``fp8``: the engine's weights in 64 x 64 blocks
 and its KV pages in float8, the trainer in the demo's float32, token-level TIS on as it is by default then),
 or with RoC on the asynchronous schedule (``async``: ``rl.schedule="async"``, eta = 1, the decoupled
-loss). Every arm's final policy is evaluated by an engine in the trainer's precision. Writes, under --workdir:
+loss). An arm may change run-config fields of its base arm: ``BASE+section.field=value[+...]`` (values read as
+Python literals, else text), e.g. ``paper+loss.mode=cispo`` or ``paper+rl.ppo_epochs=2``; every arm's config
+is checked before the first run starts. Every arm's final policy is evaluated by an engine in the trainer's
+precision. Writes, under --workdir:
 
   ablation.png     tool-error ratio inside correct trajectories, accuracy and response length over steps
                    (mean +- std over seeds)
@@ -20,12 +23,15 @@ loss). Every arm's final policy is evaluated by an engine in the trainer's preci
   python -m experiments.ablate_roc --modes=paper,lora --workdir=runs/ablate_lora   # full vs LoRA
   python -m experiments.ablate_roc --modes=paper,fp8 --workdir=runs/ablate_fp8     # float32 vs FP8 rollout
   python -m experiments.ablate_roc --modes=paper,async --workdir=runs/ablate_async # sync vs async (eta=1)
+  python -m experiments.ablate_roc --modes=paper+rl.ppo_epochs=2,paper+rl.ppo_epochs=2+loss.mode=cispo \
+      --workdir=runs/ablate_loss                       # the clipped surrogate vs CISPO, 2 updates per batch
 
 Runs resume: a finished run (its exported policy exists) is skipped, an interrupted one continues.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import pathlib
@@ -49,7 +55,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/ablate_roc", "Where the ablation
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds (each runs every arm).")
 _MODES = flags.DEFINE_list("modes", ["paper", "uniform"],
                            "Arms: paper, uniform, lora (RoC training LoRA), fp8 (RoC, FP8 rollout + TIS), "
-                           "async (RoC, asynchronous).")
+                           "async (RoC, asynchronous); ARM+section.field=value[+...] changes run-config "
+                           "fields of an arm (e.g. paper+loss.mode=cispo, paper+rl.ppo_epochs=2).")
 _EVAL = flags.DEFINE_bool("eval", True, "Evaluate every run's final policy on the held-out split.")
 _COMPILE_CACHE = flags.DEFINE_string("compile_cache", "runs/jax_cache", "Persistent JAX compilation cache.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, _launch.PRINT_CONFIG_HELP)
@@ -71,15 +78,40 @@ ARM_FIELDS = {"fp8": {"rollout.weight_dtype": "fp8", "rollout.kv_dtype": "fp8", 
               "async": {"rl.schedule": "async", "rl.max_staleness": 1, "rl.off_policy_correction": "auto"}}
 
 
-def arm_run_config(config, paths, mode: str, **run):
-    """The RL run config of arm ``mode`` (``configs.demo.rl_run_config`` with the arm's ``ARMS`` and
-    ``ARM_FIELDS``; ``run``: its workdir and seed)."""
-    from experiments.configs.demo import rl_run_config
+def parse_arm(spec: str) -> tuple[str, dict]:
+    """``BASE[+section.field=value...]`` -> (BASE, {"section.field": value}): an arm of ``ARMS`` and the
+    run-config fields it changes (values as Python literals, else text); a ``ConfigError`` in one line."""
+    from rstar2jax.train import ConfigError
 
-    roc_mode, lora = ARMS[mode]
+    base, *changes = spec.split("+")
+    if base not in ARMS:
+        raise ConfigError(f"--modes: {spec!r}: {base!r} is not an arm; expected any of {tuple(ARMS)}, each "
+                          "optionally followed by +section.field=value")
+    fields = {}
+    for change in changes:
+        path, equals, text = change.partition("=")
+        if not equals or path.count(".") != 1 or not all(path.split(".")):
+            raise ConfigError(f"--modes: {spec!r}: {change!r} is not section.field=value")
+        try:
+            fields[path] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            fields[path] = text
+    return base, fields
+
+
+def arm_run_config(config, paths, mode: str, **run):
+    """The RL run config of arm ``mode`` (``configs.demo.rl_run_config`` with the base arm's ``ARMS`` and
+    ``ARM_FIELDS``, then the fields ``mode`` changes, :func:`parse_arm`; ``run``: its workdir and seed)."""
+    from experiments.configs.demo import rl_run_config
+    from rstar2jax.train import ConfigError
+
+    base, changes = parse_arm(mode)
+    roc_mode, lora = ARMS[base]
     c = rl_run_config(config, paths, roc_mode=roc_mode, lora=lora, **run)
-    for path, value in ARM_FIELDS.get(mode, {}).items():
+    for path, value in {**ARM_FIELDS.get(base, {}), **changes}.items():
         section, field = path.split(".")
+        if section not in c:
+            raise ConfigError(f"--modes: {mode!r}: config.{section} is no section of the RL run config")
         c[section][field] = value
     return c
 
@@ -131,8 +163,6 @@ def run_ablation(
     from sandbox_server import start_local
 
     paths = DemoPaths(config.workdir)
-    if unknown := [m for m in modes if m not in ARMS]:
-        raise train.ConfigError(f"--modes: {unknown[0]!r} is not an arm; expected any of {tuple(ARMS)}")
     arms = [arm_run_config(config, paths, m) for m in modes]
     # Every run's config is checked before the first starts.
     checked = recipe.check_run_configs(config, sft_run_config(config, paths), *arms)

@@ -52,7 +52,7 @@ def _fenced_blocks(text: str, page: str) -> list[tuple[str, str]]:
 BLOCKS = {page: _fenced_blocks(text, page) for page, text in PAGES.items()}
 #: Pages whose python blocks build on each other, run in order by a test of their own (named here, which
 #: must name the page): their commands are checked here, their blocks there.
-BLOCKS_RUN_ELSEWHERE: dict[str, str] = {}
+BLOCKS_RUN_ELSEWHERE: dict[str, str] = {"docs/losses.md": "tests/train/test_losses_doc.py"}
 #: (page, body) of every python block run here.
 PYTHON_BLOCKS = [(page, body) for page, blocks in BLOCKS.items() if page not in BLOCKS_RUN_ELSEWHERE
                  for info, body in blocks if info == "python"]

@@ -1,4 +1,4 @@
-"""GRPO-RoC algorithm core: group advantages, RoC selection, penalties, policy losses (pure jnp)."""
+"""GRPO-RoC algorithm core: group advantages, RoC selection, penalties, policy losses by name (pure jnp)."""
 
 from rstar2jax.algo._checks import masked as masked_values
 from rstar2jax.algo.advantages import (
@@ -26,12 +26,16 @@ from rstar2jax.algo.losses import (
     KL_ESTIMATORS,
     aggregate_loss,
     clipped_surrogate,
-    decoupled_policy_loss,
     dual_clipped,
     importance_log_ratio,
     importance_weighted,
     kl_penalty,
     loss_normalizer,
+)
+from rstar2jax.algo.objectives import (
+    compute_policy_loss,
+    decoupled_objective,
+    decoupled_policy_loss,
     policy_loss,
 )
 from rstar2jax.algo.penalties import (
@@ -40,6 +44,14 @@ from rstar2jax.algo.penalties import (
     answer_format_penalty_release,
     soft_overlong_penalty,
     tool_error_penalty,
+)
+from rstar2jax.algo.registry import (
+    POLICY_LOSSES,
+    LossInputs,
+    PolicyLoss,
+    get_policy_loss,
+    register_policy_loss,
+    registered_loss_options,
 )
 from rstar2jax.algo.roc import ROC_MODES, RocSelection, roc_select
 
@@ -51,14 +63,19 @@ __all__ = [
     "IS_LEVELS",
     "KL_ESTIMATORS",
     "MISMATCH_RATIO_BAND",
+    "POLICY_LOSSES",
     "ROC_MODES",
     "SEQUENCE_RATIOS",
     "STD_MODES",
     "AdvantageEstimator",
     "GroupStats",
+    "LossInputs",
+    "PolicyLoss",
     "RocSelection",
     "aggregate_loss",
     "clipped_surrogate",
+    "compute_policy_loss",
+    "decoupled_objective",
     "decoupled_policy_loss",
     "dual_clipped",
     "importance_log_ratio",
@@ -68,11 +85,14 @@ __all__ = [
     "answer_format_penalty_release",
     "group_advantages",
     "group_stats",
+    "get_policy_loss",
     "gspo_log_ratio",
     "loss_normalizer",
     "masked_values",
     "policy_loss",
     "register_estimator",
+    "register_policy_loss",
+    "registered_loss_options",
     "roc_select",
     "rollout_correction",
     "rollout_mismatch",

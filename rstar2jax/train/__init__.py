@@ -12,6 +12,7 @@ from rstar2jax.train.cluster import ClusterLaunch, cluster_launch
 from rstar2jax.train.config import rl_config, sft_config, stage
 from rstar2jax.train.dry_run import check_memory_plan, dry_run, format_dry_run
 from rstar2jax.train.faults import EmptyRollout, NonFiniteUpdates, RunFault
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.metrics import MetricsLogger
 from rstar2jax.train.options import ConfigError, PolicyOptions, RunOptions, StageOptions
 from rstar2jax.train.parse import parse
@@ -38,8 +39,6 @@ from rstar2jax.train.state import (
     reset_optimizer,
 )
 from rstar2jax.train.steps import (
-    RLLossConfig,
-    accumulate_gradients,
     make_rl_step,
     make_sft_step,
     rl_loss,
@@ -48,8 +47,8 @@ from rstar2jax.train.steps import (
     sft_step,
     state_shardings,
     trainable_params,
-    with_adapters,
 )
+from rstar2jax.train.updates import accumulate_gradients, with_adapters
 from rstar2jax.train.wandb_run import WandbRun, check_wandb
 
 __all__ = [

@@ -49,7 +49,7 @@ def dry_run(options: RunOptions, *, cpu_stand_in: bool = True) -> dict[str, Any]
     """
     kind = options.kind
     if kind == "rl":
-        optimizer = options.optimizer.optimizer()
+        optimizer = options.optimizer.optimizer(updates_per_step=options.rl.updates_per_step)
         rows = options.rl.prompts_per_step * options.rl.keep
         seq_len = options.longest_stage.seq_len
     else:
@@ -67,7 +67,8 @@ def dry_run(options: RunOptions, *, cpu_stand_in: bool = True) -> dict[str, Any]
     step_options = dict(num_microbatches=options.num_microbatches, mesh=mesh, shardings=shardings, lora=lora,
                         compiler_options=_stand_in_options(model_config, mesh) if cpu_stand_in else None)
     if kind == "rl":
-        step = make_rl_step(model_config, optimizer, options.rl.loss, **step_options)
+        step = make_rl_step(model_config, optimizer, options.rl.loss, ppo_epochs=options.rl.ppo_epochs,
+                            mini_batches=options.rl.mini_batches, **step_options)
     else:
         step = make_sft_step(model_config, optimizer, **step_options)
     start = time.perf_counter()

@@ -25,7 +25,9 @@ def field_help(path: str, extra: dict[str, str] | None = None) -> str | None:
     config's ``rl.rl.keep`` is ``rl.keep``); ``a.*`` entries cover every field under ``a``. None when no
     table knows it."""
     parts = re.sub(r"\[\d+\]", "", path).split(".")
-    for table, starts in ((extra or {}, 1), (FIELD_HELP, len(parts))):
+    # The options of policy losses registered since this module was imported (a config file's own).
+    losses = {name: field.help for name, field in schema_rl.loss_option_fields(FIELD_HELP).items()}
+    for table, starts in ((extra or {}, 1), ({**FIELD_HELP, **losses}, len(parts))):
         for start in range(starts):
             if (name := ".".join(parts[start:])) in table:
                 return table[name]

@@ -18,9 +18,9 @@ from typing import Any
 from rstar2jax import models
 from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.selection import RLIterationConfig
 from rstar2jax.train.state import learning_rate_schedule, make_optimizer
-from rstar2jax.train.steps import RLLossConfig
 
 
 class ConfigError(ValueError):
@@ -44,20 +44,25 @@ class OptimizerOptions:
     max_grad_norm: float | None
     warmup_fraction: float = 0.0
 
-    def _schedule_options(self, total_steps: int | None) -> dict[str, Any]:
+    def _schedule_options(self, total_steps: int | None, updates_per_step: int) -> dict[str, Any]:
         total = self.total_steps or total_steps
         warmup = self.warmup_steps if self.warmup_steps >= 0 else math.ceil(self.warmup_fraction * total)
-        return dict(warmup_steps=warmup, schedule=self.schedule, total_steps=total)
+        return dict(warmup_steps=warmup * updates_per_step, schedule=self.schedule,
+                    total_steps=None if total is None else total * updates_per_step)
 
-    def learning_rate_schedule(self, total_steps: int | None = None):
-        """The learning-rate schedule (what :meth:`optimizer` applies)."""
-        return learning_rate_schedule(self.learning_rate, **self._schedule_options(total_steps))
+    def learning_rate_schedule(self, total_steps: int | None = None, updates_per_step: int = 1):
+        """The learning rate of each step (its last update's, of what :meth:`optimizer` applies)."""
+        schedule = learning_rate_schedule(self.learning_rate,
+                                          **self._schedule_options(total_steps, updates_per_step))
+        return schedule if updates_per_step == 1 else lambda step: schedule(step * updates_per_step
+                                                                             + updates_per_step - 1)
 
-    def optimizer(self, total_steps: int | None = None):
-        """The optimizer (``total_steps``: the run's step count when ``total_steps`` is not set)."""
+    def optimizer(self, total_steps: int | None = None, updates_per_step: int = 1):
+        """The optimizer (``total_steps``: the run's step count when ``total_steps`` is not set). Its
+        schedule counts updates: ``updates_per_step`` per step (warm-up and total steps given in steps)."""
         return make_optimizer(
             self.learning_rate,
-            **self._schedule_options(total_steps),
+            **self._schedule_options(total_steps, updates_per_step),
             weight_decay=self.weight_decay,
             b1=self.b1,
             b2=self.b2,
@@ -272,6 +277,13 @@ class RLLoopOptions:
     max_staleness: int = 1
     placement: str = "colocated"
     rollout_devices: int = 1
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per RL step: ``ppo_epochs`` x ``mini_batches``."""
+        return self.ppo_epochs * self.mini_batches
 
     @property
     def samples_per_problem(self) -> int:
@@ -323,9 +335,10 @@ class RunOptions:
 
     @property
     def row_multiple(self) -> int:
-        """Batch rows must split into ``num_microbatches`` micro-batches whose rows split over the
-        data-parallel devices: ``num_microbatches x mesh.data x mesh.fsdp``."""
-        return self.num_microbatches * self.mesh.data_parallel
+        """Batch rows must split into (RL: ``rl.mini_batches`` mini-batches of) ``num_microbatches``
+        micro-batches whose rows split over the data-parallel devices: ``[mini_batches x] num_microbatches x
+        mesh.data x mesh.fsdp``."""
+        return (self.rl.mini_batches if self.rl else 1) * self.num_microbatches * self.mesh.data_parallel
 
     @property
     def model(self) -> models.ModelConfig:

@@ -29,7 +29,8 @@ from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, Sampli
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.quantization import check_weight_blocks
 from rstar2jax.train import schema, schema_rl
-from rstar2jax.train.checks import Field
+from rstar2jax.train.checks import Check, Field
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.options import (
     CheckpointOptions,
     ConfigError,
@@ -50,7 +51,6 @@ from rstar2jax.train.parse_model import policy_from_values
 from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
 from rstar2jax.train.schedule import off_policy_correction
 from rstar2jax.train.selection import RLIterationConfig
-from rstar2jax.train.steps import RLLossConfig
 
 _MISSING = object()
 #: Fields that moved, with where they went (a config written for an older version names them).
@@ -126,6 +126,32 @@ def _unknown_fields(node, fields: Mapping[str, Field], where: str = "", prefix: 
         if not hint and (close := difflib.get_close_matches(path, list(fields), n=1)):
             hint = f"; did you mean {where}{close[0]}?"
         raise ConfigError(f"config.{where}{path}: no such field{hint}")
+
+
+def _mode_option_fields(config, fields: Mapping[str, Field]) -> dict[str, Field]:
+    """The fields of the options of ``config.loss.mode``'s loss that ``fields`` lacks and the config sets (a
+    ``module:function`` loss's, written in the config file as ``config.loss.<option> = value``); an option
+    the config does not set keeps the loss's default."""
+    mode = _lookup(config, "loss.mode")
+    if mode is _MISSING or not fields["loss.mode"].check(mode):
+        return {}  # reading loss.mode reports it
+    loss = algo.get_policy_loss(mode)
+    extra = {}
+    for option, default in loss.options.items():
+        path = f"loss.{option}"
+        if path not in fields and _lookup(config, path) is not _MISSING:
+            check = Check(lambda v, option=option: _resolves(loss, option, v), f"must be a valid {option} "
+                          f"(an option of loss {mode!r})", object)
+            extra[path] = Field(default, check, f"option of policy loss {mode}")
+    return extra
+
+
+def _resolves(loss, option: str, value) -> bool:
+    try:
+        loss.resolve({option: value})
+    except ValueError:
+        return False
+    return True
 
 
 def _stages(values: Mapping[str, Any], check_data: bool) -> tuple[StageOptions, ...]:
@@ -236,8 +262,12 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
                    seq_len=s.seq_len, pack=values["batch.pack"], row_multiple=row_multiple)
         for s in stages
     )
-    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature", "off_policy_correction")),
+    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature", "off_policy_correction", "options")),
                    "temperature": "rollout.temperature"}
+    # The policy losses' own options (loss.<option> fields the RLLossConfig lacks), by name.
+    loss_options = tuple((path.removeprefix("loss."), values[path]) for path in values
+                         if path.startswith("loss.") and path not in loss_fields.values()
+                         and path != "loss.allow_uncorrected_mismatch")
     correction = off_policy_correction(values["rl.off_policy_correction"], values["rl.schedule"],
                                        values["rl.max_staleness"])
     # rl.* fields that are not the iteration's are the loop's, passed on by name (prompts_per_step, ...).
@@ -251,7 +281,8 @@ def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
         optimizer_memory=values["colocate.optimizer_memory"],
         max_prompt_length=values["batch.max_prompt_length"],
         iterations=iterations,
-        loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction),
+        loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction,
+                        options=loss_options),
         rollout=_rollout(values, stages, model),
         device_memory_gib=values["device_memory_gib"],
     )
@@ -300,6 +331,8 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         raise ConfigError(f"config.{kind} is missing: {other} config where {wanted} one is needed (e.g. "
                           "experiments/configs/tiny_cpu.py for RL, tiny_cpu.py:sft for SFT)")
     fields = schema.fields(kind)
+    if kind == "rl":
+        fields.update(_mode_option_fields(config, fields))
     values = _Values(_read(config, fields, "", check_data))
     _unknown_fields(config, fields)
     stages = _stages(values, check_data) if kind == "rl" else ()
@@ -316,7 +349,8 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
     rl = None
     if kind == "rl":
-        rl = _rl_loop(values, stages, num_microbatches * mesh.data_parallel, policy.model)
+        rl = _rl_loop(values, stages, values["rl.mini_batches"] * num_microbatches * mesh.data_parallel,
+                      policy.model)
     optimizer = OptimizerOptions(
         **{name: values[path] for name, path in _fields_of(OptimizerOptions, "optimizer",
                                                             ("warmup_fraction",)).items()},

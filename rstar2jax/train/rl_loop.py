@@ -194,23 +194,19 @@ def train_rl(
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
     check_wandb(options)
     schedule = _schedule(options, rollout_fn)  # before any work too
-    optimizer = options.optimizer.optimizer()
+    updates = options.rl.updates_per_step  # the optimizer and its schedule count updates
+    optimizer = options.optimizer.optimizer(updates_per_step=updates)
     run = start_run(
         options,
         optimizer,
-        options.optimizer.learning_rate_schedule(),
+        options.optimizer.learning_rate_schedule(updates_per_step=updates),
         initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
     )
-    step_fn = make_rl_step(
-        run.model_config,
-        optimizer,
-        options.rl.loss,
-        num_microbatches=options.num_microbatches,
-        mesh=run.mesh,
-        shardings=run.shardings,
-        lora=run.lora,
-    )
+    rl = options.rl
+    step_fn = make_rl_step(run.model_config, optimizer, rl.loss, num_microbatches=options.num_microbatches,
+                           mesh=run.mesh, shardings=run.shardings, lora=run.lora, ppo_epochs=rl.ppo_epochs,
+                           mini_batches=rl.mini_batches)
     if run.base is not None:  # LoRA: the step gets the frozen base, rollouts sample from the merged policy
         step_fn, rollout_fn = run.base.bind(step_fn), run.base.rollout(rollout_fn)
     stages = run.options.stages

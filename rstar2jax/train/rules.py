@@ -50,11 +50,11 @@ def _selection_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> No
                               f"stages[{i}].max_response_length={s.max_response_length}")
     if not v["batch.pack"]:
         rows = v["rl.prompts_per_step"] * keep
-        multiple = v["num_microbatches"] * v["mesh.data"] * v["mesh.fsdp"]
+        multiple = v["rl.mini_batches"] * v["num_microbatches"] * v["mesh.data"] * v["mesh.fsdp"]
         if rows % multiple:
             raise ConfigError(
-                f"config.rl.prompts_per_step x rl.keep = {rows} rows must be a multiple of "
-                f"num_microbatches x mesh.data x mesh.fsdp = {multiple} when batch.pack=False"
+                f"config.rl.prompts_per_step x rl.keep = {rows} rows must be a multiple of num_microbatches "
+                f"x mesh.data x mesh.fsdp x rl.mini_batches = {multiple} when batch.pack=False"
             )
     if v["model.lora.rank"] and v["model.lora.dropout"]:
         raise ConfigError(

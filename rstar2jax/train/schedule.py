@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer
 ROLLOUT_SCHEDULES = ("synchronous", "async")
 #: ``rl.placement``: where the asynchronous producer's engines run (``rstar2jax.train.placement``).
 PLACEMENTS = ("colocated", "split")
-#: ``rl.off_policy_correction``: "auto" or one of ``steps.OFF_POLICY_CORRECTIONS``.
+#: ``rl.off_policy_correction``: "auto" or one of ``loss_config.OFF_POLICY_CORRECTIONS``.
 OFF_POLICY_CORRECTION_OPTIONS = ("auto", "none", "decoupled")
 
 

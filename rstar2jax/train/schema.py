@@ -39,7 +39,7 @@ from rstar2jax.train.checks import (
     optional,
     text,
 )
-from rstar2jax.train.schema_rl import AUTO, RL
+from rstar2jax.train.schema_rl import AUTO, RL, loss_option_fields
 from rstar2jax.train.state import SCHEDULES
 
 DTYPE = choice(SUPPORTED_DTYPES)
@@ -258,8 +258,8 @@ KINDS = ("rl", "sft")
 
 def fields(kind: str) -> dict[str, Field]:
     """Every field of a ``kind`` ("rl" | "sft") run config, in the config's order (a stage's: ``STAGE``)."""
-    if kind == "rl":
-        return {**COMMON, **RL}
+    if kind == "rl":  # and the options of the registered policy losses the table lacks
+        return {**COMMON, **RL, **loss_option_fields(RL)}
     if kind == "sft":
         return {**COMMON, **SFT_COMMON, **SFT}
     raise ValueError(f"kind={kind!r}; expected one of {KINDS}")

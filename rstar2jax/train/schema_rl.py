@@ -22,9 +22,9 @@ from rstar2jax.train.checks import (
     url,
 )
 from rstar2jax.train.colocate import OFFLOAD_OPTIONS
+from rstar2jax.train.loss_config import OLD_LOGPROB_SOURCES
 from rstar2jax.train.schedule import OFF_POLICY_CORRECTION_OPTIONS, PLACEMENTS, ROLLOUT_SCHEDULES
 from rstar2jax.train.selection import RLIterationConfig
-from rstar2jax.train.steps import OLD_LOGPROB_SOURCES
 
 #: ``loss.old_logprobs`` / ``loss.rollout_is_cap``: chosen from the rollout's precision (``rules``).
 AUTO = "auto"
@@ -104,6 +104,46 @@ FUNCTION_NAME = Check(
     lambda v: isinstance(v, str) and (v == "" or all(v.partition(":")[::2])),
     "must be '' or 'module:function'", str, ("no_function",),
 )
+
+
+def _names_a_loss(mode) -> bool:
+    try:
+        algo.get_policy_loss(mode)
+    except ValueError:
+        return False
+    return True
+
+
+def _option_check(option: str, default) -> Check:
+    """The check of registered-loss option ``option``: each declaring loss's (``PolicyLoss.resolve``)."""
+    declaring = [entry for entry in algo.POLICY_LOSSES.values() if option in entry.options]
+
+    def accepts(value) -> bool:
+        try:
+            for entry in declaring:
+                entry.resolve({option: value})
+        except ValueError:
+            return False
+        return True
+
+    expectations = [entry.checks[option][1] for entry in declaring if option in entry.checks]
+    kind = "a number" if isinstance(default, int | float) and not isinstance(default, bool) else "valid"
+    refused = tuple(v for v in (-1.0, 0.0, float("inf"), "x") if not accepts(v))
+    return Check(accepts, " and ".join(expectations) or f"must be {kind}",
+                 type(default) if default is not None else object, refused)
+
+
+def loss_option_fields(declared) -> dict[str, Field]:
+    """``loss.<option>`` fields of the registered losses' options that ``declared`` (field paths) lacks:
+    default and check from the loss (``algo.register_policy_loss``), so a loss needs no schema entry."""
+    return {
+        f"loss.{option}": Field(default, _option_check(option, default),
+                                f"option of policy loss {losses} (loss.mode; docs/losses.md)")
+        for option, (default, losses) in algo.registered_loss_options().items()
+        if f"loss.{option}" not in declared
+    }
+
+
 STAGE_LIST = Check(lambda v: isinstance(v, list | tuple) and len(v) > 0, "must list at least one stage", list)
 
 #: An RL run's own fields (GRPO-RoC; the paper's defaults where it gives them), after ``COMMON``'s.
@@ -135,6 +175,13 @@ RL: dict[str, Field] = {
         "keep only problems with integer answers (rejected rows are counted and shown)",
     ),
     "data.limit": Field(None, optional(POSITIVE), "use at most this many problems (None: all)"),
+    "loss.mode": Field(
+        "ppo", Check(_names_a_loss, "must name a registered policy loss (algo.POLICY_LOSSES) or be "
+                     "'module:function'", str, ("no_such_loss", "no_such_module:loss")),
+        "the policy loss: ppo (the paper's clipped surrogate, dual clip), gspo, decoupled, cispo, sapo, a "
+        "name registered with algo.register_policy_loss, or module:function; its options are loss.<option> "
+        "(docs/losses.md)",
+    ),
     "loss.eps_low": Field(
         0.2, number(0, 1, open_low=True, open_high=True),
         "PPO clip range below 1 (ratio >= 1 - eps_low)",
@@ -202,6 +249,16 @@ RL: dict[str, Field] = {
         "correction off (loss.rollout_is_cap=None, no rollout_mask); the run warns once",
     ),
     "rl.prompts_per_step": Field(512, POSITIVE, "problems per RL step"),
+    "rl.ppo_epochs": Field(
+        1, POSITIVE,
+        "passes over each step's batch, against the policy the step started from (1: the release's one "
+        "update; > 1 lets the clip act)",
+    ),
+    "rl.mini_batches": Field(
+        1, POSITIVE,
+        "optimizer updates per pass: the batch in this many strided mini-batches (the optimizer and its "
+        "schedule count updates; warm-up and total steps stay in RL steps)",
+    ),
     "rl.samples_per_problem": Field(
         _ITERATION.samples_per_problem, integer(low=2),
         "rollouts sampled per problem (2G)",

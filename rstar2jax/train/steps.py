@@ -1,17 +1,14 @@
-"""SFT and RL (GRPO-RoC) training steps: micro-batched gradients, a whole-batch normaliser, one AdamW update.
+"""SFT and RL (GRPO-RoC) training steps: micro-batched gradients, a whole-batch normaliser, AdamW updates.
 
 A step is ``step(state, batch) -> (state, metrics)``. The batch is split into ``num_microbatches`` strided
-micro-batches (rows m, m+M, m+2M, ...: each data shard keeps its own rows) and ``lax.scan`` sums their
-gradients. Each micro-batch loss is divided by a normaliser computed over the *whole* batch first, so the
-summed gradient is the full-batch gradient exactly (not a mean of per-micro-batch means, verl issue #5625).
+micro-batches and ``lax.scan`` sums their gradients (``rstar2jax.train.updates``): one update per batch, or an
+RL step's ``ppo_epochs`` x ``mini_batches`` updates against the policy the step started from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,103 +18,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rstar2jax import algo, models
 from rstar2jax.data.batch import Batch
 from rstar2jax.train.faults import skip_nonfinite_updates
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.state import TrainState
+from rstar2jax.train.updates import (
+    LossFn,
+    accumulate_gradients,
+    apply_update,
+    several_updates,
+    strided_merge,
+    strided_split,
+    with_adapters,
+)
 
-OLD_LOGPROB_SOURCES = ("sampler", "recompute")
-#: How the loss corrects for tokens an older policy sampled (``RLLossConfig.off_policy_correction``):
-#: "decoupled" is AReaL's objective (``algo.decoupled_policy_loss``); "none" leaves it to the rollout
-#: correction fields (TIS / MIS), when set.
-OFF_POLICY_CORRECTIONS = ("none", "decoupled")
-
+#: The paper's loss (``make_rl_step``'s default).
+DEFAULT_LOSS = RLLossConfig()
 # policy_loss metrics already divided by the normaliser (additive over micro-batches, unlike its token means).
 _NORMALISED_METRICS = ("pg_loss", "kl_loss")
-
-# loss_fn(params, micro_batch, normalizer) -> (loss, sums): both add up over micro-batches.
-LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
-
-
-@dataclasses.dataclass(frozen=True)
-class RLLossConfig:
-    """Options of the GRPO-RoC policy loss (paper defaults: ε 0.2/0.28, no KL, no entropy, token mean;
-    dual-clip c = 3 as the released code on verl).
-
-    ``old_logprobs`` picks where π_old comes from: ``"sampler"`` uses the log-probs the engine recorded while
-    sampling; ``"recompute"`` evaluates them with the trainer's forward before the update (the two differ by
-    the sampler/trainer numerical mismatch, e.g. under bfloat16). ``temperature`` divides the logits so the
-    trainer scores the same distribution the sampler drew from.
-
-    ``importance_sampling_level="sequence"`` is GSPO (``algo.gspo_log_ratio``) with its own clip range
-    ``gspo_eps_low`` / ``gspo_eps_high`` (the GSPO paper's 3e-4 / 4e-4) and no dual clip (as verl's GSPO).
-    ``kl_coef`` > 0 adds ``kl`` (k1/k2/k3, "+" for straight-through) to a frozen reference policy, the
-    state's ``ref_params``. Rollout correction (``algo.rollout_correction``, needs
-    ``old_logprobs="recompute"``: π_train is the recomputed π_old, π_rollout the sampler's log-probs):
-    ``rollout_is_cap`` C truncates the token weights at C; ``rollout_mask`` ("sequence" / "geometric")
-    drops sequences whose ratio leaves [1/C', C'], C' = ``rollout_mask_threshold``.
-
-    ``off_policy_correction="decoupled"``: AReaL's objective (``algo.decoupled_policy_loss``): proximal
-    log-probs recomputed by the trainer (whatever ``old_logprobs`` says), tokens weighted by min(pi_prox /
-    pi_sampler, ``decoupled_is_cap``); ``rollout_mask`` may drop sequences, ``rollout_is_cap`` must be None.
-    """
-
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = 3.0
-    agg: str = "token_mean"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    old_logprobs: str = "sampler"
-    importance_sampling_level: str = "token"
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
-    kl_coef: float = 0.0
-    kl: str = "k3"
-    rollout_is_cap: float | None = None
-    rollout_mask: str | None = None
-    rollout_mask_threshold: float = 2.0
-    off_policy_correction: str = "none"
-    decoupled_is_cap: float = 5.0
-
-    def __post_init__(self):
-        if self.old_logprobs not in OLD_LOGPROB_SOURCES:
-            raise ValueError(f"old_logprobs={self.old_logprobs!r}; expected one of {OLD_LOGPROB_SOURCES}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if self.importance_sampling_level not in algo.IS_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r}; "
-                f"expected one of {algo.IS_LEVELS}"
-            )
-        if self.kl not in algo.KL_ESTIMATORS:
-            raise ValueError(f"kl={self.kl!r}; expected one of {tuple(algo.KL_ESTIMATORS)}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.rollout_mask is not None and self.rollout_mask not in algo.SEQUENCE_RATIOS:
-            raise ValueError(
-                f"rollout_mask={self.rollout_mask!r}; expected None or one of {algo.SEQUENCE_RATIOS}"
-            )
-        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            raise ValueError(f"off_policy_correction={self.off_policy_correction!r}; expected one of "
-                             f"{OFF_POLICY_CORRECTIONS}")
-        if self.decoupled and self.rollout_is_cap is not None:
-            raise ValueError("off_policy_correction='decoupled' weights tokens by its own truncated ratio "
-                             "(decoupled_is_cap): rollout_is_cap must be None")
-        for name in ("rollout_is_cap", "rollout_mask_threshold", "decoupled_is_cap"):
-            value = getattr(self, name)
-            if value is not None and not value > 1:
-                raise ValueError(f"{name} must be > 1, got {value}")
-        if self.rollout_correction and self.old_logprobs != "recompute" and not self.decoupled:
-            raise ValueError(
-                "rollout correction (rollout_is_cap / rollout_mask) compares the trainer's π_old with the "
-                "sampler's log-probs: it needs old_logprobs='recompute'"
-            )
-
-    @property
-    def rollout_correction(self) -> bool:
-        return self.rollout_is_cap is not None or self.rollout_mask is not None
-
-    @property
-    def decoupled(self) -> bool:
-        return self.off_policy_correction == "decoupled"
 
 
 def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -146,30 +62,34 @@ def sft_loss(params, batch: Batch, normalizer: jax.Array, *, model_config) -> tu
 
 
 def rl_loss(
-    params, batch: Batch, normalizer: jax.Array, *, model_config, loss_config: RLLossConfig, ref_params=None
+    params, batch: Batch, normalizer: jax.Array, *, model_config, loss_config: RLLossConfig, ref_params=None,
+    policy_logp: jax.Array | None = None,
 ):
-    """The GRPO-RoC clipped surrogate (``algo.policy_loss``) with the whole-batch normaliser.
+    """The policy loss ``loss_config`` picks (``algo.compute_policy_loss`` of ``loss_config.objective()``,
+    the GRPO-RoC clipped surrogate by default) with the whole-batch normaliser.
 
     ``ref_params`` (frozen, no gradient) give the reference log-probs of the KL term when
-    ``loss_config.kl_coef`` > 0. Returns (loss, aux): ``aux["token_sums"]`` (entropy, clip fractions, approx
-    KL, ratio, rollout-correction sums; divided by the batch's loss tokens after accumulation) and
+    ``loss_config.kl_coef`` > 0. ``policy_logp``: the log-probs of the policy the step's updates started
+    from (pi_old when recomputed, pi_prox under the decoupled objective, the trainer's side of the mismatch
+    metrics); None: this forward's (one update per batch, the same values). Returns (loss, aux):
+    ``aux["token_sums"]`` (entropy, clip fractions, approx KL, ratio, rollout-correction sums; divided by the
+    batch's loss tokens after accumulation) and
     ``aux["totals"]`` (the normalised pg / KL losses). The token sums include ``algo.rollout_mismatch``'s
     (``mismatch_*``, ``mismatch_tokens``).
     """
     logp, entropy = _logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
+    # The policy before this step's updates: with one update per batch, this forward's.
+    start_logp = jax.lax.stop_gradient(logp) if policy_logp is None else policy_logp
     old_logp = batch.old_logp
     if loss_config.old_logprobs == "recompute" or loss_config.decoupled:
-        # One update per rollout batch: π_old is the current policy before this update.
-        old_logp = jax.lax.stop_gradient(logp)
+        old_logp = start_logp
     ref_logp = None
     if loss_config.kl_coef:
         if ref_params is None:
-            raise ValueError(
-                f"kl_coef={loss_config.kl_coef} needs a reference policy: the state has no ref_params"
-            )
-        ref_logp, _ = _logprobs_and_entropy(
-            jax.lax.stop_gradient(ref_params), model_config, batch, loss_config.temperature
-        )
+            raise ValueError(f"kl_coef={loss_config.kl_coef} needs a reference policy: the state has no "
+                             "ref_params")
+        ref_logp, _ = _logprobs_and_entropy(jax.lax.stop_gradient(ref_params), model_config, batch,
+                                            loss_config.temperature)
     is_weights, correction_sums = None, {}
     if loss_config.rollout_correction:  # TIS / MIS; under the decoupled objective its sequence mask only
         # batch.old_logp holds the sampler's (rollout engine's) log-probs.
@@ -182,25 +102,21 @@ def rl_loss(
             mask_threshold=loss_config.rollout_mask_threshold,
             segment_ids=batch.segment_ids,
         )
-    sequence_level = loss_config.importance_sampling_level == "sequence"
-    if loss_config.decoupled:  # old_logp is the proximal policy's; batch.old_logp the sampler's (behaviour)
-        objective = functools.partial(algo.decoupled_policy_loss, logp, old_logp, batch.old_logp,
-                                      is_cap=loss_config.decoupled_is_cap)
-    else:
-        objective = functools.partial(algo.policy_loss, logp, old_logp)
+    # Under the decoupled objective old_logp is the proximal policy's, batch.old_logp the behaviour's.
     policy_loss = functools.partial(
-        objective,
+        algo.compute_policy_loss,
+        loss_config.objective(),
+        logp,
+        old_logp,
         batch.advantages,
-        eps_low=loss_config.gspo_eps_low if sequence_level else loss_config.eps_low,
-        eps_high=loss_config.gspo_eps_high if sequence_level else loss_config.eps_high,
-        dual_clip=None if sequence_level else loss_config.dual_clip,
+        options=loss_config.loss_options(),
+        behaviour_logp=batch.old_logp if loss_config.decoupled else None,
         ref_logp=ref_logp,
         kl=loss_config.kl,
         kl_coef=loss_config.kl_coef,
         entropy=entropy if loss_config.entropy_coef else None,
         entropy_coef=loss_config.entropy_coef,
         normalizer=normalizer,
-        importance_sampling_level=loss_config.importance_sampling_level,
         segment_ids=batch.segment_ids,
         is_weights=is_weights,
     )
@@ -222,7 +138,7 @@ def rl_loss(
     token_sums["entropy"] = jax.lax.stop_gradient(_masked_sum(entropy, batch.loss_mask))
     token_sums.update(correction_sums)
     # The sampler's log-probs against the trainer's (this forward, before the update): no gradient.
-    token_sums.update(algo.rollout_mismatch(logp, batch.old_logp, batch.loss_mask, sums=True))
+    token_sums.update(algo.rollout_mismatch(start_logp, batch.old_logp, batch.loss_mask, sums=True))
     totals = {k: v for k, v in metrics.items() if k in _NORMALISED_METRICS}
     return loss, {"token_sums": token_sums, "totals": totals}
 
@@ -248,74 +164,6 @@ def sequence_loss_normalizer(loss_mask: jax.Array, segment_ids: jax.Array, *, ag
     return jnp.sum(first & (_segment_loss_tokens(loss_mask, segment_ids) > 0)).astype(jnp.float32)
 
 
-def _strided_microbatches(batch: Batch, num_microbatches: int) -> Batch:
-    """``[rows, ...]`` -> ``[M, rows / M, ...]``, micro-batch m = rows m, m+M, ... (shard-local rows)."""
-
-    def split(x):
-        return x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
-
-    return jax.tree.map(split, batch)
-
-
-def accumulate_gradients(
-    loss_fn: LossFn, params, batch: Batch, normalizer: jax.Array, num_microbatches: int, *, rng=None
-):
-    """Σ over micro-batches of (loss, sums, ∇loss): equals the full-batch values when ``loss_fn`` is additive.
-
-    ``rng``: a key for a random loss (LoRA dropout): micro-batch m calls ``loss_fn(..., rng=fold_in(rng,
-    m))``.
-    Returns ``(loss, sums, grads)``; the gradient accumulator stays in the parameters' dtype and placement.
-    """
-    rows = batch.tokens.shape[0]
-    if num_microbatches < 1 or rows % num_microbatches:
-        raise ValueError(
-            f"batch rows ({rows}) must be a positive multiple of num_microbatches ({num_microbatches})"
-        )
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def grad_fn(params, micro_batch, index):
-        extra = {} if rng is None else {"rng": jax.random.fold_in(rng, index)}
-        return value_and_grad(params, micro_batch, normalizer, **extra)
-
-    if num_microbatches == 1:
-        (loss, sums), grads = grad_fn(params, batch, 0)
-        return loss, sums, grads
-
-    micro = _strided_microbatches(batch, num_microbatches)
-    first = jax.tree.map(lambda x: x[0], micro)
-    (loss_shape, sums_shape), _ = jax.eval_shape(grad_fn, params, first, 0)
-
-    def body(carry, inputs):
-        loss, sums, grads = carry
-        (l_m, s_m), g_m = grad_fn(params, *inputs)
-        return (loss + l_m, jax.tree.map(jnp.add, sums, s_m), jax.tree.map(jnp.add, grads, g_m)), None
-
-    zeros = (
-        jnp.zeros(loss_shape.shape, loss_shape.dtype),
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-        jax.tree.map(jnp.zeros_like, params),
-    )
-    (loss, sums, grads), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(num_microbatches)))
-    return loss, sums, grads
-
-
-def with_adapters(loss_fn: LossFn, base, lora: models.LoraConfig) -> LossFn:
-    """``loss_fn`` of a full params tree turned into one of LoRA adapters: the forward runs the frozen
-    ``base`` with the adapters attached (``models.lora.attach``), so only the adapters get a gradient;
-    an ``rng`` keyword (from ``accumulate_gradients``) becomes the adapters' dropout key."""
-
-    def adapted(adapters, batch, normalizer, rng=None):
-        return loss_fn(models.lora.attach(base, adapters, lora, dropout_key=rng), batch, normalizer)
-
-    return adapted
-
-
-def _apply_update(state: TrainState, grads, optimizer: optax.GradientTransformation):
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-
-
 def sft_step(
     state: TrainState, batch: Batch, base=None, *, model_config, optimizer, num_microbatches: int = 1,
     lora: models.LoraConfig | None = None,
@@ -335,7 +183,7 @@ def sft_step(
         loss_fn, state.params, batch, jnp.maximum(tokens, 1.0), num_microbatches, rng=rng
     )
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": tokens}
-    return _apply_update(state, grads, optimizer), metrics
+    return apply_update(state, grads, optimizer), metrics
 
 
 def rl_step(
@@ -348,8 +196,13 @@ def rl_step(
     loss_config: RLLossConfig,
     num_microbatches: int = 1,
     lora: models.LoraConfig | None = None,
+    ppo_epochs: int = 1,
+    mini_batches: int = 1,
 ):
-    """One GRPO-RoC update on a batch of selected trajectories.
+    """A GRPO-RoC step on a batch of selected trajectories: one update (the default, the release's), or
+    ``ppo_epochs`` passes over ``mini_batches`` strided mini-batches, an update each (``updates.
+    several_updates``), against the policy the step started from: its log-probs, computed once before the
+    first update, are pi_old (``old_logprobs="recompute"``) or pi_prox (the decoupled objective).
 
     LoRA (``lora`` given): ``state.params`` are the adapters, ``base`` the frozen base parameters, which are
     also the KL term's reference policy (the adapters off: no second copy of the weights). No dropout: the
@@ -360,25 +213,58 @@ def rl_step(
     (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was truncated),
     rollout_is_masked (share of loss tokens in masked sequences); decoupled: behaviour_ratio_mean (mean
     π_prox/π_behaviour), behaviour_ratio_capped; always the sampler-vs-trainer mismatch of the loss tokens
-    (``algo.rollout_mismatch``, this forward's log-probs before the update against ``batch.old_logp``):
-    mismatch_abs_log_ratio, mismatch_k3_kl, mismatch_outside_band. Sequences dropped by the rollout mask stay
-    in the loss normaliser (computed over the whole batch before the forward pass).
+    (``algo.rollout_mismatch``, the log-probs before the first update against ``batch.old_logp``):
+    mismatch_abs_log_ratio, mismatch_k3_kl, mismatch_outside_band. Several updates: each averaged over the
+    epochs (and grad_norm over the updates). Sequences dropped by the rollout mask stay in the loss
+    normaliser (computed over the whole batch before the forward pass).
     """
     tokens = jnp.sum(batch.loss_mask)
     normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)
+    lora = None if lora is None else dataclasses.replace(lora, dropout=0.0)
     loss_fn = functools.partial(
         rl_loss,
         model_config=model_config,
         loss_config=loss_config,
         ref_params=state.ref_params if lora is None else base,
     )
-    if lora is not None:
-        loss_fn = with_adapters(loss_fn, base, dataclasses.replace(lora, dropout=0.0))
-    loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
+    if ppo_epochs == mini_batches == 1:
+        loss_fn = loss_fn if lora is None else with_adapters(loss_fn, base, lora)
+        loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
+        grad_norm, state = optax.global_norm(grads), apply_update(state, grads, optimizer)
+    else:
+        policy = state.params if lora is None else models.lora.attach(base, state.params, lora)
+        start_logp = _start_logprobs(policy, batch, model_config=model_config,
+                                     temperature=loss_config.temperature, num_microbatches=num_microbatches)
+        loss_fn = _with_start_logprobs(loss_fn)
+        loss_fn = loss_fn if lora is None else with_adapters(loss_fn, base, lora)
+        state, loss, sums, grad_norm = several_updates(
+            state, (batch, start_logp), loss_fn, normalizer, optimizer=optimizer,
+            num_microbatches=num_microbatches, ppo_epochs=ppo_epochs, mini_batches=mini_batches)
     count = jnp.maximum(tokens, 1.0)
     metrics = {k: v / count for k, v in sums["token_sums"].items() if k != "mismatch_tokens"}
-    metrics.update(sums["totals"], loss=loss, grad_norm=optax.global_norm(grads), tokens=tokens)
-    return _apply_update(state, grads, optimizer), metrics
+    metrics.update(sums["totals"], loss=loss, grad_norm=grad_norm, tokens=tokens)
+    return state, metrics
+
+
+def _start_logprobs(params, batch: Batch, *, model_config, temperature: float, num_microbatches: int):
+    """log pi(target) ``[rows, seq_len]`` of ``params`` (no gradient), a micro-batch at a time: the policy a
+    step's updates start from."""
+
+    def logprobs(micro_batch):
+        return _logprobs_and_entropy(params, model_config, micro_batch, temperature)[0]
+
+    micro_batches = strided_split(batch, num_microbatches)
+    return jax.lax.stop_gradient(strided_merge(jax.lax.map(logprobs, micro_batches)))
+
+
+def _with_start_logprobs(loss_fn: LossFn) -> LossFn:
+    """``rl_loss`` (bound) of ``(batch, start_logp)`` pairs: ``policy_logp=start_logp``."""
+
+    def loss(params, inputs, normalizer):
+        batch, start_logp = inputs
+        return loss_fn(params, batch, normalizer, policy_logp=start_logp)
+
+    return loss
 
 
 def trainable_params(model_config, key: jax.Array, lora: models.LoraConfig | None = None, *, mesh=None):
@@ -471,13 +357,15 @@ def make_sft_step(
 def make_rl_step(
     model_config,
     optimizer,
-    loss_config: RLLossConfig = RLLossConfig(),
+    loss_config: RLLossConfig = DEFAULT_LOSS,
     *,
     num_microbatches: int = 1,
     mesh: Mesh | None = None,
     shardings: TrainState | None = None,
     compiler_options: dict | None = None,
     lora: models.LoraConfig | None = None,
+    ppo_epochs: int = 1,
+    mini_batches: int = 1,
 ):
     """``rl_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``; with ``lora``,
     ``step(state, batch, base)`` (see ``rl_step``). A step whose loss or gradient is not finite keeps its
@@ -490,6 +378,8 @@ def make_rl_step(
         loss_config=loss_config,
         num_microbatches=num_microbatches,
         lora=lora,
+        ppo_epochs=ppo_epochs,
+        mini_batches=mini_batches,
     )
     step = skip_nonfinite_updates(step)
     return _jit(step, model_config, lora, mesh=mesh, shardings=shardings, compiler_options=compiler_options)

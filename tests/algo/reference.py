@@ -232,3 +232,42 @@ def decoupled_policy_loss(logp, proximal_logp, behaviour_logp, advantages, loss_
     metrics["behaviour_ratio_mean"] = float(np.sum(ratio * mask)) / tokens
     metrics["behaviour_ratio_capped"] = float(np.sum((ratio > is_cap) * mask)) / tokens
     return total, metrics, grad_logp
+
+
+def _token_mean_loss(logp, old_logp, advantages, loss_mask, token_loss_and_grad):
+    """Token-mean of ``token_loss_and_grad(a, rho, logp) -> (l, dl/dlogp)`` over the loss tokens: the loss
+    and d loss / d logp (float64), with rho = exp(clip(logp - old_logp, -20, 20))."""
+    logp, old_logp, mask = (np.asarray(a, np.float64) for a in (logp, old_logp, loss_mask))
+    adv = np.asarray(advantages, np.float64)
+    if adv.ndim == 1:
+        adv = np.repeat(adv[:, None], logp.shape[1], axis=1)
+    tokens = mask.sum()
+    total, grad = 0.0, np.zeros_like(logp)
+    for b, t in itertools.product(range(logp.shape[0]), range(logp.shape[1])):
+        if mask[b, t]:
+            rho = math.exp(min(max(logp[b, t] - old_logp[b, t], -20.0), 20.0))
+            value, d = token_loss_and_grad(adv[b, t], rho, logp[b, t])
+            total += value / tokens
+            grad[b, t] = d / tokens
+    return total, grad
+
+
+def cispo_loss(logp, old_logp, advantages, loss_mask, *, eps_high):
+    """CISPO: l = -min(rho, 1 + eps_high) A logp, the weight a constant: dl/dlogp = -min(rho, 1 + eps) A."""
+
+    def token(a, rho, lp):
+        weight = min(rho, 1.0 + eps_high)
+        return -weight * a * lp, -weight * a
+
+    return _token_mean_loss(logp, old_logp, advantages, loss_mask, token)
+
+
+def sapo_loss(logp, old_logp, advantages, loss_mask, *, tau_pos, tau_neg):
+    """SAPO: l = -A (4 / tau) sigmoid(tau (rho - 1)); dl/dlogp = -A 4 s (1 - s) rho."""
+
+    def token(a, rho, lp):
+        tau = tau_pos if a > 0 else tau_neg
+        s = 1.0 / (1.0 + math.exp(-tau * (rho - 1.0)))
+        return -a * 4.0 / tau * s, -a * 4.0 * s * (1.0 - s) * rho
+
+    return _token_mean_loss(logp, old_logp, advantages, loss_mask, token)

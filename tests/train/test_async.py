@@ -30,9 +30,9 @@ from rstar2jax.train import (
 )
 from rstar2jax.train.async_schedule import AsyncSchedule, Ticket, choose_batch
 from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.options import ConfigError
 from rstar2jax.train.placement import rollout_devices, train_devices
-from rstar2jax.train.steps import RLLossConfig
 from tests.conftest import REPO_ROOT, cpu_xla_flags
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import (
