@@ -29,6 +29,7 @@ from rstar2jax.train.runtime import (
 )
 from rstar2jax.train.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous
 from rstar2jax.train.schedule_choice import make_schedule
+from rstar2jax.train.schedule_state import ScheduleInvariantError
 from rstar2jax.train.selection import RLIterationConfig, rollout_metrics, select_and_build_batch
 from rstar2jax.train.sft_loop import train_sft
 from rstar2jax.train.state import (
@@ -70,6 +71,7 @@ __all__ = [
     "StopSignal",
     "Synchronous",
     "RunFault",
+    "ScheduleInvariantError",
     "RunOptions",
     "RunPaths",
     "StageOptions",

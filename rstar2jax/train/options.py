@@ -143,12 +143,14 @@ class WandbOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``) and the
-    Weights & Biases run."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``), the
+    Weights & Biases run, and the fraction of each RL step's groups on the rollout record (None:
+    ``rollout_record.auto_fraction``)."""
 
     tensorboard: bool = True
     progress: bool = True
     progress_every: int = 10
+    rollout_record: float | None = None
     wandb: WandbOptions = WandbOptions()
 
 

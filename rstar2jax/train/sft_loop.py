@@ -53,7 +53,7 @@ def train_sft(
     # The schedule spans the whole run, so stopping early (max_steps) and resuming changes nothing.
     optimizer = options.optimizer.optimizer(total_steps=run_steps)
     schedule = options.optimizer.learning_rate_schedule(total_steps=run_steps)
-    run = start_run(options, optimizer, schedule, initial_meta={"position": 0}, stop=stop)
+    run = start_run(options, optimizer, schedule, stop=stop)
     step_fn = make_sft_step(
         run.model_config,
         optimizer,
@@ -64,7 +64,7 @@ def train_sft(
     )
     if run.base is not None:
         step_fn = run.base.bind(step_fn)
-    iterator = ProblemIterator(sequences, sft.batch_size, seed=options.seed, position=run.meta["position"])
+    iterator = ProblemIterator(sequences, sft.batch_size, seed=options.seed, position=run.host.position)
     if run.resumed and run.is_main:
         logger.info(
             "resuming SFT from the checkpoint at step %d of %d in %s (epoch %.2f)",
