@@ -160,6 +160,7 @@ NOT_RUN = {
         "needs the demo's SFT policy; about an hour here"
     ),
     "python -m experiments.bench_engine --precision": "a benchmark (README figure); half an hour here",
+    "python -m experiments.bench_engine --exact": "a benchmark (docs/exact_numerics.md's figures)",
     # Asynchronous RL (issue 40): the schedule itself is tests/train/test_async.py's.
     "python -m experiments.bench_async --parts=async,weights": "a benchmark (README figure); 15 minutes here",
     "python -m experiments.ablate_roc --modes=paper,async": "needs the demo's SFT policy; about an hour here",

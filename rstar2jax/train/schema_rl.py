@@ -6,7 +6,12 @@ from __future__ import annotations
 from rstar2jax import algo
 from rstar2jax.engine.config import FP8, FP8_MATMULS
 from rstar2jax.engine.plan import ON_UPDATE
-from rstar2jax.models.config import ATTENTION_ALIASES, DECODE_ATTENTION_IMPLEMENTATIONS, SUPPORTED_DTYPES
+from rstar2jax.models.config import (
+    ATTENTION_ALIASES,
+    DECODE_ATTENTION_IMPLEMENTATIONS,
+    NUMERICS,
+    SUPPORTED_DTYPES,
+)
 from rstar2jax.train.checks import (
     AT_LEAST_0,
     POSITIVE,
@@ -400,6 +405,12 @@ RL: dict[str, Field] = {
         "auto", choice(DECODE_ATTENTION),
         "the engine's paged decode attention: auto (the Pallas kernel on CUDA GPUs, else blockwise) / "
         "blockwise / pallas_triton",
+    ),
+    "rollout.numerics": Field(
+        "default", choice(NUMERICS),
+        "default / exact: the engine and the trainer compute with the same batch-invariant programs, so the "
+        "sampler's log-probs are the trainer's bit for bit (pi_old without a recompute pass; slower: "
+        "docs/exact_numerics.md); not with FP8 weights or KV pages",
     ),
     "rollout.partial_token_budget": Field(
         0, AT_LEAST_0,
