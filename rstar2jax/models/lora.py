@@ -85,7 +85,13 @@ class LoraConfig:
 
 
 def check_lora(config: ModelConfig, lora: LoraConfig) -> None:
-    """Raises ValueError naming the first target whose matrix is smaller than ``lora.rank`` on a side."""
+    """Raises ValueError naming the first target whose matrix is smaller than ``lora.rank`` on a side, or
+    for exact numerics (the engine samples from the merged ``W + s A B``, the trainer computes ``x W +
+    s (x A) B``: other roundings, so the log-probs would not agree bit for bit)."""
+    if config.numerics == "exact":
+        raise ValueError("numerics='exact' with LoRA: the engine samples from merged weights, which the "
+                         "trainer's base + adapter forward does not match bit for bit; use "
+                         "numerics='default'")
     layers = param_specs(config)["layers"]
     for name in lora.targets:
         fan_in, fan_out = _fans(layers[name], name)

@@ -1,7 +1,11 @@
 """Exact numerics (issue 52, ``ModelConfig.numerics="exact"``): every sampled token's engine log-prob equals
 the trainer's bit for bit, in float32 and bfloat16, over random batch mixes, slot counts and trainer packings,
-multi-turn sessions with tool outputs, forks and shared prompt pages; the run config's switch reaches the
-model and keeps pi_old the sampler's (no recompute pass, no TIS)."""
+multi-turn sessions with tool outputs, forks and shared prompt pages, a page pool too small for every slot,
+weights updated in flight (each token against its own version), micro-batched ``rl_step`` rows; the run
+config's switch reaches the model and keeps pi_old the sampler's (no recompute pass, no TIS); LoRA refused.
+
+Speed: every test runs the model config of ``docs/exact_numerics.md`` (with the engine tests' weights), one
+of two engine configs and one trainer shape per dtype, so the whole file compiles a handful of programs."""
 
 import asyncio
 import dataclasses
@@ -10,74 +14,91 @@ import re
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from experiments.configs import tiny_cpu
 from rstar2jax import models
-from rstar2jax.engine import Engine, EngineConfig, SamplingParams, generate
-from rstar2jax.train import ConfigError, parse
+from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
+from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
 from tests.train.scripted import set_fields
 
 GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "exact_numerics.md"
-ROW = 192  # the trainer's packed row width: one compiled forward for every example
-EXACT_ENGINE = EngineConfig(num_slots=4, max_len=64, decode_chunk=4, token_buckets=(4, 16), prefill_tile=8,
-                            page_size=8, eos_token_ids=(), prefix_sharing=True, poison_freed_pages=True)
+ROWS, ROW = 2, 256  # the trainer's packed rows: one compiled forward per dtype for every test
+ONE_SLOT = EngineConfig(num_slots=1, max_len=64, token_buckets=(16,), eos_token_ids=())  # the guide's
+# Four slots and 8 pages of 16 tokens: at most two full-length sequences fit, the others wait for pages and
+# evict cached prefixes; freed pages are poisoned (NaN), so a stale read would show.
+FOUR_SLOTS = dataclasses.replace(ONE_SLOT, num_slots=4, num_pages=9, poison_freed_pages=True)
+SAMPLED = SamplingParams(temperature=1.0)
+_sequence_logprobs = jax.jit(models.sequence_logprobs, static_argnums=1)
 
 
-def _exact(tiny, dtype: str):
-    return dataclasses.replace(tiny.config, compute_dtype=dtype, numerics="exact")
+@pytest.fixture(scope="module")
+def exact(tiny_qwen3):
+    """dtype -> (config, params): the guide's model config in exact numerics, the engine tests' weights
+    (large enough that a rounding difference changes log-probs)."""
+    base = models.preset("tiny", numerics="exact")
+    return {dtype: (dataclasses.replace(base, compute_dtype=dtype), tiny_qwen3.params)
+            for dtype in ("float32", "bfloat16")}
 
 
-def _trainer_logprobs(params, config, sequences, rows: int) -> list[np.ndarray]:
+def _trainer_logprobs(params, config, sequences, row_of) -> list[np.ndarray]:
     """The trainer's log-probs (``models.sequence_logprobs``, as the RL step computes them) of each sequence's
-    tokens after its first, the sequences packed in turn into ``rows`` rows of ``ROW`` tokens."""
-    tokens, targets, positions, segments = (np.zeros((rows, ROW), np.int32) for _ in range(4))
-    fill, where = [0] * rows, []
+    tokens after its first, sequence ``i`` packed into row ``row_of[i]`` of ``ROWS`` rows of ``ROW``."""
+    tokens, targets, positions, segments = (np.zeros((ROWS, ROW), np.int32) for _ in range(4))
+    fill, where = [0] * ROWS, []
     for i, seq in enumerate(sequences):
-        row, n = i % rows, len(seq) - 1
+        row, n = row_of[i], len(seq) - 1
         start = fill[row]
         assert start + n <= ROW
         tokens[row, start:start + n], targets[row, start:start + n] = seq[:-1], seq[1:]
         positions[row, start:start + n], segments[row, start:start + n] = np.arange(n), i + 1
         where.append((row, start, n))
         fill[row] += n
-    logp, _ = models.sequence_logprobs(params, config, *map(jnp.asarray, (tokens, targets)),
-                                      positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments))
+    logp, _ = _sequence_logprobs(params, config, *map(jnp.asarray, (tokens, targets)),
+                                 positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments))
     logp = np.asarray(logp)
     return [logp[row, start:start + n] for row, start, n in where]
 
 
-@hypothesis.settings(max_examples=3, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
-@hypothesis.given(st.data())
-def test_engine_logprobs_are_the_trainers_bit_for_bit(tiny_qwen3, data):
-    """Random prompts (count, lengths), slot count, trainer packing and dtype: sampled at temperature 1, each
-    token's engine log-prob is the trainer's exactly; the tokens do not depend on the slot count."""
-    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
-    config = _exact(tiny_qwen3, dtype)
+def _assert_sampled_are_the_trainers(params, config, records, row_of=None):
+    """``records``: (prompt, response, loss_mask, logprobs); each sampled token's log-prob is the trainer's
+    over the whole conversation, bit for bit."""
+    sequences = [list(prompt) + list(response) for prompt, response, _, _ in records]
+    trainer = _trainer_logprobs(params, config, sequences, row_of or [i % ROWS for i in range(len(records))])
+    for (prompt, _, mask, logprobs), logp in zip(records, trainer, strict=True):
+        sampled = np.flatnonzero(mask)
+        np.testing.assert_array_equal(np.asarray(logprobs, np.float32)[sampled],
+                                      logp[len(prompt) - 1 + sampled])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@hypothesis.settings(max_examples=2, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(data=st.data())
+def test_engine_logprobs_are_the_trainers_bit_for_bit(exact, dtype, data):
+    """Random prompts (count, lengths) and trainer packing: sampled at temperature 1 on one slot and on four
+    (where they wait for pages), each token's engine log-prob is the trainer's exactly, and the tokens and
+    log-probs do not depend on the slot count."""
+    config, params = exact[dtype]
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    prompts = [rng.integers(0, 256, n).tolist() for n in rng.integers(2, 30, data.draw(st.integers(1, 5)))]
-    slots = data.draw(st.sampled_from([1, 4]))
-    engine = dataclasses.replace(EXACT_ENGINE, num_slots=slots, token_buckets=(slots, 16))
-    gens = generate(tiny_qwen3.params, config, prompts, max_new_tokens=10, temperature=1.0,
-                    engine_config=engine, seed=7)
-    sequences = [p + g.tokens for p, g in zip(prompts, gens, strict=True)]
-    trainer = _trainer_logprobs(tiny_qwen3.params, config, sequences, rows=data.draw(st.integers(1, 3)))
-    for prompt, gen, logp in zip(prompts, gens, trainer, strict=True):
-        np.testing.assert_array_equal(np.asarray(gen.logprobs, np.float32), logp[len(prompt) - 1:])
-    other = dataclasses.replace(EXACT_ENGINE, num_slots=2, token_buckets=(2, 16))
-    again = generate(tiny_qwen3.params, config, prompts, max_new_tokens=10, temperature=1.0,
-                     engine_config=other, seed=7)
-    assert [g.tokens for g in again] == [g.tokens for g in gens]
-    assert [g.logprobs for g in again] == [g.logprobs for g in gens]
+    prompts = [rng.integers(0, 256, n).tolist() for n in rng.integers(2, 40, data.draw(st.integers(1, 6)))]
+    row_of = data.draw(st.lists(st.integers(0, ROWS - 1), min_size=len(prompts), max_size=len(prompts)))
+    runs = [generate(params, config, prompts, max_new_tokens=10, temperature=1.0, engine_config=engine,
+                     seed=7) for engine in (ONE_SLOT, FOUR_SLOTS)]
+    records = [(p, g.tokens, [1] * len(g.tokens), g.logprobs) for p, g in zip(prompts, runs[0], strict=True)]
+    _assert_sampled_are_the_trainers(params, config, records, row_of)
+    assert [g.tokens for g in runs[1]] == [g.tokens for g in runs[0]]
+    assert [g.logprobs for g in runs[1]] == [g.logprobs for g in runs[0]]
 
 
-def test_multi_turn_forks_and_shared_prompts_are_exact(tiny_qwen3):
+def test_multi_turn_forks_and_shared_prompts_are_exact(exact):
     """Groups sharing a prompt prefix (the prefix cache) fork, sample, take tool outputs and sample again, in
-    parallel, in bfloat16: every sampled token's log-prob is the trainer's bit for bit over the whole
-    conversation."""
-    config = _exact(tiny_qwen3, "bfloat16")
+    parallel, in bfloat16, on a pool that holds two of them at a time: every sampled token's log-prob is the
+    trainer's bit for bit over the whole conversation."""
+    config, params = exact["bfloat16"]
     rng = np.random.default_rng(3)
     shared = rng.integers(0, 256, 17).tolist()
     prompts = [shared + rng.integers(0, 256, n).tolist() for n in (3, 9)] + [rng.integers(0, 256, 5).tolist()]
@@ -91,21 +112,70 @@ def test_multi_turn_forks_and_shared_prompts_are_exact(tiny_qwen3):
         session.close()
 
     async def group(engine, prompt):  # opened and run together: 6 sessions share 4 slots
-        sessions = await engine.open(prompt, n=2, sampling=SamplingParams(temperature=1.0), max_tokens=24)
+        sessions = await engine.open(prompt, n=2, sampling=SAMPLED, max_tokens=24)
         await asyncio.gather(*[rollout(s, j) for j, s in enumerate(sessions)])
 
     async def scenario():
-        async with Engine(tiny_qwen3.params, config, EXACT_ENGINE) as engine:
+        async with Engine(params, config, FOUR_SLOTS) as engine:
             await asyncio.gather(*[group(engine, p) for p in prompts])
 
     asyncio.run(scenario())
     assert len(records) == 6
-    sequences = [list(prompt) + list(response) for prompt, response, _, _ in records]
-    trainer = _trainer_logprobs(tiny_qwen3.params, config, sequences, rows=2)
-    for (prompt, _, mask, logprobs), logp in zip(records, trainer, strict=True):
-        sampled = np.flatnonzero(mask)
-        np.testing.assert_array_equal(np.asarray(logprobs, np.float32)[sampled],
-                                      logp[len(prompt) - 1 + sampled])
+    _assert_sampled_are_the_trainers(params, config, records)
+
+
+def _drain(core):
+    while core.num_active:
+        for record, chunk in core.step():
+            record.receive(chunk)
+
+
+@pytest.mark.parametrize("on_update", ["recompute", "keep"])
+def test_weights_updated_in_flight_each_token_is_its_versions(exact, on_update):
+    """New weights while sequences decode (``on_update="recompute"``: every key/value prefilled again; with
+    ``"keep"`` the new weights change only what no key/value depends on): each sampled token's log-prob is
+    the trainer's under the weights of the version that sampled it, bit for bit, both versions present."""
+    config, old = exact["float32"]
+    layers = old["layers"]
+    head_only = {**old, "final_norm": old["final_norm"] * 1.5,
+                 "layers": {**layers, "down_proj": layers["down_proj"].at[-1].multiply(-2.0)}}
+    new = jax.tree.map(lambda x: x * 1.05, old) if on_update == "recompute" else head_only
+    core = EngineCore(old, config, FOUR_SLOTS)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (9, 20)]
+    records = [record for group in core.admit([(p, 1, SAMPLED, 44, (i,)) for i, p in enumerate(prompts)])
+               for record in group]
+    for record in records:  # a few decode chunks: the update lands between two of them
+        core.start(record, max_new_tokens=40)
+    while not all(record.response_ids for record in records):
+        for record, chunk in core.step():
+            record.receive(chunk)
+    core.update_weights(new, 1, on_update=on_update)
+    _drain(core)
+    for version, params in ((0, old), (1, new)):
+        tagged = [(r.prompt_ids, r.response_ids, np.asarray(r.policy_versions) == version, r.logprobs)
+                  for r in records]
+        assert any(mask.any() for _, _, mask, _ in tagged)
+        _assert_sampled_are_the_trainers(params, config, tagged)
+
+
+def test_rl_step_mismatch_metrics_read_zero_on_micro_batched_packed_rows(exact):
+    """Engine samples packed into rows and split into two micro-batches: the ``rl_step`` recomputes the
+    trainer's log-probs of the loss tokens and its sampler-vs-trainer mismatch metrics read exactly 0."""
+    config, params = exact["float32"]
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 12, 3, 20, 8)]
+    gens = generate(params, config, prompts, max_new_tokens=8, temperature=1.0, engine_config=FOUR_SLOTS,
+                    seed=2)
+    sequences = [TokenSequence(tokens=p + g.tokens, loss_mask=[0] * len(p) + [1] * len(g.tokens),
+                               logprobs=[0.0] * len(p) + list(g.logprobs), advantage=float(i % 2) - 0.5)
+                 for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
+    batch = build_batch(sequences, seq_len=64, num_rows=4, pack=True, with_rl_fields=True)
+    optimizer = optax.sgd(1e-3)
+    step = make_rl_step(config, optimizer, num_microbatches=2)
+    _, metrics = step(init_train_state(jax.tree.map(jnp.copy, params), optimizer, 0), batch)
+    assert float(metrics["tokens"]) == 8 * len(prompts)
+    assert float(metrics["mismatch_abs_log_ratio"]) == float(metrics["mismatch_k3_kl"]) == 0.0
 
 
 def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
@@ -119,6 +189,15 @@ def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
         parse(set_fields(config, {"rollout.numerics": "exact", "rollout.kv_dtype": "fp8"}))
     with pytest.raises(ValueError, match="numerics='fast'"):
         dataclasses.replace(default.policy.model, numerics="fast")
+
+
+def test_lora_with_exact_numerics_is_refused():
+    """The engine samples from merged LoRA weights, the trainer runs base + adapter: not bit for bit, so
+    adapters for an exact model are a one-line error (the default numerics take them)."""
+    lora = models.LoraConfig(rank=2)
+    models.lora.check_lora(models.preset("tiny"), lora)
+    with pytest.raises(ValueError, match="numerics='exact' with LoRA"):
+        models.lora.init_lora(models.preset("tiny", numerics="exact"), lora, jax.random.key(0))
 
 
 def test_the_guide_runs():
