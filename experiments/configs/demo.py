@@ -13,14 +13,15 @@ import pathlib
 
 import ml_collections
 
-from rstar2jax.train.config import rl_config, sft_config, stage
+from rstar2jax.config.config import rl_config, sft_config, stage
 
 # Two families whose reference code is two short lines; what a tiny model finds hard is copying the numbers
 # digit by digit from the problem into the code and from the tool output into the answer.
 FAMILIES = ("modpow", "lcm")
 
 
-#: The demo's own fields (``--print_config``); its ``sft`` and ``rl`` parts are ``train.config.FIELD_HELP``'s.
+#: The demo's own fields (``--print_config``); its ``sft`` and ``rl`` parts are
+#: ``config.field_help.FIELD_HELP``'s.
 FIELD_HELP = {
     "task.num_train": "synthetic training problems",
     "task.num_eval": "held-out problems (disjoint from the training ones)",

@@ -13,7 +13,7 @@ Endpoints: ``GET /health`` (200 once the engine is up, 503 before and while drai
 ``POST /v1/chat/completions`` (see :mod:`rstar2jax.serve.protocol` for what is accepted).
 
 Conversation format: the messages (and ``tools``) are rendered by the model's chat template, in the format
-the policy was trained in (:attr:`~rstar2jax.train.loader.Policy.prompt`, recorded in its folder): a request
+the policy was trained in (:attr:`~rstar2jax.policy.loader.Policy.prompt`, recorded in its folder): a request
 without a system message gets the policy's system prompt, the template gets its variables, and the assistant
 opener (``<reason>`` for rStar2-Agent policies) is appended, as in the rollouts the policy was trained on; the
 opener is the start of the returned content. A plain HF folder records no format: nothing is added to what
@@ -59,12 +59,12 @@ from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session, page_rounded
 from rstar2jax.engine.paged_attention import pages_for_bytes
+from rstar2jax.policy.loader import Policy
 from rstar2jax.serve.admission import Admission, InFlight, shutting_down
 from rstar2jax.serve.choice import ABORT, ChoiceContext, ChoiceStream, TokenText
 from rstar2jax.serve.metrics import ServerMetrics, render_prometheus, wants_json
 from rstar2jax.serve.protocol import ChatRequest, RequestError, parse_chat_request
 from rstar2jax.serve.responses import complete, errors_middleware, stream, usage_block
-from rstar2jax.train.loader import Policy
 
 __all__ = ["BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server"]
 

@@ -14,10 +14,10 @@ import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.config.options import ConfigError, DistributedOptions, RunOptions
 from rstar2jax.engine.config import FP8
 from rstar2jax.engine.programs import check_precision
-from rstar2jax.train.options import ConfigError, DistributedOptions, RunOptions
-from rstar2jax.train.placement import local_devices_needed, train_devices
+from rstar2jax.schedules.placement import local_devices_needed, train_devices
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("constant", "cosine")
+from rstar2jax.config.options import OptimizerOptions
+from rstar2jax.config.vocabulary import SCHEDULES
 
 
 @flax.struct.dataclass
@@ -90,6 +91,25 @@ def make_optimizer(
     )
     adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     return adamw if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def optimizer_from_options(options: OptimizerOptions, total_steps: int | None = None):
+    """The optimizer ``config.optimizer`` asks for (``total_steps``: the run's step count when
+    ``optimizer.total_steps`` is not set)."""
+    return make_optimizer(
+        options.learning_rate,
+        **options.schedule_options(total_steps),
+        weight_decay=options.weight_decay,
+        b1=options.b1,
+        b2=options.b2,
+        eps=options.eps,
+        max_grad_norm=options.max_grad_norm,
+    )
+
+
+def schedule_from_options(options: OptimizerOptions, total_steps: int | None = None):
+    """The learning-rate schedule :func:`optimizer_from_options` applies."""
+    return learning_rate_schedule(options.learning_rate, **options.schedule_options(total_steps))
 
 
 def init_train_state(

@@ -19,105 +19,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2jax import algo, models
+from rstar2jax.config.algorithm import RLLossConfig
 from rstar2jax.data.batch import Batch
 from rstar2jax.train.faults import skip_nonfinite_updates
 from rstar2jax.train.state import TrainState
-
-OLD_LOGPROB_SOURCES = ("sampler", "recompute")
-#: How the loss corrects for tokens an older policy sampled (``RLLossConfig.off_policy_correction``):
-#: "decoupled" is AReaL's objective (``algo.decoupled_policy_loss``); "none" leaves it to the rollout
-#: correction fields (TIS / MIS), when set.
-OFF_POLICY_CORRECTIONS = ("none", "decoupled")
 
 # policy_loss metrics already divided by the normaliser (additive over micro-batches, unlike its token means).
 _NORMALISED_METRICS = ("pg_loss", "kl_loss")
 
 # loss_fn(params, micro_batch, normalizer) -> (loss, sums): both add up over micro-batches.
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
-
-
-@dataclasses.dataclass(frozen=True)
-class RLLossConfig:
-    """Options of the GRPO-RoC policy loss (paper defaults: ε 0.2/0.28, no KL, no entropy, token mean;
-    dual-clip c = 3 as the released code on verl).
-
-    ``old_logprobs`` picks where π_old comes from: ``"sampler"`` uses the log-probs the engine recorded while
-    sampling; ``"recompute"`` evaluates them with the trainer's forward before the update (the two differ by
-    the sampler/trainer numerical mismatch, e.g. under bfloat16). ``temperature`` divides the logits so the
-    trainer scores the same distribution the sampler drew from.
-
-    ``importance_sampling_level="sequence"`` is GSPO (``algo.gspo_log_ratio``) with its own clip range
-    ``gspo_eps_low`` / ``gspo_eps_high`` (the GSPO paper's 3e-4 / 4e-4) and no dual clip (as verl's GSPO).
-    ``kl_coef`` > 0 adds ``kl`` (k1/k2/k3, "+" for straight-through) to a frozen reference policy, the
-    state's ``ref_params``. Rollout correction (``algo.rollout_correction``, needs
-    ``old_logprobs="recompute"``: π_train is the recomputed π_old, π_rollout the sampler's log-probs):
-    ``rollout_is_cap`` C truncates the token weights at C; ``rollout_mask`` ("sequence" / "geometric")
-    drops sequences whose ratio leaves [1/C', C'], C' = ``rollout_mask_threshold``.
-
-    ``off_policy_correction="decoupled"``: AReaL's objective (``algo.decoupled_policy_loss``): proximal
-    log-probs recomputed by the trainer (whatever ``old_logprobs`` says), tokens weighted by min(pi_prox /
-    pi_sampler, ``decoupled_is_cap``); ``rollout_mask`` may drop sequences, ``rollout_is_cap`` must be None.
-    """
-
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = 3.0
-    agg: str = "token_mean"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    old_logprobs: str = "sampler"
-    importance_sampling_level: str = "token"
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
-    kl_coef: float = 0.0
-    kl: str = "k3"
-    rollout_is_cap: float | None = None
-    rollout_mask: str | None = None
-    rollout_mask_threshold: float = 2.0
-    off_policy_correction: str = "none"
-    decoupled_is_cap: float = 5.0
-
-    def __post_init__(self):
-        if self.old_logprobs not in OLD_LOGPROB_SOURCES:
-            raise ValueError(f"old_logprobs={self.old_logprobs!r}; expected one of {OLD_LOGPROB_SOURCES}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if self.importance_sampling_level not in algo.IS_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r}; "
-                f"expected one of {algo.IS_LEVELS}"
-            )
-        if self.kl not in algo.KL_ESTIMATORS:
-            raise ValueError(f"kl={self.kl!r}; expected one of {tuple(algo.KL_ESTIMATORS)}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.rollout_mask is not None and self.rollout_mask not in algo.SEQUENCE_RATIOS:
-            raise ValueError(
-                f"rollout_mask={self.rollout_mask!r}; expected None or one of {algo.SEQUENCE_RATIOS}"
-            )
-        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            raise ValueError(f"off_policy_correction={self.off_policy_correction!r}; expected one of "
-                             f"{OFF_POLICY_CORRECTIONS}")
-        if self.decoupled and self.rollout_is_cap is not None:
-            raise ValueError("off_policy_correction='decoupled' weights tokens by its own truncated ratio "
-                             "(decoupled_is_cap): rollout_is_cap must be None")
-        for name in ("rollout_is_cap", "rollout_mask_threshold", "decoupled_is_cap"):
-            value = getattr(self, name)
-            if value is not None and not value > 1:
-                raise ValueError(f"{name} must be > 1, got {value}")
-        if self.rollout_correction and self.old_logprobs != "recompute" and not self.decoupled:
-            raise ValueError(
-                "rollout correction (rollout_is_cap / rollout_mask) compares the trainer's π_old with the "
-                "sampler's log-probs: it needs old_logprobs='recompute'"
-            )
-
-    @property
-    def rollout_correction(self) -> bool:
-        return self.rollout_is_cap is not None or self.rollout_mask is not None
-
-    @property
-    def decoupled(self) -> bool:
-        return self.off_policy_correction == "decoupled"
 
 
 def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -471,7 +382,7 @@ def make_sft_step(
 def make_rl_step(
     model_config,
     optimizer,
-    loss_config: RLLossConfig = RLLossConfig(),
+    loss_config: RLLossConfig = RLLossConfig(),  # noqa: B008 (frozen: one shared default is safe)
     *,
     num_microbatches: int = 1,
     mesh: Mesh | None = None,

@@ -8,9 +8,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rstar2jax.train.options import ConfigError, StageOptions
-from rstar2jax.train.schedule import off_policy_correction
-from rstar2jax.train.schema_rl import AUTO, MISMATCH_IS_CAP
+from rstar2jax.config.options import ConfigError, StageOptions
+from rstar2jax.config.schema_rl import AUTO, MISMATCH_IS_CAP
+
+
+def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
+    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
+    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
+    if option == "auto":
+        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
+    return option
 
 
 def common_rules(v: Mapping[str, Any]) -> None:

@@ -45,29 +45,12 @@ import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.trajectory import NO_POLICY_VERSION
-from rstar2jax.train.multihost import gather_to_all_processes
+from rstar2jax.schedules.multihost import gather_to_all_processes
 
 RolloutFn = Callable[..., list["Trajectory"]]
 
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
     from rstar2jax.data.trajectory import Trajectory
-
-#: ``rl.schedule``: synchronous (refined by one-step off-policy or partial rollouts) or the asynchronous
-#: producer (``rstar2jax.train.async_schedule``).
-ROLLOUT_SCHEDULES = ("synchronous", "async")
-#: ``rl.placement``: where the asynchronous producer's engines run (``rstar2jax.train.placement``).
-PLACEMENTS = ("colocated", "split")
-#: ``rl.off_policy_correction``: "auto" or one of ``steps.OFF_POLICY_CORRECTIONS``.
-OFF_POLICY_CORRECTION_OPTIONS = ("auto", "none", "decoupled")
-
-
-def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
-    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
-    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
-    if option == "auto":
-        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
-    return option
-
 
 #: The checkpoint meta key of what a schedule carries from one step to the next.
 CARRY_META_KEY = "rollout_carry"
