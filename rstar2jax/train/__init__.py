@@ -40,10 +40,10 @@ _NAMES = {
     "rstar2jax.train.state": [
         "TrainState", "init_train_state", "learning_rate_schedule", "make_optimizer", "reset_optimizer",
     ],  # fmt: skip
-    "rstar2jax.train.steps": [
-        "accumulate_gradients", "make_rl_step", "make_sft_step", "rl_loss", "rl_step", "sft_loss", "sft_step",
-        "state_shardings", "trainable_params", "with_adapters",
-    ],  # fmt: skip
+    "rstar2jax.train.gradients": ["accumulate_gradients", "with_adapters"],
+    "rstar2jax.train.sft_step": ["make_sft_step", "sft_loss", "sft_step"],
+    "rstar2jax.train.step_jit": ["state_shardings", "trainable_params"],
+    "rstar2jax.train.steps": ["make_rl_step", "rl_loss", "rl_step"],
 }
 #: Modules of this package the README documents as ``train.<module>`` (loaded on first use, like the names).
 _MODULES = ("export", "lora", "policy", "rollouts")

@@ -19,8 +19,10 @@ from rstar2jax.policy import adapters as lora_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
 from rstar2jax.train.run import abstract_state
 from rstar2jax.train.runtime import mesh_from_config
+from rstar2jax.train.sft_step import make_sft_step
 from rstar2jax.train.state import optimizer_from_options
-from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
+from rstar2jax.train.step_jit import batch_sharding, state_shardings
+from rstar2jax.train.steps import make_rl_step
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def _abstract_batch(rows: int, seq_len: int, sharding, *, rl: bool) -> Batch:
     def leaf(dtype):
         return jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=sharding)
 
-    extra = dict(advantages=leaf(np.float32), old_logp=leaf(np.float32)) if rl else {}
+    extra = dict(advantages=leaf(np.float32), sampler_logp=leaf(np.float32)) if rl else {}
     return Batch(
         tokens=leaf(np.int32),
         targets=leaf(np.int32),

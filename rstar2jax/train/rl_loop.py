@@ -20,7 +20,8 @@ from rstar2jax.train.run import Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
 from rstar2jax.train.selection import RewardFn
 from rstar2jax.train.state import optimizer_from_options, schedule_from_options
-from rstar2jax.train.steps import batch_sharding, make_rl_step
+from rstar2jax.train.step_jit import batch_sharding
+from rstar2jax.train.steps import make_rl_step
 
 logger = logging.getLogger(__name__)
 #: What the progress line adds under the asynchronous schedule: the producer's and trainer's busy fractions,

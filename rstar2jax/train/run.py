@@ -31,7 +31,7 @@ from rstar2jax.train.checkpoint import Checkpointer
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
-from rstar2jax.train.steps import state_shardings, trainable_params
+from rstar2jax.train.step_jit import state_shardings, trainable_params
 
 #: ``experiments.sft`` exports its policy (an HF folder with the tokenizer) to ``<workdir>/POLICY_DIR``.
 POLICY_DIR = "policy"

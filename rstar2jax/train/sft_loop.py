@@ -18,8 +18,9 @@ from rstar2jax.policy.weights import CHECKPOINT_DIR
 from rstar2jax.schedules.multihost import put_batch
 from rstar2jax.train.progress import Progress
 from rstar2jax.train.run import StopSignal, start_run
+from rstar2jax.train.sft_step import make_sft_step
 from rstar2jax.train.state import optimizer_from_options, schedule_from_options
-from rstar2jax.train.steps import batch_sharding, make_sft_step
+from rstar2jax.train.step_jit import batch_sharding
 
 logger = logging.getLogger(__name__)
 

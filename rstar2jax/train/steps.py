@@ -1,59 +1,37 @@
-"""SFT and RL (GRPO-RoC) training steps: micro-batched gradients, a whole-batch normaliser, one AdamW update.
+"""The RL (GRPO-RoC) training step: the policy loss over a batch of selected trajectories, its whole-batch
+normaliser over packed sequences, micro-batched gradients, one AdamW update.
 
-A step is ``step(state, batch) -> (state, metrics)``. The batch is split into ``num_microbatches`` strided
-micro-batches (rows m, m+M, m+2M, ...: each data shard keeps its own rows) and ``lax.scan`` sums their
-gradients. Each micro-batch loss is divided by a normaliser computed over the *whole* batch first, so the
-summed gradient is the full-batch gradient exactly (not a mean of per-micro-batch means, verl issue #5625).
+A step is ``step(state, batch) -> (state, metrics)``. What every step shares (micro-batches, gradient
+accumulation, LoRA adapters, the update) is ``train.gradients``; placing and jitting a step is
+``train.step_jit``; the SFT step is ``train.sft_step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rstar2jax import algo, models
 from rstar2jax.config.algorithm import RLLossConfig
 from rstar2jax.data.batch import Batch
 from rstar2jax.train.faults import skip_nonfinite_updates
+from rstar2jax.train.gradients import (
+    accumulate_gradients,
+    apply_update,
+    logprobs_and_entropy,
+    masked_sum,
+    with_adapters,
+)
 from rstar2jax.train.state import TrainState
+from rstar2jax.train.step_jit import jit_bound_step
 
 # policy_loss metrics already divided by the normaliser (additive over micro-batches, unlike its token means).
 _NORMALISED_METRICS = ("pg_loss", "kl_loss")
-
-# loss_fn(params, micro_batch, normalizer) -> (loss, sums): both add up over micro-batches.
-LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
-
-
-def _masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Σ mask·x with masked-out positions dropped before the product (a NaN / Inf there stays out)."""
-    return jnp.sum(algo.masked_values(x, mask) * mask)
-
-
-def _logprobs_and_entropy(params, model_config, batch: Batch, temperature: float = 1.0):
-    """Per-position log π(target) and the policy's entropy (float32 ``[rows, seq_len]`` each), from the final
-    hidden states by vocabulary chunks (``models.sequence_logprobs``: no ``[rows, seq_len, vocab]`` array)."""
-    return models.sequence_logprobs(
-        params,
-        model_config,
-        batch.tokens,
-        batch.targets,
-        positions=batch.positions,
-        segment_ids=batch.segment_ids,
-        temperature=temperature,
-    )
-
-
-def sft_loss(params, batch: Batch, normalizer: jax.Array, *, model_config) -> tuple[jax.Array, dict]:
-    """Masked cross-entropy: loss = −Σ mask·log π(target) / normalizer (the batch's loss tokens)."""
-    logp, _ = _logprobs_and_entropy(params, model_config, batch)
-    return -_masked_sum(logp, batch.loss_mask) / normalizer, {}
 
 
 def rl_loss(
@@ -67,7 +45,7 @@ def rl_loss(
     ``aux["totals"]`` (the normalised pg / KL losses). The token sums include ``algo.rollout_mismatch``'s
     (``mismatch_*``, ``mismatch_tokens``).
     """
-    logp, entropy = _logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
+    logp, entropy = logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
     old_logp = batch.old_logp
     if loss_config.old_logprobs == "recompute" or loss_config.decoupled:
         # One update per rollout batch: π_old is the current policy before this update.
@@ -78,7 +56,7 @@ def rl_loss(
             raise ValueError(
                 f"kl_coef={loss_config.kl_coef} needs a reference policy: the state has no ref_params"
             )
-        ref_logp, _ = _logprobs_and_entropy(
+        ref_logp, _ = logprobs_and_entropy(
             jax.lax.stop_gradient(ref_params), model_config, batch, loss_config.temperature
         )
     is_weights, correction_sums = None, {}
@@ -130,7 +108,7 @@ def rl_loss(
     token_sums = {
         k: v * tokens for k, v in metrics.items() if k not in _NORMALISED_METRICS and k != "entropy"
     }
-    token_sums["entropy"] = jax.lax.stop_gradient(_masked_sum(entropy, batch.loss_mask))
+    token_sums["entropy"] = jax.lax.stop_gradient(masked_sum(entropy, batch.loss_mask))
     token_sums.update(correction_sums)
     # The sampler's log-probs against the trainer's (this forward, before the update): no gradient.
     token_sums.update(algo.rollout_mismatch(logp, batch.old_logp, batch.loss_mask, sums=True))
@@ -157,96 +135,6 @@ def sequence_loss_normalizer(loss_mask: jax.Array, segment_ids: jax.Array, *, ag
     algo.loss_normalizer(loss_mask, agg=agg)  # checks the mask and the mode
     first = jnp.arange(loss_mask.shape[1]) == models.segments.segment_starts(segment_ids)
     return jnp.sum(first & (_segment_loss_tokens(loss_mask, segment_ids) > 0)).astype(jnp.float32)
-
-
-def _strided_microbatches(batch: Batch, num_microbatches: int) -> Batch:
-    """``[rows, ...]`` -> ``[M, rows / M, ...]``, micro-batch m = rows m, m+M, ... (shard-local rows)."""
-
-    def split(x):
-        return x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
-
-    return jax.tree.map(split, batch)
-
-
-def accumulate_gradients(
-    loss_fn: LossFn, params, batch: Batch, normalizer: jax.Array, num_microbatches: int, *, rng=None
-):
-    """Σ over micro-batches of (loss, sums, ∇loss): equals the full-batch values when ``loss_fn`` is additive.
-
-    ``rng``: a key for a random loss (LoRA dropout): micro-batch m calls ``loss_fn(..., rng=fold_in(rng,
-    m))``.
-    Returns ``(loss, sums, grads)``; the gradient accumulator stays in the parameters' dtype and placement.
-    """
-    rows = batch.tokens.shape[0]
-    if num_microbatches < 1 or rows % num_microbatches:
-        raise ValueError(
-            f"batch rows ({rows}) must be a positive multiple of num_microbatches ({num_microbatches})"
-        )
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def grad_fn(params, micro_batch, index):
-        extra = {} if rng is None else {"rng": jax.random.fold_in(rng, index)}
-        return value_and_grad(params, micro_batch, normalizer, **extra)
-
-    if num_microbatches == 1:
-        (loss, sums), grads = grad_fn(params, batch, 0)
-        return loss, sums, grads
-
-    micro = _strided_microbatches(batch, num_microbatches)
-    first = jax.tree.map(lambda x: x[0], micro)
-    (loss_shape, sums_shape), _ = jax.eval_shape(grad_fn, params, first, 0)
-
-    def body(carry, inputs):
-        loss, sums, grads = carry
-        (l_m, s_m), g_m = grad_fn(params, *inputs)
-        return (loss + l_m, jax.tree.map(jnp.add, sums, s_m), jax.tree.map(jnp.add, grads, g_m)), None
-
-    zeros = (
-        jnp.zeros(loss_shape.shape, loss_shape.dtype),
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-        jax.tree.map(jnp.zeros_like, params),
-    )
-    (loss, sums, grads), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(num_microbatches)))
-    return loss, sums, grads
-
-
-def with_adapters(loss_fn: LossFn, base, lora: models.LoraConfig) -> LossFn:
-    """``loss_fn`` of a full params tree turned into one of LoRA adapters: the forward runs the frozen
-    ``base`` with the adapters attached (``models.lora.attach``), so only the adapters get a gradient;
-    an ``rng`` keyword (from ``accumulate_gradients``) becomes the adapters' dropout key."""
-
-    def adapted(adapters, batch, normalizer, rng=None):
-        return loss_fn(models.lora.attach(base, adapters, lora, dropout_key=rng), batch, normalizer)
-
-    return adapted
-
-
-def _apply_update(state: TrainState, grads, optimizer: optax.GradientTransformation):
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-
-
-def sft_step(
-    state: TrainState, batch: Batch, base=None, *, model_config, optimizer, num_microbatches: int = 1,
-    lora: models.LoraConfig | None = None,
-):
-    """One SFT update on a packed batch; metrics: loss (mean NLL per assistant token), grad norm, tokens.
-
-    LoRA (``lora`` given): ``state.params`` are the adapters, ``base`` the frozen base parameters; with
-    ``lora.dropout`` > 0 the dropout key of step s is ``fold_in(state.rng, s)`` (a resumed run draws the same
-    masks)."""
-    tokens = jnp.sum(batch.loss_mask)
-    loss_fn = functools.partial(sft_loss, model_config=model_config)
-    rng = None
-    if lora is not None:
-        loss_fn = with_adapters(loss_fn, base, lora)
-        rng = jax.random.fold_in(state.rng, state.step) if lora.dropout else None
-    loss, _, grads = accumulate_gradients(
-        loss_fn, state.params, batch, jnp.maximum(tokens, 1.0), num_microbatches, rng=rng
-    )
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": tokens}
-    return _apply_update(state, grads, optimizer), metrics
 
 
 def rl_step(
@@ -289,94 +177,7 @@ def rl_step(
     count = jnp.maximum(tokens, 1.0)
     metrics = {k: v / count for k, v in sums["token_sums"].items() if k != "mismatch_tokens"}
     metrics.update(sums["totals"], loss=loss, grad_norm=optax.global_norm(grads), tokens=tokens)
-    return _apply_update(state, grads, optimizer), metrics
-
-
-def trainable_params(model_config, key: jax.Array, lora: models.LoraConfig | None = None, *, mesh=None):
-    """Fresh trainable parameters: the model's (``models.init_params``), or with ``lora`` its adapters
-    (``models.lora.init_lora``)."""
-    if lora is None:
-        return models.init_params(model_config, key, mesh=mesh)
-    return models.lora.init_lora(model_config, lora, key, mesh=mesh)
-
-
-def state_shardings(
-    model_config,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    reference: bool = False,
-    lora: models.LoraConfig | None = None,
-) -> TrainState:
-    """``TrainState`` of ``NamedSharding``: the trainable params (the model's, or with ``lora`` the adapters)
-    and the optimizer's per-parameter moments (and the reference params when ``reference``) as the logical
-    rules place them; counters, step and RNG replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    if lora is None:
-        params = models.param_shardings(model_config, mesh)
-    else:
-        params = models.lora.lora_shardings(model_config, lora, mesh)
-    abstract_params = jax.eval_shape(lambda: trainable_params(model_config, jax.random.PRNGKey(0), lora))
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt = optax.tree_map_params(
-        optimizer,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        params,
-        transform_non_params=lambda _: replicated,
-    )
-    ref_params = params if reference else None
-    return TrainState(params=params, opt_state=opt, step=replicated, rng=replicated, ref_params=ref_params)
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows over the data-parallel axes (``data`` x ``fsdp``), positions whole."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-
-
-def jit_step(
-    step_fn,
-    *,
-    mesh: Mesh | None = None,
-    shardings: TrainState | None = None,
-    compiler_options: dict | None = None,
-    base_shardings: dict | None = None,
-):
-    """``jax.jit`` of ``step_fn(state, batch)`` with the state donated; with a mesh, explicit in/out shardings
-    (state as ``shardings``, batch rows over data x fsdp, metrics replicated). ``compiler_options`` go to XLA
-    (e.g. ``{"xla_backend_optimization_level": 0}`` trades step speed for compile time). ``base_shardings``
-    (LoRA): the step is ``step_fn(state, batch, base)``, the frozen base params placed so, not donated."""
-    if mesh is None:
-        return jax.jit(step_fn, donate_argnums=0, compiler_options=compiler_options)
-    if shardings is None:
-        raise ValueError("jit_step with a mesh needs the state shardings (see state_shardings)")
-    replicated = NamedSharding(mesh, PartitionSpec())
-    base = () if base_shardings is None else (base_shardings,)
-    return jax.jit(
-        step_fn,
-        in_shardings=(shardings, batch_sharding(mesh), *base),
-        out_shardings=(shardings, replicated),
-        donate_argnums=0,
-        compiler_options=compiler_options,
-    )
-
-
-def make_sft_step(
-    model_config,
-    optimizer,
-    *,
-    num_microbatches: int = 1,
-    mesh: Mesh | None = None,
-    shardings: TrainState | None = None,
-    compiler_options: dict | None = None,
-    lora: models.LoraConfig | None = None,
-):
-    """``sft_step`` bound to its options and jitted: ``step(state, batch) -> (state, metrics)``; with
-    ``lora``, ``step(state, batch, base)`` (see ``sft_step``)."""
-    step = functools.partial(
-        sft_step, model_config=model_config, optimizer=optimizer, num_microbatches=num_microbatches, lora=lora
-    )
-    return _jit(step, model_config, lora, mesh=mesh, shardings=shardings, compiler_options=compiler_options)
+    return apply_update(state, grads, optimizer), metrics
 
 
 def make_rl_step(
@@ -403,9 +204,5 @@ def make_rl_step(
         lora=lora,
     )
     step = skip_nonfinite_updates(step)
-    return _jit(step, model_config, lora, mesh=mesh, shardings=shardings, compiler_options=compiler_options)
-
-
-def _jit(step, model_config, lora, *, mesh, **options):
-    base_shardings = None if lora is None or mesh is None else models.param_shardings(model_config, mesh)
-    return jit_step(step, mesh=mesh, base_shardings=base_shardings, **options)
+    return jit_bound_step(step, model_config, lora, mesh=mesh, shardings=shardings,
+                          compiler_options=compiler_options)
