@@ -8,6 +8,7 @@ import logging
 from rstar2jax.config.options import ConfigError, RunOptions
 from rstar2jax.config.rules import precision_gap
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
+from rstar2jax.engine.seeds import stream_seed
 from rstar2jax.policy.weights import CHECKPOINT_DIR
 from rstar2jax.schedules import colocate
 from rstar2jax.schedules.async_schedule import AsyncSchedule
@@ -68,7 +69,7 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
             batch_size=run.options.rl.filter_batch_size,
             max_response_length=s.max_response_length,
             max_turns=s.max_turns,
-            seed=run.options.seed + 104729 * (index + 1),
+            seed=stream_seed(run.options.seed, "hard_filter", index),
             policy_version=run.step,
         )
         if not kept:
@@ -109,7 +110,7 @@ class _RLStages:
         iterator = ProblemIterator(
             _hard_problems(run, index, dataset, self.rollout_fn),
             options.rl.prompts_per_step,
-            seed=options.seed + 7919 * index,
+            seed=stream_seed(options.seed, "problem_order", index),
             position=run.meta["position"],
         )
         iteration = options.rl.iterations[index]
