@@ -10,6 +10,26 @@ from rstar2jax.config.binding import key
 from rstar2jax.config.vocabulary import OFF_POLICY_CORRECTIONS, OLD_LOGPROB_SOURCES
 
 
+def correction_contradiction(old_logprobs: str, rollout_is_cap: float | None, rollout_mask: str | None, *,
+                             decoupled: bool) -> tuple[tuple[str, ...], str] | None:
+    """The loss's correction options that contradict each other, ``(the options, why)``, or None; the rule
+    is stated here once: :class:`RLLossConfig` refuses it, and the config's rules name the config fields.
+
+    The decoupled objective weights tokens by its own truncated ratio (``decoupled_is_cap``), so no
+    ``rollout_is_cap`` beside it; outside it, the rollout correction compares the trainer's pi_old with the
+    sampler's log-probs, so it needs ``old_logprobs="recompute"``."""
+    if decoupled and rollout_is_cap is not None:
+        return ("rollout_is_cap",), (
+            f"the decoupled objective (off_policy_correction='decoupled') truncates the token weights at "
+            f"decoupled_is_cap: rollout_is_cap must be None (rollout_mask may stay), got {rollout_is_cap}")
+    correction = rollout_is_cap is not None or rollout_mask is not None
+    if correction and old_logprobs != "recompute" and not decoupled:
+        return ("rollout_is_cap", "rollout_mask"), (
+            "rollout correction compares the trainer's π_old with the sampler's log-probs: it needs "
+            "old_logprobs='recompute'")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class RLIterationConfig:
     """How one iteration turns rollouts into a batch (paper: 2G = 32 sampled, G = 16 kept).
@@ -128,18 +148,14 @@ class RLLossConfig:
         if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
             raise ValueError(f"off_policy_correction={self.off_policy_correction!r}; expected one of "
                              f"{OFF_POLICY_CORRECTIONS}")
-        if self.decoupled and self.rollout_is_cap is not None:
-            raise ValueError("off_policy_correction='decoupled' weights tokens by its own truncated ratio "
-                             "(decoupled_is_cap): rollout_is_cap must be None")
+        contradiction = correction_contradiction(self.old_logprobs, self.rollout_is_cap, self.rollout_mask,
+                                                 decoupled=self.decoupled)
+        if contradiction:
+            raise ValueError(" / ".join(contradiction[0]) + f": {contradiction[1]}")
         for name in ("rollout_is_cap", "rollout_mask_threshold", "decoupled_is_cap"):
             value = getattr(self, name)
             if value is not None and not value > 1:
                 raise ValueError(f"{name} must be > 1, got {value}")
-        if self.rollout_correction and self.old_logprobs != "recompute" and not self.decoupled:
-            raise ValueError(
-                "rollout correction (rollout_is_cap / rollout_mask) compares the trainer's π_old with the "
-                "sampler's log-probs: it needs old_logprobs='recompute'"
-            )
 
     @property
     def rollout_correction(self) -> bool:
