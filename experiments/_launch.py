@@ -461,6 +461,7 @@ def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool
         print(train.format_dry_run(report), flush=True)
         train.check_memory_plan(options, report=report)
         return None
+    train.check_mesh(options)  # the mesh against this run's devices (a dry run emulates what it lacks)
     train.check_rollout_precision(options)  # the rollout's precision on this backend (a dry run plans others)
     train.check_memory_plan(options)
     announce(title, options.workdir, options=options)

@@ -32,8 +32,8 @@ _NAMES = {
     "rstar2jax.train.rl_loop": ["train_rl"],
     "rstar2jax.train.run": ["Interrupted", "RunPaths", "StopSignal"],
     "rstar2jax.train.runtime": [
-        "check_rollout_precision", "initialize_distributed", "mesh_from_config", "prepare_process",
-        "request_host_devices",
+        "check_mesh", "check_rollout_precision", "initialize_distributed", "mesh_from_config",
+        "prepare_process", "request_host_devices",
     ],  # fmt: skip
     "rstar2jax.train.selection": ["rollout_metrics", "select_and_build_batch"],
     "rstar2jax.train.sft_loop": ["train_sft"],
