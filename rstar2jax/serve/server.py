@@ -74,6 +74,14 @@ WAITING_PER_SLOT = 8
 _PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+#: A drain's default deadline: 25 s, so the process ends its streams and exits inside the termination grace
+#: period orchestrators give a pod after SIGTERM (Kubernetes' ``terminationGracePeriodSeconds``: 30 s by
+#: default; SIGKILL after it), with 5 s left for the last chunks, the engine's shutdown and the exit.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
+#: The termination grace period :data:`DEFAULT_DRAIN_TIMEOUT_S` stays under.
+TERMINATION_GRACE_S = 30.0
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """How the server runs the engine.
@@ -96,7 +104,7 @@ class ServerConfig:
         ``WAITING_PER_SLOT`` (8) per slot, 128 at 16 slots: beyond that a client waits longer than 8
         requests' time, and is better told to retry (or go to another replica).
       drain_timeout_s: how long a drain (SIGTERM, Ctrl-C) lets the requests in flight finish before it ends
-        them.
+        them (default :data:`DEFAULT_DRAIN_TIMEOUT_S`, inside the usual 30 s termination grace period).
     """
 
     num_slots: int = 16
@@ -110,7 +118,7 @@ class ServerConfig:
     warmup: bool = True
     max_body_bytes: int = 32 * 2**20
     max_waiting: int | None = None
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self):
         for name in ("num_slots", "max_len", "decode_chunk", "max_body_bytes", "waiting_bound"):

@@ -220,6 +220,11 @@ def test_help_lists_the_format_adapter_and_cache_flags(module):
         flags += ["--output", "--overwrite", "--step"]
     for flag in flags:  # a boolean flag is listed as --[no]name
         assert flag in done.stdout or f"--[no]{flag[2:]}" in done.stdout, (module, flag)
+    if module == "experiments.serve":  # the drain's default: ServerConfig's, under a 30 s grace period
+        from rstar2jax.serve.server import DEFAULT_DRAIN_TIMEOUT_S
+
+        drain_help = done.stdout[done.stdout.index("--drain_timeout_s:"):].split("\n  --", 1)[0]
+        assert f"(default: '{DEFAULT_DRAIN_TIMEOUT_S}')" in " ".join(drain_help.split())
 
 
 def test_chat_turns_continue_the_template_rendering(tiny_policy, sandbox_url):
