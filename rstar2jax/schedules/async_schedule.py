@@ -3,7 +3,7 @@ at most ``rl.max_staleness`` (eta) policy versions behind, and the trainer takes
 enough complete groups wait.
 
 The producer is the rollout's engine and its agent sessions (``rollout_fn.stream``, below), one engine per
-rollout device (``rstar2jax.train.placement``), running in the background from a stage's first step to its
+rollout device (``rstar2jax.schedules.placement``), running in the background from a stage's first step to its
 last. The trainer releases problems to it a batch at a time: at version v (the trainer's step, the version of
 the weights the engine samples with) it may have released batches 0 .. v - s0 + eta of the stage (s0: the
 stage's first step), so a group's *release version* r, below which none of its tokens was sampled, is at
@@ -51,9 +51,9 @@ import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.rollout_contract import SupportsPolicyParams, SupportsStream
-from rstar2jax.train.multihost import gather_to_all_processes
-from rstar2jax.train.placement import engine_copy
-from rstar2jax.train.schedule import (
+from rstar2jax.schedules.multihost import gather_to_all_processes
+from rstar2jax.schedules.placement import engine_copy
+from rstar2jax.schedules.schedule import (
     _CarryingSchedule,
     seed_from_key,
     tag_versions,
