@@ -45,6 +45,8 @@ CONFIG_ERROR_EXIT = 2
 INTERRUPTED_EXIT = 130
 #: Exit status of a run stopped by a fault it cannot ride out (the last finished step's checkpoint is kept).
 FAULT_EXIT = 3
+#: Exit status of a run stopped by a broken schedule invariant (a bug: the message names the checkpoint).
+INVARIANT_EXIT = 1
 PRINT_CONFIG_HELP = "List every config field (after overrides) with its value and meaning, then exit."
 
 _IMPORTED = time.perf_counter()  # the launcher's start, as near as a module can see it
@@ -325,7 +327,8 @@ class StartupClock:
 
 def run(main: Callable[[list[str]], None]) -> None:
     """``absl.app.run(main)``: config errors (at parse time and in ``main``) reported in one line with exit 2,
-    interruptions in one line with exit 130, faults that stopped the run in one line with exit 3; JAX's
+    interruptions in one line with exit 130, faults that stopped the run in one line with exit 3, a broken
+    schedule invariant in one line with exit 1; JAX's
     persistent compilation cache turned on first (``--compilation_cache_dir``, defined here for every
     launcher). The library loads after the flags are parsed, so ``--help`` and flag errors answer at once."""
     _define_compilation_cache_flag()
@@ -333,7 +336,13 @@ def run(main: Callable[[list[str]], None]) -> None:
     def guarded(argv):
         from rstar2jax.agent.outage import SandboxUnavailable
         from rstar2jax.reward import RewardError
-        from rstar2jax.train import CheckpointError, ConfigError, Interrupted, RunFault
+        from rstar2jax.train import (
+            CheckpointError,
+            ConfigError,
+            Interrupted,
+            RunFault,
+            ScheduleInvariantError,
+        )
 
         if logging.get_verbosity() == logging.INFO and not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
@@ -347,6 +356,8 @@ def run(main: Callable[[list[str]], None]) -> None:
             fail(str(e))
         except (SandboxUnavailable, RunFault, CheckpointError, RewardError) as e:
             fail(str(e), FAULT_EXIT)
+        except ScheduleInvariantError as e:
+            fail(str(e), INVARIANT_EXIT)
         except Interrupted as e:
             print(
                 f"interrupted: checkpoint of step {e.step} saved in {e.checkpoints}; "

@@ -126,12 +126,14 @@ class WandbOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingOptions:
-    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``) and the
-    Weights & Biases run."""
+    """``config.logging``: TensorBoard events, the progress bar / lines (every ``progress_every``), the
+    Weights & Biases run, and the fraction of each RL step's groups on the rollout record (None:
+    ``rollout_record.auto_fraction``)."""
 
     tensorboard: bool = key("logging.tensorboard", default=True)
     progress: bool = key("logging.progress", default=True)
     progress_every: int = key("logging.progress_every", default=10)
+    rollout_record: float | None = key("logging.rollout_record", default=None)
     wandb: WandbOptions = WandbOptions()  # built from its own section, logging.wandb.*
 
 

@@ -184,6 +184,11 @@ COMMON: dict[str, Field] = {
         10, POSITIVE,
         "steps between progress lines when the output is not a terminal",
     ),
+    "logging.rollout_record": Field(
+        None, optional(number(0, 1)),
+        "RL: the fraction of each step's groups written to <workdir>/rollouts/ (docs/async.md); None: every "
+        "group while a step samples at most 64 rollouts, else about 64 rollouts' worth",
+    ),
     # Weights & Biases (docs/cluster.md): pip install -e '.[wandb]'; WANDB_MODE=offline: local files only.
     "logging.wandb.project": Field(
         "", WANDB_NAME,

@@ -58,6 +58,16 @@ class Problem:
     answer: str
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The problem as plain JSON data (``metadata`` as loaded: a dataset row's values)."""
+        return {"id": self.id, "problem": self.problem, "answer": self.answer,
+                "metadata": dict(self.metadata)}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> Problem:
+        """The problem ``to_dict`` wrote."""
+        return cls(record["id"], record["problem"], record["answer"], dict(record.get("metadata") or {}))
+
 
 @dataclasses.dataclass
 class ProblemSet:

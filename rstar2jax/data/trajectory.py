@@ -124,3 +124,26 @@ def tool_error_ratios(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "tool_error_ratio": ratio(trajectories),
         "tool_error_ratio_correct": ratio([t for t in trajectories if t.reward > 0]),
     }
+
+
+#: The fields of a trajectory's declared record (``trajectory_to_dict``), every field of ``Trajectory``:
+#: what a checkpoint keeps of a finished, untrained group and what the rollout record writes. Renaming or
+#: moving the class changes nothing on disk; a new field needs a default (older records lack it).
+TRAJECTORY_FIELDS = (
+    "problem_id", "prompt_ids", "response_ids", "loss_mask", "logprobs", "tool_outcomes", "num_turns",
+    "num_answer_blocks", "truncated", "answer", "reward", "timings", "num_answer_closes", "num_answer_pairs",
+    "policy_versions", "entropies", "text",
+)
+
+
+def trajectory_to_dict(trajectory: Trajectory) -> dict:
+    """``trajectory`` as plain JSON data: ``TRAJECTORY_FIELDS`` by name (lists, numbers, strings, None)."""
+    return {name: getattr(trajectory, name) for name in TRAJECTORY_FIELDS}
+
+
+def trajectory_from_dict(record: dict) -> Trajectory:
+    """The trajectory ``trajectory_to_dict`` wrote (missing fields take their defaults; unknown ones fail)."""
+    unknown = set(record) - set(TRAJECTORY_FIELDS)
+    if unknown:
+        raise ValueError(f"trajectory record has unknown fields {sorted(unknown)}")
+    return Trajectory(**record)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rstar2jax.engine.buckets import StepLayout
 from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.pages import PageAllocator
 from rstar2jax.engine.plan import WeightUpdate, check_policy_version
@@ -77,6 +78,12 @@ class EngineCore:
         return self.scheduler.sequences.ledger.num_free
 
     @property
+    def num_reserved_pages(self) -> int:
+        """Pages promised to admitted sequences and not taken from the pool yet (0 when the engine is
+        idle)."""
+        return self.scheduler.sequences.ledger.reserved
+
+    @property
     def num_pages(self) -> int:
         """Pages of the KV pool sequences can hold (the null page left out): used + cached + free."""
         return len(self.pages.refcount) - 1
@@ -107,6 +114,11 @@ class EngineCore:
     def programs(self) -> int:
         """Step programs this engine has used (each compiled once per process)."""
         return self.runner.num_programs
+
+    @property
+    def program_layouts(self) -> frozenset[StepLayout]:
+        """The layouts of the step programs this engine has used (its buckets, greedy-only or not)."""
+        return self.runner.layouts_used
 
     def warmup(self, threads: int = 2) -> None:
         """Compile every bucket's step program ahead of time (in ``threads`` threads; nothing runs), so that
@@ -152,7 +164,9 @@ class EngineCore:
     def close(self, record: Record) -> None:
         """Free the record's slot and pages (on the device with the next step); its outputs still in flight
         are discarded. Idempotent. A group's source closed before its siblings were forked goes on
-        prefilling for them, invisibly, and is freed once they are."""
+        prefilling for them, invisibly, and is freed once they are. The record is left as it is: its one
+        writer is the consumer of the chunks (:class:`~rstar2jax.engine.records.Record`), which may be
+        another thread than the one driving the core."""
         self.scheduler.sequences.close(record)
 
     @property

@@ -79,6 +79,20 @@ class PageAllocator:
         """Pages held by at least one slot."""
         return len(self.refcount) - 1 - self.num_free
 
+    @property
+    def free_pages(self) -> list[int]:
+        """Pages no slot holds and the prefix cache does not keep (a copy, next taken last)."""
+        return list(self._free)
+
+    @property
+    def cached_pages(self) -> list[int]:
+        """Pages no slot holds that the prefix cache keeps (a copy, least recently used first)."""
+        return list(self._cached)
+
+    def is_registered(self, page: int) -> bool:
+        """Whether ``page`` holds a prefix later prompts may find."""
+        return page in self._digest_of
+
     def _take(self) -> int:
         if self._free:
             page = self._free.pop()

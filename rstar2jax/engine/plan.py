@@ -1,7 +1,11 @@
-"""What passes between the engine's rooms: the scheduler's decision for one device step (:class:`StepPlan`,
-frozen: the runner builds, compiles and dispatches it and changes nothing in it), the new weights queued for
-the steps to come (:class:`WeightUpdate`) and what one decode row of a collected step gave
-(:class:`DecodeResult`)."""
+"""What passes between the engine's rooms: the scheduler's decision for one device step (:class:`StepPlan`),
+the new weights queued for the steps to come (:class:`WeightUpdate`) and what one decode row of a collected
+step gave (:class:`DecodeResult`).
+
+A plan is a value (as vLLM V1's ``SchedulerOutput``): slot ids, token tuples and per-slot snapshots
+(:class:`~rstar2jax.engine.outbox.SlotRecord`), never the scheduler's live sequences. The runner may build
+it whenever it likes and keeps no reference into the scheduler; the scheduler pairs each collected decode
+row with the sequence it planned it for itself."""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rstar2jax.engine.buckets import StepLayout
 from rstar2jax.engine.outbox import StepUpdates
-from rstar2jax.engine.records import Chunk, SlotSequence
-from rstar2jax.engine.step import StepLayout
+from rstar2jax.engine.records import Chunk
 
 __all__ = ["ON_UPDATE", "DecodeResult", "PrefillRun", "StepPlan", "WeightUpdate", "check_policy_version"]
 
@@ -47,10 +51,10 @@ class WeightUpdate:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillRun:
-    """Tokens of one sequence fed at positions ``start, start + 1, ...`` (their keys/values written, nothing
-    sampled), as single-query rows (``as_singles``) or whole tiles."""
+    """Tokens of one slot's sequence fed at positions ``start, start + 1, ...`` (their keys/values written,
+    nothing sampled), as single-query rows (``as_singles``) or whole tiles."""
 
-    seq: SlotSequence
+    slot: int
     start: int
     tokens: tuple[int, ...]
     as_singles: bool
@@ -62,7 +66,7 @@ class StepPlan:
 
     Attributes:
       layout: the token bucket (and so the compiled program) the step runs.
-      decoding: running sequences, one decode row each, in row order.
+      decoding: the slots of running sequences, one decode row each, in row order.
       prefills: prefill runs after them (prompts, appended tool outputs).
       iterations: device iterations: 1 with prefill, else up to ``decode_chunk`` pure decode ones.
       updates: the update data the step applies first.
@@ -70,23 +74,20 @@ class StepPlan:
       weights: new weights this step starts running on (the runner keeps them for the later steps); None:
         those of the step before.
       compile_ahead: the decode bucket the steps after this prefill will likely need (compiled meanwhile).
-      greedy: no sequence of the engine samples (every one has temperature 0), so the runner may run the
-        bucket's greedy-only program (``StepLayout.greedy``).
     """
 
     layout: StepLayout
-    decoding: tuple[SlotSequence, ...]
+    decoding: tuple[int, ...]
     prefills: tuple[PrefillRun, ...]
     iterations: int
     updates: StepUpdates
     policy_version: int
     weights: WeightUpdate | None = None
     compile_ahead: StepLayout | None = None
-    greedy: bool = False
 
 
 class DecodeResult(NamedTuple):
-    """One decode row of a collected step: its sequence and the chunk it sampled (None: nothing)."""
+    """One decode row of a collected step: its slot and the chunk it sampled (None: nothing)."""
 
-    seq: SlotSequence
+    slot: int
     chunk: Chunk | None

@@ -1,7 +1,7 @@
 """Host records of the engine's sessions: what a session owns (:class:`Record`: prompt, response, loss mask,
 log-probs, the trainer's view), what the scheduler tracks per slot (:class:`SlotSequence`: its tokens, how far
-its keys/values are written, its :class:`Phase`, its queued :class:`SegmentRequest`), and what streams back
-(:class:`Chunk`, :class:`Segment`)."""
+its keys/values are written, its :class:`Phase`, its queued :class:`SegmentRequest`, its open segment and its
+group's pending fork), and what streams back (:class:`Chunk`, :class:`Segment`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from rstar2jax.engine.config import SamplingParams
 from rstar2jax.engine.seeds import mix_seed
 from rstar2jax.engine.state import NO_POLICY_VERSION
 
-__all__ = ["Chunk", "Phase", "Record", "Segment", "SegmentRequest", "SlotSequence", "StreamSeeds",
-           "sibling_seeds", "slot_seed"]
+__all__ = ["Chunk", "OpenSegment", "PendingFork", "Phase", "Record", "Segment", "SegmentRequest",
+           "SlotSequence", "StreamSeeds", "sibling_seeds", "slot_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +51,16 @@ class Chunk:
 
 
 class Record:
-    """Host mirror of one sequence: what the trainer needs (prompt, response, loss mask, log-probs). Updated
-    by the consumer of the engine's chunks (the asyncio loop for :class:`Engine`)."""
+    """Host mirror of one sequence: what the trainer needs (prompt, response, loss mask, log-probs).
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int):
+    One thread writes it: the consumer of the engine's chunks (the asyncio loop for :class:`Engine`, the
+    caller of :meth:`EngineCore.step`). The engine builds it whole at admission (slot, cached tokens) and then
+    only reads its fixed fields (``prompt_ids``, ``budget_end``), so a record handed to the event loop is
+    never written by the engine thread while the loop reads or writes it (no lock, no torn read of
+    ``slot``)."""
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, *, slot: int | None = None,
+                 cached_tokens: int = 0):
         self.prompt_ids = prompt_ids
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
@@ -63,9 +69,9 @@ class Record:
         self.policy_versions: list[int] = []
         self.pending: list[int] = []  # appended, not yet sent to the engine
         self.budget_end = len(prompt_ids) + max_tokens
-        self.slot: int | None = None  # None once closed or finished
+        self.slot = slot  # None once closed or finished (set so by the consumer)
         self.finish_reason: str | None = None  # "eos" / "budget" once done
-        self.cached_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
+        self.cached_tokens = cached_tokens  # prompt tokens whose keys/values came from the prefix cache
 
     @property
     def length(self) -> int:
@@ -97,13 +103,28 @@ class Record:
 
 
 class Phase(enum.Enum):
-    """Where a sequence stands on the host: what the device may run for it next."""
+    """Where a sequence stands on the host: what the device may run for it next. New weights with
+    ``on_update="recompute"`` put every sequence (but a sibling waiting for its fork) in ``RESTART``."""
 
     PREFILL = "prefill"  # tokens whose keys/values are not dispatched yet (the pending last one aside)
+    # New weights (``on_update="recompute"``): every key/value is dispatched again, from a position found once
+    # its turn comes (after the leading pages a sequence prefilled again before it wrote)...
+    RESTART = "restart"
+    RECOMPUTE = "recompute"  # ...and, that position found, from there
     FORK_WAIT = "fork_wait"  # a sibling waiting for its group's prompt to be prefilled and forked to it
     READY = "ready"  # every key/value dispatched: it may run a segment (paused on the device)
     RUNNING = "running"  # a segment runs on the device
     CLOSED = "closed"  # released: its slot and pages are free
+
+    @property
+    def prefilling(self) -> bool:
+        """Keys/values (but the pending token's) still to dispatch, new ones or again."""
+        return self in (Phase.PREFILL, Phase.RESTART, Phase.RECOMPUTE)
+
+    @property
+    def recomputing(self) -> bool:
+        """Keys/values still to dispatch again with new weights."""
+        return self in (Phase.RESTART, Phase.RECOMPUTE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +137,34 @@ class SegmentRequest:
     appended: tuple[int, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class OpenSegment:
+    """A segment begun and not ended: its stop table and the positions ``[start, end)`` it may sample. A
+    sequence holding one is RUNNING, or suspended while its keys/values are prefilled again (it resumes
+    once they are, bounds and stop table unchanged)."""
+
+    stop_table: np.ndarray
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(eq=False)
+class PendingFork:
+    """A group's prompt not yet forked to its siblings, held by its source and by each waiting sibling: the
+    siblings still waiting (each with its private copy of the prompt's last page: ``(page, copy)``) and
+    whether the source was closed meanwhile (it goes on prefilling for them and is released once none
+    waits)."""
+
+    source: SlotSequence
+    waiting: dict[SlotSequence, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    source_closed: bool = False
+
+
 class SlotSequence:
     """The scheduler's view of one slot's sequence: its whole token list (prompt, response, appended tokens,
-    the pending last one included), how far its keys/values are dispatched, its :class:`Phase` and its
-    segment. Its state changes only through the methods below (the scheduler calls them)."""
+    the pending last one included), how far its keys/values are dispatched, its :class:`Phase`, its queued
+    :class:`SegmentRequest`, its :class:`OpenSegment` and its group's :class:`PendingFork`. Its state changes
+    only through the methods below (the scheduler calls them)."""
 
     def __init__(self, record: Record, slot: int, seed: int, sampling: SamplingParams):
         self.record, self.slot, self.seed, self.sampling = record, slot, seed, sampling
@@ -127,18 +172,9 @@ class SlotSequence:
         self.kv = 0  # positions below this have their key/value writes dispatched
         self.phase = Phase.PREFILL
         self.queued: SegmentRequest | None = None  # a segment asked for, not begun
-        # The running (or last) segment: its stop table and the positions it may sample.
-        self.stop_table: np.ndarray | None = None
-        self.segment_start = self.segment_end = 0
-        self.siblings: list[SlotSequence] = []  # a group's source: the sessions forked from it once prefilled
-        self.source: SlotSequence | None = None  # a sibling: its group's source
-        self.copy: tuple[int, int] | None = None  # a sibling: (source page, its private copy)
+        self.segment: OpenSegment | None = None  # the segment begun and not ended
+        self.fork: PendingFork | None = None  # a source or sibling of a group not forked yet
         self.in_flight: collections.deque[int] = collections.deque()  # decode iterations of dispatched steps
-        self.closing = False  # a source closed before its siblings were forked
-        # New weights with ``on_update="recompute"``: its keys/values are prefilled again (``recompute``),
-        # from a position found once its turn comes (``restart``); a running segment is suspended meanwhile
-        # (``resume``).
-        self.recompute = self.restart = self.resume = False
 
     @property
     def budget_end(self) -> int:
@@ -151,25 +187,41 @@ class SlotSequence:
         return len(self.tokens) - 1 - self.kv
 
     @property
+    def is_fork_source(self) -> bool:
+        """A group's source whose siblings are not forked yet."""
+        return self.fork is not None and self.fork.source is self
+
+    @property
     def startable(self) -> bool:
         """Whether a queued segment may begin now (prefilled, its tokens inserted, its group forked)."""
         return (self.phase is Phase.READY and self.queued is not None and not self.queued.appended
-                and not self.siblings and not self.closing)
+                and self.fork is None)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether its suspended segment may run on now (its keys/values prefilled again)."""
+        return self.phase is Phase.READY and self.segment is not None
 
     def attach_prefix(self, num_tokens: int) -> None:
         """The keys/values of the first ``num_tokens`` tokens came from the prefix cache."""
-        self.kv = self.record.cached_tokens = num_tokens
+        self.kv = num_tokens
         if self.unprefilled <= 0:
             self.phase = Phase.READY  # nothing to prefill: all but the pending token came from the cache
 
-    def await_fork(self, source: SlotSequence, copy: tuple[int, int]) -> None:
-        """A sibling: wait for ``source``'s prompt, then take its pages (``copy``: its private last page)."""
-        self.phase, self.source, self.copy = Phase.FORK_WAIT, source, copy
-        source.siblings.append(self)
+    def group(self) -> PendingFork:
+        """A group's source: its siblings will wait for its prompt (:meth:`await_fork`)."""
+        self.fork = PendingFork(self)
+        return self.fork
+
+    def await_fork(self, fork: PendingFork, copy: tuple[int, int]) -> None:
+        """A sibling: wait for ``fork``'s source's prompt, then take its pages (``copy``: its private last
+        page)."""
+        self.phase, self.fork = Phase.FORK_WAIT, fork
+        fork.waiting[self] = copy
 
     def fork_from(self, source: SlotSequence) -> None:
         """A sibling forked now: it holds its source's tokens and keys/values."""
-        self.tokens, self.kv, self.phase = list(source.tokens), source.kv, Phase.READY
+        self.tokens, self.kv, self.phase, self.fork = list(source.tokens), source.kv, Phase.READY, None
 
     def queue(self, request: SegmentRequest) -> None:
         self.queued = request
@@ -186,7 +238,7 @@ class SlotSequence:
         self.kv += num_tokens
         if self.unprefilled:
             return False
-        self.phase, self.recompute = Phase.READY, False
+        self.phase = Phase.READY
         return True
 
     def begin(self) -> None:
@@ -194,8 +246,8 @@ class SlotSequence:
         whole budget)."""
         request, self.queued = self.queued, None
         limit, length = request.max_new_tokens, len(self.tokens)
-        self.segment_end = self.budget_end if limit is None else min(length + limit, self.budget_end)
-        self.stop_table, self.segment_start, self.phase = request.stop_table, length, Phase.RUNNING
+        end = self.budget_end if limit is None else min(length + limit, self.budget_end)
+        self.segment, self.phase = OpenSegment(request.stop_table, length, end), Phase.RUNNING
 
     def expect(self, iterations: int) -> None:
         """A step decoding up to ``iterations`` tokens of this sequence was planned."""
@@ -211,42 +263,32 @@ class SlotSequence:
         self.kv = len(self.tokens) - 1
 
     def end_segment(self) -> None:
-        self.phase = Phase.READY
+        self.phase, self.segment = Phase.READY, None
 
     def cancel(self) -> None:
         """Forget a queued segment (the session is closing)."""
         self.queued = None
 
-    def close_after_fork(self) -> None:
-        """A source closed before its siblings were forked: it goes on prefilling for them."""
-        self.closing = True
-
     def close(self) -> None:
         self.phase = Phase.CLOSED
 
     def forked(self) -> None:
-        """A source whose siblings took its pages."""
-        self.siblings = []
-
-    def drop_sibling(self, sibling: SlotSequence) -> None:
-        """A sibling closed before its fork."""
-        self.siblings.remove(sibling)
+        """A source whose siblings took its pages, or whose last waiting sibling closed."""
+        self.fork = None
 
     def prefill_again(self) -> None:
         """New weights with ``on_update="recompute"``: prefill the keys/values again (from where
         :meth:`restart_at` says); a running segment is suspended until then."""
-        self.resume = self.resume or self.phase is Phase.RUNNING
-        self.recompute = self.restart = True
-        self.phase = Phase.PREFILL
+        self.phase = Phase.RESTART
 
     def restart_at(self, num_tokens: int) -> None:
         """Begin that prefill after ``num_tokens`` tokens whose keys/values are written with the new weights
         already (pages shared with a sequence prefilled again before it)."""
-        self.kv, self.restart = min(num_tokens, len(self.tokens) - 1), False
+        self.kv, self.phase = min(num_tokens, len(self.tokens) - 1), Phase.RECOMPUTE
 
     def resume_segment(self) -> None:
         """Run the suspended segment on (its bounds and stop table are unchanged)."""
-        self.resume, self.phase = False, Phase.RUNNING
+        self.phase = Phase.RUNNING
 
 
 def slot_seed(entropy: Sequence[int]) -> int:

@@ -14,7 +14,8 @@ __all__ = ["check_request", "pages_needed", "stop_table"]
 
 
 def stop_table(engine_config: EngineConfig, stop: Sequence[Sequence[int]]) -> np.ndarray:
-    """``[max_stops, max_stop_len]`` right-aligned stop table; raises ValueError if it does not fit."""
+    """``[max_stops, max_stop_len]`` right-aligned stop table, read-only (plans carry it as a value); raises
+    ValueError if it does not fit."""
     cfg = engine_config
     table = np.full((cfg.max_stops, cfg.max_stop_len), NO_TOKEN, np.int32)
     if len(stop) > cfg.max_stops:
@@ -24,6 +25,7 @@ def stop_table(engine_config: EngineConfig, stop: Sequence[Sequence[int]]) -> np
         if not 0 < len(seq) <= cfg.max_stop_len or min(seq) < 0:
             raise ValueError(f"stop sequence {seq} must be 1..{cfg.max_stop_len} non-negative token ids")
         row[cfg.max_stop_len - len(seq) :] = seq
+    table.setflags(write=False)
     return table
 
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from rstar2jax.engine.buckets import StepLayout, bucket_layouts, choose_bucket
 from rstar2jax.engine.config import EngineConfig, pages_for
 from rstar2jax.engine.plan import DecodeResult, PrefillRun, StepPlan, WeightUpdate
 from rstar2jax.engine.records import Phase, SlotSequence
 from rstar2jax.engine.sequences import SequenceTable
-from rstar2jax.engine.step import StepLayout
 
 __all__ = ["Scheduler"]
 
@@ -43,7 +43,10 @@ class Scheduler:
                  policy_version: int = 0):
         self.engine_config = engine_config
         self.sequences = SequenceTable(engine_config, vocab_size, stats, policy_version=policy_version)
-        self.layouts = tuple(StepLayout.of(engine_config, t) for t in engine_config.token_buckets)
+        self.layouts = bucket_layouts(engine_config)
+        # The sequences of each planned step's decode rows, oldest first: what a collected step's rows are
+        # paired with (a plan names slots only, and a slot may hold another sequence by the time it is read).
+        self._planned: collections.deque[tuple[SlotSequence, ...]] = collections.deque()
         self._last_prefilled = False  # whether the last step prefilled (the next one decodes a chunk)
         self._weights: WeightUpdate | None = None  # for the next step that decodes or prefills
         self._recompute_due = False  # keys/values to prefill again with them, once no step is in flight
@@ -62,22 +65,17 @@ class Scheduler:
 
     # ---- planning a step
 
-    def _bucket(self, tokens: int, rows: int, tiles: int) -> StepLayout:
-        for layout in self.layouts:
-            if layout.tokens >= tokens and layout.rows >= rows and layout.tiles >= tiles:
-                return layout
-        raise AssertionError(f"no bucket holds {tokens} tokens, {rows} rows, {tiles} tiles")
-
     def _run(self, seq: SlotSequence) -> None:
-        """Make a prefilled sequence RUNNING from this step: its queued segment, or the suspended one."""
-        if seq.resume:
+        """Make a prefilled sequence RUNNING from this step: its suspended segment, or the queued one."""
+        if seq.resumable:
             seq.resume_segment()
         else:
             seq.begin()
         self.sequences.outbox.changed(seq)
 
-    def _runnable(self, seq: SlotSequence) -> bool:
-        return seq.startable or (seq.resume and seq.phase is Phase.READY)
+    @staticmethod
+    def _runnable(seq: SlotSequence) -> bool:
+        return seq.startable or seq.resumable
 
     def _prefill_again(self) -> None:
         """``on_update="recompute"``: every sequence prefills its keys/values again (a sibling waiting for its
@@ -87,7 +85,7 @@ class Scheduler:
         for seq in self.sequences:
             if seq.phase is Phase.FORK_WAIT:
                 continue
-            running = seq.phase is Phase.RUNNING
+            running = seq.phase is Phase.RUNNING  # its segment is suspended until then
             seq.prefill_again()
             self._recomputing = True
             if running:
@@ -116,7 +114,7 @@ class Scheduler:
         # Prefill goes into every other step while sessions decode: a prefill step decodes one token per
         # session, the decode step after it a whole chunk, so arriving work never starves the running.
         runs, tiles = ([], 0) if decoding and self._last_prefilled else self._plan_prefill(decoding)
-        if self._recomputing and not any(s.recompute for s in table):
+        if self._recomputing and not any(s.phase.recomputing for s in table):
             self._recomputing = False
             table.ledger.forget_fresh()
         if not (decoding or runs or table.outbox):
@@ -127,10 +125,11 @@ class Scheduler:
         if runs:  # the decode steps after this prefill: their program may compile meanwhile
             starting = sum(s.phase is Phase.READY and s.queued is not None for s in table)
             n = min(len(decoding) + starting, self.engine_config.num_slots)
-            compile_ahead = self._bucket(n, n, 0)
+            compile_ahead = choose_bucket(self.layouts, n, n, 0)
         self._last_prefilled = bool(runs)
         iterations = 1 if runs else self.engine_config.decode_chunk
-        return self._plan(self._bucket(tokens, rows, tiles), decoding, runs, iterations, compile_ahead)
+        return self._plan(choose_bucket(self.layouts, tokens, rows, tiles), decoding, runs, iterations,
+                          compile_ahead)
 
     def _plan_prefill(self, decoding: list[SlotSequence]) -> tuple[list[PrefillRun], int]:
         """Prefill runs for this step after ``decoding``'s rows, first come first served; a sequence they
@@ -141,26 +140,27 @@ class Scheduler:
         room = largest.num_entries - outbox.num_entries
         tokens, rows, tiles, runs = len(decoding), len(decoding), 0, []
         for seq in table:
-            if seq.phase is not Phase.PREFILL:
+            if not seq.phase.prefilling:
                 continue
             if seq.slot in blocked:
                 break  # first come, first served
-            start = min(ledger.fresh_tokens(seq.slot), len(seq.tokens) - 1) if seq.restart else seq.kv
+            restart = seq.phase is Phase.RESTART
+            start = min(ledger.fresh_tokens(seq.slot), len(seq.tokens) - 1) if restart else seq.kv
             n = min(len(seq.tokens) - 1 - start, cfg.max_step_tokens - tokens)  # the last one stays pending
             singles = n <= tile // 2 and rows + n <= largest.rows
             if not singles:
                 n = min(n, (largest.tiles - tiles) * tile)
             new_pages = pages_for(start + n + 1, cfg.page_size) - int(ledger.allocator.held[seq.slot])
-            if seq.restart and start == len(seq.tokens) - 1:
+            if restart and start == len(seq.tokens) - 1:
                 n = 0  # every key/value it holds was written again by the sequences before it
             elif n <= 0 or new_pages > room:
                 break
-            if seq.restart:
+            if restart:
                 seq.restart_at(start)
             if n:
                 rows, tiles = (rows + n, tiles) if singles else (rows, tiles + -(-n // tile))
                 tokens += n
-                runs.append(PrefillRun(seq, seq.kv, tuple(seq.tokens[seq.kv : seq.kv + n]), singles))
+                runs.append(PrefillRun(seq.slot, seq.kv, tuple(seq.tokens[seq.kv : seq.kv + n]), singles))
             done = seq.prefilled(n)
             table.grow(seq, seq.kv + 1)
             room = largest.num_entries - outbox.num_entries
@@ -172,7 +172,7 @@ class Scheduler:
                     self._run(seq)
                     decoding.append(seq)
                     tokens, rows = tokens + 1, rows + 1
-            elif seq.recompute:
+            elif seq.phase is Phase.RECOMPUTE:
                 break  # the sequences after it may share pages it has still to write again
         return runs, tiles
 
@@ -187,13 +187,17 @@ class Scheduler:
             self.sequences.policy_version = weights.policy_version
         for seq in decoding:
             seq.expect(iterations)
+        self._planned.append(tuple(decoding))
         updates = self.sequences.outbox.drain(layout.num_entries)
-        greedy = all(seq.sampling.temperature == 0 for seq in self.sequences)
-        return StepPlan(layout, tuple(decoding), tuple(runs), iterations, updates, self.policy_version,
-                        weights, compile_ahead, greedy)
+        return StepPlan(layout, tuple(seq.slot for seq in decoding), tuple(runs), iterations, updates,
+                        self.policy_version, weights, compile_ahead)
 
     # ---- what came back
 
     def update_from_output(self, results: Sequence[DecodeResult]) -> None:
-        """A collected step's chunks back to their sequences (:meth:`SequenceTable.receive`)."""
-        self.sequences.receive(results)
+        """A collected step's chunks (the oldest planned step's, row by row) back to the sequences planned
+        for those rows (:meth:`SequenceTable.receive`)."""
+        planned = self._planned.popleft()
+        if tuple(seq.slot for seq in planned) != tuple(result.slot for result in results):
+            raise AssertionError("collected decode rows do not match the oldest planned step")
+        self.sequences.receive([(seq, result.chunk) for seq, result in zip(planned, results, strict=True)])

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from rstar2jax.engine.config import EngineConfig, SamplingParams, pages_for
 from rstar2jax.engine.ledger import PageLedger
 from rstar2jax.engine.outbox import StepOutbox
-from rstar2jax.engine.plan import DecodeResult, check_policy_version
+from rstar2jax.engine.plan import check_policy_version
 from rstar2jax.engine.records import (
     Chunk,
     Phase,
@@ -55,7 +55,7 @@ class SequenceTable:
         self.stats = stats  # prompt_tokens, cached_tokens, sampled_tokens
         self.policy_version = check_policy_version(policy_version)
         self.ledger = PageLedger(engine_config)
-        self.outbox = StepOutbox()
+        self.outbox = StepOutbox(engine_config)
         self._free_slots = collections.deque(range(engine_config.num_slots))
         self._seqs: dict[int, SlotSequence] = {}  # id(record) -> sequence, in admission order
         self._reported: list[tuple[Record, Chunk]] = []
@@ -71,8 +71,8 @@ class SequenceTable:
     @property
     def num_pending(self) -> int:
         """Sequences with work queued (prefill, a segment, a fork) plus chunks not yet taken."""
-        queued = (Phase.PREFILL, Phase.FORK_WAIT, Phase.RUNNING)
-        busy = sum(bool(s.phase in queued or s.queued is not None or s.siblings) for s in self._seqs.values())
+        busy = sum(bool(s.phase.prefilling or s.phase in (Phase.FORK_WAIT, Phase.RUNNING)
+                        or s.queued is not None or s.is_fork_source) for s in self._seqs.values())
         return busy + len(self._reported)
 
     def take_reported(self) -> list[tuple[Record, Chunk]]:
@@ -107,11 +107,12 @@ class SequenceTable:
         prompt_ids, ps = [int(t) for t in prompt_ids], self.engine_config.page_size
         shared = self.ledger.shared_prefix(prompt_ids)
         seqs = []
-        for seed in sibling_seeds(entropy, n):
-            record = Record(prompt_ids, max_tokens)
-            seq = SlotSequence(record, self._free_slots.popleft(), seed, sampling)
-            record.slot = seq.slot
-            self._seqs[id(record)] = seq
+        for j, seed in enumerate(sibling_seeds(entropy, n)):
+            slot = self._free_slots.popleft()
+            cached = len(shared) * ps if j == 0 else 0  # the source's prefix pages (the siblings fork)
+            seq = SlotSequence(Record(prompt_ids, max_tokens, slot=slot, cached_tokens=cached), slot, seed,
+                               sampling)
+            self._seqs[id(seq.record)] = seq
             self.outbox.admitted(seq)
             seqs.append(seq)
         source, siblings = seqs[0], seqs[1:]
@@ -125,8 +126,9 @@ class SequenceTable:
             for sibling in siblings:  # a private copy of the prompt's last page, then their responses
                 self.ledger.promise(sibling.slot, 1 + budget_pages - pages_for(len(prompt_ids), ps))
             copies = self.ledger.fork(source.slot, [s.slot for s in siblings], len(prompt_ids))
+            fork = source.group()
             for sibling, copy in zip(siblings, copies, strict=True):
-                sibling.await_fork(source, copy)
+                sibling.await_fork(fork, copy)
         self.stats["prompt_tokens"] += len(prompt_ids)
         self.stats["cached_tokens"] += source.kv
         return [s.record for s in seqs]
@@ -137,7 +139,7 @@ class SequenceTable:
         seq = self._seqs.get(id(record))
         if seq is None or seq.phase is Phase.CLOSED:
             raise ValueError("the session is closed or finished")
-        if seq.queued is not None or seq.phase is Phase.RUNNING or seq.resume:
+        if seq.queued is not None or seq.segment is not None:  # running, or suspended to run on
             raise RuntimeError("the session already has a segment in flight")
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -151,7 +153,7 @@ class SequenceTable:
     def prepare_start(self, seq: SlotSequence) -> None:
         """Insert a queued segment's appended tokens once ``seq`` may take them (not before its group is
         forked: the siblings copy its prompt's last page); a session with no budget left is done at once."""
-        if seq.siblings or seq.phase is Phase.FORK_WAIT:
+        if seq.fork is not None:
             return
         if seq.queued.appended:
             seq.insert_appended()
@@ -160,8 +162,8 @@ class SequenceTable:
             self.release(seq)
 
     def close(self, record: Record) -> None:
-        """Free the record's slot and pages with the next step (:meth:`EngineCore.close`)."""
-        record.slot = None
+        """Free the record's slot and pages with the next step (:meth:`EngineCore.close`). The record is the
+        consumer's: marking it closed (``record.slot = None``) is the caller's part."""
         seq = self._seqs.get(id(record))
         if seq is not None:
             self.release(seq)
@@ -169,16 +171,18 @@ class SequenceTable:
     def release(self, seq: SlotSequence) -> None:
         """Free ``seq``'s slot and pages (a source with siblings not forked yet: once they are)."""
         seq.cancel()
-        if seq.siblings:
-            seq.close_after_fork()
+        fork = seq.fork
+        if seq.is_fork_source:
+            fork.source_closed = True  # it goes on prefilling for its siblings
             return
         del self._seqs[id(seq.record)]
         seq.close()
-        source = seq.source
-        if source is not None and seq in source.siblings:  # closed before its fork: none will come
-            source.drop_sibling(seq)
-            if source.closing and not source.siblings:
-                self.release(source)
+        if fork is not None:  # a sibling closed before its fork: none will come
+            del fork.waiting[seq]
+            if not fork.waiting:
+                fork.source.forked()
+                if fork.source_closed:
+                    self.release(fork.source)
         freed = self.ledger.release(seq.slot, seq.tokens, min(seq.kv, len(seq.tokens) - 1))
         self.outbox.released(seq.slot, freed)
         self._free_slots.append(seq.slot)
@@ -196,22 +200,25 @@ class SequenceTable:
         """Fork on the device the siblings of every source whose prompt prefill went out in an earlier step
         (the page copies run before this step's writes)."""
         for source in self:
-            if not source.siblings or source.phase is Phase.PREFILL:
+            if not source.is_fork_source or source.phase.prefilling:
                 continue
-            if len(source.siblings) > self.engine_config.num_slots - self.outbox.num_forks:
+            fork = source.fork
+            if len(fork.waiting) > self.engine_config.num_slots - self.outbox.num_forks:
                 continue
-            for sibling in source.siblings:
-                self.outbox.forked(source, sibling, int(self.ledger.allocator.held[sibling.slot]) - 1)
+            for sibling, copy in fork.waiting.items():
+                column = int(self.ledger.allocator.held[sibling.slot]) - 1
+                self.outbox.forked(source.slot, sibling, column, copy)
                 sibling.fork_from(source)
             source.forked()
-            if source.closing:
+            if fork.source_closed:
                 self.release(source)
 
     # ---- what came back
 
-    def receive(self, results: Sequence[DecodeResult]) -> None:
-        """Take a collected step's chunks: tokens join their sequences (the chunks are reported), a finished
-        session is released, a paused one gives back the pages it was given ahead, never written."""
+    def receive(self, results: Sequence[tuple[SlotSequence, Chunk | None]]) -> None:
+        """Take a collected step's chunks, each with the sequence its decode row was planned for: tokens join
+        their sequences (the chunks are reported), a finished session is released, a paused one gives back
+        the pages it was given ahead, never written."""
         for seq, chunk in results:
             seq.settle()
             if chunk is None or seq.phase is not Phase.RUNNING or not self.is_live(seq):

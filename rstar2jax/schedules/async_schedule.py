@@ -18,11 +18,13 @@ after the update, with the synchronous schedule's seeds: the synchronous schedul
 After every update the new weights go to the engines in flight (``updated``: copied into each engine's
 layout, ``placement.engine_copy``; ``rollout.on_update`` says what running sequences do) and every token
 keeps the version that sampled it. At a stage's end every released group has been consumed and the
-engines stop (the next stage has its own budgets). What waits is checkpointed (``rollout_carry``): the
-released groups not yet trained, with the finished ones' trajectories; a resumed run trains the finished
-ones and issues the unfinished ones again, from scratch, at the resumed version. Every released group is
-trained once or counted dropped (``async/groups_dropped``: no trajectory left, every one lost to the
-sandbox).
+engines stop (the next stage has its own budgets). The schedule's state between steps is one value
+(``rstar2jax.schedules.schedule_state.AsyncState``: batches released and consumed, their sizes, the released
+groups not yet trained and the finished ones' trajectories, the run's counts), checkpointed at every step as
+versioned JSON; a resumed run trains the finished groups and issues the unfinished ones again, from scratch,
+at the resumed version. Every released group is trained once or counted dropped with its reason
+(``async/groups_dropped_total{reason="no_trajectory"}``: every rollout lost to the sandbox;
+``{reason="stage_end"}``: released and not trained when its stage ended, said in the log).
 
 The stream a ``rollout_fn`` offers (``SupportsStream`` and ``TrajectoryStream`` of
 ``rstar2jax.data.rollout_contract``; ``rstar2jax.agent.PolicyRollout.stream``)::
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -54,50 +57,26 @@ from rstar2jax.data.rollout_contract import SupportsPolicyParams, SupportsStream
 from rstar2jax.schedules.multihost import gather_to_all_processes
 from rstar2jax.schedules.placement import engine_copy
 from rstar2jax.schedules.schedule import (
-    _CarryingSchedule,
+    CARRY_META_KEY,
+    RolloutSchedule,
     seed_from_key,
     tag_versions,
     unique_problems,
 )
+from rstar2jax.schedules.schedule_state import (
+    STATE_META_KEY,
+    AsyncState,
+    ScheduleInvariantError,
+    Ticket,
+    legacy_async_state,
+)
 
-#: The checkpoint meta key of the asynchronous schedule's counts over the run (``AsyncSchedule.ledger``).
-LEDGER_META_KEY = "async_groups"
+logger = logging.getLogger(__name__)
+
+#: The checkpoint meta key of the run's group counts before ``AsyncState`` (read from old checkpoints).
+LEGACY_LEDGER_META_KEY = "async_groups"
 #: Seconds between looks at the other processes' finished groups (several processes only).
 POLL_S = 0.05
-
-
-@dataclasses.dataclass(frozen=True)
-class Ticket:
-    """A released group: ``index``-th problem of the stage's ``batch``-th batch, rolled out by process
-    ``owner`` as group ``group_index`` of a call seeded ``seed``; ``version``: the policy version at release
-    (its tokens are at least that new)."""
-
-    batch: int
-    index: int
-    problem: Problem
-    seed: int
-    group_index: int
-    owner: int
-    version: int
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.batch, self.index)
-
-
-def choose_batch(tickets: dict[Hashable, Ticket], complete: set, size: int, version: int,
-                 max_staleness: int) -> list | None:
-    """The keys of the groups a step at ``version`` trains (release order), or None while they are not
-    complete: every unconsumed group released at version <= ``version - max_staleness`` and, up to ``size``
-    groups, the other ``complete`` ones oldest first."""
-    due = {key for key, t in tickets.items() if t.version <= version - max_staleness}
-    if len(due) > size:
-        raise RuntimeError(f"{len(due)} groups are due at version {version}, more than a batch of {size}: "
-                           "the release throttle was broken")
-    if not due <= complete or len(complete) < size:
-        return None
-    others = sorted(complete - due, key=lambda key: tickets[key].key)
-    return sorted(due | set(others[: size - len(due)]), key=lambda key: tickets[key].key)
 
 
 class Producer:
@@ -170,18 +149,16 @@ def _global(items: list) -> list:
     return gather_to_all_processes(items) if jax.process_count() > 1 else items
 
 
-class AsyncSchedule(_CarryingSchedule):
-    """``rl.schedule="async"`` (see the module doc); the rollout needs ``stream`` (``SupportsStream``).
+class AsyncSchedule(RolloutSchedule):
+    """``rl.schedule="async"`` (see the module doc); the rollout needs ``stream`` (``SupportsStream``). A
+    shell around ``state`` (an ``AsyncState``) that runs the producer and gathers the processes' finished
+    groups.
 
     Args:
       max_staleness: eta, the most policy versions a trained token may lag the parameters it updates.
       devices: this process's rollout devices, one engine each (``placement.rollout_devices``).
       dtype: the engines' compute dtype (their copies of the weights are cast to it; None: kept).
       on_update: what running sequences do when new weights arrive ("keep" or "recompute").
-
-    Attributes:
-      tickets: the released groups not yet trained, by key; ``complete``: this process's finished ones.
-      ledger: over the run, groups ``released``, ``trained`` and ``dropped`` (no trajectory left).
     """
 
     needs = SupportsStream
@@ -191,22 +168,26 @@ class AsyncSchedule(_CarryingSchedule):
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.eta, self.devices, self.dtype, self.on_update = max_staleness, list(devices), dtype, on_update
         self.producer: Producer | None = None
-        self.ledger = collections.Counter(released=0, trained=0, dropped=0)
-        self.stage_steps, self.consumed = 0, 0
-        self.end_stage()
+        self.state = AsyncState()
+        self.stage_steps = 0
+        self.drawn: list[list[Problem]] = []  # drawn this step, released by its rollouts
+        self.taken: tuple[Ticket, ...] = ()  # the last step's groups, in its order
+        self._reissue: tuple = ()  # a resumed stage: the groups in flight when it stopped
+        self._dropped_now = 0
+        self._window_counts, self._window_seconds = collections.Counter(), 0.0
 
     def begin_stage(self, steps: int, done: int) -> None:
         """The stage has ``steps`` steps to run in all (its own, or fewer when the run stops earlier), of
         which ``done`` ran already (a resumed run)."""
-        self.stage_steps, self.consumed = steps, done
+        self.stage_steps, self.state = steps, self.state.at_step(done)
+        self.state.check(self.eta)
 
     def draw(self, iterator: ProblemIterator, *, stage_last: bool) -> list[Problem]:
         """The batches the throttle lets out now: up to ``consumed + eta + 1`` in the stage, at most its
         steps."""
-        allowed = min(self.consumed + self.eta + 1, self.stage_steps)
-        while self.released < allowed:
+        allowed = self.state.allowed(self.stage_steps, self.eta)
+        while self.state.released + len(self.drawn) < allowed:
             self.drawn.append(unique_problems(next(iterator)))
-            self.released += 1
         return [p for batch in self.drawn for p in batch]
 
     def rollouts(self, rollout_fn, params, problems, *, options, rollout_key, version, stats):
@@ -214,17 +195,22 @@ class AsyncSchedule(_CarryingSchedule):
         seeded as the synchronous schedule's rollout, ``fold_in(rollout_key, j)`` after the first), waits for
         the step's groups and returns them (release order), with the schedule's counts."""
         del problems  # what ``draw`` gave: its batches are in ``self.drawn``
+        me = jax.process_index()
         if self.producer is None:
             self.producer = Producer(rollout_fn, params, version, options, devices=self.devices,
                                      dtype=self.dtype, on_update=self.on_update)
-            for key in self._reissue:  # a resumed run: what was in flight is issued again, at this version
-                self.tickets[key] = dataclasses.replace(self.tickets[key], version=version)
-                if self.tickets[key].owner == jax.process_index():
-                    self.producer.submit(self.tickets[key])
-            self._reissue = []
+            self.state, again = self.state.reissue(self._reissue, version)  # from scratch, at this version
+            self._reissue = ()
+            for ticket in again:
+                if ticket.owner == me:
+                    self.producer.submit(ticket)
         for j, batch in enumerate(self.drawn):
             key = rollout_key if j == 0 else jax.random.fold_in(rollout_key, j)
-            self._release(batch, self.released - len(self.drawn) + j, seed_from_key(key), version)
+            self.state, new = self.state.release(batch, seed=seed_from_key(key), version=version,
+                                                 processes=jax.process_count())
+            for ticket in new:
+                if ticket.owner == me:
+                    self.producer.submit(ticket)
         self.drawn = []
         start = time.perf_counter()
         keys = self._wait(version)
@@ -233,56 +219,56 @@ class AsyncSchedule(_CarryingSchedule):
         stats.update({k: v for k, v in counts.items() if k not in ("busy_s", "generated_tokens")})
         self._window_counts.update(counts)
         self._window_seconds += seconds
-        self.consumed += 1
-        return [self._taken[k].problem for k in keys], groups, self._metrics(time.perf_counter() - start)
+        self.state.check(self.eta)
+        return [t.problem for t in self.taken], groups, self._metrics(time.perf_counter() - start)
 
-    def _release(self, batch: list[Problem], number: int, seed: int, version: int) -> None:
-        processes, me = jax.process_count(), jax.process_index()
-        self.batch_sizes[number] = len(batch)
-        for i, problem in enumerate(batch):
-            ticket = Ticket(number, i, problem, seed + i % processes, i // processes, i % processes, version)
-            self.tickets[ticket.key] = ticket
-            self.ledger["released"] += 1
-            if ticket.owner == me:
-                self.producer.submit(ticket)
+    def release_versions(self, groups, version: int) -> list[int]:
+        """The versions the last step's groups were released (or issued again) at."""
+        del groups, version
+        return [t.version for t in self.taken]
+
+    def _complete(self) -> set:
+        """The keys of every process's finished groups."""
+        finished = sorted(self.state.finished)
+        return set(_global(finished) if jax.process_count() > 1 else finished)
 
     def _wait(self, version: int) -> list:
         """The keys of this step's groups, once complete (every process agrees on them)."""
-        size = self.batch_sizes[self.consumed]  # step c of the stage takes as many groups as batch c holds
         several = jax.process_count() > 1
         timeout = 0.0
         while True:
             for key, group in self.producer.finished(timeout):
-                self.complete[key] = group
-            complete = set(_global(sorted(self.complete))) if several else set(self.complete)
-            keys = choose_batch(self.tickets, complete, size, version, self.eta)
+                self.state = self.state.finish(key, group)
+            complete = self._complete()
+            keys = self.state.choose(complete, version, self.eta)
             if keys is not None:
                 return keys
             if not several and not any(self.producer.in_flight):
-                raise RuntimeError(f"step at version {version} waits for {size} groups but none is in flight "
-                                   f"({len(complete)} complete of {len(self.tickets)} released)")
+                raise ScheduleInvariantError(
+                    "a waiting step has groups in flight", f"step at version {version} waits for "
+                    f"{self.state.step_size()} groups, {len(complete)} complete of {len(self.state.tickets)} "
+                    "released")
             timeout = POLL_S if several else None
 
     def _take(self, keys: list, version: int) -> list[list]:
         """The groups of ``keys`` (gathered from the processes that own them), tagged with versions; they
         leave the tickets, counted trained or dropped."""
-        mine = [(key, self.complete.pop(key)) for key in keys if key in self.complete]
+        mine = [(key, self.state.finished[key]) for key in keys if key in self.state.finished]
         found = dict(_global(mine))
-        self._taken = {key: self.tickets.pop(key) for key in keys}
-        groups = [tag_versions(found[key], self._taken[key].version) for key in keys]
-        self.ledger["trained"] += sum(1 for g in groups if g)
-        self.ledger["dropped"] += sum(1 for g in groups if not g)
-        self._dropped_now = sum(1 for g in groups if not g)
-        return groups
+        self.taken = tuple(self.state.ticket(key) for key in keys)
+        before = self.state.ledger.dropped_by("no_trajectory")
+        self.state = self.state.take(keys, found)
+        self._dropped_now = self.state.ledger.dropped_by("no_trajectory") - before
+        return [tag_versions(found.get(t.key, ()), t.version) for t in self.taken]
 
     def _metrics(self, wait_seconds: float) -> dict[str, float]:
-        complete = len(_global(sorted(self.complete))) if jax.process_count() > 1 else len(self.complete)
+        complete = len(self._complete())
         return {
             "async/wait_s": wait_seconds,
             "async/buffer_depth": float(complete),  # finished groups waiting for a later step
-            "async/in_flight": float(len(self.tickets) - complete),
+            "async/in_flight": float(len(self.state.tickets) - complete),
             "async/groups_dropped": float(self._dropped_now),
-            **{f"async/groups_{name}_total": float(count) for name, count in self.ledger.items()},
+            **self.state.ledger.metrics(),
         }
 
     def updated(self, params, version: int, *, update_seconds: float, trained_tokens: float) -> dict:
@@ -309,21 +295,18 @@ class AsyncSchedule(_CarryingSchedule):
 
     @property
     def empty(self) -> bool:
-        return not self.tickets and not self.drawn
+        return self.state.empty and not self.drawn
 
     def end_stage(self) -> None:
         """The stage is over (or the run stops): the engines stop; what was released and not trained is
-        dropped (at a stage's end there is none)."""
+        dropped, counted (reason ``stage_end``) and said once in the log (the throttle releases no more than
+        the stage trains, so there is none unless it broke)."""
         self.close()
-        self.tickets: dict[Hashable, Ticket] = {}
-        self.complete: dict[Hashable, list] = {}
-        self.batch_sizes: dict[int, int] = {}
-        self.drawn: list[list[Problem]] = []
-        self._reissue: list[Hashable] = []
-        self.released = 0
-        self._taken: dict[Hashable, Ticket] = {}
-        self._dropped_now = 0
-        self._window_counts, self._window_seconds = collections.Counter(), 0.0
+        self.state, dropped = self.state.end_stage()  # a fresh stage's state, the run's counts kept
+        self.drawn, self._reissue = [], ()
+        if dropped and jax.process_index() == 0:
+            logger.warning("the stage ended with %d released groups untrained: counted in "
+                           'async/groups_dropped_total{reason="stage_end"}', dropped)
 
     def close(self) -> None:
         """Stops the engines, cancelling what they run (the checkpoint keeps it to issue again)."""
@@ -332,20 +315,22 @@ class AsyncSchedule(_CarryingSchedule):
             self.producer = None
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {**super().checkpoint_meta(), LEDGER_META_KEY: dict(self.ledger)}
-
-    def _carried(self) -> dict[str, Any]:
-        complete = dict(_global(sorted(self.complete.items())))
-        return {"tickets": list(self.tickets.values()), "complete": complete,
-                "batch_sizes": self.batch_sizes, "released": self.released}
+        """The state, every process's finished groups gathered, as versioned JSON."""
+        state = self.state
+        if jax.process_count() > 1:
+            state = dataclasses.replace(state, finished=dict(_global(sorted(state.finished.items()))))
+        return {STATE_META_KEY: state.to_dict()}
 
     def restore(self, meta: dict[str, Any]) -> None:
-        super().restore(meta)
-        self.ledger = collections.Counter(meta.get(LEDGER_META_KEY) or dict(released=0, trained=0, dropped=0))
-
-    def _take_up(self, carried: dict[str, Any]) -> None:
+        """Takes up the state ``checkpoint_meta`` saved (or, of a checkpoint written before it, the pickled
+        carry); the groups no process had finished are issued again when the producer starts."""
+        self.close()
+        self.drawn = []
+        if meta.get(STATE_META_KEY) is not None:
+            state = AsyncState.from_dict(meta[STATE_META_KEY])
+        else:
+            state = legacy_async_state(meta.get(CARRY_META_KEY), meta.get(LEGACY_LEDGER_META_KEY))
+        self._reissue = state.unfinished()
         me = jax.process_index()
-        self.tickets = {t.key: t for t in carried["tickets"]}
-        self.complete = {k: g for k, g in carried["complete"].items() if self.tickets[k].owner == me}
-        self._reissue = sorted(k for k in self.tickets if k not in carried["complete"])
-        self.batch_sizes, self.released = carried["batch_sizes"], carried["released"]
+        self.state = dataclasses.replace(state, finished={k: g for k, g in state.finished.items()
+                                                          if state.ticket(k).owner == me})

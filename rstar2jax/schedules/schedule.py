@@ -17,7 +17,8 @@
   unfinished records having a ``problem_id`` and ``num_tokens`` (:class:`~rstar2jax.agent.PartialRollout`).
 
 A schedule draws each step's problems (``draw``), produces its groups (``rollouts``), and owns what it hands
-to the next step: ``checkpoint_meta`` / ``restore`` keep that in the checkpoint meta (``rollout_carry``), so a
+to the next step: ``checkpoint_meta`` / ``restore`` keep that in the checkpoint meta (problems and
+trajectories as declared JSON records; partial rollouts' own records pickled in ``rollout_carry``), so a
 resumed run goes on exactly; ``end_stage`` drops it (nothing crosses a stage boundary).
 
 The rollout is injected (``rollout_fn``), so the same iteration runs the real agent (engine + sandbox) or a
@@ -49,8 +50,9 @@ import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.rollout_contract import BatchRollout, Rollout, SupportsPartial, rollout_stats
-from rstar2jax.data.trajectory import NO_POLICY_VERSION
+from rstar2jax.data.trajectory import NO_POLICY_VERSION, trajectory_from_dict, trajectory_to_dict
 from rstar2jax.schedules.multihost import gather_to_all_processes
+from rstar2jax.schedules.schedule_state import read_legacy_carry
 
 #: What the trainer takes as a rollout (``rollout_contract.Rollout``: one or more of its capabilities).
 RolloutFn = Rollout
@@ -58,8 +60,11 @@ RolloutFn = Rollout
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
     from rstar2jax.data.trajectory import Trajectory
 
-#: The checkpoint meta key of what a schedule carries from one step to the next.
+#: The checkpoint meta key of what a schedule carries from one step to the next (partial rollouts' records,
+#: and in checkpoints written before the declared forms, every schedule's: read with ``read_legacy_carry``).
 CARRY_META_KEY = "rollout_carry"
+#: The checkpoint meta key of the rollout one-step off-policy hands to the next step (declared JSON).
+READY_META_KEY = "off_policy_ready"
 
 
 def _group(
@@ -171,6 +176,12 @@ class RolloutSchedule:
                               policy_version=version, stats=stats)
         return problems, groups, {}
 
+    def release_versions(self, groups: Sequence[Sequence[Trajectory]], version: int) -> list[int]:
+        """Per group of the last ``rollouts``, the policy version it was released at (its tokens are at least
+        that new): here the oldest version of its sampled tokens (``version`` when none is tagged)."""
+        return [min((v for t in g for v in (t.policy_versions or ()) if v != NO_POLICY_VERSION),
+                    default=version) for g in groups]
+
     def begin_stage(self, steps: int, done: int) -> None:
         """A stage starts (or resumes) with ``steps`` steps to run in all, ``done`` of them run already."""
 
@@ -201,8 +212,8 @@ Synchronous = RolloutSchedule
 
 
 class _CarryingSchedule(RolloutSchedule):
-    """A schedule that hands rollouts to the next step, kept in the checkpoint meta as a compressed pickle
-    (the records are the rollout's own types; only checkpoints this run wrote are read back)."""
+    """A schedule that hands the rollout function's own records to the next step (partial rollouts), kept in
+    the checkpoint meta as a compressed pickle (only checkpoints this run wrote are read back)."""
 
     def _carried(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -223,9 +234,10 @@ class _CarryingSchedule(RolloutSchedule):
             self._take_up(pickle.loads(zlib.decompress(base64.b64decode(text))))
 
 
-class OneStepOffPolicy(_CarryingSchedule):
+class OneStepOffPolicy(RolloutSchedule):
     """``rl.off_policy_steps=1`` (see the module doc). ``ready``: the next step's problems and their groups,
-    rolled out with this step's parameters (None: the next step rolls out its own problems)."""
+    rolled out with this step's parameters (None: the next step rolls out its own problems), checkpointed as
+    JSON (problems and trajectories as declared records)."""
 
     def __init__(self):
         self.ready: tuple[list[Problem], list[list[Trajectory]]] | None = None
@@ -260,11 +272,21 @@ class OneStepOffPolicy(_CarryingSchedule):
     def end_stage(self) -> None:
         self.ready, self._ahead = None, None
 
-    def _carried(self) -> dict[str, Any]:
-        return {"ready": self.ready}
+    def checkpoint_meta(self) -> dict[str, Any]:
+        if self.ready is None:
+            return {READY_META_KEY: None}
+        problems, groups = self.ready
+        return {READY_META_KEY: {"format": 1, "problems": [p.to_dict() for p in problems],
+                                 "groups": [[trajectory_to_dict(t) for t in g] for g in groups]}}
 
-    def _take_up(self, carried: dict[str, Any]) -> None:
-        self.ready = carried["ready"]
+    def restore(self, meta: dict[str, Any]) -> None:
+        self.end_stage()
+        record = meta.get(READY_META_KEY)
+        if record is not None:
+            self.ready = ([Problem.from_dict(p) for p in record["problems"]],
+                          [[trajectory_from_dict(t) for t in g] for g in record["groups"]])
+        elif meta.get(CARRY_META_KEY):  # a checkpoint written before the declared form
+            self.ready = read_legacy_carry(meta[CARRY_META_KEY])["ready"]
 
 
 class Partial(_CarryingSchedule):

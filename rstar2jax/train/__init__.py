@@ -24,6 +24,7 @@ _NAMES = {
     "rstar2jax.data.sft_data": ["load_sft_sequences"],
     "rstar2jax.schedules.schedule": ["OneStepOffPolicy", "Partial", "RolloutSchedule", "Synchronous"],
     "rstar2jax.schedules.schedule_choice": ["make_schedule"],
+    "rstar2jax.schedules.schedule_state": ["ScheduleInvariantError"],
     "rstar2jax.train.checkpoint": ["CheckpointError", "CheckpointWriteError", "Checkpointer"],
     "rstar2jax.train.cluster": ["ClusterLaunch", "cluster_launch"],
     "rstar2jax.train.dry_run_report": ["check_memory_plan", "dry_run", "format_dry_run"],

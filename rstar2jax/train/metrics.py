@@ -85,6 +85,11 @@ class MetricsLogger:
                 self._wandb.log(record)
         return record
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A TensorBoard text entry (nothing without a TensorBoard writer)."""
+        if self._writer is not None:
+            self._writer.add_text(tag, text, step)
+
     def log_samples(self, step: int, groups: Sequence[Sequence[Trajectory]]) -> None:
         """A step's rollout groups, one row per sample (``sample_rows``), to W&B as a table (when on)."""
         if self._wandb is not None:

@@ -45,10 +45,13 @@ from rstar2jax.schedules.schedule import (
     unique_problems,
 )
 from rstar2jax.train.faults import EmptyRollout
+from rstar2jax.train.rollout_record import StepRollouts
 from rstar2jax.train.selection import (
     RewardFn,
+    RocChoice,
     policy_lag_metrics,
     rescore,
+    roc_choose,
     rollout_metrics,
     score_groups,
     select_and_build_batch,
@@ -64,6 +67,7 @@ class _Sampled:
     """A step's groups (padded to the schedule's ``num_groups`` with ``padding`` empty ones) with what their
     sampling reported: the schedule's metrics, the rollout function's counts and the phase times."""
 
+    problems: list[Problem]
     groups: list[list]
     padding: int
     schedule_metrics: dict[str, float]
@@ -106,8 +110,16 @@ def _sample(params, problems, *, rollout_fn, schedule, samples_per_problem, max_
             raise ValueError(f"{len(groups)} complete groups, more than num_groups={num_groups}")
         padding = num_groups - len(groups)
         groups = groups + [[] for _ in range(padding)]
-    return _Sampled(groups, padding, schedule_metrics, rollout_stats, rollout_done - start,
+    return _Sampled(unique, groups, padding, schedule_metrics, rollout_stats, rollout_done - start,
                     verify_done - rollout_done)
+
+
+def _step_rollouts(sampled: _Sampled, choice: RocChoice, schedule: RolloutSchedule,
+                   version: int) -> StepRollouts:
+    """What the step at ``version`` trained (padding groups left out), for the rollout record."""
+    groups = sampled.groups[: len(sampled.problems)]
+    return StepRollouts(version + 1, sampled.problems, groups, schedule.release_versions(groups, version),
+                        [choice.kept_in_group(g) for g in range(len(groups))])
 
 
 def rl_iteration(
@@ -123,10 +135,9 @@ def rl_iteration(
     num_rows: int | None = None,
     batch_sharding: jax.sharding.Sharding | None = None,
     schedule: RolloutSchedule | None = None,
-    on_groups: Callable[[list[list]], None] | None = None,
+    record: Callable[[StepRollouts], None] | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
-    """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats); ``on_groups``
-    gets the step's scored groups of trajectories (the samples a logger records).
+    """Runs one GRPO-RoC iteration and returns the new state and its metrics (plain floats).
 
     ``state.rng`` is split into the next state key, the RoC key and the rollout seed, so the iteration is a
     deterministic function of (state, problems) for a deterministic rollout. Repeated problems in
@@ -134,7 +145,8 @@ def rl_iteration(
 
     ``schedule`` (default: synchronous) produces the groups from ``problems`` (what its ``draw`` gave for
     this step) and keeps what crosses to the next step; a schedule with ``num_groups`` has the complete
-    groups padded with empty ones to that many, so that nothing recompiles.
+    groups padded with empty ones to that many, so that nothing recompiles. ``record``: gets the step's
+    groups with their release versions and what RoC kept (``rollout_record.RolloutRecord.write``).
     """
     start = time.perf_counter()
     rng, roc_key, rollout_key = jax.random.split(state.rng, 3)
@@ -150,12 +162,11 @@ def rl_iteration(
     )
     groups = sampled.groups
     scored = score_groups(groups, config.samples_per_problem, config.format_penalty)  # rewards, penalties
-    if on_groups is not None:
-        on_groups([g for g in groups if g])  # without the schedule's padding groups
     metrics = rollout_metrics(groups, scored)
+    choice = roc_choose(roc_key, groups, config, scored, max_response_length=max_response_length)
     batch, select_metrics = select_and_build_batch(
         roc_key, groups, config, num_rows, scored, max_response_length=max_response_length,
-        padding_groups=sampled.padding,
+        padding_groups=sampled.padding, choice=choice,
     )
     metrics.update(select_metrics)
     metrics.update(sampled.schedule_metrics)
@@ -174,7 +185,8 @@ def rl_iteration(
     metrics.update(schedule.updated(state.params, version + 1, update_seconds=update_seconds,
                                     trained_tokens=float(step_metrics["tokens"])))
     end = time.perf_counter()
-
+    if record is not None:
+        record(_step_rollouts(sampled, choice, schedule, version))
     response_tokens = sum(len(t.response_ids) for g in groups for t in g)
     metrics.update({k: float(v) for k, v in step_metrics.items()})
     metrics.update(

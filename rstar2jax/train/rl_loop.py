@@ -3,6 +3,7 @@ the RL steps with exact resume (see ``rstar2jax.train.run`` for what the checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from rstar2jax.config.options import ConfigError, RunOptions
@@ -12,11 +13,13 @@ from rstar2jax.engine.seeds import stream_seed
 from rstar2jax.policy.weights import CHECKPOINT_DIR
 from rstar2jax.schedules import colocate
 from rstar2jax.schedules.placement import rollout_devices
-from rstar2jax.schedules.schedule import CARRY_META_KEY, RolloutFn, RolloutSchedule
+from rstar2jax.schedules.schedule import RolloutFn, RolloutSchedule
 from rstar2jax.schedules.schedule_choice import make_schedule
+from rstar2jax.schedules.schedule_state import ScheduleInvariantError
 from rstar2jax.train.faults import NonFiniteStreak
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
+from rstar2jax.train.rollout_record import RolloutRecord, StepRollouts, auto_fraction
 from rstar2jax.train.run import Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
 from rstar2jax.train.selection import RewardFn
@@ -56,11 +59,11 @@ def _stage_problems(
 
 
 def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: RolloutFn) -> list[Problem]:
-    """Stage ``index``'s problems after its hard-problem filter (kept ids live in the checkpoint meta)."""
+    """Stage ``index``'s problems after its hard-problem filter (kept ids live in the host state)."""
     s = run.options.stages[index]
     if not s.hard_filter_rollouts:
         return problems
-    if run.meta["problem_ids"] is None:
+    if run.host.problem_ids is None:
         kept, stats = filter_hard_problems(
             run.state.params,
             problems,
@@ -74,9 +77,9 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
         )
         if not kept:
             raise ValueError(f"stage {s.name!r}: the hard-problem filter dropped every problem ({stats})")
-        run.meta["problem_ids"] = [p.id for p in kept]
+        run.host = run.host.replace(problem_ids=tuple(p.id for p in kept))
         logger.info("stage %s: hard-problem filter kept %d of %d problems", s.name, len(kept), len(problems))
-    keep = set(run.meta["problem_ids"])
+    keep = set(run.host.problem_ids)
     return [p for p in problems if p.id in keep]
 
 
@@ -92,31 +95,31 @@ class _RLStages:
         # Asynchronous: the trainer updates while the engine runs, so the moments never leave the device.
         self.offload = loop.schedule != "async" and colocate.resolve_offload(loop.optimizer_memory)
         self.schedule = schedule
-        self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.meta.get("nonfinite_in_a_row", 0))
+        self.streak = NonFiniteStreak(loop.max_nonfinite_steps, run.host.nonfinite_in_a_row)
+        self.record = _rollout_record(run)
 
     def stage(self, index: int, dataset: list[Problem], data_metrics: dict, progress: Progress) -> None:
         """Runs stage ``index`` from where the run stands (its start, or the resumed step)."""
         run, options = self.run, self.run.options
-        s = options.stages[index]
-        if run.step == run.meta["stage_start"] and s.reset_optimizer:
+        s, start = options.stages[index], run.host.stage_start
+        if run.step == start and s.reset_optimizer:
             run.reset_optimizer()
         iterator = ProblemIterator(
             _hard_problems(run, index, dataset, self.rollout_fn),
             options.rl.prompts_per_step,
             seed=stream_seed(options.seed, "problem_order", index),
-            position=run.meta["position"],
+            position=run.host.position,
         )
         iteration = options.rl.iterations[index]
-        self.schedule.restore(run.meta)
-        self.schedule.begin_stage(min(s.steps, self.total - run.meta["stage_start"]),
-                                  run.step - run.meta["stage_start"])
-        while run.step - run.meta["stage_start"] < s.steps and run.step < self.total:
+        self.schedule.restore(run.host.schedule)
+        self.schedule.begin_stage(min(s.steps, self.total - start), run.step - start)
+        while run.step - start < s.steps and run.step < self.total:
             if self.offload:  # the moments wait in host memory while the engine runs
                 run.state = run.state.replace(opt_state=colocate.to_host(run.state.opt_state))
             # A stage's last step rolls out nothing ahead (max_steps does not count: a run it stopped
             # resumes exactly).
-            stage_last = run.step - run.meta["stage_start"] + 1 >= s.steps
-            samples = []
+            stage_last = run.step - start + 1 >= s.steps
+            trained: list[StepRollouts] = []
             run.state, metrics = rl_iteration(
                 run.state,
                 self.schedule.draw(iterator, stage_last=stage_last),
@@ -129,20 +132,39 @@ class _RLStages:
                 num_rows=options.rl.num_rows,
                 batch_sharding=batch_sharding(run.mesh),
                 schedule=self.schedule,
-                on_groups=samples.append,
+                record=trained.append,
             )
+            self.record.write(trained[0])  # before the step's checkpoint: a step it keeps is on the record
             if stage_last:
                 self.schedule.end_stage()  # nothing crosses into the next stage
             record = run.record(
                 {"stage": index, **data_metrics, **metrics},
                 position=iterator.position,
                 nonfinite_in_a_row=self.streak.observe(metrics),
-                **self.schedule.checkpoint_meta(),
+                schedule=self.schedule.checkpoint_meta(),
             )
-            run.logger.log_samples(record["step"], samples[0])
-            progress.update(record, f"stage {s.name!r} {run.step - run.meta['stage_start']}/{s.steps}")
+            run.logger.log_samples(record["step"], [g for g in trained[0].groups if g])
+            progress.update(record, f"stage {s.name!r} {run.step - start}/{s.steps}")
             self.streak.check(run.step, run.workdir / CHECKPOINT_DIR)
             run.stop_if_requested()
+
+
+def _rollout_record(run: Run) -> RolloutRecord:
+    """The run's rollout record (``logging.rollout_record``): its text decoded with the policy's tokenizer
+    when it has one, a few samples per step as TensorBoard text."""
+    options = run.options
+    fraction = options.logging.rollout_record
+    if fraction is None:
+        samples = max(i.samples_per_problem for i in options.rl.iterations)
+        fraction = auto_fraction(options.rl.prompts_per_step, samples)
+    decode = None
+    if fraction > 0 and options.policy.tokenizer and run.is_main:
+        from rstar2jax.data.tokenizer import load_tokenizer  # transformers loads only when needed
+
+        tokenizer = load_tokenizer(options.policy.tokenizer)
+        decode = tokenizer.decode
+    return RolloutRecord(run.workdir, fraction=fraction, resumed_at=run.step, decode=decode,
+                         show=run.logger.text, enabled=run.is_main)
 
 
 def _rollout_precision(run: Run) -> str:
@@ -159,6 +181,17 @@ def _rollout_precision(run: Run) -> str:
             gap, options.model.compute_dtype,
         )
     return gap
+
+
+@contextlib.contextmanager
+def _saying_where_to_resume(run: Run):
+    """A broken schedule invariant (a bug) re-raised naming the checkpoint to resume from: the last finished
+    step's, which ``run.close`` writes as the run stops."""
+    try:
+        yield
+    except ScheduleInvariantError as error:
+        where = f"resume from the checkpoint of step {run.step} in {run.workdir / CHECKPOINT_DIR}"
+        raise ScheduleInvariantError(error.invariant, f"{error.detail}; {where}") from error
 
 
 def _schedule(options: RunOptions, rollout_fn: RolloutFn) -> RolloutSchedule:
@@ -188,11 +221,12 @@ def train_rl(
 
     Rollouts across an update (``rl.off_policy_steps`` = 1, ``rollout.partial_token_budget`` > 0; see
     ``rstar2jax.schedules.schedule``): what one step hands to the next (the next step's rollout,
-    unfinished rollouts) is kept in the checkpoint meta (``rollout_carry``), so a resumed run goes on
-    exactly; it does not cross a stage boundary (a stage's last step rolls out nothing ahead, and its
-    unfinished rollouts are dropped: the next stage has its own budget and problems). The asynchronous
-    schedule (``rl.schedule="async"``, ``rstar2jax.schedules.async_schedule``) keeps its released, untrained
-    groups there too and drains at a stage's end; its engines stop when the run does.
+    unfinished rollouts) is kept in the checkpoint's host state (``host_state.HostState.schedule``), so a
+    resumed run goes on exactly; it does not cross a stage boundary (a stage's last step rolls out nothing
+    ahead, and its unfinished rollouts are dropped: the next stage has its own budget and problems). The
+    asynchronous schedule (``rl.schedule="async"``, ``rstar2jax.schedules.async_schedule``) keeps its whole
+    state there too (``schedule_state.AsyncState``) and drains at a stage's end; its engines stop when the
+    run does. Trained rollouts go on the record (``logging.rollout_record``, ``rollout_record``).
     """
     check_rollout_precision(options)  # before any work: a ConfigError naming the field
     check_wandb(options)
@@ -203,7 +237,6 @@ def train_rl(
         options,
         optimizer,
         schedule_from_options(options.optimizer, updates_per_step=updates),
-        initial_meta={"stage": 0, "stage_start": 0, "position": 0, "problem_ids": None},
         stop=stop,
     )
     rl = options.rl
@@ -215,11 +248,11 @@ def train_rl(
     stages = run.options.stages
     total = run.options.total_steps if max_steps is None else min(max_steps, run.options.total_steps)
     if run.resumed and run.is_main:
-        current = stages[min(run.meta["stage"], len(stages) - 1)]
+        current = stages[min(run.host.stage, len(stages) - 1)]
         logger.info(
             "resuming RL from the checkpoint at step %d in %s: stage %d/%d %r, step %d of %d",
-            run.step, run.workdir / CHECKPOINT_DIR, run.meta["stage"] + 1, len(stages),
-            current.name, run.step - run.meta["stage_start"], current.steps,
+            run.step, run.workdir / CHECKPOINT_DIR, run.host.stage + 1, len(stages),
+            current.name, run.step - run.host.stage_start, current.steps,
         )
     loop = _RLStages(run, step_fn, rollout_fn, reward_fn, total, schedule)
     keys = ("reward", "accuracy", "response_length", "grad_norm")
@@ -233,13 +266,14 @@ def train_rl(
             run.accept_stop_requests()
             for index in range(len(stages)):
                 dataset, data_metrics = _stage_problems(run.options, index, dataset)
-                if index < run.meta["stage"]:
+                if index < run.host.stage:
                     continue
-                loop.stage(index, dataset, data_metrics, progress)
+                with _saying_where_to_resume(run):
+                    loop.stage(index, dataset, data_metrics, progress)
                 if run.step >= total:
                     break
-                run.meta.update(stage=index + 1, stage_start=run.step, position=0, problem_ids=None)
-                run.meta.pop(CARRY_META_KEY, None)
+                run.host = run.host.replace(stage=index + 1, stage_start=run.step, position=0,
+                                            problem_ids=None)
         finally:
             try:
                 loop.schedule.close()  # the asynchronous producer's engines stop

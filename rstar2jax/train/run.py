@@ -3,8 +3,9 @@
 policy export.
 
 Both loops (``rl_loop.train_rl``, ``sft_loop.train_sft``) keep everything that decides the next step in the
-checkpoint (state: params, optimizer, step, RNG; meta: stage, the step it started at, the step the optimizer
-was last reset at, data-iterator position, filtered problem ids, metrics history), so a run killed at any
+checkpoint (state: params, optimizer, step, RNG; its JSON record, the typed ``host_state.HostState``: stage,
+the step it started at, the step the optimizer was last reset at, data-iterator position, filtered problem
+ids, the rollout schedule's state, metrics history), so a run killed at any
 moment and restarted continues with exactly the metrics an uninterrupted run would log. ``state.step`` is the
 only step counter.
 """
@@ -28,6 +29,7 @@ from rstar2jax.policy.weights import CHECKPOINT_DIR, initial_params, save_policy
 from rstar2jax.schedules import colocate
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.checkpoint import Checkpointer
+from rstar2jax.train.host_state import HostState
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
@@ -128,7 +130,7 @@ class Run:
     schedule: optax.Schedule
     shardings: TrainState
     state: TrainState
-    meta: dict
+    host: HostState
     checkpointer: Checkpointer
     logger: MetricsLogger
     is_main: bool
@@ -140,7 +142,7 @@ class Run:
     def step(self) -> int:
         """Steps taken so far: ``state.step``, the one step counter (a step whose update was skipped for a
         non-finite gradient counts, with ``update_skipped`` in its metrics; stages and the learning-rate
-        schedule record the step they started at, ``meta["stage_start"]`` and ``meta["optimizer_start"]``)."""
+        schedule record the step they started at, ``host.stage_start`` and ``host.optimizer_start``)."""
         return int(jax.device_get(self.state.step.addressable_data(0)))
 
     @property
@@ -177,21 +179,21 @@ class Run:
             self.close()
             raise Interrupted(self.step, self.workdir / CHECKPOINT_DIR)
 
-    def record(self, metrics: dict, **meta_updates) -> dict:
-        """Logs one step's metrics (plus the learning rate it used), updates the resume record and saves a
-        checkpoint when one is due."""
+    def record(self, metrics: dict, **host_updates) -> dict:
+        """Logs one step's metrics (plus the learning rate it used), updates the host state (``HostState``
+        fields) and saves a checkpoint when one is due."""
         step = self.step  # the update just applied is number ``step``; it ran at schedule position step - 1
-        learning_rate = float(self.schedule(step - 1 - self.meta["optimizer_start"]))
+        learning_rate = float(self.schedule(step - 1 - self.host.optimizer_start))
         record = self.logger.log(step, {**metrics, "learning_rate": learning_rate})
-        self.meta.update(meta_updates, history=self.logger.history)
-        self.checkpointer.save(step, self.state, self.meta)
+        self.host = self.host.replace(**host_updates, history=tuple(self.logger.history))
+        self.checkpointer.save(step, self.state, self.host.to_meta())
         return record
 
     def reset_optimizer(self) -> None:
         """Fresh optimizer moments and schedule (a stage start with ``reset_optimizer``)."""
         reset = functools.partial(reset_optimizer, optimizer=self.optimizer)
         self.state = jax.jit(reset, out_shardings=self.shardings, donate_argnums=0)(self.state)
-        self.meta["optimizer_start"] = self.step
+        self.host = self.host.replace(optimizer_start=self.step)
 
     def close(self) -> None:
         """Final save of the last finished step (unless the state was lost mid-step, or a checkpoint write
@@ -203,7 +205,7 @@ class Run:
         try:
             lost = any(x.is_deleted() for x in jax.tree.leaves(self.state))
             if not (lost or self.checkpointer.write_failed):
-                self.checkpointer.save(self.step, self.state, self.meta, force=True)
+                self.checkpointer.save(self.step, self.state, self.host.to_meta(), force=True)
         finally:
             try:
                 self.checkpointer.close()
@@ -211,25 +213,16 @@ class Run:
                 self.logger.close()
 
 
-def _upgrade_meta(meta: dict, step: int) -> None:
-    """Checkpoints written before the step counters became one kept counts of their own
-    (``optimizer_steps``, ``stage_step``); now they hold the step they started at."""
-    if "optimizer_steps" in meta:
-        meta["optimizer_start"] = step - meta.pop("optimizer_steps")
-    if "stage_step" in meta:
-        meta["stage_start"] = step - meta.pop("stage_step")
-
-
 def start_run(
     options: RunOptions,
     optimizer,
     schedule,
     *,
-    initial_meta: dict,
+    initial_host: HostState | None = None,
     stop: StopSignal | None = None,
 ) -> Run:
-    """Builds mesh and model, then restores the latest checkpoint of ``options.workdir`` or starts fresh;
-    ``stop`` (default: a new one) is the signal that stops this run."""
+    """Builds mesh and model, then restores the latest checkpoint of ``options.workdir`` or starts fresh (with
+    ``initial_host``); ``stop`` (default: a new one) is the signal that stops this run."""
     workdir, policy, lora = options.workdir, options.policy, options.lora
     mesh = mesh_from_config(options)
     model_config = policy.model
@@ -259,19 +252,17 @@ def start_run(
             init_train_state, optimizer=optimizer, seed=options.seed, reference=reference
         )
         state = jax.jit(init, out_shardings=shardings)(params)
-        meta = {**initial_meta, "history": [], "optimizer_start": 0}
-        if base_record is not None:
-            meta[adapters_lib.META_KEY] = base_record
+        host = (initial_host or HostState()).replace(lora_base=base_record)
     else:
         state, meta = restored
         adapters_lib.check_checkpoint(meta, base_record, checkpointer.directory)
-        _upgrade_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
+        host = HostState.from_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     if is_main:
         write_run_config(workdir, options.record)
     wandb = WandbRun(options, workdir) if is_main and options.logging.wandb.enabled else None
     logger = MetricsLogger(
-        workdir, history=meta["history"], tensorboard=options.logging.tensorboard, enabled=is_main,
+        workdir, history=host.history, tensorboard=options.logging.tensorboard, enabled=is_main,
         wandb=wandb,
     )
     return Run(
@@ -283,7 +274,7 @@ def start_run(
         schedule=schedule,
         shardings=shardings,
         state=state,
-        meta=meta,
+        host=host,
         checkpointer=checkpointer,
         logger=logger,
         is_main=is_main,

@@ -265,39 +265,38 @@ def _sequences(kept: list[tuple[Trajectory, float]], mask_truncated: bool) -> li
     return sequences
 
 
-def select_and_build_batch(
-    key: jax.Array,
-    groups: list[list[Trajectory]],
-    config: RLIterationConfig,
-    num_rows: int | None = None,
-    scored: ScoredGroups | None = None,
-    *,
-    max_response_length: int | None = None,
-    padding_groups: int = 0,
-) -> tuple[Batch, dict[str, float]]:
-    """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch.
+@dataclasses.dataclass(frozen=True)
+class RocChoice:
+    """What RoC kept of a step's groups: ``kept`` (trajectory, advantage) pairs in group order; ``mask`` /
+    ``indices`` (groups x keep): which selected slots hold a kept trajectory and its index in its group;
+    ``advantages``, ``selected_p_total``, ``rejected`` (per group) as ``_select`` gave them."""
 
-    ``scored``: the groups' :func:`score_groups` at width ``samples_per_problem`` (default: computed here).
-    ``max_response_length`` (the response budget) is needed with ``config.overlong_buffer`` > 0.
-    ``padding_groups``: the last this many groups are empty padding (a fixed group count keeps the scoring
-    programs' shapes): left out of the rejected-group counts.
-    """
-    width = config.samples_per_problem
-    if scored is None:
-        scored = score_groups(groups, width, config.format_penalty)
-    if scored.rewards.shape != (len(groups), width):
-        raise ValueError(f"scored arrays are {scored.rewards.shape}, expected {(len(groups), width)}")
-    rewards, valid, p_total = scored.rewards, scored.valid, scored.p_total
-    shaping = np.zeros_like(rewards)
+    kept: list
+    mask: np.ndarray
+    indices: np.ndarray
+    advantages: np.ndarray
+    selected_p_total: np.ndarray
+    rejected: np.ndarray
+
+    def kept_in_group(self, group: int) -> set[int]:
+        """The indices (in its group) of group ``group``'s kept trajectories."""
+        return {int(self.indices[group, j]) for j in np.nonzero(self.mask[group])[0]}
+
+
+def roc_choose(key: jax.Array, groups: list[list[Trajectory]], config: RLIterationConfig,
+               scored: ScoredGroups, *, max_response_length: int | None = None) -> RocChoice:
+    """RoC down-selection to G per group and the kept ones' GRPO advantages (``select_and_build_batch``'s
+    first half: what a rollout record needs to say which trajectories trained)."""
+    shaping = np.zeros_like(scored.rewards)
     if config.overlong_buffer:
         shaping = _overlong_shaping(groups, config, max_response_length)
     selection, advantages, selected_p_total = jax.device_get(
         _select(
             key,
-            rewards,
+            scored.rewards,
             shaping,
-            valid,
-            p_total,
+            scored.valid,
+            scored.p_total,
             config.min_negatives,
             config.min_positives,
             config.reject_equal_reward,
@@ -314,6 +313,36 @@ def select_and_build_batch(
         (groups[g][selection.indices[g, j]], float(advantages[g, j]))
         for g, j in zip(*np.nonzero(mask), strict=True)
     ]
+    return RocChoice(kept, mask, selection.indices, advantages, selected_p_total, selection.rejected)
+
+
+def select_and_build_batch(
+    key: jax.Array,
+    groups: list[list[Trajectory]],
+    config: RLIterationConfig,
+    num_rows: int | None = None,
+    scored: ScoredGroups | None = None,
+    *,
+    max_response_length: int | None = None,
+    padding_groups: int = 0,
+    choice: RocChoice | None = None,
+) -> tuple[Batch, dict[str, float]]:
+    """RoC down-selection to G per group, GRPO advantages over the kept ones, then the token batch.
+
+    ``scored``: the groups' :func:`score_groups` at width ``samples_per_problem`` (default: computed here).
+    ``max_response_length`` (the response budget) is needed with ``config.overlong_buffer`` > 0.
+    ``padding_groups``: the last this many groups are empty padding (a fixed group count keeps the scoring
+    programs' shapes): left out of the rejected-group counts. ``choice``: :func:`roc_choose`'s, made already
+    with the same arguments (default: made here).
+    """
+    width = config.samples_per_problem
+    if scored is None:
+        scored = score_groups(groups, width, config.format_penalty)
+    if scored.rewards.shape != (len(groups), width):
+        raise ValueError(f"scored arrays are {scored.rewards.shape}, expected {(len(groups), width)}")
+    if choice is None:
+        choice = roc_choose(key, groups, config, scored, max_response_length=max_response_length)
+    p_total, valid, kept, mask = scored.p_total, scored.valid, choice.kept, choice.mask
     batch = build_batch(
         _sequences(kept, config.mask_truncated),
         seq_len=config.seq_len,
@@ -323,18 +352,17 @@ def select_and_build_batch(
         with_rl_fields=True,
         with_policy_versions=True,
     )
-    rejected = selection.rejected[: len(groups) - padding_groups]
+    rejected = choice.rejected[: len(groups) - padding_groups]
     metrics = {
         "groups_rejected": float(rejected.sum()),
         "groups_rejected_frac": float(rejected.mean()) if len(rejected) else 0.0,
         "selected": float(len(kept)),
         "selected_reward": float(np.mean([t.reward for t, _ in kept])) if kept else 0.0,
-        "selected_p_total": float(selected_p_total[mask].mean()) if kept else 0.0,
+        "selected_p_total": float(choice.selected_p_total[mask].mean()) if kept else 0.0,
         "p_total": float(p_total[valid].mean()) if valid.any() else 0.0,
-        "advantage_abs": float(np.abs(advantages[mask]).mean()) if kept else 0.0,
+        "advantage_abs": float(np.abs(choice.advantages[mask]).mean()) if kept else 0.0,
         "selected_truncated": float(sum(t.truncated for t, _ in kept)),
         "batch_rows": float(batch.tokens.shape[0]),
         "batch_fill": float((batch.segment_ids > 0).mean()),
     }
     return batch, metrics
-

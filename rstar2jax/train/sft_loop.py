@@ -55,7 +55,7 @@ def train_sft(
     # The schedule spans the whole run, so stopping early (max_steps) and resuming changes nothing.
     optimizer = optimizer_from_options(options.optimizer, total_steps=run_steps)
     schedule = schedule_from_options(options.optimizer, total_steps=run_steps)
-    run = start_run(options, optimizer, schedule, initial_meta={"position": 0}, stop=stop)
+    run = start_run(options, optimizer, schedule, stop=stop)
     step_fn = make_sft_step(
         run.model_config,
         optimizer,
@@ -66,7 +66,7 @@ def train_sft(
     )
     if run.base is not None:
         step_fn = run.base.bind(step_fn)
-    iterator = ProblemIterator(sequences, sft.batch_size, seed=options.seed, position=run.meta["position"])
+    iterator = ProblemIterator(sequences, sft.batch_size, seed=options.seed, position=run.host.position)
     if run.resumed and run.is_main:
         logger.info(
             "resuming SFT from the checkpoint at step %d of %d in %s (epoch %.2f)",

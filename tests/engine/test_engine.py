@@ -11,9 +11,17 @@ import torch
 from jax._src import monitoring
 
 from rstar2jax import models
-from rstar2jax.engine import NO_POLICY_VERSION, Engine, EngineCore, SamplingParams, generate, init_state
+from rstar2jax.engine import (
+    NO_POLICY_VERSION,
+    Engine,
+    EngineCore,
+    SamplingParams,
+    StepLayout,
+    generate,
+    init_state,
+)
 from rstar2jax.engine.programs import engine_params
-from rstar2jax.engine.step import StepLayout, compile_step
+from rstar2jax.engine.step import compile_step
 from rstar2jax.models import init_params, layers_are_unstacked
 from tests.engine.conftest import ENGINE_CONFIG, teacher_forced
 

@@ -100,10 +100,10 @@ def _check_allocator(pool: PageAllocator, num_pages: int) -> None:
         assert (row[held:] == 0).all() and (row[:held] > 0).all()
         np.add.at(counts, row[:held], 1)
     np.testing.assert_array_equal(pool.refcount, counts)
-    free, cached = set(pool._free), set(pool._cached)
-    assert len(free) == len(pool._free) and 0 not in free and not free & cached
+    free, cached = set(pool.free_pages), set(pool.cached_pages)
+    assert len(free) == len(pool.free_pages) and 0 not in free and not free & cached
     assert free | cached == {p for p in range(1, num_pages) if counts[p] == 0}
-    assert all(page in pool._digest_of for page in cached)
+    assert all(pool.is_registered(page) for page in cached)
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
@@ -203,13 +203,13 @@ def test_random_fork_and_free_orders_match_the_dense_reference(tiny_qwen3, data)
         engine = Engine(tiny_qwen3.params, tiny_qwen3.config, PAGED_CONFIG)
         async with engine:
             await asyncio.gather(*[group(engine, plan) for plan in plans])
-        return engine._core
+        return engine.core
 
     core = asyncio.run(scenario())  # leaving the engine sends the last releases
     assert len(records) == sum(p["n"] for p in plans)
     for record in records:
         _check_against_dense(tiny_qwen3, *record)
-    assert core.pages.num_used == 0 and core.scheduler.sequences.ledger.reserved == 0
+    assert core.pages.num_used == 0 and core.num_reserved_pages == 0
     assert np.isnan(np.asarray(core.state.pages.k[:, :, 1:])).any()  # freed pages were poisoned
 
 

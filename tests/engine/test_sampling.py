@@ -297,13 +297,13 @@ def test_greedy_steps_run_the_greedy_program_with_the_same_tokens(tiny_qwen3):
     greedy = [(prompt, 0.0) for prompt in prompts]
     core = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
     tokens = _run_core(core, greedy)
-    assert core.runner._programs and all(layout.greedy for layout in core.runner._programs)
+    assert core.program_layouts and all(layout.greedy for layout in core.program_layouts)
 
     warm = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
     warm.warmup()
     assert _run_core(warm, greedy) == tokens
-    assert not any(layout.greedy for layout in warm.runner._programs)
+    assert not any(layout.greedy for layout in warm.program_layouts)
 
     mixed = EngineCore(tiny_qwen3.params, tiny_qwen3.config, config)
     assert _run_core(mixed, [greedy[0], (prompts[1], 1.0)])[0] == tokens[0]
-    assert not any(layout.greedy for layout in mixed.runner._programs)
+    assert not any(layout.greedy for layout in mixed.program_layouts)

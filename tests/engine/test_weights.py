@@ -1,10 +1,8 @@
-"""The engine's rooms: the scheduler's page account and plans, and new weights between two device steps (the
-step in flight keeps the old ones, every token keeps the version that sampled it, nothing compiles again,
-sessions survive; ``on_update="recompute"`` prefills the keys/values again)."""
+"""New weights between two device steps: the step in flight keeps the old ones, every token keeps the
+version that sampled it, nothing compiles again, sessions survive; ``on_update="recompute"`` prefills the
+keys/values again."""
 
 import asyncio
-import collections
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +12,6 @@ from jax._src import monitoring
 
 from rstar2jax.engine import Engine, EngineCore, SamplingParams
 from rstar2jax.engine.programs import PROGRAMS
-from rstar2jax.engine.requests import pages_needed
-from rstar2jax.engine.scheduler import Scheduler
 from tests.engine.conftest import ENGINE_CONFIG, teacher_forced
 from tests.engine.test_paged import PAGED_CONFIG
 
@@ -72,33 +68,6 @@ class _Compiles:
 
     def __exit__(self, *exc_info):
         monitoring.unregister_event_duration_listener(self._listener)
-
-
-def test_the_page_ledger_promises_what_a_group_needs_and_gets_it_all_back():
-    """One account of pages: admitting groups promises exactly what they can ever take (less the prefix
-    pages they attach), taking pages takes them from the promise, and closing gives everything back."""
-    config = dataclasses.replace(ENGINE_CONFIG, page_size=8)
-    scheduler = Scheduler(config, vocab_size=256, stats=collections.Counter())
-    table, ledger = scheduler.sequences, scheduler.sequences.ledger
-    prompt = list(range(1, 21))  # two whole pages and a partial one
-    ((a0, a1),) = table.admit([(prompt, 2, SAMPLED, 20, (0,))])
-    assert ledger.reserved + ledger.allocator.num_used == pages_needed(config, 20, 2, 20)
-    assert ledger.allocator.num_used == 3 + 1  # the prompt's pages, one private copy for the sibling
-    plan = scheduler.schedule()  # the prompt's prefill, which registers its whole pages
-    assert plan.prefills and not plan.decoding and plan.weights is None
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.iterations = 2
-    ((b,),) = table.admit([(prompt + [7, 8], 1, SAMPLED, 10, (1,))])
-    assert b.cached_tokens == 16  # two pages attached, not promised again
-    used = ledger.allocator.num_used
-    taken = 4 + 1  # the group's prompt pages and copy, the new session's pages past the shared ones
-    promised = pages_needed(config, 20, 2, 20) + pages_needed(config, 22, 1, 10, shared=2)
-    assert ledger.reserved == promised - taken
-    assert ledger.num_free == config.pool_pages - 1 - used - ledger.reserved
-    for record in (a0, a1, b):
-        table.close(record)
-    assert ledger.reserved == 0 and ledger.allocator.num_used == 0
-    assert table.num_free_slots == config.num_slots
 
 
 def test_weights_updated_with_a_step_in_flight_sample_from_the_next_step(tiny_qwen3):
@@ -167,7 +136,7 @@ def test_recompute_prefills_every_sequence_again_with_the_new_weights(tiny_qwen3
                         record.policy_versions, {0: old, 1: new})
         core.close(record)
     core.flush()
-    assert core.pages.num_used == 0 and core.scheduler.sequences.ledger.reserved == 0
+    assert core.pages.num_used == 0 and core.num_reserved_pages == 0
 
 
 def test_weights_the_programs_do_not_take_are_refused_and_change_nothing(tiny_qwen3):

@@ -205,6 +205,7 @@ class ScriptedStream:
         self.received = [(policy_version, params)]
         self.max_delay, self.rng = max_delay, np.random.default_rng(delay_seed)
         self.jobs: list[_Job] = []
+        self.submitted: list = []  # every key submitted, in order
         self.done: queue.Queue = queue.Queue()
         self.lock, self.stop = threading.Lock(), threading.Event()
         self.counts = {"busy_s": 0.0, "generated_tokens": 0.0}
@@ -213,6 +214,7 @@ class ScriptedStream:
 
     def submit(self, key, problem, *, seed, index):
         del index  # scripted groups depend on (seed, problem id) only
+        self.submitted.append(key)
         trajectories = self.scripted(self.received[-1][1], [problem], **self.options, seed=seed)
         with self.lock:
             self.jobs.append(_Job(key, trajectories, time.perf_counter(), self.rng.uniform(0, self.max_delay),

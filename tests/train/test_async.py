@@ -21,8 +21,9 @@ import pytest
 from rstar2jax.config.loss_config import RLLossConfig
 from rstar2jax.config.options import ConfigError
 from rstar2jax.data.problems import Problem, ProblemIterator
-from rstar2jax.schedules.async_schedule import AsyncSchedule, Ticket, choose_batch
+from rstar2jax.schedules.async_schedule import AsyncSchedule
 from rstar2jax.schedules.placement import rollout_devices, train_devices
+from rstar2jax.schedules.schedule_state import AsyncState, ScheduleInvariantError, Ticket
 from rstar2jax.train import (
     RLIterationConfig,
     init_train_state,
@@ -68,18 +69,20 @@ def _saved_params(checkpoints, step):
 
 def test_the_throttle_takes_due_groups_first_and_fills_with_the_oldest():
     problem = Problem("p", "q", "1")
-    tickets = {(b, i): Ticket(b, i, problem, 0, i, 0, version) for b, i, version in
-               [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (2, 0, 1), (2, 1, 1)]}
+    tickets = tuple(Ticket(b, i, problem, 0, i, 0, version) for b, i, version in
+                    [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (2, 0, 1), (2, 1, 1)])
+    state = AsyncState(released=3, consumed=0, batch_sizes=(2, 2, 2), tickets=tickets)
+    keys = {t.key for t in tickets}
     # At version 1 with eta 1 the groups released at version 0 are due: all four cannot fit a batch of 2.
-    with pytest.raises(RuntimeError, match="release throttle"):
-        choose_batch(tickets, set(tickets), 2, 1, 1)
-    del tickets[(0, 0)], tickets[(0, 1)]
+    with pytest.raises(ScheduleInvariantError, match="release throttle"):
+        state.choose(keys, 1, 1)
+    state = AsyncState(released=3, consumed=1, batch_sizes=(2, 2, 2), tickets=tickets[2:])
     due = {(1, 0), (1, 1)}
-    assert choose_batch(tickets, {(2, 0), (2, 1), (1, 0)}, 2, 1, 1) is None  # a due group still runs
-    assert choose_batch(tickets, due | {(2, 0)}, 2, 1, 1) == sorted(due)
+    assert state.choose({(2, 0), (2, 1), (1, 0)}, 1, 1) is None  # a due group still runs
+    assert state.choose(due | {(2, 0)}, 1, 1) == sorted(due)
     # At version 0 nothing is due: the oldest complete groups, once there are enough.
-    assert choose_batch(tickets, {(2, 1)}, 2, 0, 1) is None
-    assert choose_batch(tickets, {(2, 1), (1, 1), (2, 0)}, 2, 0, 1) == [(1, 1), (2, 0)]
+    assert state.choose({(2, 1)}, 0, 1) is None
+    assert state.choose({(2, 1), (1, 1), (2, 0)}, 0, 1) == [(1, 1), (2, 0)]
 
 
 @pytest.mark.slow  # two full runs, 16-22 s on 2 cores; the bound at eta 1 and 2 by default: below
