@@ -49,6 +49,10 @@ the HBM floor for 0.6B and 1.7B at batch 1/64/256 (``--gpu_batches``, ``--gpu_mo
   ``pip install --no-deps --target DIR google-tunix==0.1.7 google-metrax clu wrapt sentencepiece perfetto``,
   and pass ``--tunix_path=DIR`` (without it the tunix keys are left out).
 
+``--exact`` (issue 52): exact numerics (``ModelConfig.numerics="exact"``) against the default ones, by
+``experiments.bench_exact`` (its docstring says what each key measures): ``exact_mismatch_max_fp32``,
+``exact_mismatch_max_bf16``, ``exact_decode_ratio``, ``exact_train_ratio``.
+
 ``--precision`` (issue 41), the low-precision engine (``EngineConfig.weight_dtype`` / ``kv_dtype`` = "fp8"):
 
 - ``kv_tokens_per_gib_ratio_fp8``: tokens a page pool of fixed bytes holds, FP8 over bfloat16, from the bytes
@@ -839,6 +843,7 @@ _BIG_ROLLOUT = flags.DEFINE_bool(
 )
 _STARTUP = flags.DEFINE_bool("startup", False, "measure compilation and start-up (issue 31)")
 _PRECISION = flags.DEFINE_bool("precision", False, "measure the FP8 engine (issue 41)")
+_EXACT = flags.DEFINE_bool("exact", False, "measure exact numerics (issue 52, experiments.bench_exact)")
 _POLICY_DIR = flags.DEFINE_string("policy_dir", None, "with --precision: a policy folder (default: tiny)")
 _PROBLEMS = flags.DEFINE_string("problems", None, "with --precision --policy_dir: held-out problems (JSONL)")
 _PRECISION_PROMPTS = flags.DEFINE_integer("precision_prompts", 32, "with --problems: problems used")
@@ -897,6 +902,12 @@ def main(argv) -> None:
         print(json.dumps({k: rounded(v) if isinstance(v, float) else v for k, v in figures.items()}))
 
     report.figures = figures
+    if args.exact:
+        from experiments.bench_exact import exact  # only this mode needs it
+
+        exact(args, report, generate_tokens_per_s)
+        finish("(baselines: the default numerics, same shapes, same run)")
+        return
     if args.precision:
         precision(args, report)
         finish("(baselines: the bfloat16 pool / engine weights / engine)")

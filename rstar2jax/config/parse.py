@@ -333,8 +333,9 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         values["rl.estimator"] = _estimator(values["rl.estimator"])
         rl_rules(values, stages)
     policy = policy_from_values(values)
-    if kind == "rl":
-        policy = _with_tools(policy, values["rollout.tools"])
+    if kind == "rl":  # the engine and the trainer run the policy's model config: both get the numerics
+        model = dataclasses.replace(policy.model, numerics=values["rollout.numerics"])
+        policy = _with_tools(dataclasses.replace(policy, model=model), values["rollout.tools"])
     mesh = _section(MeshShape, values)
     num_microbatches = values["num_microbatches"]
     sft = _section(SFTOptions, values) if kind == "sft" else None

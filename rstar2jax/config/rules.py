@@ -11,6 +11,7 @@ from typing import Any
 from rstar2jax.config.loss_config import correction_contradiction
 from rstar2jax.config.options import ConfigError, StageOptions
 from rstar2jax.config.schema_rl import AUTO, MISMATCH_IS_CAP
+from rstar2jax.engine.config import FP8
 
 
 def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
@@ -82,6 +83,10 @@ def _engine_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:
         if s.hard_filter_rollouts > slots:
             raise ConfigError(f"config.stages[{i}].hard_filter_rollouts={s.hard_filter_rollouts}: must be at "
                               f"most rollout.engine_slots={slots} (a problem's rollouts decode side by side)")
+    fp8 = [name for name in ("rollout.weight_dtype", "rollout.kv_dtype") if v[name] == FP8]
+    if v["rollout.numerics"] == "exact" and fp8:
+        raise ConfigError(f"config.rollout.numerics='exact' computes in model.compute_dtype: {fp8[0]}='fp8' "
+                          "would sample from other numbers than the trainer's; drop one of them")
     longest = max(s.engine_max_len for s in stages)
     tokens = v["rollout.kv_cache_tokens"]
     if 0 < tokens < longest:

@@ -28,7 +28,12 @@ from rstar2jax.config.vocabulary import (
 )
 from rstar2jax.engine.config import FP8, FP8_MATMULS
 from rstar2jax.engine.plan import ON_UPDATE
-from rstar2jax.models.config import ATTENTION_ALIASES, DECODE_ATTENTION_IMPLEMENTATIONS, SUPPORTED_DTYPES
+from rstar2jax.models.config import (
+    ATTENTION_ALIASES,
+    DECODE_ATTENTION_IMPLEMENTATIONS,
+    NUMERICS,
+    SUPPORTED_DTYPES,
+)
 
 #: ``loss.old_logprobs`` / ``loss.rollout_is_cap``: chosen from the rollout's precision (``rules``).
 AUTO = "auto"
@@ -404,6 +409,12 @@ RL: dict[str, Field] = {
         "auto", choice(DECODE_ATTENTION),
         "the engine's paged decode attention: auto (the Pallas kernel on CUDA GPUs, else blockwise) / "
         "blockwise / pallas_triton",
+    ),
+    "rollout.numerics": Field(
+        "default", choice(NUMERICS),
+        "default / exact: the engine and the trainer compute with the same batch-invariant programs, so the "
+        "sampler's log-probs are the trainer's bit for bit (pi_old without a recompute pass; slower: "
+        "docs/exact_numerics.md); not with FP8 weights or KV pages",
     ),
     "rollout.partial_token_budget": Field(
         0, AT_LEAST_0,

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar2jax.engine.config import FP8
-from rstar2jax.models import ModelConfig
+from rstar2jax.models import ModelConfig, exact
 from rstar2jax.models.attention import resolve_attention
 from rstar2jax.models.config import attention_name
 from rstar2jax.models.platform import pallas_interpreted
@@ -334,6 +334,8 @@ class PagedCacheView:
         pages = self.pages.write(layer, batch.token_page, batch.token_offset, k[0], v[0])
         scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
         q = q[0]  # [T, H, Dh]
+        if self.attention == "exact":
+            return paged_exact_attention(q, pages, layer, batch)[None], self.replace(pages=pages)
         rows_q = q.at[batch.row_token].get(mode="fill", fill_value=0)[:, None]  # [R1, 1, H, Dh]
         if self.attention == "pallas_triton":
             rows = paged_decode_attention_pallas(rows_q, pages.k, pages.v, layer, batch.row_pages,
@@ -349,3 +351,32 @@ class PagedCacheView:
                                               batch.tile_positions, block_pages=self.block_pages, **scales)
             out = out.at[batch.tile_token.reshape(-1)].set(tiles.reshape(-1, *q.shape[1:]), mode="drop")
         return out[None], self.replace(pages=pages)
+
+
+def paged_exact_attention(q: jax.Array, pages: PagedKV, layer, batch: RaggedBatch) -> jax.Array:
+    """Every flat token's attention (q ``[T, H, Dh]``, scaled) over its sequence's pages by
+    ``models.exact.attend_tile``, the routine the exact trainer attends packed rows with: the same key
+    blocks in the same order, so a token's output has the same bits as in the trainer (``ModelConfig.numerics
+    = "exact"``). Each token's page-table row and position come from the single-query row or tile that holds
+    it."""
+    if pages.quantized:
+        raise ValueError("numerics='exact' reads KV pages in the compute dtype, not FP8")
+    T, max_pages, page_size = q.shape[0], batch.row_pages.shape[1], pages.page_size
+    tile_rows = jnp.repeat(batch.tile_pages, batch.tile_token.shape[1], axis=0)
+    token_pages = jnp.zeros((T, max_pages), jnp.int32).at[batch.row_token].set(batch.row_pages, mode="drop")
+    token_pages = token_pages.at[batch.tile_token.reshape(-1)].set(tile_rows, mode="drop")
+    token_pos = jnp.full((T,), -1, jnp.int32).at[batch.row_token].set(batch.row_positions[:, 0], mode="drop")
+    token_pos = token_pos.at[batch.tile_token.reshape(-1)].set(batch.tile_positions.reshape(-1), mode="drop")
+    num_blocks = (jnp.max(token_pos) + exact.KEY_BLOCK) // exact.KEY_BLOCK
+    offsets = jnp.arange(exact.KEY_BLOCK)
+
+    def tile(q, table, pos):
+        def key_block(i):
+            key_pos = i * exact.KEY_BLOCK + offsets
+            ids = table[:, jnp.minimum(key_pos // page_size, max_pages - 1)]  # [R, S]
+            gather = lambda pool: jnp.transpose(pool[:, layer, ids, key_pos % page_size], (1, 2, 0, 3))
+            return gather(pages.k), gather(pages.v)
+
+        return exact.attend_tile(q, key_block, num_blocks, pos, pages.k.shape[0])
+
+    return exact.tiled_rows(tile, q, token_pages, token_pos)

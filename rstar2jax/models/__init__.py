@@ -3,6 +3,7 @@ weights for decoding (``quantization``)."""
 
 from rstar2jax.models import (  # the modules: LoRA math, PEFT folders and their config, FP8 weights
     attention,  # the module: attention.attention, .resolve_attention, .auto_choice
+    exact,  # the module: exact numerics (ModelConfig.numerics="exact")
     lora,
     peft_adapter,
     peft_config,
@@ -62,6 +63,7 @@ __all__ = [
     "REMAT_POLICIES",
     "attention",
     "segments",
+    "exact",
     "hidden_states",
     "output_head",
     "sequence_logprobs",

@@ -12,6 +12,9 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 # none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
 # norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
 # layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
+#: ``ModelConfig.numerics``: the default programs, or batch-invariant ones that make the engine's log-probs
+#: equal the trainer's bit for bit (``models.exact``).
+NUMERICS = ("default", "exact")
 REMAT_POLICIES = ("none", "save_projections", "save_attention", "full", "dots", "dots_no_batch")
 #: The attention implementations: one vocabulary for training (``models.attention.attention`` over packed
 #: rows, ``ModelConfig.attention``) and decoding (the engine's paged KV cache, ``EngineConfig.attention``).
@@ -62,7 +65,8 @@ class ModelConfig:
     ``attention_block_size`` the blockwise one's block. ``mlp_chunk_size`` (0: off) runs the MLP over chunks
     of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
     the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
-    ``dataclasses.replace``.
+    ``dataclasses.replace``. ``numerics``: ``"default"``, or ``"exact"`` (``models.exact``: the engine's
+    and the trainer's forward and log-probs agree bit for bit, at some cost in speed).
     """
 
     model_type: str
@@ -87,6 +91,7 @@ class ModelConfig:
     attention: str = "auto"
     attention_block_size: int = 512
     mlp_chunk_size: int = 0
+    numerics: str = "default"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -134,6 +139,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_block_size must be a positive multiple of 8, got {self.attention_block_size!r}"
             )
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics={self.numerics!r}; expected one of {NUMERICS}")
         if not isinstance(self.mlp_chunk_size, int) or self.mlp_chunk_size < 0:
             raise ValueError(f"mlp_chunk_size must be an int >= 0, got {self.mlp_chunk_size!r}")
         if self.rope_scaling is not None:

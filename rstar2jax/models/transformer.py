@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from rstar2jax.models import exact
 from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
@@ -336,6 +337,10 @@ def sequence_logprobs(
     x = hidden_states(params, config, tokens, positions=positions, segment_ids=segment_ids)
     # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
     head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
+    if config.numerics == "exact":
+        logp, entropy = exact.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
+                                             head_layout=layout, temperature=temperature)
+        return logp.reshape(targets.shape), entropy.reshape(targets.shape)
     return token_logprobs_and_entropy(x, head, targets, temperature=temperature, head_layout=layout)
 
 
@@ -346,6 +351,8 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
     dtype = jnp.dtype(config.compute_dtype)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if config.numerics == "exact":
+        return _exact_trunk(params, config, tokens, positions, segment_ids, cache)
 
     angles = positions[..., None, None].astype(jnp.float32) * rope_inverse_frequencies(config)
     rope = (jnp.cos(angles), jnp.sin(angles))
@@ -371,6 +378,58 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
 
     x = constrain(jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(dtype), _RESIDUAL_AXES)
     kv = None if cache is None else cache if paged else (cache.k, cache.v)
+    x, kv = _run_layers(params, config, block, x, kv)
+    x = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    new_cache = None if cache is None else kv if paged else KVCache(k=kv[0], v=kv[1])
+    return x, new_cache
+
+
+def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
+    """:func:`_trunk` with exact numerics (``models.exact``): per-token work over fixed row tiles, attention
+    by ``exact.attend_tile`` (a paged cache attends itself, as its ``attention`` says); no KVCache."""
+    if isinstance(cache, KVCache):
+        raise ValueError("numerics='exact' runs without a cache or with a paged cache, not a KVCache")
+    B, T = tokens.shape
+    dtype, eps = jnp.dtype(config.compute_dtype), config.rms_norm_eps
+    inverse_frequencies = rope_inverse_frequencies(config)
+
+    def pre_attention(layer, x, pos):  # one tile: x [R, D], pos [R] -> q (scaled), k, v [R, heads, Dh]
+        h = _rms_norm(x, layer["attn_norm"], eps)[None]
+        q, k, v = (_project(h, layer, f"{name}_proj", "btd,dhk->bthk") for name in "qkv")
+        if config.qkv_bias:
+            q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+        if config.qk_norm:
+            q, k = _rms_norm(q, layer["q_norm"], eps), _rms_norm(k, layer["k_norm"], eps)
+        angles = pos[None, :, None, None].astype(jnp.float32) * inverse_frequencies
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        scale = config.head_dim**-0.5
+        return _apply_rope(q, cos * scale, sin * scale)[0], _apply_rope(k, cos, sin)[0], v[0]
+
+    def post_attention(layer, x, attn):  # one tile: x [R, D], attn [R, H, Dh] -> x [R, D]
+        x = x + _project(attn[None], layer, "o_proj", "bthk,hkd->btd")[0]
+        return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer)[0]
+
+    def block(x, layer, layer_index, kv):
+        layer = cast_floats(layer, dtype)
+        q, k, v = exact.tiled_rows(functools.partial(pre_attention, layer), x, positions.reshape(-1))
+        if kv is None:
+            shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]
+            attn = exact.packed_attention(*shaped, segment_ids).reshape(q.shape)
+        else:
+            attn, kv = kv.write_and_attend(layer_index, q[None], k[None], v[None])
+            attn = attn[0]
+        return exact.tiled_rows(functools.partial(post_attention, layer), x, attn), kv
+
+    if config.remat_policy != "none":
+        block = jax.checkpoint(block, policy=_REMAT_POLICIES[config.remat_policy])
+    x = jnp.take(params["embed"], tokens.reshape(-1), axis=0, mode="clip").astype(dtype)
+    x, cache = _run_layers(params, config, block, x, cache)
+    x = exact.tiled_rows(lambda x: _rms_norm(x, params["final_norm"], eps), x)
+    return x.reshape(B, T, -1), cache
+
+
+def _run_layers(params, config: ModelConfig, block, x, kv):
+    """(x, kv) after ``block(x, layer, layer_index, kv)`` over the layers: scanned, or unrolled."""
     unstacked = layers_are_unstacked(params)  # one buffer per layer
     if unstacked and len(params["layers"]) != config.num_layers:
         raise ValueError(f"params hold {len(params['layers'])} unstacked layers, the config "
@@ -384,14 +443,11 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
 
         layer_indices = jnp.arange(config.num_layers, dtype=jnp.int32)
         (x, kv), _ = jax.lax.scan(scan_step, (x, kv), (params["layers"], layer_indices))
-    else:
-        layers = params["layers"] if unstacked else _split_layers(params["layers"], config.num_layers)
-        for i, layer in enumerate(layers):
-            x, kv = block(x, layer, i, kv)
-
-    x = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    new_cache = None if cache is None else kv if paged else KVCache(k=kv[0], v=kv[1])
-    return x, new_cache
+        return x, kv
+    layers = params["layers"] if unstacked else _split_layers(params["layers"], config.num_layers)
+    for i, layer in enumerate(layers):
+        x, kv = block(x, layer, i, kv)
+    return x, kv
 
 
 def _split_layers(stacked, num_layers: int) -> list:

@@ -1,0 +1,132 @@
+"""Exact numerics (``ModelConfig.numerics="exact"``): the engine's and the trainer's forward compute every
+token's hidden states, logits and log-prob with the same programs, so the sampler's log-probs equal the
+trainer's bit for bit.
+
+Why the default programs differ: XLA:CPU picks a matmul's and a reduction's code by shape (a one-row product
+takes a matrix-vector path, and Eigen's blocking of a product changes with its row count: measured 4e-6 apart
+in float32 and 1e-3 in bfloat16 at ``[m, 512] @ [512, 1536]`` for m = 2..16 against m = 512), the paged decode
+attention and the trainer's blockwise attention reduce over keys in other blocks, and the vocabulary softmax
+is blocked by the token count.
+
+What exact mode does instead, for every token alike, in the engine's ragged step and the trainer's packed
+rows:
+
+- every per-token computation (norms, projections, RoPE, MLP, final norm, logits, the log-prob) runs over
+  tiles of :data:`TILE_ROWS` rows with :func:`tiled_rows`: the same shapes, hence the same code, whatever the
+  batch; at least :data:`MIN_TILES` tiles, so that XLA never inlines a one-trip loop into its caller;
+- attention is one routine (:func:`attend_tile`): each query reduces over the keys of its own sequence in
+  blocks of :data:`KEY_BLOCK` positions from the sequence's first token, in order, with the online softmax;
+  blocks past a query's position change nothing (every update is then an exact identity), so the engine may
+  run more of them than the trainer;
+- the log-prob and entropy come from ``logprobs.token_logprobs_and_entropy`` with a fixed vocabulary chunk
+  (:data:`VOCAB_CHUNK`), tile by tile.
+
+The paged cache decides how its keys are gathered (``engine.paged_attention``); packed training rows gather
+theirs with :func:`packed_attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rstar2jax.models.logprobs import token_logprobs_and_entropy
+from rstar2jax.models.segments import segment_starts
+
+TILE_ROWS = 8
+MIN_TILES = 2
+KEY_BLOCK = 32
+VOCAB_CHUNK = 128
+
+
+def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS):
+    """``fn`` over row tiles: ``arrays`` (leading dim N each) padded with zeros to ``max(ceil(N / tile),
+    MIN_TILES)`` tiles of ``tile`` rows, ``fn(*tile_arrays)`` run on each by ``lax.map``, its outputs
+    (a pytree of ``[tile, ...]`` arrays) put back together and cut to N rows."""
+    n = arrays[0].shape[0]
+    if any(a.shape[0] != n for a in arrays):
+        raise ValueError(f"tiled_rows: leading dims differ: {[a.shape for a in arrays]}")
+    tiles = max(-(-n // tile), MIN_TILES)
+    pad = tiles * tile - n
+    tiled = tuple(
+        jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(tiles, tile, *a.shape[1:]) for a in arrays
+    )
+    out = jax.lax.map(lambda args: fn(*args), tiled)
+    return jax.tree.map(lambda o: o.reshape(tiles * tile, *o.shape[2:])[:n], out)
+
+
+def attend_tile(q: jax.Array, key_block: Callable, num_blocks, query_pos: jax.Array,
+                num_kv_heads: int) -> jax.Array:
+    """Causal attention of ``q`` ``[R, H, Dh]`` (scaled) over each row's own sequence.
+
+    ``key_block(i)`` gives (keys, values) ``[R, KEY_BLOCK, K, Dh]`` of sequence positions ``i * KEY_BLOCK +
+    j`` for each row; ``query_pos`` ``[R]`` is each query's position in its sequence (-1: padding, output
+    0); keys after it are masked (their values zeroed: stale or poisoned pages cannot leak in).
+    ``num_blocks``: an int (differentiable) or a traced count. Returns ``[R, H, Dh]`` in q's dtype."""
+    R, H, Dh = q.shape
+    K, S = num_kv_heads, KEY_BLOCK
+    qg = q.reshape(R, K, H // K, Dh)
+    floor = jnp.finfo(jnp.float32).min
+
+    def body(i, carry):
+        m, norm, acc = carry
+        kb, vb = key_block(i)
+        mask = (i * S + jnp.arange(S))[None, :] <= query_pos[:, None]  # [R, S]
+        vb = jnp.where(mask[:, :, None, None], vb, 0).astype(q.dtype)
+        s = jnp.einsum("rkgd,rskd->rkgs", qg, kb.astype(q.dtype), preferred_element_type=jnp.float32)
+        seen = mask[:, None, None, :]
+        s = jnp.where(seen, s, floor)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        norm = norm * correction + jnp.sum(p, axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "rkgs,rskd->rkgd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, norm, acc
+
+    shape = (R, K, H // K)
+    init = (jnp.full(shape, floor, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, Dh), jnp.float32))
+    _, norm, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)[..., None]
+    return out.reshape(R, H, Dh).astype(q.dtype)
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """:func:`attend_tile` over packed rows: q ``[B, T, H, Dh]`` (scaled), k, v ``[B, T, K, Dh]``,
+    ``segment_ids`` ``[B, T]`` or None (one sequence per row), as ``attention.attention`` takes them."""
+    B, T, H, Dh = q.shape
+    K, N = k.shape[2], B * T
+    starts = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_starts(segment_ids)
+    flat_start = (jnp.arange(B, dtype=jnp.int32)[:, None] * T + starts).reshape(N)
+    query_pos = (jnp.arange(T, dtype=jnp.int32)[None, :] - starts).reshape(N)
+    k_rows, v_rows = k.reshape(N, K, Dh), v.reshape(N, K, Dh)
+
+    def tile(q, start, pos):
+        def key_block(i):
+            index = jnp.minimum(start[:, None] + i * KEY_BLOCK + jnp.arange(KEY_BLOCK), N - 1)
+            return k_rows[index], v_rows[index]
+
+        return attend_tile(q, key_block, -(-T // KEY_BLOCK), pos, K)
+
+    return tiled_rows(tile, q.reshape(N, H, Dh), flat_start, query_pos).reshape(B, T, H, Dh)
+
+
+def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, head_layout: str,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """``logprobs.token_logprobs_and_entropy`` of ``hidden`` ``[N, D]`` and ``targets`` ``[N]`` by tiles of
+    rows with a fixed vocabulary chunk: (log-probs, entropies) float32 ``[N]``, the same bits for a token
+    whatever else is in the batch."""
+    chunk = min(VOCAB_CHUNK, head.shape[0] if head_layout == "vd" else head.shape[1])
+    return tiled_rows(
+        lambda h, t: token_logprobs_and_entropy(h, head, t, temperature=temperature, head_layout=head_layout,
+                                                chunk=chunk),
+        hidden, targets)
+
+
+def logits(hidden: jax.Array, head: jax.Array, head_layout: str) -> jax.Array:
+    """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of rows (what the engine samples from)."""
+    spec = "nd,vd->nv" if head_layout == "vd" else "nd,dv->nv"
+    return tiled_rows(lambda h: jnp.einsum(spec, h, head, preferred_element_type=jnp.float32), hidden)
