@@ -4,6 +4,10 @@ import sys
 
 from setuptools import Extension, find_packages, setup
 
+# The documentation site's tools (the `docs` extra; also in `test`: the default test run builds the site).
+# griffelib is the griffe that experiments/docs_api.py reads the sources with, as mkdocstrings does.
+DOCS = ["mkdocs>=1.6.1", "mkdocs-material>=9.8", "mkdocstrings[python]>=1.0.8", "griffelib>=2.4"]
+
 # sandbox_server's fork server, which forks and isolates each call in C (Linux only). Optional: without a
 # compiler the build goes on and the workers do the same in Python (sandbox_server.isolation), ~20% slower
 # per trivial call.
@@ -64,8 +68,13 @@ setup(
         # trl, whose GRPOTrainer `bench_async` compares one GRPO step with (its dependencies are this
         # project's): beside this project, `pip install --no-deps --target DIR trl==1.16.0`, --trl_path=DIR.
         "bench": ["google-tunix==0.1.7", "trl==1.16.0"],
-        # torch is only for parity tests and benchmarks against transformers (CPU build, pinned).
+        # The documentation site (`mkdocs serve`, `mkdocs build --strict`; mkdocs.yml at the root): Material
+        # for MkDocs and the API reference from the docstrings (mkdocstrings' Python handler, on griffe).
+        "docs": DOCS,
+        # torch is only for parity tests and benchmarks against transformers (CPU build, pinned); the docs'
+        # tools because the default test run builds the site.
         "test": [
+            *DOCS,
             "pytest>=9.2",
             "pytest-xdist>=3.8",
             "hypothesis>=6.170",

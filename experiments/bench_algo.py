@@ -25,8 +25,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import bench_record
 from rstar2jax import algo
 
 _NUM_GROUPS = flags.DEFINE_integer("num_groups", 512, "Prompts.")
@@ -250,4 +251,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

@@ -59,9 +59,9 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
-from experiments import _launch
+from experiments import _launch, bench_record
 
 # ------------------------------------------------------------------------------------------------- flags
 _PARTS = flags.DEFINE_list("parts", ["async", "weights", "trl"],
@@ -553,4 +553,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

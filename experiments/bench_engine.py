@@ -94,8 +94,9 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments import bench_record
 from rstar2jax import models
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate, page_rounded
 from rstar2jax.engine.programs import engine_params
@@ -944,4 +945,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

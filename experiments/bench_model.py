@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import bench_record
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QWEN3_06B = REPO / "rstar2jax" / "models" / "hf_configs" / "qwen3-0.6b.json"  # models.preset("qwen3-0.6b")
@@ -146,4 +148,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

@@ -28,8 +28,9 @@ import tempfile
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 
+from experiments import bench_record
 from rstar2jax.agent import PartialRollout, RolloutConfig, render_prompt_ids, rollout_async
 from rstar2jax.agent.testing import ok_result, tiny_policy
 from rstar2jax.data.synthetic import make_task
@@ -129,4 +130,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    bench_record.run(main)

@@ -49,8 +49,9 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments import bench_record
 from rstar2jax.agent import RolloutConfig, SandboxClient, SyncSandboxClient, render_prompt_ids, rollout_async
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
@@ -261,4 +262,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    bench_record.run(main)

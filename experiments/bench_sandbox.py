@@ -27,8 +27,9 @@ import threading
 import time
 import urllib.request
 
-from absl import app, flags
+from absl import flags
 
+from experiments import bench_record
 from rstar2jax.agent.sandbox_client import SandboxClient
 from rstar2jax.agent.sandbox_load import drive_closed_loop, load_test, percentiles
 from sandbox_server import start_local
@@ -335,4 +336,4 @@ def ab_main(args) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

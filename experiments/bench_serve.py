@@ -52,8 +52,9 @@ import time
 import aiohttp
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from experiments import bench_record
 from rstar2jax import models
 from rstar2jax.data.chat_template import encode_text, render_chat
 from rstar2jax.data.tokenizer import train_tiny_tokenizer
@@ -410,4 +411,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

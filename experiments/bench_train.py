@@ -46,7 +46,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import bench_record
 
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps per run (after one warm-up step)")
 _FULL_DEPTH = flags.DEFINE_bool("full_depth", False, "run all 28 layers of the Qwen3-0.6B shape")
@@ -571,4 +573,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    bench_record.run(main)

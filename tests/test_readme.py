@@ -1,9 +1,11 @@
-"""The README runs as written: every ```python block is executed, and every `python -m ...` command is either
-run (with the few overrides listed here that keep it short: a temporary work folder, fewer steps) or named
-with the test or CI job that runs it. A tiny Qwen3 folder (random weights, the real Qwen3 tokenizer) stands in
-for ``path/to/Qwen3-0.6B``; the SFT command trains on the shipped SFT set, its policy starts the RL one.
+"""The README and the docs pages run as written: every ```python block is executed, and every
+`python -m ...` command is either run (with the few overrides listed here that keep it short: a temporary
+work folder, fewer steps) or named with the test or CI job that runs it. A tiny Qwen3 folder (random
+weights, the real Qwen3 tokenizer) stands in for ``path/to/Qwen3-0.6B``; the SFT command trains on the
+shipped SFT set, its policy starts the RL one. The generated pages (config reference, Measured, API) are
+``tests/test_docs.py``'s.
 
-A new README command without an entry here fails ``test_every_readme_command_is_covered``.
+A new command without an entry here fails ``test_every_readme_command_is_covered``.
 """
 
 import re
@@ -18,18 +20,23 @@ import urllib.request
 import jax
 import pytest
 
+from experiments import docs_gen
 from rstar2jax import models
 from tests.conftest import REPO_ROOT
 
-README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+#: README.md and every hand-written page of the docs site, by path relative to the repository.
+PAGES = {
+    path.relative_to(REPO_ROOT).as_posix(): path.read_text(encoding="utf-8")
+    for path in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    if not docs_gen.is_generated(path)
+}
 MODEL_PATH = "path/to/Qwen3-0.6B"
 
 
-
-def _fenced_blocks() -> list[tuple[str, str]]:
-    """(info string, body) of every fenced code block, in order."""
+def _fenced_blocks(text: str, page: str) -> list[tuple[str, str]]:
+    """(info string, body) of every fenced code block of one page, in order."""
     blocks, current, info = [], None, ""
-    for line in README.splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         if line.startswith("```"):
             if current is None:
                 current, info = [], line[3:].strip()
@@ -38,28 +45,35 @@ def _fenced_blocks() -> list[tuple[str, str]]:
                 current = None
         elif current is not None:
             current.append(line)
-    assert current is None, "README.md has an unclosed code block"
+    assert current is None, f"{page} has an unclosed code block"
     return blocks
 
 
-PYTHON_BLOCKS = [body for info, body in _fenced_blocks() if info == "python"]
-# Blocks that talk to the README's `experiments.serve` command: run by _serve against that server.
-SERVER_BLOCKS = [body for body in PYTHON_BLOCKS if "OpenAI(" in body]
+BLOCKS = {page: _fenced_blocks(text, page) for page, text in PAGES.items()}
+#: Pages whose python blocks build on each other, run in order by a test of their own (named here, which
+#: must name the page): their commands are checked here, their blocks there.
+BLOCKS_RUN_ELSEWHERE: dict[str, str] = {"docs/losses.md": "tests/train/test_losses_doc.py"}
+#: (page, body) of every python block run here.
+PYTHON_BLOCKS = [(page, body) for page, blocks in BLOCKS.items() if page not in BLOCKS_RUN_ELSEWHERE
+                 for info, body in blocks if info == "python"]
+# Blocks that talk to the serving guide's `experiments.serve` command: run by _serve against that server.
+SERVER_BLOCKS = [(page, body) for page, body in PYTHON_BLOCKS if "OpenAI(" in body]
 
 
 def _commands() -> list[str]:
-    """Every ``python -m`` command of the README: lines of plain code blocks (``\\`` continuations joined,
+    """Every ``python -m`` command of the pages: lines of plain code blocks (``\\`` continuations joined,
     comments dropped) and inline code spans outside blocks."""
     found = []
-    for info, block in _fenced_blocks():
-        if info:
-            continue
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()
-            if line.startswith("python -m "):
-                found.append(re.sub(r"\s+", " ", line))
-    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
-    found += re.findall(r"`(python -m [^`]+)`", prose)
+    for page, text in PAGES.items():
+        for info, block in BLOCKS[page]:
+            if info:
+                continue
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line.startswith("python -m "):
+                    found.append(re.sub(r"\s+", " ", line))
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        found += re.findall(r"`(python -m [^`]+)`", prose)
     return found
 
 
@@ -86,6 +100,8 @@ COVERED_ELSEWHERE = {
     ),
     "python -m experiments.chat --model=DIR": ("tests/serve/test_launchers.py", ['"experiments.chat"']),
     "python -m experiments.profile_step": ("tests/test_profile_step.py", ['"experiments.profile_step"']),
+    # The docs' generated pages: written and compared with the committed ones by tests/test_docs.py.
+    "python -m experiments.docs_gen": ("tests/test_docs.py", ["docs_gen.pages()"]),
     "python -m experiments.accelerator_check --smoke": (
         "tests/test_accelerator_check.py",
         ['"experiments.accelerator_check"', '"--smoke"'],
@@ -135,6 +151,8 @@ NOT_RUN = {
         "needs the demo's SFT policy; about an hour here (README figure)"
     ),
     "python -m experiments.bench_train --lora": "a benchmark (README figure); ten minutes here",
+    # The record --out writes is tests/test_docs.py's (a stand-in benchmark); this one is 15-30 s here.
+    "python -m experiments.bench_algo --out=docs/results/bench_algo.json": "a benchmark (README figure)",
     # FP8 rollout (issue 41): the fields through the launchers are tests/train/test_rollout_precision.py's.
     "python -m experiments.train_rl --config=experiments/configs/qwen3_1p7b_1gpu.py "
     "--config.rollout.weight_dtype=fp8 --config.rollout.kv_dtype=fp8": "needs an 80 GB GPU",
@@ -142,6 +160,7 @@ NOT_RUN = {
         "needs the demo's SFT policy; about an hour here"
     ),
     "python -m experiments.bench_engine --precision": "a benchmark (README figure); half an hour here",
+    "python -m experiments.bench_engine --exact": "a benchmark (docs/exact_numerics.md's figures)",
     # Asynchronous RL (issue 40): the schedule itself is tests/train/test_async.py's.
     "python -m experiments.bench_async --parts=async,weights": "a benchmark (README figure); 15 minutes here",
     "python -m experiments.ablate_roc --modes=paper,async": "needs the demo's SFT policy; about an hour here",
@@ -171,13 +190,16 @@ def test_every_readme_command_is_covered():
     runs = set(RUN_WITH) | {SFT_TO_RL}
     for command in COMMANDS:
         known = runs | set(COVERED_ELSEWHERE) | set(NOT_RUN)
-        assert command in known, f"README command not tested: {command}"
+        assert command in known, f"command in the README or the docs not tested: {command}"
     for command, (where, needles) in COVERED_ELSEWHERE.items():
         assert command in COMMANDS, f"stale entry: {command}"
         text = (REPO_ROOT / where).read_text(encoding="utf-8")
         assert all(needle in text for needle in needles), (where, needles)
     assert all(command in COMMANDS for command in runs | set(NOT_RUN))
     assert len(PYTHON_BLOCKS) >= 3
+    assert any(page == "README.md" for page, _ in PYTHON_BLOCKS), "the README's quickstart block"
+    for page, test in BLOCKS_RUN_ELSEWHERE.items():
+        assert page in PAGES and page.rsplit("/", 1)[-1] in (REPO_ROOT / test).read_text(encoding="utf-8")
 
 
 def _exec_block(code: str, name: str) -> dict:
@@ -186,17 +208,18 @@ def _exec_block(code: str, name: str) -> dict:
     return namespace
 
 
-STANDALONE_BLOCKS = [body for body in PYTHON_BLOCKS if body not in SERVER_BLOCKS]
+STANDALONE_BLOCKS = [(page, body) for page, body in PYTHON_BLOCKS if (page, body) not in SERVER_BLOCKS]
 
 
 # Slow: the tool rollout block (a random model at the real vocabulary writes 256 tokens per sample, over a
 # minute on 2 cores; tool rollouts on the taught policy: tests/agent/).
 @pytest.mark.parametrize("index", [pytest.param(i, marks=pytest.mark.slow) if "start_local" in block else i
-                                   for i, block in enumerate(STANDALONE_BLOCKS)])
+                                   for i, (_, block) in enumerate(STANDALONE_BLOCKS)])
 def test_python_block_runs(index, tiny_model_folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks may write relative paths ("out/")
-    code = _stand_ins(STANDALONE_BLOCKS[index], tiny_model_folder)
-    namespace = _exec_block(code, f"README.md python block {index}")
+    page, block = STANDALONE_BLOCKS[index]
+    code = _stand_ins(block, tiny_model_folder)
+    namespace = _exec_block(code, f"{page} python block {index}")
     if "loss" in namespace:
         assert bool(jax.numpy.isfinite(namespace["loss"]))
     if "trajectories" in namespace:
@@ -284,8 +307,8 @@ def _serve(command, tmp_path, env, model_folder):
     try:
         _wait_healthy(server, port, 240)
         assert SERVER_BLOCKS
-        for index, block in enumerate(SERVER_BLOCKS):
-            namespace = _exec_block(block.replace(":8000/", f":{port}/"), f"README.md server block {index}")
+        for index, (page, block) in enumerate(SERVER_BLOCKS):
+            namespace = _exec_block(block.replace(":8000/", f":{port}/"), f"{page} server block {index}")
             assert namespace["reply"].choices[0].message.role == "assistant"
     finally:
         server.terminate()
@@ -323,5 +346,5 @@ SLOW_COMMANDS = {
     [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_COMMANDS else c for c in sorted(RUN_WITH)],
 )
 def test_readme_command_runs(command, tmp_path, compile_cache_env, tiny_model_folder):
-    assert command in COMMANDS, f"not in the README any more: {command}"
+    assert command in COMMANDS, f"not in the README or the docs any more: {command}"
     RUN_WITH[command](command, tmp_path, compile_cache_env, tiny_model_folder)

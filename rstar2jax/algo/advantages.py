@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from rstar2jax.algo import _checks
 
+#: The group std of the advantages: population (n) or unbiased (Bessel's n - 1).
 STD_MODES = ("population", "unbiased")
 #: The group std of ``group_advantages`` (and of the RL config's ``rl.std``): Bessel's n - 1, as the released
 #: code's verl ``torch.std``; the paper's Eq. 7 does not say which.
@@ -35,9 +36,13 @@ class GroupStats(NamedTuple):
 
 
 class AdvantageEstimator(Protocol):
+    """An advantage rule: ``[groups, n]`` rewards and their group statistics -> ``[groups, n]`` advantages
+    (registered by name with :func:`register_estimator`)."""
+
     def __call__(self, rewards: jax.Array, stats: GroupStats, *, eps: jax.Array) -> jax.Array: ...
 
 
+#: The advantage rules by name (:func:`register_estimator` adds one).
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 

@@ -23,9 +23,9 @@ from rstar2jax.algo._checks import masked as _masked
 # verl clamps log-ratios to +-20 before exponentiating, so exp never overflows.
 LOG_RATIO_BOUND = 20.0
 
-# How a sequence's importance ratio is formed from its token ratios r_t (over its loss tokens):
-#   "sequence":  R = prod_t r_t                     (verl's rollout_is_level="sequence")
-#   "geometric": R = (prod_t r_t)^(1 / n_tokens)    (verl's "geometric"; GSPO's ratio)
+#: How a sequence's importance ratio is formed from its token ratios r_t (over its loss tokens):
+#:   "sequence":  R = prod_t r_t                     (verl's rollout_is_level="sequence")
+#:   "geometric": R = (prod_t r_t)^(1 / n_tokens)    (verl's "geometric"; GSPO's ratio)
 SEQUENCE_RATIOS = ("sequence", "geometric")
 
 
@@ -162,7 +162,7 @@ def rollout_correction(
     return jax.lax.stop_gradient(weights), metrics
 
 
-# The token ratio band outside which ``rollout_mismatch`` counts a token (as verl's rollout_corr reports).
+#: The token ratio band outside which ``rollout_mismatch`` counts a token (as verl's rollout_corr reports).
 MISMATCH_RATIO_BAND = (0.5, 2.0)
 
 

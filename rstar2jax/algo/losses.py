@@ -47,6 +47,8 @@ from rstar2jax.algo import _checks
 from rstar2jax.algo._checks import masked as _masked
 from rstar2jax.algo.corrections import LOG_RATIO_BOUND, gspo_log_ratio
 
+#: How the per-token loss is reduced to a scalar (``policy_loss(agg=...)``; the docstring of
+#: :func:`aggregate_loss` gives each formula).
 AGG_MODES = (
     "token_mean",
     "seq_mean_token_mean",
@@ -54,7 +56,7 @@ AGG_MODES = (
     "seq_mean_token_sum_norm",
     "seq_mean_token_sum_norm_drgrpo",
 )
-# "token": PPO's per-token ratio; "sequence": GSPO's per-sequence geometric mean of the token ratios.
+#: "token": PPO's per-token ratio; "sequence": GSPO's per-sequence geometric mean of the token ratios.
 IS_LEVELS = ("token", "sequence")
 
 # verl's bound on the k3 ("low_var_kl") estimate.
@@ -84,9 +86,9 @@ def _straight_through(estimate: Callable[[jax.Array], jax.Array]) -> Callable[[j
     return kl
 
 
-# Per-token KL(pi || pi_ref) estimators of x = log pi(a) - log pi_ref(a), a ~ pi (Schulman's k1/k2/k3):
-#   k1 = x,  k2 = x^2 / 2,  k3 = exp(-x) + x - 1 (clipped to +-10 as verl's low_var_kl);
-#   "k1+"/"k3+": that value in the forward pass with the gradient of k2 (verl's "+" straight-through).
+#: Per-token KL(pi || pi_ref) estimators of x = log pi(a) - log pi_ref(a), a ~ pi (Schulman's k1/k2/k3):
+#:   k1 = x,  k2 = x^2 / 2,  k3 = exp(-x) + x - 1 (clipped to +-10 as verl's low_var_kl);
+#:   "k1+"/"k3+": that value in the forward pass with the gradient of k2 (verl's "+" straight-through).
 KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "k1": _k1,
     "k2": _k2,

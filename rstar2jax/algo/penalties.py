@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from rstar2jax.algo import _checks
 
-# Which answer-format rule: "paper" (Eq. 5, ``answer_format_penalty``) or "release" (the released code's,
-# ``answer_format_penalty_release``).
+#: Which answer-format rule: "paper" (Eq. 5, ``answer_format_penalty``) or "release" (the released code's,
+#: ``answer_format_penalty_release``).
 FORMAT_PENALTIES = ("paper", "release")
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from rstar2jax.algo import _checks
 
+#: RoC down-sampling modes: the paper's, the released code's, and plain uniform 2G -> G (GRPO).
 ROC_MODES = ("paper", "release", "uniform")
 
 

@@ -106,6 +106,9 @@ class SupportsPolicyParams(Protocol):
 
 @runtime_checkable
 class SupportsClose(Protocol):
+    """A rollout that holds resources (an engine, a sandbox client): ``close()`` frees them; whoever built
+    the rollout calls it."""
+
     def close(self) -> None: ...
 
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
+#: How one tool call ended: a sandbox status, or a failure found before anything ran.
 ToolOutcome = Literal[
     # Sandbox statuses (see sandbox_server.schema) ...
     "ok", "error", "timeout", "memory_limit", "output_limit", "killed",
@@ -20,7 +21,7 @@ ToolOutcome = Literal[
     "parse_error", "unreachable",
 ]
 
-# Outcomes that count as a failed tool call for the RoC tool-error penalty: anything but a clean run.
+#: Outcomes that count as a failed tool call for the RoC tool-error penalty: anything but a clean run.
 FAILED_OUTCOMES = frozenset(o for o in ToolOutcome.__args__ if o != "ok")
 
 #: The policy version of a response token no policy sampled (inserted tool output and turn tokens); a

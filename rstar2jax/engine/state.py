@@ -31,16 +31,34 @@ from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.paged_attention import PagedKV, decode_attention, init_pages, pool_shape
 from rstar2jax.models import ModelConfig
 
-# Slot status codes (``EngineState.status``).
-FREE, RUNNING, PAUSED, DONE = 0, 1, 2, 3
+# Slot status codes (``EngineState.status``), one per line so each carries its meaning.
+#: Slot status: holds no sequence.
+FREE = 0
+#: Slot status: decoding.
+RUNNING = 1
+#: Slot status: holds its sequence, not decoding (a stop sequence or segment limit; a tool call runs).
+PAUSED = 2
+#: Slot status: finished (EOS or budget); released by the host.
+DONE = 3
 
 # Why a slot left RUNNING (``EngineState.finish_reason``): PAUSED after STOP/LENGTH, DONE after EOS/BUDGET.
-NOT_FINISHED, STOP, EOS, BUDGET, LENGTH = 0, 1, 2, 3, 4
+#: Finish reason: still running (or never ran).
+NOT_FINISHED = 0
+#: Finish reason: a stop sequence ended the segment (PAUSED).
+STOP = 1
+#: Finish reason: an EOS token (DONE).
+EOS = 2
+#: Finish reason: the response budget is spent (DONE).
+BUDGET = 3
+#: Finish reason: the segment's token limit (PAUSED).
+LENGTH = 4
+#: Finish reason code -> its name in outputs.
 FINISH_REASON_NAMES = {STOP: "stop", EOS: "eos", BUDGET: "budget", LENGTH: "length"}
 
-NO_TOKEN = -1  # padding in stop-sequence and EOS tables; never equal to a real token id
-# The policy version of a token no policy sampled (prompt, appended tool output); sampled tokens carry the
-# trainer step whose parameters sampled them (>= 0). ``rstar2jax.data.trajectory`` uses the same value.
+#: Padding in stop-sequence and EOS tables; never equal to a real token id.
+NO_TOKEN = -1
+#: The policy version of a token no policy sampled (prompt, appended tool output); sampled tokens carry the
+#: trainer step whose parameters sampled them (>= 0). ``rstar2jax.data.trajectory`` uses the same value.
 NO_POLICY_VERSION = -1
 MAX_EOS_IDS = 8  # width of the EOS table: a fixed shape, so engines with different EOS ids share programs
 

@@ -9,12 +9,13 @@ from collections.abc import Mapping
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
-# none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
-# norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
-# layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
 #: ``ModelConfig.numerics``: the default programs, or batch-invariant ones that make the engine's log-probs
 #: equal the trainer's bit for bit (``models.exact``).
 NUMERICS = ("default", "exact")
+# none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
+# norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
+# layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
+#: The rematerialisation policies (``ModelConfig.remat_policy``; the comment above says what each keeps).
 REMAT_POLICIES = ("none", "save_projections", "save_attention", "full", "dots", "dots_no_batch")
 #: The attention implementations: one vocabulary for training (``models.attention.attention`` over packed
 #: rows, ``ModelConfig.attention``) and decoding (the engine's paged KV cache, ``EngineConfig.attention``).

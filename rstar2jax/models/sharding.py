@@ -13,9 +13,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.params import is_param_spec, param_specs
 
+#: The device mesh's axes: data parallel, fully sharded data parallel, tensor parallel.
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# logical axis -> mesh axis (or tuple of mesh axes, or None for replicated).
+#: logical axis -> mesh axis (or tuple of mesh axes, or None for replicated).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
@@ -32,8 +33,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_embed", None),
 )
 
-# Logical axes of ``KVCache.k`` and ``KVCache.v`` (why they differ: see ``KVCache``).
+#: Logical axes of ``KVCache.k`` (``KVCache`` says why ``v``'s differ).
 CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
+#: Logical axes of ``KVCache.v``.
 CACHE_VALUE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_length")
 
 

@@ -208,6 +208,7 @@ class RolloutSchedule:
         """Takes up what ``checkpoint_meta`` saved (at a stage's start, from the restored meta)."""
 
 
+#: The synchronous schedule: the base schedule itself, which carries nothing from step to step.
 Synchronous = RolloutSchedule
 
 
