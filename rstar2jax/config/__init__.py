@@ -24,7 +24,7 @@ _NAMES = {
     "rstar2jax.config.parse_model": ["policy_options"],
 }
 _LAZY = LazyNames(globals(), _NAMES)
-__all__ = _LAZY.names
+__all__ = sorted([*_LAZY.names])  # griffe (the API pages) reads a list here
 
 
 def __getattr__(name: str):

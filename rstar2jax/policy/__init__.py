@@ -17,7 +17,7 @@ _NAMES = {
     "rstar2jax.policy.weights": ["initial_params", "save_policy"],
 }
 _LAZY = LazyNames(globals(), _NAMES)
-__all__ = _LAZY.names
+__all__ = sorted([*_LAZY.names])  # griffe (the API pages) reads a list here
 
 
 def __getattr__(name: str):
