@@ -105,7 +105,7 @@ def run_schedule(policy, problems, rollout_fn, pieces, workload: AsyncWorkload, 
     """One run: per-update wall seconds (timed updates), metrics, the producer's ledger."""
     from rstar2jax import train
     from rstar2jax.data.problems import ProblemIterator
-    from rstar2jax.train.async_schedule import AsyncSchedule
+    from rstar2jax.schedules.async_schedule import AsyncSchedule
 
     optimizer, step, iteration = pieces
     total = workload.updates + workload.warmup
@@ -150,7 +150,7 @@ def weight_update_ms(repeats: int = 3) -> dict:
     timed (``Producer.update``'s two halves), median of ``repeats``."""
     from rstar2jax import models
     from rstar2jax.engine import Engine, EngineConfig, SamplingParams
-    from rstar2jax.train.placement import engine_copy
+    from rstar2jax.schedules.placement import engine_copy
 
     config = models.preset("qwen3-0.6b", param_dtype="bfloat16", compute_dtype="bfloat16")
     trainer, engine_device = jax.devices()[0], jax.devices()[-1]

@@ -95,8 +95,8 @@ def _unknown_field(argv: list[str], error: Exception) -> None:
 
 
 def _moved_field(arg: str) -> str:
-    """Where the field an override names went, when it is one that moved (``train.parse.MOVED``), else ''."""
-    from rstar2jax.train.parse import MOVED
+    """Where the field an override names went, when it is one that moved (``config.parse.MOVED``), else ''."""
+    from rstar2jax.config.parse import MOVED
 
     parts = arg.lstrip("-").split("=", 1)[0].split(".")[1:]  # config.rl.loss.temperature -> rl, loss, ...
     for start in range(len(parts)):
@@ -396,7 +396,7 @@ def _leaves(node, prefix: str = ""):
 
 def describe_config(config, extra_help: Mapping[str, str] | None = None) -> list[str]:
     """One line per config field: ``path = value  # meaning``."""
-    from rstar2jax.train.field_help import field_help
+    from rstar2jax.config.field_help import field_help
 
     rows = [
         (path, repr(value.to_dict() if hasattr(value, "to_dict") else value))
@@ -475,6 +475,7 @@ def prologue(config, *, kind: str, title: str, dry_run: bool, print_fields: bool
         print(train.format_dry_run(report), flush=True)
         train.check_memory_plan(options, report=report)
         return None
+    train.check_mesh(options)  # the mesh against this run's devices (a dry run emulates what it lacks)
     train.check_rollout_precision(options)  # the rollout's precision on this backend (a dry run plans others)
     train.check_memory_plan(options)
     announce(title, options.workdir, options=options)

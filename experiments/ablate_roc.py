@@ -124,7 +124,7 @@ PRECISION_FIELDS = ("weight_dtype", "kv_dtype", "weight_block", "quantize_head",
 def trainer_precision(run_config):
     """``run_config`` with its rollout in the trainer's precision (``PRECISION_FIELDS`` at their defaults):
     what evaluates every arm's final policy, so each held-out figure comes from the same evaluator."""
-    from rstar2jax.train.schema_rl import RL
+    from rstar2jax.config.schema_rl import RL
 
     c = ml_collections.ConfigDict(run_config.to_dict())
     for name in PRECISION_FIELDS:
@@ -159,7 +159,7 @@ def run_ablation(
     from experiments.configs.demo import DemoPaths, sft_run_config
     from rstar2jax import train
     from rstar2jax.eval import report
-    from rstar2jax.train.export import export_policy
+    from rstar2jax.policy.export import export_policy
     from sandbox_server import start_local
 
     paths = DemoPaths(config.workdir)

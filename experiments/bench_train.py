@@ -119,7 +119,7 @@ def run_jax(config: dict, batch: int, seq_len: int, steps: int) -> dict:
         segment_ids=np.ones((batch, seq_len), np.int32),
         loss_mask=mask,
         advantages=advantages,
-        old_logp=old_logp,
+        sampler_logp=old_logp,
     )
     return rl_step_timing(model_config, data, steps)
 

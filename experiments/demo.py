@@ -50,7 +50,7 @@ def main(argv):
     from experiments import demo_recipe as recipe
     from experiments.configs.demo import DemoPaths, rl_run_config, sft_run_config
     from rstar2jax import train
-    from rstar2jax.train.export import export_policy
+    from rstar2jax.policy.export import export_policy
     from rstar2jax.train.rollouts import policy_rollout
     from sandbox_server import start_local
 

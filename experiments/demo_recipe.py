@@ -5,8 +5,8 @@ Each phase writes its output under one work folder and is skipped when that outp
 and RL resume from their own checkpoints. The launchers (``experiments/demo.py``,
 ``experiments/ablate_roc.py``) only wire these together, so a notebook can run, inspect or replace any
 single phase. The phases' run configs and where they write are data, in ``experiments/configs/demo.py``; the
-library parts: parsing a run config (``rstar2jax.train.parse``), export (``rstar2jax.train.export``), the
-rollout function (``rstar2jax.train.rollouts``), loading (``rstar2jax.train.loader``) and evaluation, the
+library parts: parsing a run config (``rstar2jax.config.parse``), export (``rstar2jax.policy.export``), the
+rollout function (``rstar2jax.train.rollouts``), loading (``rstar2jax.policy.loader``) and evaluation, the
 paper's protocol (``rstar2jax.eval.evaluate.evaluate_policy``, the evaluate launcher's module too).
 """
 
@@ -27,6 +27,7 @@ import ml_collections
 
 from experiments.configs.demo import MODEL_PRESET, DemoPaths, before_files, sft_run_config
 from rstar2jax import models, train
+from rstar2jax.config.parse_model import prompt_from_config
 from rstar2jax.data.chat_template import render_chat
 from rstar2jax.data.conversation import max_prompt_tokens
 from rstar2jax.data.problems import Problem, load_problems
@@ -35,10 +36,9 @@ from rstar2jax.data.synthetic import SyntheticTask, make_task
 from rstar2jax.data.tokenizer import load_tokenizer, train_tiny_tokenizer
 from rstar2jax.data.tool_result import format_tool_result
 from rstar2jax.eval.evaluate import evaluate_policy, save_evaluation
-from rstar2jax.train.loader import load_policy
-from rstar2jax.train.parse_model import prompt_from_config
+from rstar2jax.policy.loader import load_policy
+from rstar2jax.schedules.schedule import RolloutFn
 from rstar2jax.train.run import StopSignal
-from rstar2jax.train.schedule import RolloutFn
 
 #: Metrics an evaluation reports, in the order the report lists them.
 EVAL_KEYS = (

@@ -19,7 +19,7 @@ import pathlib
 import sys
 
 from experiments import docs_api
-from rstar2jax.train import schema, schema_rl
+from rstar2jax.config import schema, schema_rl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -77,7 +77,8 @@ def config_page() -> str:
         "Every field a training launcher reads from its config (`--config=FILE`, `--config.x.y=value`), "
         "with its default, the check its values must pass (a value that fails is one line and exit 2, before "
         "any work) and its meaning. `--print_config` lists the same fields with a run's values; the rules "
-        "between fields are `rstar2jax.train.rules`'. The guide: [Training and configs](guides/training.md).",
+        "between fields are `rstar2jax.config.rules`'. The guide: "
+        "[Training and configs](guides/training.md).",
         "",
     ]
     for launcher, (title, fields) in LAUNCHERS.items():
@@ -166,6 +167,7 @@ def api_pages() -> dict[str, str]:
     """docs/api/<package>.md -> its text."""
     entries = docs_api.api_entries(docs_api.load_trees())
     pages: dict[str, list[str]] = {}
+    homes = {".".join(path.split(".")[:2]) for path in entries}
     for path, rows in entries.items():
         package = ".".join(path.split(".")[:2])
         page = pages.setdefault(package, [
@@ -177,10 +179,17 @@ def api_pages() -> dict[str, str]:
             page += [f"## {path.split('.')[-1]}", "", f"::: {path}", "    options:", "      members: false",
                      "      show_root_heading: false", ""]
             level = 3
+        shown = set()  # an object under two names (Synchronous is RolloutSchedule) is rendered once a page
         for name, where in rows:
+            home = ".".join((where or path).split(".")[:2])
+            if home != package and home in homes:  # handed on: its home page has it
+                page += [f"`{path}.{name}` is `{where}` ([{home}]({home.split('.')[-1]}.md)).", ""]
+                continue
             if where and where.rsplit(".", 1)[1] != name:
                 page += [f"`{path}.{name}` is `{where}`.", ""]
-            page += _entry(where or f"{path}.{name}", level)
+            if (where or name) not in shown:
+                page += _entry(where or f"{path}.{name}", level)
+            shown.add(where or name)
     return {f"api/{package.split('.')[-1]}.md": "\n".join(lines) for package, lines in pages.items()}
 
 

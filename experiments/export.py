@@ -80,7 +80,7 @@ def main(argv):
     policy = _policy_flags.load_policy_or_exit(
         _MODEL.value, tokenizer=_TOKENIZER.value, dtype=dtype, adapter=_ADAPTER.value, step=_STEP.value
     )
-    from rstar2jax.train.run import save_policy
+    from rstar2jax.policy.weights import save_policy
 
     save_policy(policy.params, policy.model_config, output, tokenizer=policy.tokenizer, prompt=policy.prompt)
     generation = pathlib.Path(policy.path) / "generation_config.json"

@@ -18,10 +18,10 @@ wait in its queue, at most ``--max_waiting`` (default 8 per slot) at once: one m
 ``?format=json``).
 
 SIGTERM or Ctrl-C drains the server: new requests get 503 and ``/health`` says draining, the requests in
-flight have ``--drain_timeout_s`` (30) to finish, then each stream still running ends with a last chunk whose
-``finish_reason`` is ``abort`` and ``data: [DONE]`` (a waiting or non-streamed request gets 503); the
-process then exits 0. A second signal ends the wait at once. A missing model folder or a bad flag value is
-one line and exit 2.
+flight have ``--drain_timeout_s`` (25: inside the usual 30 s termination grace period) to finish, then each
+stream still running ends with a last chunk whose ``finish_reason`` is ``abort`` and ``data: [DONE]`` (a
+waiting or non-streamed request gets 503); the process then exits 0. A second signal ends the wait at once. A
+missing model folder or a bad flag value is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ _MAX_WAITING = flags.DEFINE_integer(
     "max_waiting", None, "Most requests waiting at once (arrived, not generating yet); one more gets 429 "
     "with Retry-After. Default: 8 per slot (128 at 16 slots).", lower_bound=1,
 )
-_DRAIN_TIMEOUT = flags.DEFINE_float(
-    "drain_timeout_s", 30.0, "After SIGTERM / Ctrl-C: seconds the requests in flight have to finish before "
-    "they are ended (a stream with finish_reason abort and [DONE]).", lower_bound=0.0,
+_DRAIN_TIMEOUT = flags.DEFINE_float(  # the default is ServerConfig's (importing it here would start JAX)
+    "drain_timeout_s", 25.0, "After SIGTERM / Ctrl-C: seconds the requests in flight have to "
+    "finish before they are ended (a stream with finish_reason abort and [DONE]); the default leaves margin "
+    "under the usual 30 s termination grace period.", lower_bound=0.0,
 )
 _policy_flags.define_format_flags(problem_prompt=False)
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id clients use (default: the folder name).")

@@ -32,6 +32,7 @@ FLAGS = _launch.define_training_flags(
 def main(argv):
     del argv
     from rstar2jax import train  # no JAX backend starts on import
+    from rstar2jax.policy.adapters import adapter_folder
 
     options = _launch.prologue(FLAGS.config.value, kind="sft", title="sft", dry_run=FLAGS.dry_run.value,
                                print_fields=FLAGS.print_config.value)
@@ -46,7 +47,7 @@ def main(argv):
         flush=True,
     )
     if options.lora is not None:
-        print(f"LoRA adapter alone (PEFT folder): {train.lora.adapter_folder(policy)}", flush=True)
+        print(f"LoRA adapter alone (PEFT folder): {adapter_folder(policy)}", flush=True)
 
 
 if __name__ == "__main__":

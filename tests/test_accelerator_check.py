@@ -127,7 +127,7 @@ def test_the_library_imports_without_what_the_gpu_image_lacks():
         for name in {ABSENT_ON_THE_GPU_IMAGE!r}:
             sys.modules[name] = None
         from rstar2jax import agent, engine, eval, models, reward, serve, train
-        import rstar2jax.train.policy, rstar2jax.train.colocate
+        import rstar2jax.train.policy, rstar2jax.schedules.colocate
         try:
             train.rl_config()
         except ImportError as error:

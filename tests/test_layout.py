@@ -9,13 +9,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import rstar2jax
 
 ROOT = pathlib.Path(rstar2jax.__file__).parent
 #: A subpackage may import lower ranks only (same-rank siblings: none of them import each other).
 RANK = {
-    "algo": 0, "models": 0, "engine": 1, "reward": 2, "data": 3, "agent": 4, "eval": 5, "train": 6,
-    "serve": 7,
+    "algo": 0, "models": 0, "engine": 1, "reward": 2, "data": 3, "agent": 4, "eval": 5, "config": 6,
+    "policy": 7, "schedules": 7, "train": 8, "serve": 9,
 }  # fmt: skip
 
 
@@ -32,14 +34,38 @@ def imported_subpackages(path: pathlib.Path) -> set[str]:
     return found & set(RANK)
 
 
+def upward_imports(sub: str, paths: list[pathlib.Path]) -> list[str]:
+    """The imports of ``sub``'s modules ``paths`` that point at its own rank or above."""
+    return [f"{path.name} imports rstar2jax.{target}" for path in paths
+            for target in sorted(imported_subpackages(path) - {sub}) if RANK[target] >= RANK[sub]]
+
+
 def test_layers_import_only_downwards():
-    upward = []
-    for sub, rank in RANK.items():
-        for path in sorted((ROOT / sub).rglob("*.py")):
-            for target in imported_subpackages(path) - {sub}:
-                if RANK[target] >= rank:
-                    upward.append(f"{path.relative_to(ROOT.parent)} imports rstar2jax.{target}")
-    assert upward == []
+    assert [line for sub in RANK for line in upward_imports(sub, sorted((ROOT / sub).rglob("*.py")))] == []
+
+
+def test_the_config_the_policy_and_the_schedules_sit_between_eval_and_the_trainer():
+    """The rooms of issue 49: the config below everything that reads options, the policy and the schedules
+    siblings (neither imports the other) below the trainer, the server on top."""
+    assert RANK["data"] < RANK["eval"] < RANK["config"] < RANK["policy"] == RANK["schedules"] < RANK["train"]
+    assert RANK["train"] < RANK["serve"] == max(RANK.values())
+
+
+@pytest.mark.parametrize(("sub", "source", "flagged"), [
+    ("config", "from rstar2jax.train.steps import rl_step\n", ["m.py imports rstar2jax.train"]),
+    ("config", "def f():\n    from rstar2jax.policy import loader\n", ["m.py imports rstar2jax.policy"]),
+    ("config", "from rstar2jax.schedules import schedule\n", ["m.py imports rstar2jax.schedules"]),
+    ("policy", "from rstar2jax.schedules import colocate\n", ["m.py imports rstar2jax.schedules"]),
+    ("policy", "import rstar2jax.train.run\n", ["m.py imports rstar2jax.train"]),
+    ("schedules", "from rstar2jax.policy.loader import Policy\n", ["m.py imports rstar2jax.policy"]),
+    ("schedules", "from rstar2jax.train.rl import rl_iteration\n", ["m.py imports rstar2jax.train"]),
+    ("train", "from rstar2jax.serve import server\n", ["m.py imports rstar2jax.serve"]),
+    ("train", "from rstar2jax.config import parse\nfrom rstar2jax.policy import loader\n", []),
+])
+def test_the_layer_check_sees_each_new_room_import_upwards(tmp_path, sub, source, flagged):
+    module = tmp_path / "m.py"
+    module.write_text(source, encoding="utf-8")
+    assert upward_imports(sub, [module]) == flagged
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path):
@@ -65,7 +91,7 @@ def test_star_import_does_not_shadow_builtins():
 REPO = ROOT.parent
 #: The modules of ``rstar2jax`` that may import ``ml_collections``: the one edge between the launchers' run
 #: configs and the library, which takes plain values. Adjust this constant, nothing else, when the edge moves.
-CONFIG_EDGE_MODULES = frozenset({"rstar2jax/train/config.py", "rstar2jax/train/options.py"})
+CONFIG_EDGE_MODULES = frozenset({"rstar2jax/config/config.py", "rstar2jax/config/options.py"})
 #: Modules whose ``main`` is a documented command line: they may print (to their console). None in the library
 #: today: the launchers in ``experiments/`` are the command lines.
 CLI_MODULES = frozenset()
@@ -177,11 +203,11 @@ def test_only_the_config_edge_imports_ml_collections():
 
 
 def test_the_config_edge_check_sees_another_module_import_ml_collections(tmp_path):
-    edge, other = tmp_path / "rstar2jax/train/config.py", tmp_path / "rstar2jax/train/rl.py"
+    edge, other = tmp_path / "rstar2jax/config/config.py", tmp_path / "rstar2jax/config/parse.py"
     edge.parent.mkdir(parents=True)
     edge.write_text("import ml_collections\n", encoding="utf-8")
     other.write_text("def f():\n    from ml_collections import config_dict\n", encoding="utf-8")
-    assert config_edge_violations([edge, other], root=tmp_path) == ["rstar2jax/train/rl.py"]
+    assert config_edge_violations([edge, other], root=tmp_path) == ["rstar2jax/config/parse.py"]
 
 
 def test_no_private_name_is_imported_across_packages():
@@ -258,7 +284,8 @@ SOURCE_ROOTS = ("rstar2jax", "experiments")
 #: its home. Each entry must stay documented in README.md or a docs page
 #: (``test_documented_aliases_are_documented``).
 DOCUMENTED_ALIASES: frozenset[tuple[str, str]] = frozenset({
-    ("rstar2jax.train.policy", "export_policy"),  # now rstar2jax.train.export.export_policy
+    ("rstar2jax.train.policy", "export_policy"),  # now rstar2jax.policy.export.export_policy
+    ("rstar2jax.train.export", "export_policy"),  # now rstar2jax.policy.export.export_policy
 })  # fmt: skip
 
 
@@ -621,3 +648,63 @@ def test_every_name_a_package_offers_resolves():
     missing += [f"rstar2jax.{name}" for name in rstar2jax.__all__
                 if importlib.util.find_spec(f"rstar2jax.{name}") is None]  # star import loads these
     assert missing == []
+
+
+# --- issue 49: rooms by concern with lazy faces; the config loads no JAX, the server no optimizer ---
+
+#: Loaded-module probe run in a fresh interpreter: the module count and which heavy libraries are in.
+MODULES_PROBE = (
+    "import sys\n"
+    "def report(label):\n"
+    "    heavy = sorted(m for m in ('jax', 'optax', 'orbax', 'flax') if m in sys.modules)\n"
+    "    ours = sum(m.startswith('rstar2jax') for m in sys.modules)\n"
+    "    print(label, len(sys.modules), ours, ','.join(heavy) or '-')\n"
+)
+
+
+def fresh_modules(code: str) -> dict[str, tuple[int, int, str]]:
+    """``label -> (modules, rstar2jax modules, heavy libraries loaded)`` for each ``report(label)`` that
+    ``code`` (run after :data:`MODULES_PROBE` in a fresh interpreter) makes."""
+    out = subprocess.run([sys.executable, "-c", MODULES_PROBE + code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout
+    return {label: (int(n), int(ours), heavy) for label, n, ours, heavy in (line.split() for line in
+                                                                           out.splitlines())}
+
+
+def test_importing_the_config_loads_no_jax():
+    found = fresh_modules(
+        "import rstar2jax.config\nreport('config')\n"
+        "import rstar2jax.config.vocabulary, rstar2jax.config.checks\nreport('tables')\n"
+    )
+    assert found["config"][2] == "-" and found["tables"][2] == "-"
+
+
+def test_importing_the_server_and_the_policy_loader_loads_no_optimizer_and_no_checkpointer():
+    """``import rstar2jax.serve`` loads no JAX; its server and the policy loader load JAX and Flax but no
+    optax and no orbax (a run folder's checkpoint is read with orbax, imported then); nor does the trainer's
+    package face."""
+    found = fresh_modules(
+        "import rstar2jax.serve\nreport('serve')\n"
+        "import rstar2jax.train, rstar2jax.policy, rstar2jax.schedules\nreport('faces')\n"
+        "import rstar2jax.serve.server, rstar2jax.policy.loader\nreport('server')\n"
+    )
+    assert found["serve"][2] == "-" and found["faces"][2] == "-"
+    assert found["server"][2] == "flax,jax"
+
+
+def test_the_old_paths_the_readme_documents_still_import():
+    from rstar2jax import config, policy, schedules, train
+    from rstar2jax.config import loss_config, parse
+    from rstar2jax.policy import export
+    from rstar2jax.train import dry_run_report
+    from rstar2jax.train import export as old_export
+    from rstar2jax.train import policy as old_policy
+
+    assert train.parse is parse.parse and train.RunOptions is config.RunOptions
+    assert train.RLLossConfig is loss_config.RLLossConfig is config.RLLossConfig
+    assert old_export.export_policy is old_policy.export_policy is export.export_policy
+    assert policy.export_policy is export.export_policy
+    assert train.make_schedule is schedules.make_schedule and train.lora.FrozenBase.__name__ == "FrozenBase"
+    assert train.rollouts.policy_rollout.__name__ == "policy_rollout"
+    assert train.dry_run is dry_run_report.dry_run  # the function, also once its module is imported
+    assert {"config", "policy", "schedules"} <= set(rstar2jax.__all__)

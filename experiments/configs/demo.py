@@ -13,7 +13,7 @@ import pathlib
 
 import ml_collections
 
-from rstar2jax.train.config import rl_config, sft_config, stage
+from rstar2jax.config.config import rl_config, sft_config, stage
 
 # Two families whose reference code is two short lines; what a tiny model finds hard is copying the numbers
 # digit by digit from the problem into the code and from the tool output into the answer.
@@ -21,7 +21,7 @@ FAMILIES = ("modpow", "lcm")
 
 
 #: The demo's own fields (``--print_config``); its ``prompt``, ``sft`` and ``rl`` parts are the library's
-#: (``rstar2jax.train.field_help``).
+#: (``config.field_help.FIELD_HELP``).
 FIELD_HELP = {
     "task.num_train": "synthetic training problems",
     "task.num_eval": "held-out problems (disjoint from the training ones)",

@@ -15,7 +15,7 @@ release's ppo_mini_batch_size = train_batch_size), tool tokens masked out of the
 """
 
 from rstar2jax import models
-from rstar2jax.train.config import rl_config, sft_config, stage
+from rstar2jax.config.config import rl_config, sft_config, stage
 
 
 def _model_and_mesh(c):

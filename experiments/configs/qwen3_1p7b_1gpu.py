@@ -19,7 +19,7 @@ token), which exists only while the engine runs. Training runs micro-batches of
 """
 
 from rstar2jax import models
-from rstar2jax.train.config import rl_config, stage
+from rstar2jax.config.config import rl_config, stage
 
 
 def get_config():

@@ -9,8 +9,8 @@ with the hard-problem filter and an optimizer reset; small batches). For a run t
 import pathlib
 
 from rstar2jax import models
+from rstar2jax.config.config import rl_config, sft_config, stage
 from rstar2jax.eval import EVAL_SETS_DIR
-from rstar2jax.train.config import rl_config, sft_config, stage
 
 SMOKE_TEST = (
     "tiny_cpu is a smoke test: a random 2-layer model, so rewards are 0 and nothing is learned "

@@ -275,7 +275,7 @@ def rollout(
 
 @dataclasses.dataclass(eq=False, repr=False)
 class PolicyRollout:
-    """The trainer's ``rollout_fn`` (see :mod:`rstar2jax.train.schedule`) on the real engine and sandbox::
+    """The trainer's ``rollout_fn`` (see :mod:`rstar2jax.schedules.schedule`) on the real engine and sandbox::
 
         rollout_fn = PolicyRollout(model_config, tokenizer, SandboxClient(url),
                                    engine_config=EngineConfig(num_slots=64), max_prompt_length=1024)

@@ -10,7 +10,6 @@ import secrets
 import time
 from collections.abc import Sequence
 
-import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from rstar2jax.agent.outage import OutagePolicy, OutageTracker
@@ -32,6 +31,7 @@ from rstar2jax.data.problems import Problem
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE, FunctionCall, ToolCallError
 from rstar2jax.data.tool_result import format_tool_result, truncate_middle
 from rstar2jax.data.trajectory import Trajectory, answer_tag_counts
+from rstar2jax.engine.seeds import mix_seed
 from rstar2jax.reward import AnswerVerifier, extract_answer
 
 
@@ -67,7 +67,7 @@ class SessionLoop:
         seed = self.config.seed if seed is None else seed
         if seed is None:
             return None
-        return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+        return mix_seed(seed, index)
 
     def out_of_budget(self) -> bool:
         return self.token_budget is not None and self.sampled >= self.token_budget
@@ -77,7 +77,7 @@ class SessionLoop:
         """A well-mixed seed from ints (None if the first is None: the engine derives one)."""
         if entropy[0] is None:
             return None
-        return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(1)[0])
+        return mix_seed(*entropy)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

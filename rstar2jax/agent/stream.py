@@ -1,7 +1,7 @@
 """Rollouts as a stream (:meth:`PolicyRollout.stream <rstar2jax.agent.PolicyRollout.stream>`): one engine
 that runs from the stream's opening to its close, groups started whenever they are submitted, finished groups
 handed back as they finish, new weights taken in flight. The producer of the trainer's asynchronous schedule
-(``rstar2jax.train.async_schedule``, whose module doc gives the protocol)::
+(``rstar2jax.schedules.async_schedule``, whose module doc gives the protocol)::
 
     stream = rollout_fn.stream(params, policy_version=0, samples_per_problem=8, max_response_length=256,
                                max_turns=3)

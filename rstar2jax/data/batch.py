@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 @flax.struct.dataclass
 class Batch:
-    """A ``[rows, seq_len]`` token batch; ``advantages`` and ``old_logp`` are ``None`` for SFT.
+    """A ``[rows, seq_len]`` token batch; ``advantages`` and ``sampler_logp`` are ``None`` for SFT.
 
     Attributes:
       tokens: int32 input tokens.
@@ -34,7 +34,9 @@ class Batch:
       segment_ids: int32 sequence id inside the row (1, 2, ...); 0 marks padding.
       loss_mask: float32, 1 where ``targets`` is trained on (sampled response / assistant tokens).
       advantages: float32 per-token advantage (the sequence's scalar advantage broadcast to its tokens).
-      old_logp: float32 log-prob of ``targets`` under the sampling policy.
+      sampler_logp: float32 log-prob of ``targets`` the sampler recorded as it drew them (the behaviour
+        policy's, in the rollout's precision); the loss's pi_old is this or a recomputed one
+        (``RLLossConfig.old_logprobs``). ``old_logp``: its old name, still readable.
       policy_versions: int32 policy version (trainer step) that sampled ``targets``, -1 where no policy
         did (prompt, tool output, padding); only with ``build_batch(with_policy_versions=True)``: host-side
         bookkeeping (the trainer reports the policy lag from it), not an input of the train steps.
@@ -46,8 +48,13 @@ class Batch:
     segment_ids: jax.Array
     loss_mask: jax.Array
     advantages: jax.Array | None = None
-    old_logp: jax.Array | None = None
+    sampler_logp: jax.Array | None = None
     policy_versions: jax.Array | None = None
+
+    @property
+    def old_logp(self) -> jax.Array | None:
+        """The old name of :attr:`sampler_logp`: the sampler's log-probs (maybe not the loss's pi_old)."""
+        return self.sampler_logp
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -154,7 +161,7 @@ def build_batch(
       num_rows: fixed row count (padding rows have segment id 0 and no loss); ``None`` rounds the rows needed
         up to ``row_multiple`` times a power of two, so a run compiles for a handful of shapes at most.
       row_multiple: rows must divide evenly into micro-batches and data shards.
-      with_rl_fields: fill ``advantages`` and ``old_logp`` (sequences without log-probs get 0).
+      with_rl_fields: fill ``advantages`` and ``sampler_logp`` (sequences without log-probs get 0).
       with_policy_versions: fill ``policy_versions`` (-1 where a sequence has none).
     """
     if seq_len <= 0 or row_multiple <= 0:
@@ -172,7 +179,7 @@ def build_batch(
 
     shape = (num_rows, seq_len)
     tokens, targets, positions, segment_ids = (np.zeros(shape, np.int32) for _ in range(4))
-    loss_mask, advantages, old_logp = (np.zeros(shape, np.float32) for _ in range(3))
+    loss_mask, advantages, sampler_logp = (np.zeros(shape, np.float32) for _ in range(3))
     versions = np.full(shape, -1, np.int32)
     segments_in_row = np.zeros(num_rows, np.int32)
     for seq, (row, start) in zip(sequences, placement, strict=True):
@@ -186,10 +193,10 @@ def build_batch(
         loss_mask[span] = seq.loss_mask[1:]
         advantages[span] = seq.advantage
         if seq.logprobs is not None:
-            old_logp[span] = seq.logprobs[1:]
+            sampler_logp[span] = seq.logprobs[1:]
         if seq.policy_versions is not None:
             versions[span] = seq.policy_versions[1:]
-    rl = dict(advantages=advantages, old_logp=old_logp) if with_rl_fields else {}
+    rl = dict(advantages=advantages, sampler_logp=sampler_logp) if with_rl_fields else {}
     if with_policy_versions:
         rl["policy_versions"] = versions
     return Batch(

@@ -169,7 +169,14 @@ def tokenize_conversation(
         raise ValueError(
             "the tokenizer has no eos_token; pass end_of_turn (the text closing an assistant turn)"
         )
+    return _tokenize_incrementally(tokenizer, messages, tools, assistant_opener, end_of_turn, template_kwargs)
 
+
+def _tokenize_incrementally(tokenizer, messages, tools, assistant_opener: str, end_of_turn: str,
+                            template_kwargs: Mapping[str, Any]) -> TokenizedConversation:
+    """:func:`tokenize_conversation`'s incremental mode: each assistant turn's prompt (the history rendered
+    with the generation prompt, + ``assistant_opener``; mask 0), then its text through ``end_of_turn`` (mask
+    1), each piece encoded as a rollout encodes it."""
     input_ids: list[int] = []
     loss_mask: list[int] = []
     covered = ""  # the rendered text the ids encode so far

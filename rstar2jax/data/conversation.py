@@ -228,7 +228,7 @@ def prompt_format(
     assistant_opener: str | None = None,
 ) -> PromptConfig:  # fmt: skip
     """The format to prompt ``policy`` in: the named ``preset`` (:data:`PROMPTS`) when given, else the one it
-    was trained in (``policy.prompt``: a loaded :class:`~rstar2jax.train.loader.Policy` carries the format
+    was trained in (``policy.prompt``: a loaded :class:`~rstar2jax.policy.loader.Policy` carries the format
     its folder records, None for a plain HF folder), else ``plain``; each field given here replaces that
     format's."""
     if preset is not None and preset not in PROMPTS:

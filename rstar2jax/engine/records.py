@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rstar2jax.engine.config import SamplingParams
+from rstar2jax.engine.seeds import mix_seed
 from rstar2jax.engine.state import NO_POLICY_VERSION
 
 __all__ = ["Chunk", "OpenSegment", "PendingFork", "Phase", "Record", "Segment", "SegmentRequest",
@@ -292,7 +293,7 @@ class SlotSequence:
 
 def slot_seed(entropy: Sequence[int]) -> int:
     """A well-mixed uint32 seed from a tuple of ints (so nearby tuples give unrelated streams)."""
-    return int(np.random.SeedSequence([int(e) & 0xFFFFFFFF for e in entropy]).generate_state(1)[0])
+    return mix_seed(*(int(e) & 0xFFFFFFFF for e in entropy))
 
 
 @dataclasses.dataclass(frozen=True)

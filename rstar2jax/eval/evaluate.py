@@ -264,7 +264,7 @@ def save_evaluation(result: DatasetEval, path: pathlib.Path, **extra: Any) -> di
 
 
 class EvaluatedPolicy(Protocol):
-    """What :func:`evaluate_to_files` reads of a policy (a loaded :class:`rstar2jax.train.loader.Policy`)."""
+    """What :func:`evaluate_to_files` reads of a policy (a loaded :class:`rstar2jax.policy.loader.Policy`)."""
 
     params: Any
     model_config: Any

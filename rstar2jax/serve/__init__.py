@@ -5,15 +5,15 @@ on the continuous-batching engine. The launchers are ``experiments/evaluate.py``
 module for every caller) and the chat :mod:`rstar2jax.serve.chat`.
 
 Layering: ``serve`` is the top layer of the library (it imports engine, data, agent, eval and the policy
-loader of ``train``, :mod:`rstar2jax.train.loader`); nothing in the library imports it. Importing it starts
-nothing: names load on use.
+loader, :mod:`rstar2jax.policy.loader`, never the trainer); nothing in the library imports it. Importing it
+starts nothing: names load on use, and serving an HF folder loads no optimizer and no checkpoint library.
 """
 
 import importlib
 
 _NAMES = {
     "rstar2jax.data.conversation": ["PROMPTS", "prompt_format"],
-    "rstar2jax.train.loader": ["Policy", "load_policy"],
+    "rstar2jax.policy.loader": ["Policy", "load_policy"],
     "rstar2jax.serve.protocol": ["ChatRequest", "RequestError", "parse_chat_request"],
     "rstar2jax.serve.server": [
         "BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server",

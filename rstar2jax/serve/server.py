@@ -13,7 +13,7 @@ Endpoints: ``GET /health`` (200 once the engine is up, 503 before and while drai
 ``POST /v1/chat/completions`` (see :mod:`rstar2jax.serve.protocol` for what is accepted).
 
 Conversation format: the messages (and ``tools``) are rendered by the model's chat template, in the format
-the policy was trained in (:attr:`~rstar2jax.train.loader.Policy.prompt`, recorded in its folder): a request
+the policy was trained in (:attr:`~rstar2jax.policy.loader.Policy.prompt`, recorded in its folder): a request
 without a system message gets the policy's system prompt, the template gets its variables, and the assistant
 opener (``<reason>`` for rStar2-Agent policies) is appended, as in the rollouts the policy was trained on; the
 opener is the start of the returned content. A plain HF folder records no format: nothing is added to what
@@ -59,12 +59,12 @@ from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.data.tool_parser import TOOL_CALL_CLOSE
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams, Session, page_rounded
 from rstar2jax.engine.paged_attention import pages_for_bytes
+from rstar2jax.policy.loader import Policy
 from rstar2jax.serve.admission import Admission, InFlight, shutting_down
 from rstar2jax.serve.choice import ABORT, ChoiceContext, ChoiceStream, TokenText
 from rstar2jax.serve.metrics import ServerMetrics, render_prometheus, wants_json
 from rstar2jax.serve.protocol import ChatRequest, RequestError, parse_chat_request
 from rstar2jax.serve.responses import complete, errors_middleware, stream, usage_block
-from rstar2jax.train.loader import Policy
 
 __all__ = ["BackgroundServer", "ChatService", "ServerConfig", "run_server", "served_format", "start_server"]
 
@@ -72,6 +72,14 @@ _log = logging.getLogger(__name__)
 #: ``max_waiting`` when not given: this many requests per engine slot.
 WAITING_PER_SLOT = 8
 _PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+#: A drain's default deadline: 25 s, so the process ends its streams and exits inside the termination grace
+#: period orchestrators give a pod after SIGTERM (Kubernetes' ``terminationGracePeriodSeconds``: 30 s by
+#: default; SIGKILL after it), with 5 s left for the last chunks, the engine's shutdown and the exit.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
+#: The termination grace period :data:`DEFAULT_DRAIN_TIMEOUT_S` stays under.
+TERMINATION_GRACE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +104,7 @@ class ServerConfig:
         ``WAITING_PER_SLOT`` (8) per slot, 128 at 16 slots: beyond that a client waits longer than 8
         requests' time, and is better told to retry (or go to another replica).
       drain_timeout_s: how long a drain (SIGTERM, Ctrl-C) lets the requests in flight finish before it ends
-        them.
+        them (default :data:`DEFAULT_DRAIN_TIMEOUT_S`, inside the usual 30 s termination grace period).
     """
 
     num_slots: int = 16
@@ -110,7 +118,7 @@ class ServerConfig:
     warmup: bool = True
     max_body_bytes: int = 32 * 2**20
     max_waiting: int | None = None
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self):
         for name in ("num_slots", "max_len", "decode_chunk", "max_body_bytes", "waiting_bound"):

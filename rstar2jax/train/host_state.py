@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rstar2jax.train.lora import META_KEY as LORA_BASE_META_KEY
+from rstar2jax.policy.adapters import META_KEY as LORA_BASE_META_KEY
 
 #: The format of ``HostState.to_meta`` (a later format reads the earlier ones).
 HOST_STATE_FORMAT = 1

@@ -1,7 +1,7 @@
 """LoRA training runs (``config.model.lora.rank`` > 0): the frozen base beside the trained adapters.
 
 The LoRA options (``PolicyOptions.lora``, checked against the model and any starting adapter folder) come
-from the config edge, ``train.options``. A LoRA run's ``TrainState.params`` are the adapters
+from the config edge, ``config.options``. A LoRA run's ``TrainState.params`` are the adapters
 (``models.lora``) and its optimizer state is theirs alone; the base weights are loaded from ``config.model``
 at every start (fresh or resumed, in ``model.param_dtype``, e.g. bfloat16 while the adapters train in
 ``model.lora.dtype``) and are never written into a checkpoint. The checkpoint meta records instead which
@@ -17,20 +17,18 @@ weights), checked before a run resumes.
   for a look-ahead or partial-rollout call), freed when the rollout returns. With ``offload``
   (``colocate.optimizer_memory``) the base waits in host memory while the engine runs, so the rollout
   holds one copy of the weights (the merged one), as a full fine-tuning run does;
-* export: the merged policy as an HF folder and the adapters alone as a PEFT folder.
+* export: the merged policy as an HF folder and the adapters alone as a PEFT folder
+  (``rstar2jax.policy.adapters``, which also keeps the record of the base the adapters belong to).
 """
 
 from __future__ import annotations
 
 import functools
-import pathlib
-from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from rstar2jax import models
+from rstar2jax.config.options import PolicyOptions
 from rstar2jax.data.rollout_contract import (
     BatchRollout,
     SupportsClose,
@@ -39,76 +37,7 @@ from rstar2jax.data.rollout_contract import (
     SupportsStream,
 )
 from rstar2jax.models import peft_adapter
-from rstar2jax.train import colocate
-from rstar2jax.train.options import ConfigError, ModelSource, PolicyOptions
-
-#: Checkpoint meta key of the base a LoRA run's adapters belong to.
-META_KEY = "lora_base"
-
-
-@jax.jit
-def _moments(params):
-    def moments(x):
-        x = x.astype(jnp.float32)
-        return jnp.stack([jnp.sum(x), jnp.sum(x * x)])
-
-    return jax.tree.map(moments, params)
-
-
-def fingerprint(params) -> dict[str, list[float]]:
-    """Per base leaf, its sum and sum of squares (float32): what tells one base's weights from another's."""
-    moments = jax.device_get(_moments(params))
-    return {jax.tree_util.keystr(path): [float(v) for v in value]
-            for path, value in jax.tree_util.tree_flatten_with_path(moments)[0]}
-
-
-def describe(lora: models.LoraConfig) -> dict[str, Any]:
-    """The adapters' shape as JSON: rank, alpha, targets, rslora."""
-    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "rslora": lora.rslora}
-
-
-def base_record(source: ModelSource, lora: models.LoraConfig, params) -> dict[str, Any]:
-    """The checkpoint meta's record of the base (from ``source``) the adapters belong to (see
-    :func:`check_base`)."""
-    return {"name": source.base_name, "lora": describe(lora), "fingerprint": fingerprint(params)}
-
-
-def check_checkpoint(meta: dict | None, expected: dict[str, Any] | None, where: str) -> None:
-    """A checkpoint of a LoRA run (its ``meta``) resumes only as the same LoRA run on the same base
-    (``expected``: this run's :func:`base_record`), a full fine-tuning one only as full fine-tuning
-    (``expected`` None); ``ConfigError`` otherwise, before the state is restored."""
-    if meta is None:
-        return
-    if expected is not None:
-        check_base(meta.get(META_KEY), expected, where)
-    elif META_KEY in meta:
-        raise ConfigError(f"{where} holds LoRA adapters ({meta[META_KEY]['lora']}), but "
-                          "config.model.lora.rank is 0: set the LoRA fields or use another workdir")
-
-
-def check_base(record: dict[str, Any] | None, expected: dict[str, Any], where: str) -> None:
-    """Raises ``ConfigError`` when a checkpoint's base record (``record``, None: a checkpoint of a full
-    fine-tuning run) disagrees with this run's (``expected``): other LoRA shape, other base weights."""
-    if record is None:
-        raise ConfigError(f"{where} holds a full fine-tuning checkpoint, but config.model.lora.rank > 0: use "
-                          "another workdir for the LoRA run")
-    if record["lora"] != expected["lora"]:
-        raise ConfigError(f"{where} holds adapters of LoRA {record['lora']}, config.model.lora gives "
-                          f"{expected['lora']}: use another workdir or the checkpoint's values")
-    saved, now = record["fingerprint"], expected["fingerprint"]
-    if saved.keys() != now.keys() or not all(_same_moments(saved[k], now[k]) for k in saved):
-        raise ConfigError(f"{where} holds adapters of base {record['name']!r}; the base config.model gives "
-                          f"({expected['name']!r}) has other weights")
-
-
-def _same_moments(a: list[float], b: list[float]) -> bool:
-    """Whether two leaves' (sum, sum of squares) are those of the same weights, allowing for another dtype
-    (bfloat16 rounding moves the sum by about 2^-9 sqrt(sum of squares)); other weights of the same scale
-    move it by about sqrt(sum of squares)."""
-    (sum_a, squares_a), (sum_b, squares_b) = a, b
-    scale = np.sqrt(max(squares_a, squares_b))
-    close_sums = abs(sum_a - sum_b) <= 0.02 * scale + 1e-6
-    return close_sums and bool(np.isclose(squares_a, squares_b, rtol=1e-2, atol=1e-6))
+from rstar2jax.schedules import colocate
 
 
 class FrozenBase:
@@ -228,24 +157,3 @@ def initial_adapters(policy: PolicyOptions, mesh):
         return jax.device_put(host, models.lora.lora_shardings(model_config, lora, mesh))
     key = jax.random.fold_in(jax.random.PRNGKey(policy.source.seed), 1)  # not the key of random base weights
     return models.lora.init_lora(model_config, lora, key, mesh=mesh)
-
-
-def save_adapter(adapters, source: ModelSource, model_config: models.ModelConfig, lora: models.LoraConfig,
-                 policy_folder: str | pathlib.Path) -> pathlib.Path:
-    """Writes ``adapters`` as a PEFT folder beside an exported policy (:func:`adapter_folder`), naming the
-    run's base (``source.base_name``). With several processes the adapters are gathered and process 0
-    writes."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        adapters = multihost_utils.process_allgather(adapters, tiled=True)
-    out = adapter_folder(policy_folder)
-    if jax.process_index() == 0:
-        peft_adapter.save_peft_adapter(adapters, model_config, lora, out, base_model=source.base_name)
-    return out
-
-
-def adapter_folder(policy_folder: str | pathlib.Path) -> pathlib.Path:
-    """Where the PEFT adapter of an exported LoRA policy goes: ``<policy folder>_adapter`` beside it."""
-    policy_folder = pathlib.Path(policy_folder)
-    return policy_folder.with_name(policy_folder.name + "_adapter")

@@ -1,6 +1,6 @@
 """The per-device memory plan of an RL run: what the rollout phase and the training phase each hold.
 
-Colocated RL alternates two phases on the same devices (``rstar2jax.train.colocate``):
+Colocated RL alternates two phases on the same devices (``rstar2jax.schedules.colocate``):
 
   rollout peak = params + engine weights + KV page pool + decode temporaries
                  [+ optimizer state + reference params, unless they wait in host memory]
@@ -34,11 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from rstar2jax.config.options import ConfigError, RunOptions
 from rstar2jax.engine import paged_attention
 from rstar2jax.engine.config import FP8
 from rstar2jax.models.quantization import LINEAR_WEIGHTS, fp8_weight_bytes
-from rstar2jax.train.colocate import resolve_offload
-from rstar2jax.train.options import ConfigError, RunOptions
+from rstar2jax.schedules.colocate import resolve_offload
 
 GIB = float(2**30)
 

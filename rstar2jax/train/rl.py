@@ -1,9 +1,9 @@
 """One GRPO-RoC iteration: problems → 2G rollouts each → rewards → penalties → RoC to G → advantages → update.
 
-The rollouts come from a schedule (``rstar2jax.train.schedule``: synchronous by default, one-step
+The rollouts come from a schedule (``rstar2jax.schedules.schedule``: synchronous by default, one-step
 off-policy, partial), which owns what one step hands to the next; scoring, selection and the batch are
 ``rstar2jax.train.selection``'s; every process of a multi-host run calls the iteration
-(``rstar2jax.train.multihost``).
+(``rstar2jax.schedules.multihost``).
 
 The iteration reports ``rollout/policy_lag_mean`` / ``rollout/policy_lag_max``: the version being updated
 minus each sampled token's version, over the step's rollouts (0 in synchronous on-policy runs), and
@@ -32,22 +32,22 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from rstar2jax.config.algorithm import RLIterationConfig
 from rstar2jax.data.batch import Batch
 from rstar2jax.data.problems import Problem
-from rstar2jax.train import colocate
-from rstar2jax.train.faults import EmptyRollout
-from rstar2jax.train.multihost import put_batch
-from rstar2jax.train.rollout_record import StepRollouts
-from rstar2jax.train.schedule import (
+from rstar2jax.schedules import colocate
+from rstar2jax.schedules.multihost import put_batch
+from rstar2jax.schedules.schedule import (
     RolloutFn,
     RolloutSchedule,
     Synchronous,
     run_rollouts,
     unique_problems,
 )
+from rstar2jax.train.faults import EmptyRollout
+from rstar2jax.train.rollout_record import StepRollouts
 from rstar2jax.train.selection import (
     RewardFn,
-    RLIterationConfig,
     RocChoice,
     policy_lag_metrics,
     rescore,

@@ -6,21 +6,24 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from rstar2jax.config.options import ConfigError, RunOptions
+from rstar2jax.config.rules import precision_gap
 from rstar2jax.data.problems import Problem, ProblemIterator, load_problems
-from rstar2jax.train import colocate
+from rstar2jax.engine.seeds import stream_seed
+from rstar2jax.policy.weights import CHECKPOINT_DIR
+from rstar2jax.schedules import colocate
+from rstar2jax.schedules.placement import rollout_devices
+from rstar2jax.schedules.schedule import RolloutFn, RolloutSchedule
+from rstar2jax.schedules.schedule_choice import make_schedule
+from rstar2jax.schedules.schedule_state import ScheduleInvariantError
 from rstar2jax.train.faults import NonFiniteStreak
-from rstar2jax.train.options import ConfigError, RunOptions
-from rstar2jax.train.placement import rollout_devices
 from rstar2jax.train.progress import RL_ALERTS, Progress
 from rstar2jax.train.rl import filter_hard_problems, rl_iteration
 from rstar2jax.train.rollout_record import RolloutRecord, StepRollouts, auto_fraction
-from rstar2jax.train.rules import precision_gap
-from rstar2jax.train.run import CHECKPOINT_DIR, Run, StopSignal, start_run
+from rstar2jax.train.run import Run, StopSignal, start_run
 from rstar2jax.train.runtime import check_rollout_precision
-from rstar2jax.train.schedule import RolloutFn, RolloutSchedule
-from rstar2jax.train.schedule_choice import make_schedule
-from rstar2jax.train.schedule_state import ScheduleInvariantError
 from rstar2jax.train.selection import RewardFn
+from rstar2jax.train.state import optimizer_from_options, schedule_from_options
 from rstar2jax.train.steps import batch_sharding, make_rl_step
 from rstar2jax.train.wandb_run import check_wandb
 
@@ -69,7 +72,7 @@ def _hard_problems(run: Run, index: int, problems: list[Problem], rollout_fn: Ro
             batch_size=run.options.rl.filter_batch_size,
             max_response_length=s.max_response_length,
             max_turns=s.max_turns,
-            seed=run.options.seed + 104729 * (index + 1),
+            seed=stream_seed(run.options.seed, "hard_filter", index),
             policy_version=run.step,
         )
         if not kept:
@@ -104,7 +107,7 @@ class _RLStages:
         iterator = ProblemIterator(
             _hard_problems(run, index, dataset, self.rollout_fn),
             options.rl.prompts_per_step,
-            seed=options.seed + 7919 * index,
+            seed=stream_seed(options.seed, "problem_order", index),
             position=run.host.position,
         )
         iteration = options.rl.iterations[index]
@@ -210,18 +213,18 @@ def train_rl(
     stop: StopSignal | None = None,
 ) -> list[dict]:
     """Runs (or resumes) the staged GRPO-RoC recipe of ``options`` (a run config's ``RunOptions``:
-    ``rstar2jax.train.parse``); returns the metrics history.
+    ``rstar2jax.config.parse``); returns the metrics history.
 
-    ``rollout_fn`` produces the trajectories (see ``rstar2jax.train.schedule``); ``max_steps`` stops early
+    ``rollout_fn`` produces the trajectories (see ``rstar2jax.schedules.schedule``); ``max_steps`` stops early
     after that many steps in total (for demos and tests); ``stop``: the signal that stops the run after its
     current step (a launcher's Ctrl-C; default: a new one nobody else holds).
 
     Rollouts across an update (``rl.off_policy_steps`` = 1, ``rollout.partial_token_budget`` > 0; see
-    ``rstar2jax.train.schedule``): what one step hands to the next (the next step's rollout,
+    ``rstar2jax.schedules.schedule``): what one step hands to the next (the next step's rollout,
     unfinished rollouts) is kept in the checkpoint's host state (``host_state.HostState.schedule``), so a
     resumed run goes on exactly; it does not cross a stage boundary (a stage's last step rolls out nothing
     ahead, and its unfinished rollouts are dropped: the next stage has its own budget and problems). The
-    asynchronous schedule (``rl.schedule="async"``, ``rstar2jax.train.async_schedule``) keeps its whole
+    asynchronous schedule (``rl.schedule="async"``, ``rstar2jax.schedules.async_schedule``) keeps its whole
     state there too (``schedule_state.AsyncState``) and drains at a stage's end; its engines stop when the
     run does. Trained rollouts go on the record (``logging.rollout_record``, ``rollout_record``).
     """
@@ -229,11 +232,11 @@ def train_rl(
     check_wandb(options)
     schedule = _schedule(options, rollout_fn)  # before any work too
     updates = options.rl.updates_per_step  # the optimizer and its schedule count updates
-    optimizer = options.optimizer.optimizer(updates_per_step=updates)
+    optimizer = optimizer_from_options(options.optimizer, updates_per_step=updates)
     run = start_run(
         options,
         optimizer,
-        options.optimizer.learning_rate_schedule(updates_per_step=updates),
+        schedule_from_options(options.optimizer, updates_per_step=updates),
         stop=stop,
     )
     rl = options.rl

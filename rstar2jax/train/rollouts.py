@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rstar2jax.config.options import ConfigError, RunOptions
 from rstar2jax.data.conversation import PromptConfig
-from rstar2jax.train.export import run_tokenizer
-from rstar2jax.train.options import ConfigError, RunOptions
+from rstar2jax.policy.export import run_tokenizer
 
 
 def policy_rollout(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import shutil
 import threading
 
 import jax
@@ -23,40 +22,20 @@ import optax
 from jax.sharding import Mesh
 
 from rstar2jax import models
-from rstar2jax.train import colocate
+from rstar2jax.config.config import write_run_config
+from rstar2jax.config.options import RunOptions
+from rstar2jax.policy import adapters as adapters_lib
+from rstar2jax.policy.weights import CHECKPOINT_DIR, initial_params, save_policy
+from rstar2jax.schedules import colocate
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train.checkpoint import Checkpointer
-from rstar2jax.train.config import write_run_config
 from rstar2jax.train.host_state import HostState
 from rstar2jax.train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLogger
-from rstar2jax.train.options import ModelSource, RunOptions
 from rstar2jax.train.runtime import mesh_from_config
 from rstar2jax.train.state import TrainState, init_train_state, reset_optimizer
 from rstar2jax.train.steps import state_shardings, trainable_params
 from rstar2jax.train.wandb_run import WandbRun
 
-
-def initial_params(source: ModelSource, model_config: models.ModelConfig, mesh: Mesh | None):
-    """Pretrained weights from ``source.path``, else random weights of ``model_config`` (seeded by
-    ``source.seed``)."""
-    if source.path:
-        _, params = models.load_pretrained(
-            source.path,
-            dtype=model_config.param_dtype,
-            compute_dtype=model_config.compute_dtype,
-            mesh=mesh,
-            remat_policy=model_config.remat_policy,
-            scan_layers=model_config.scan_layers,
-            attention=model_config.attention,
-            attention_block_size=model_config.attention_block_size,
-            mlp_chunk_size=model_config.mlp_chunk_size,
-        )
-        return params
-    return models.init_params(model_config, jax.random.PRNGKey(source.seed), mesh=mesh)
-
-
-#: Checkpoint step folders go to ``<workdir>/CHECKPOINT_DIR``.
-CHECKPOINT_DIR = "checkpoints"
 #: ``experiments.sft`` exports its policy (an HF folder with the tokenizer) to ``<workdir>/POLICY_DIR``.
 POLICY_DIR = "policy"
 
@@ -126,29 +105,6 @@ class StopSignal:
         self._requested.clear()
 
 
-def save_policy(
-    params, model_config: models.ModelConfig, out: str | pathlib.Path, *, tokenizer=None, prompt=None
-):
-    """Writes ``params`` as an HF folder at ``out`` (config.json, safetensors and, when given, the tokenizer
-    with its chat template and the conversation format ``prompt``, a ``PromptConfig``, as
-    ``rstar2jax_prompt.json``): the form ``config.model.path`` reads, so RL can start from it. The folder is
-    written beside ``out`` and renamed into place, so a crash never leaves a half policy. With several
-    processes the parameters are gathered and process 0 writes. Returns ``out`` as a path."""
-    out = pathlib.Path(out)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        params = multihost_utils.process_allgather(params, tiled=True)
-        if jax.process_index() != 0:
-            return out
-    temporary = out.with_name(out.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
-    models.save_pretrained(params, model_config, temporary, tokenizer=tokenizer, prompt=prompt)
-    shutil.rmtree(out, ignore_errors=True)
-    temporary.replace(out)
-    return out
-
-
 def abstract_state(model_config, optimizer, shardings: TrainState, seed: int, lora=None) -> TrainState:
     """Shapes, dtypes and shardings of the train state (with ``lora``: of the adapters'), without allocating
     it."""
@@ -201,11 +157,11 @@ class Run:
     def export(self, out: str | pathlib.Path, *, tokenizer=None, prompt=None) -> pathlib.Path:
         """Writes the policy as an HF folder at ``out`` (``save_policy``, with ``tokenizer`` and the
         conversation format ``prompt``); a LoRA run also writes its adapters alone as a PEFT folder
-        (``train.lora.adapter_folder(out)``)."""
+        (``policy.adapters.adapter_folder(out)``)."""
         save_policy(self.policy_params(), self.model_config, out, tokenizer=tokenizer, prompt=prompt)
         if self.base is not None:
             source = self.options.policy.source
-            lora_lib.save_adapter(self.state.params, source, self.model_config, self.lora, out)
+            adapters_lib.save_adapter(self.state.params, source, self.model_config, self.lora, out)
         return pathlib.Path(out)
 
     @property
@@ -283,8 +239,8 @@ def start_run(
         base = lora_lib.FrozenBase(
             initial_params(policy.source, model_config, mesh), model_config, lora, offload=offload
         )
-        base_record = lora_lib.base_record(policy.source, lora, base.params)
-    lora_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
+        base_record = adapters_lib.base_record(policy.source, lora, base.params)
+    adapters_lib.check_checkpoint(checkpointer.latest_meta(), base_record, checkpointer.directory)
     restored = checkpointer.restore(abstract_state(model_config, optimizer, shardings, options.seed, lora))
     if restored is None:
         if lora is None:
@@ -299,7 +255,7 @@ def start_run(
         host = (initial_host or HostState()).replace(lora_base=base_record)
     else:
         state, meta = restored
-        lora_lib.check_checkpoint(meta, base_record, checkpointer.directory)
+        adapters_lib.check_checkpoint(meta, base_record, checkpointer.directory)
         host = HostState.from_meta(meta, int(jax.device_get(state.step.addressable_data(0))))
     is_main = jax.process_index() == 0
     if is_main:

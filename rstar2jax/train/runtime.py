@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.config.options import ConfigError, DistributedOptions, RunOptions
+from rstar2jax.config.rules import partial_rollout_processes
 from rstar2jax.engine.config import FP8
 from rstar2jax.engine.programs import check_precision
+from rstar2jax.schedules.placement import local_devices_needed, train_devices
 from rstar2jax.train.cluster import ClusterLaunch, cluster_launch
-from rstar2jax.train.options import ConfigError, DistributedOptions, RunOptions
-from rstar2jax.train.placement import local_devices_needed, train_devices
-from rstar2jax.train.rules import partial_rollout_processes
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +108,28 @@ def mesh_from_config(options: RunOptions, *, allow_emulated: bool = False) -> Me
     With ``allow_emulated`` (dry runs) a mesh larger than the default backend falls back to the host's
     (emulated) CPU devices, so a 64-device plan compiles on a laptop.
     """
-    mesh = options.mesh
-    devices = train_devices(options)
-    if len(devices) < mesh.size and allow_emulated:
-        devices = train_devices(options, jax.devices("cpu"))
-    if len(devices) < mesh.size:
-        apart = len(jax.devices()) - len(devices)
-        split = f" ({apart} set apart for the rollout: rl.rollout_devices)" if apart else ""
-        raise ValueError(
-            f"config.mesh (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) "
-            f"needs {mesh.size} devices but {len(devices)} {jax.devices()[0].platform} devices are left "
-            f"for training{split} (emulated CPU devices must be requested before JAX starts: see "
-            "request_host_devices)"
-        )
-    return models.make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=devices)
+    mesh, devices = options.mesh, jax.devices()
+    if len(train_devices(options, devices)) < mesh.size and allow_emulated:
+        devices = jax.devices("cpu")
+    check_mesh(options, devices)
+    return models.make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=train_devices(options, devices))
+
+
+def check_mesh(options: RunOptions, devices: Sequence[jax.Device] | None = None) -> None:
+    """After :func:`prepare_process`, before any work: a ``ConfigError`` when the run's mesh (``config.mesh``:
+    data x fsdp x tensor) needs more devices than ``devices`` (default ``jax.devices()``) leave for training
+    (``placement.train_devices``: split placement sets the rollout's apart). Starts the backend."""
+    mesh, devices = options.mesh, list(jax.devices() if devices is None else devices)
+    left = train_devices(options, devices)
+    if len(left) >= mesh.size:
+        return
+    apart = len(devices) - len(left)
+    split = f" ({apart} set apart for the rollout: rl.rollout_devices)" if apart else ""
+    raise ConfigError(
+        f"config.mesh: data x fsdp x tensor = {mesh.data} x {mesh.fsdp} x {mesh.tensor} needs {mesh.size} "
+        f"devices but {len(left)} {devices[0].platform} devices are left for training{split} (emulated CPU "
+        "devices must be requested before JAX starts: see request_host_devices)"
+    )
 
 
 def prepare_process(options: RunOptions) -> None:

@@ -10,13 +10,15 @@ import time
 
 import jax
 
+from rstar2jax.config.options import ConfigError, RunOptions
 from rstar2jax.data.batch import build_batch
 from rstar2jax.data.problems import ProblemIterator
 from rstar2jax.data.sft_data import assistant_openers, load_sft_sequences
-from rstar2jax.train.multihost import put_batch
-from rstar2jax.train.options import ConfigError, RunOptions
+from rstar2jax.policy.weights import CHECKPOINT_DIR
+from rstar2jax.schedules.multihost import put_batch
 from rstar2jax.train.progress import Progress
-from rstar2jax.train.run import CHECKPOINT_DIR, StopSignal, start_run
+from rstar2jax.train.run import StopSignal, start_run
+from rstar2jax.train.state import optimizer_from_options, schedule_from_options
 from rstar2jax.train.steps import batch_sharding, make_sft_step
 from rstar2jax.train.wandb_run import check_wandb
 
@@ -31,7 +33,7 @@ def train_sft(
     stop: StopSignal | None = None,
 ) -> list[dict]:
     """Runs (or resumes) SFT on ``options.sft.data`` (``options``: a run config's ``RunOptions``,
-    ``rstar2jax.train.parse``); returns the metrics history.
+    ``rstar2jax.config.parse``); returns the metrics history.
 
     ``export_dir``: when the run ends (not when it is interrupted), the policy is written there as an HF
     folder with the tokenizer (``save_policy``), what ``experiments.train_rl --config.model.path=`` starts
@@ -51,8 +53,8 @@ def train_sft(
     run_steps = sft.steps or sft.epochs * math.ceil(len(sequences) / sft.batch_size)
     total = run_steps if max_steps is None else min(run_steps, max_steps)
     # The schedule spans the whole run, so stopping early (max_steps) and resuming changes nothing.
-    optimizer = options.optimizer.optimizer(total_steps=run_steps)
-    schedule = options.optimizer.learning_rate_schedule(total_steps=run_steps)
+    optimizer = optimizer_from_options(options.optimizer, total_steps=run_steps)
+    schedule = schedule_from_options(options.optimizer, total_steps=run_steps)
     run = start_run(options, optimizer, schedule, stop=stop)
     step_fn = make_sft_step(
         run.model_config,

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("constant", "cosine")
+from rstar2jax.config.options import OptimizerOptions
+from rstar2jax.config.vocabulary import SCHEDULES
 
 
 @flax.struct.dataclass
@@ -90,6 +91,31 @@ def make_optimizer(
     )
     adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     return adamw if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def optimizer_from_options(options: OptimizerOptions, total_steps: int | None = None,
+                           updates_per_step: int = 1):
+    """The optimizer ``config.optimizer`` asks for (``total_steps``: the run's step count when
+    ``optimizer.total_steps`` is not set). Its schedule counts updates: ``updates_per_step`` per step (an RL
+    step's ``rl.ppo_epochs`` x ``rl.mini_batches``; warm-up and total steps given in steps)."""
+    return make_optimizer(
+        options.learning_rate,
+        **options.schedule_options(total_steps, updates_per_step),
+        weight_decay=options.weight_decay,
+        b1=options.b1,
+        b2=options.b2,
+        eps=options.eps,
+        max_grad_norm=options.max_grad_norm,
+    )
+
+
+def schedule_from_options(options: OptimizerOptions, total_steps: int | None = None,
+                          updates_per_step: int = 1):
+    """The learning rate of each step under :func:`optimizer_from_options` (its last update's)."""
+    schedule = learning_rate_schedule(options.learning_rate,
+                                      **options.schedule_options(total_steps, updates_per_step))
+    return schedule if updates_per_step == 1 else lambda step: schedule(step * updates_per_step
+                                                                         + updates_per_step - 1)
 
 
 def init_train_state(

@@ -16,9 +16,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rstar2jax import algo, models
+from rstar2jax.config.loss_config import RLLossConfig
 from rstar2jax.data.batch import Batch
 from rstar2jax.train.faults import skip_nonfinite_updates
-from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.state import TrainState
 from rstar2jax.train.updates import (
     LossFn,
@@ -80,7 +80,7 @@ def rl_loss(
     logp, entropy = _logprobs_and_entropy(params, model_config, batch, loss_config.temperature)
     # The policy before this step's updates: with one update per batch, this forward's.
     start_logp = jax.lax.stop_gradient(logp) if policy_logp is None else policy_logp
-    old_logp = batch.old_logp
+    old_logp = batch.sampler_logp
     if loss_config.old_logprobs == "recompute" or loss_config.decoupled:
         old_logp = start_logp
     ref_logp = None
@@ -92,17 +92,17 @@ def rl_loss(
                                             loss_config.temperature)
     is_weights, correction_sums = None, {}
     if loss_config.rollout_correction:  # TIS / MIS; under the decoupled objective its sequence mask only
-        # batch.old_logp holds the sampler's (rollout engine's) log-probs.
+        # batch.sampler_logp holds the sampler's (rollout engine's) log-probs.
         is_weights, correction_sums = algo.rollout_correction(
             old_logp,
-            batch.old_logp,
+            batch.sampler_logp,
             batch.loss_mask,
             token_cap=loss_config.rollout_is_cap,
             sequence_mask=loss_config.rollout_mask,
             mask_threshold=loss_config.rollout_mask_threshold,
             segment_ids=batch.segment_ids,
         )
-    # Under the decoupled objective old_logp is the proximal policy's, batch.old_logp the behaviour's.
+    # Under the decoupled objective old_logp is the proximal policy's, batch.sampler_logp the behaviour's.
     policy_loss = functools.partial(
         algo.compute_policy_loss,
         loss_config.objective(),
@@ -110,7 +110,7 @@ def rl_loss(
         old_logp,
         batch.advantages,
         options=loss_config.loss_options(),
-        behaviour_logp=batch.old_logp if loss_config.decoupled else None,
+        behaviour_logp=batch.sampler_logp if loss_config.decoupled else None,
         ref_logp=ref_logp,
         kl=loss_config.kl,
         kl_coef=loss_config.kl_coef,
@@ -138,7 +138,7 @@ def rl_loss(
     token_sums["entropy"] = jax.lax.stop_gradient(_masked_sum(entropy, batch.loss_mask))
     token_sums.update(correction_sums)
     # The sampler's log-probs against the trainer's (this forward, before the update): no gradient.
-    token_sums.update(algo.rollout_mismatch(start_logp, batch.old_logp, batch.loss_mask, sums=True))
+    token_sums.update(algo.rollout_mismatch(start_logp, batch.sampler_logp, batch.loss_mask, sums=True))
     totals = {k: v for k, v in metrics.items() if k in _NORMALISED_METRICS}
     return loss, {"token_sums": token_sums, "totals": totals}
 
@@ -213,7 +213,7 @@ def rl_step(
     (mean π_train/π_rollout), rollout_is_capped (share of loss tokens whose weight was truncated),
     rollout_is_masked (share of loss tokens in masked sequences); decoupled: behaviour_ratio_mean (mean
     π_prox/π_behaviour), behaviour_ratio_capped; always the sampler-vs-trainer mismatch of the loss tokens
-    (``algo.rollout_mismatch``, the log-probs before the first update against ``batch.old_logp``):
+    (``algo.rollout_mismatch``, the log-probs before the first update against ``batch.sampler_logp``):
     mismatch_abs_log_ratio, mismatch_k3_kl, mismatch_outside_band. Several updates: each averaged over the
     epochs (and grad_norm over the updates). Sequences dropped by the rollout mask stay in the loss
     normaliser (computed over the whole batch before the forward pass).

@@ -18,7 +18,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rstar2jax.train.options import ConfigError, RunOptions
+from rstar2jax.config.options import ConfigError, RunOptions
 
 #: The W&B run id of the run in a work folder (what a resumed run continues).
 RUN_ID_FILE = "wandb_run_id"

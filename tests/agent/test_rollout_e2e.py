@@ -34,7 +34,7 @@ from rstar2jax.data.problems import Problem
 from rstar2jax.data.synthetic import make_task
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
 from rstar2jax.reward import AnswerVerifier
-from rstar2jax.train.placement import engine_copy
+from rstar2jax.schedules.placement import engine_copy
 from sandbox_server import start_local
 
 # A short prompt keeps the tiny model's sequences (and the teaching) cheap; the tool keeps the paper's name.

@@ -16,16 +16,16 @@ import pytest
 from experiments.tiny_policy import ARITHMETIC, HELLO, HELLO_ANSWER
 from rstar2jax.agent.rollout_types import RolloutConfig
 from rstar2jax.agent.sandbox_client import SandboxClient
+from rstar2jax.config import config as config_lib
+from rstar2jax.config.config import write_run_config
+from rstar2jax.config.parse_model import policy_options
 from rstar2jax.data.chat_template import encode_text, render_chat
 from rstar2jax.data.conversation import PROMPTS
 from rstar2jax.engine import Engine, EngineConfig, SamplingParams
+from rstar2jax.policy.loader import latest_run_params
 from rstar2jax.serve import load_policy
 from rstar2jax.serve.chat import ChatSession
-from rstar2jax.train import config as config_lib
 from rstar2jax.train.checkpoint import Checkpointer
-from rstar2jax.train.config import write_run_config
-from rstar2jax.train.loader import latest_run_params
-from rstar2jax.train.parse_model import policy_options
 from rstar2jax.train.state import init_train_state
 from sandbox_server import start_local
 
@@ -221,6 +221,11 @@ def test_help_lists_the_format_adapter_and_cache_flags(module):
         flags += ["--output", "--overwrite", "--step"]
     for flag in flags:  # a boolean flag is listed as --[no]name
         assert flag in done.stdout or f"--[no]{flag[2:]}" in done.stdout, (module, flag)
+    if module == "experiments.serve":  # the drain's default: ServerConfig's, under a 30 s grace period
+        from rstar2jax.serve.server import DEFAULT_DRAIN_TIMEOUT_S
+
+        drain_help = done.stdout[done.stdout.index("--drain_timeout_s:"):].split("\n  --", 1)[0]
+        assert f"(default: '{DEFAULT_DRAIN_TIMEOUT_S}')" in " ".join(drain_help.split())
 
 
 def test_chat_turns_continue_the_template_rendering(tiny_policy, sandbox_url):
@@ -253,6 +258,20 @@ def test_chat_turns_continue_the_template_rendering(tiny_policy, sandbox_url):
     start = len(history) - len(second.response_ids)
     assert tokenizer.decode(history[:start]) == expected
     assert history[:start] == encode_text(tokenizer, expected)
+
+
+def test_serving_an_hf_folder_loads_no_optimizer_and_no_checkpointer(tiny_policy_dir):
+    """The server and an HF folder's policy need neither optax nor orbax (a run folder's checkpoint loads
+    orbax when it is read)."""
+    code = (
+        "import sys\n"
+        "from rstar2jax.serve import ChatService, load_policy\n"
+        "policy = load_policy(sys.argv[1])\n"
+        "print(type(policy).__name__, ChatService.__name__, sorted({'optax', 'orbax'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_policy_dir)], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout
+    assert out.split() == ["Policy", "ChatService", "[]"]
 
 
 def test_load_policy_from_a_training_run_folder(tiny_policy, tiny_policy_dir, tmp_path):

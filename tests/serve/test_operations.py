@@ -153,6 +153,16 @@ def test_a_burst_beyond_max_waiting_is_answered_200_or_429(tiny_policy):
         assert counted["rejected"] == {"queue_full": statuses[429]} and counted["requests"] == statuses[200]
 
 
+def test_the_default_drain_ends_inside_the_termination_grace_period():
+    """The default drain deadline leaves margin under the 30 s an orchestrator waits after SIGTERM before
+    SIGKILL (the launcher's flag default is checked by its --help test, ``test_launchers.py``)."""
+    from rstar2jax.serve import ServerConfig
+    from rstar2jax.serve.server import DEFAULT_DRAIN_TIMEOUT_S, TERMINATION_GRACE_S
+
+    assert ServerConfig().drain_timeout_s == DEFAULT_DRAIN_TIMEOUT_S <= TERMINATION_GRACE_S - 5
+    assert TERMINATION_GRACE_S == 30
+
+
 def test_a_drain_lets_the_requests_in_flight_finish_and_refuses_new_ones(tiny_policy):
     with BackgroundServer(tiny_policy, SERVER_CONFIG) as live, slow_engine(live, 0.01):
         async def run():

@@ -107,7 +107,7 @@ def scalar_fields(node, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _field(path: str, kind: str):
-    from rstar2jax.train import schema, schema_rl
+    from rstar2jax.config import schema, schema_rl
 
     stage = re.match(r"stages\[\d+\]\.(\w+)$", path)
     return schema_rl.STAGE.get(stage.group(1)) if stage else schema.fields(kind).get(path)

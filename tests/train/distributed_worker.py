@@ -41,8 +41,8 @@ def main(argv):
 
     from rstar2jax import models
     from rstar2jax.data.problems import Problem
-    from rstar2jax.train.multihost import put_batch
-    from rstar2jax.train.schedule import run_rollouts
+    from rstar2jax.schedules.multihost import put_batch
+    from rstar2jax.schedules.schedule import run_rollouts
     from rstar2jax.train.steps import batch_sharding
     from tests.train.conftest import random_sequences, tiny_model_config
     from tests.train.scripted import make_scripted_rollout

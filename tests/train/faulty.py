@@ -59,7 +59,7 @@ def answer_text(answer: str) -> str:
 def one_stage_config(workdir: str, steps: int, max_response_length: int):
     """``tests.train.scripted``'s tiny recipe in one stage (one compiled step), a checkpoint after every step,
     progress lines only for steps with something to report."""
-    from rstar2jax.train.config import stage
+    from rstar2jax.config.config import stage
     from tests.train.scripted import tiny_rl_config
 
     c = tiny_rl_config(workdir)

@@ -36,7 +36,7 @@ def set_fields(config, fields: dict):
 def tiny_rl_config(workdir: str):
     """The tiny CPU recipe shrunk further: 256-token vocabulary, 3 + 3 steps, checkpoints every 2 steps."""
     from experiments.configs import tiny_cpu
-    from rstar2jax.train.config import stage
+    from rstar2jax.config.config import stage
 
     c = tiny_cpu.get_config()
     c.workdir = workdir
@@ -190,7 +190,7 @@ class _Job:
 
 
 class ScriptedStream:
-    """The stream of ``rstar2jax.train.async_schedule`` over a scripted rollout's trajectories (those its
+    """The stream of ``rstar2jax.schedules.async_schedule`` over a scripted rollout's trajectories (those its
     synchronous call gives for the same seed and problem): each group takes a random time (uniform up to
     ``max_delay`` s, drawn from ``delay_seed``) on a thread of its own, its sampled tokens produced evenly
     over that time, each tagged with the version the stream held when it was produced. ``received``: the

@@ -18,7 +18,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from rstar2jax.config.loss_config import RLLossConfig
+from rstar2jax.config.options import ConfigError
 from rstar2jax.data.problems import Problem, ProblemIterator
+from rstar2jax.schedules.async_schedule import AsyncSchedule
+from rstar2jax.schedules.placement import rollout_devices, train_devices
+from rstar2jax.schedules.schedule_state import AsyncState, ScheduleInvariantError, Ticket
 from rstar2jax.train import (
     RLIterationConfig,
     init_train_state,
@@ -28,12 +33,7 @@ from rstar2jax.train import (
     rl_iteration,
     train_rl,
 )
-from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.checkpoint import Checkpointer
-from rstar2jax.train.loss_config import RLLossConfig
-from rstar2jax.train.options import ConfigError
-from rstar2jax.train.placement import rollout_devices, train_devices
-from rstar2jax.train.schedule_state import AsyncState, ScheduleInvariantError, Ticket
 from tests.conftest import REPO_ROOT, cpu_xla_flags
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import (

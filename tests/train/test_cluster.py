@@ -13,9 +13,9 @@ import time
 import jax
 import pytest
 
+from rstar2jax.config.options import ConfigError, DistributedOptions
 from rstar2jax.train import runtime
 from rstar2jax.train.cluster import cluster_launch
-from rstar2jax.train.options import ConfigError, DistributedOptions
 from tests.conftest import REPO_ROOT, cpu_xla_flags
 
 AUTO = DistributedOptions(num_processes=None)
@@ -135,7 +135,7 @@ def test_a_slurm_job_script_that_runs_the_launcher_without_srun_exits_2_in_one_l
 
 def test_partial_rollouts_are_refused_once_a_cluster_said_several_processes(joined, monkeypatch):
     from experiments.configs import tiny_cpu
-    from rstar2jax.train.parse import parse
+    from rstar2jax.config.parse import parse
 
     config = tiny_cpu.get_config()
     config.loss.old_logprobs, config.loss.rollout_is_cap = "recompute", 2.0

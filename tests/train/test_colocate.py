@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rstar2jax import models
-from rstar2jax.train import colocate, memory_plan, parse, train_rl
-from rstar2jax.train.dry_run import dry_run
+from rstar2jax.schedules import colocate
+from rstar2jax.train import memory_plan, parse, train_rl
+from rstar2jax.train.dry_run_report import dry_run
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
 
 TIMING = ("time/", "throughput/")

@@ -8,9 +8,9 @@ import pytest
 from experiments import _launch
 from experiments.configs import demo, paper_qwen3_14b, paper_qwen3_14b_lora_1gpu, qwen3_1p7b_1gpu, tiny_cpu
 from experiments.configs.demo import before_files
+from rstar2jax.config.config import rl_config
+from rstar2jax.config.field_help import field_help
 from rstar2jax.train import ConfigError, parse, stage
-from rstar2jax.train.config import rl_config
-from rstar2jax.train.field_help import field_help
 from tests.train.bad_options import CONTRADICTIONS, bad_values, set_path
 
 
@@ -388,8 +388,8 @@ def test_the_prompt_is_the_model_folders_unless_the_config_says(tmp_path, tiny_m
     (``save_pretrained(..., prompt=)``); a folder recording none, and no folder, give the paper's prompt;
     True / False say it in the config. A format file that does not parse fails validation, naming it."""
     from rstar2jax import models
+    from rstar2jax.config.parse_model import prompt_from_config
     from rstar2jax.data.conversation import PROMPT_CONFIG_FILE, PromptConfig
-    from rstar2jax.train.parse_model import prompt_from_config
 
     model_config, params = tiny_model
     config = tiny_cpu.get_config()
@@ -475,9 +475,9 @@ def test_run_options_carry_the_typed_objects_the_library_reads():
     lifecycle, the memory plan and the rollout read; parsing touches no device."""
     from jax._src import xla_bridge
 
+    from rstar2jax.config.options import MeshShape
+    from rstar2jax.config.parse_model import policy_options
     from rstar2jax.engine import EngineConfig, SamplingParams
-    from rstar2jax.train.options import MeshShape
-    from rstar2jax.train.parse_model import policy_options
 
     config = tiny_cpu.get_config()
     config.rollout.kv_cache_tokens = 4096
@@ -536,7 +536,7 @@ def test_values_that_contradict_another_field_are_named(kind, overrides, message
 def test_a_declared_field_the_options_do_not_carry_fails_parsing(monkeypatch):
     """A field added to the schema without a place in the typed options would be checked and then ignored:
     parsing says so instead (a field in ``RLLoopOptions`` of the same name would be filled by name)."""
-    from rstar2jax.train import checks, schema_rl
+    from rstar2jax.config import checks, schema_rl
 
     monkeypatch.setitem(schema_rl.RL, "rl.unplugged", checks.Field("sync", checks.choice(("sync",)), "x"))
     config = tiny_cpu.get_config()
@@ -552,7 +552,7 @@ def test_the_walk_sees_a_field_without_a_check():
     config.rl.unplugged = "sync"
     with pytest.raises(AssertionError, match=r"config.rl.unplugged has no schema entry"):
         bad_values(config, "rl")
-    from rstar2jax.train import checks, schema_rl
+    from rstar2jax.config import checks, schema_rl
 
     lax = dataclasses.replace(schema_rl.RL["data.split"], check=checks.text())
     with pytest.MonkeyPatch.context() as patch:
@@ -572,6 +572,34 @@ def test_the_tools_a_run_lists_are_in_its_prompt():
 
 def rl_prompt_default():
     """The prompt of a run that lists only the Python tool: the one ``prompt.*`` gives, as before tools."""
-    from rstar2jax.train.parse_model import prompt_from_config
+    from rstar2jax.config.parse_model import prompt_from_config
 
     return prompt_from_config(tiny_cpu.get_config())
+def test_option_types_bind_to_config_keys_they_state():
+    """Each option type names the config key of each field it reads (``binding.key``), never by matching the
+    field's name: every stated key is a schema field, a stage's keys are its fields, and a field bound to
+    another key reads that key."""
+    from rstar2jax.config import algorithm, loss_config, options, schema_rl
+    from rstar2jax.config import parse as parse_module
+    from rstar2jax.config.binding import config_keys, key
+    from rstar2jax.config.schema import fields
+    from rstar2jax.engine.config import SamplingParams
+
+    known = set(fields("rl")) | set(fields("sft"))
+    bound = [options.OptimizerOptions, options.DataOptions, options.CheckpointOptions, options.LoggingOptions,
+             options.WandbOptions, options.MeshShape, options.DistributedOptions, options.SFTOptions,
+             options.RolloutOptions, options.RLLoopOptions, algorithm.RLIterationConfig,
+             loss_config.RLLossConfig]
+    assert {cls.__name__: sorted(set(config_keys(cls).values()) - known) for cls in bound} == {
+        cls.__name__: [] for cls in bound}
+    assert set(config_keys(options.StageOptions).values()) == set(schema_rl.STAGE)
+    assert config_keys(loss_config.RLLossConfig)["temperature"] == "rollout.temperature"
+    assert "off_policy_correction" not in config_keys(loss_config.RLLossConfig)  # derived from rl.* by a rule
+    assert set(parse_module.SAMPLING_KEYS) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+    @dataclasses.dataclass(frozen=True)
+    class Renamed:
+        width: int = key("mesh.fsdp", default=1)
+        derived: int = 0
+
+    assert config_keys(Renamed) == {"width": "mesh.fsdp"}

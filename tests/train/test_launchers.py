@@ -2,6 +2,7 @@
 CPU devices, and an SFT run that resumes."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -84,6 +85,27 @@ def test_help_and_config_errors():
         done = _launch(module, config, *args)
         assert done.returncode == 2 and done.stderr.startswith(line), (args, done.stderr[-2000:])
         assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_mesh_larger_than_the_devices_exits_2_before_writing(tmp_path):
+    """config.mesh needs data x fsdp x tensor devices: with fewer (here one CPU device, the backend started
+    before the launcher could emulate more, as on a one-GPU host) the launcher exits 2 with one line and
+    writes nothing, not a traceback after the work folder exists."""
+    workdir = tmp_path / "run"
+    code = (
+        "import runpy, sys, jax\n"
+        "jax.devices()  # the backend starts with one CPU device: too late to emulate three\n"
+        "sys.argv = ['train_rl', '--config=experiments/configs/tiny_cpu.py', '--config.mesh.fsdp=3',\n"
+        f"            '--config.workdir={workdir}']\n"
+        "runpy.run_module('experiments.train_rl', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("error: config.mesh: data x fsdp x tensor = 1 x 3 x 1 needs 3 devices but "
+                                  "1 cpu devices are left for training"), done.stderr
+    assert done.stderr.count("\n") == 1 and not workdir.exists()
 
 
 @pytest.mark.slow  # 25 s on 2 cores; the paper config's parse and memory plan: tests/train/test_config.py

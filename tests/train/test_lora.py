@@ -17,6 +17,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from rstar2jax import models
+from rstar2jax.config.parse_model import policy_options
+from rstar2jax.policy import adapters as adapters_lib
+from rstar2jax.policy.loader import restore_state_params
 from rstar2jax.serve import load_policy
 from rstar2jax.train import (
     ConfigError,
@@ -30,8 +33,6 @@ from rstar2jax.train import (
 )
 from rstar2jax.train import lora as lora_lib
 from rstar2jax.train import policy as policy_lib
-from rstar2jax.train.loader import restore_state_params
-from rstar2jax.train.parse_model import policy_options
 from tests.conftest import REPO_ROOT
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import MAIN_HISTORY, make_scripted_rollout, tiny_rl_config
@@ -129,7 +130,8 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
     # The checkpoint holds the adapters and their optimizer state, not the base.
     step_dir = killed / "checkpoints" / "2"
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
-    assert meta[lora_lib.META_KEY]["lora"]["rank"] == 4 and meta[lora_lib.META_KEY]["name"] == str(base_dir)
+    record = meta[adapters_lib.META_KEY]
+    assert record["lora"]["rank"] == 4 and record["name"] == str(base_dir)
     saved = ocp.PyTreeCheckpointer().metadata(step_dir / "state").item_metadata.tree
     assert set(saved["params"]["layers"]) == set(models.LORA_TARGETS) and "embed" not in saved["params"]
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(saved, is_leaf=lambda x: hasattr(x, "shape")))
@@ -137,7 +139,7 @@ def test_lora_rl_run_resumes_exactly_exports_and_checks_its_base(tmp_path, tiny_
 
     # Export: the merged HF folder and the PEFT adapter; both serving paths give the same weights.
     policy = policy_lib.export_policy(resumed, tmp_path / "policy")
-    adapter = lora_lib.adapter_folder(policy)
+    adapter = adapters_lib.adapter_folder(policy)
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
     _, merged = models.load_pretrained(policy)
     tokenizer = str(models.QWEN3_TOKENIZER_DIR)
@@ -231,7 +233,7 @@ def test_14b_lora_config_fits_one_80_gib_gpu(tmp_path):
     """``python -m experiments.train_rl --config=experiments/configs/paper_qwen3_14b_lora_1gpu.py --dry_run``:
     the paper's recipe with LoRA, compiled on abstract shapes; both phases fit 80 GiB at its longest stage."""
     from experiments.configs import paper_qwen3_14b_lora_1gpu
-    from rstar2jax.train.dry_run import check_memory_plan, dry_run
+    from rstar2jax.train.dry_run_report import check_memory_plan, dry_run
 
     config = paper_qwen3_14b_lora_1gpu.get_config()
     config.workdir = str(tmp_path)

@@ -9,9 +9,9 @@ import optax
 import pytest
 
 from rstar2jax import algo
+from rstar2jax.config.loss_config import RLLossConfig
 from rstar2jax.data.batch import build_batch
 from rstar2jax.data.packing import first_fit_decreasing
-from rstar2jax.train.loss_config import RLLossConfig
 from rstar2jax.train.state import init_train_state
 from rstar2jax.train.steps import make_rl_step, sequence_loss_normalizer
 from tests.train.conftest import FAST_COMPILE, copy_tree, random_sequences

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from rstar2jax.data.problems import Problem
+from rstar2jax.schedules.schedule_state import STATE_META_KEY, AsyncState, ScheduleInvariantError
 from rstar2jax.train import parse, train_rl
-from rstar2jax.train.schedule_state import STATE_META_KEY, AsyncState, ScheduleInvariantError
 from tests.conftest import REPO_ROOT
 from tests.train.scripted import make_async_scripted_rollout, set_fields, tiny_rl_config
 

@@ -99,7 +99,7 @@ def test_release_mode_selection_and_advantages():
     assert batch.loss_mask[2:].sum() == 0
 
     with pytest.raises(ValueError, match="more than samples_per_problem"):
-        from rstar2jax.train.schedule import _group
+        from rstar2jax.schedules.schedule import _group
 
         _group([Problem("a", "q", "1")], a + a, 4)
 

@@ -23,11 +23,11 @@ from rstar2jax.data.rollout_contract import (
     rollout_stats,
 )
 from rstar2jax.engine.config import EngineConfig
+from rstar2jax.schedules.async_schedule import AsyncSchedule
+from rstar2jax.schedules.schedule import OneStepOffPolicy, Partial, Synchronous
+from rstar2jax.schedules.schedule_choice import make_schedule
 from rstar2jax.train import ConfigError, parse, train_rl
-from rstar2jax.train.async_schedule import AsyncSchedule
 from rstar2jax.train.lora import MergedRollout, merged_rollout
-from rstar2jax.train.schedule import OneStepOffPolicy, Partial, Synchronous
-from rstar2jax.train.schedule_choice import make_schedule
 from tests.train.conftest import tiny_model_config
 from tests.train.scripted import (
     make_async_scripted_rollout,

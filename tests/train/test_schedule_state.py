@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.trajectory import TRAJECTORY_FIELDS, Trajectory, trajectory_from_dict, trajectory_to_dict
-from rstar2jax.train.async_schedule import AsyncSchedule
-from rstar2jax.train.host_state import HostState
-from rstar2jax.train.schedule import CARRY_META_KEY, OneStepOffPolicy
-from rstar2jax.train.schedule_state import (
+from rstar2jax.schedules.async_schedule import AsyncSchedule
+from rstar2jax.schedules.schedule import CARRY_META_KEY, OneStepOffPolicy
+from rstar2jax.schedules.schedule_state import (
     STATE_META_KEY,
     AsyncState,
     Ledger,
@@ -29,6 +28,7 @@ from rstar2jax.train.schedule_state import (
     legacy_async_state,
     read_legacy_carry,
 )
+from rstar2jax.train.host_state import HostState
 
 PROBLEMS = [Problem(f"p{i}", f"question {i}", str(i), {"level": i % 3}) for i in range(7)]
 STAGES = (3, 3)  # steps per stage
@@ -254,7 +254,7 @@ def test_the_one_step_rollout_is_checkpointed_as_json_and_read_from_the_legacy_p
 def test_a_stage_end_with_groups_left_says_so_once(caplog):
     schedule = AsyncSchedule(1, devices=jax.devices()[:1])
     schedule.state, _ = AsyncState().release(PROBLEMS[:2], seed=0, version=0, processes=1)
-    with caplog.at_level(logging.WARNING, logger="rstar2jax.train.async_schedule"):
+    with caplog.at_level(logging.WARNING, logger="rstar2jax.schedules.async_schedule"):
         schedule.end_stage()
         schedule.end_stage()
     assert [r.getMessage() for r in caplog.records] == [

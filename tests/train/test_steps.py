@@ -119,7 +119,7 @@ def test_recomputed_old_logprobs_match_onpolicy_sampler(tiny_model, rl_batch):
     logits, _ = models.forward(
         params, config, rl_batch.tokens, positions=rl_batch.positions, segment_ids=rl_batch.segment_ids
     )
-    on_policy = rl_batch.replace(old_logp=np.asarray(models.token_logprobs(logits, rl_batch.targets)))
+    on_policy = rl_batch.replace(sampler_logp=np.asarray(models.token_logprobs(logits, rl_batch.targets)))
     optimizer = make_optimizer(1e-3, warmup_steps=1)
     steps = {
         source: make_rl_step(
@@ -200,7 +200,7 @@ def test_loss_options_in_rl_step_match_algo_and_accumulate(tiny_model):
     # Sampler log-probs near the trainer's: some token weights get capped, some sequences masked.
     noise = np.random.default_rng(0).normal(0.0, 0.4, batch.tokens.shape).astype(np.float32)
     sampler_logp = np.asarray(models.token_logprobs(logits, batch.targets)) + noise
-    batch = jax.device_put(batch.replace(old_logp=sampler_logp))
+    batch = jax.device_put(batch.replace(sampler_logp=sampler_logp))
     ref_params = jax.tree.map(lambda x: x * 1.05, params)
     loss_config = RLLossConfig(
         importance_sampling_level="sequence",
@@ -275,7 +275,7 @@ def test_decoupled_objective_in_the_step_is_algos_and_accumulates(tiny_model):
     logits, _ = models.forward(params, config, batch.tokens, positions=batch.positions,
                                segment_ids=batch.segment_ids)
     noise = np.random.default_rng(1).normal(0.0, 0.6, batch.tokens.shape).astype(np.float32)
-    batch = jax.device_put(batch.replace(old_logp=np.asarray(models.token_logprobs(logits, batch.targets))
+    batch = jax.device_put(batch.replace(sampler_logp=np.asarray(models.token_logprobs(logits, batch.targets))
                                          + noise))
     loss_config = RLLossConfig(off_policy_correction="decoupled", decoupled_is_cap=1.5)
     loss_fn = functools.partial(rl_loss, model_config=config, loss_config=loss_config)
@@ -324,7 +324,7 @@ def test_nan_in_masked_positions_stays_out_of_the_step(tiny_model, rl_batch):
     config, params = tiny_model
     masked_out = rl_batch.loss_mask == 0
     dirty = rl_batch.replace(
-        old_logp=np.where(masked_out, np.nan, rl_batch.old_logp).astype(np.float32),
+        sampler_logp=np.where(masked_out, np.nan, rl_batch.sampler_logp).astype(np.float32),
         advantages=np.where(masked_out, np.inf, rl_batch.advantages).astype(np.float32),
     )
     optimizer = make_optimizer(1e-3, warmup_steps=1)

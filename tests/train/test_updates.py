@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from rstar2jax import models
+from rstar2jax.config.options import OptimizerOptions
 from rstar2jax.train import (
     RLLossConfig,
     init_train_state,
@@ -18,7 +19,7 @@ from rstar2jax.train import (
     make_optimizer,
     make_rl_step,
 )
-from rstar2jax.train.options import OptimizerOptions
+from rstar2jax.train.state import optimizer_from_options, schedule_from_options
 from rstar2jax.train.updates import several_updates
 from tests.train.conftest import FAST_COMPILE, copy_tree
 
@@ -31,7 +32,7 @@ def _on_policy(config, params, batch, noise=0.0):
                                segment_ids=batch.segment_ids)
     logp = np.asarray(models.token_logprobs(logits, batch.targets))
     noise = np.random.default_rng(0).normal(0.0, noise, logp.shape).astype(np.float32)
-    return batch.replace(old_logp=logp + noise)
+    return batch.replace(sampler_logp=logp + noise)
 
 
 def _update_counts(opt_state) -> set[int]:
@@ -95,13 +96,13 @@ def test_the_schedule_counts_updates():
     options = OptimizerOptions(learning_rate=1.0, warmup_steps=2, schedule="cosine", total_steps=10,
                                weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=None)
     per_update = learning_rate_schedule(1.0, warmup_steps=6, schedule="cosine", total_steps=30)
-    per_step = options.learning_rate_schedule(updates_per_step=3)
+    per_step = schedule_from_options(options, updates_per_step=3)
     for step in range(10):
         np.testing.assert_allclose(per_step(step), per_update(3 * step + 2), rtol=1e-6)
     np.testing.assert_allclose(per_step(0), 0.5)  # update 3 of a 6-update warm-up
-    assert options.learning_rate_schedule()(0) == 0.5  # one update per step: update 1 of 2
+    assert schedule_from_options(options)(0) == 0.5  # one update per step: update 1 of 2
     params = {"w": np.ones(3, np.float32)}
-    optimizer = options.optimizer(updates_per_step=3)
+    optimizer = optimizer_from_options(options, updates_per_step=3)
     state = optimizer.init(params)
     for _ in range(3):  # the first step's three updates: warm-up rates 1/6, 2/6, 3/6
         _, state = optimizer.update({"w": np.ones(3, np.float32)}, state, params)

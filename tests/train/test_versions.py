@@ -13,6 +13,8 @@ import pytest
 from rstar2jax.data.batch import build_batch, trajectory_sequence
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.schedules import schedule as schedule_lib
+from rstar2jax.schedules.schedule import OneStepOffPolicy, Partial
 from rstar2jax.train import (
     RLIterationConfig,
     RLLossConfig,
@@ -24,8 +26,6 @@ from rstar2jax.train import (
     selection,
     train_rl,
 )
-from rstar2jax.train import schedule as schedule_lib
-from rstar2jax.train.schedule import OneStepOffPolicy, Partial
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import make_partial_scripted_rollout, make_scripted_rollout, tiny_rl_config
 

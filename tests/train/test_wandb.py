@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from rstar2jax.config.options import ConfigError
 from rstar2jax.train import parse, train_rl
 from rstar2jax.train.metrics import METRICS_FILE, MetricsLogger, sample_rows
-from rstar2jax.train.options import ConfigError
 from rstar2jax.train.wandb_run import RUN_ID_FILE, WandbRun
 from tests.conftest import REPO_ROOT
 from tests.train.scripted import make_scripted_rollout, tiny_rl_config

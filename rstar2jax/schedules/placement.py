@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rstar2jax.train.options import RunOptions
+from rstar2jax.config.options import RunOptions
 
 
 def _split(options: RunOptions | None) -> int:

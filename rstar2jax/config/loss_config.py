@@ -7,12 +7,28 @@ import dataclasses
 from typing import Any
 
 from rstar2jax import algo
+from rstar2jax.config.binding import key
+from rstar2jax.config.vocabulary import OFF_POLICY_CORRECTIONS, OLD_LOGPROB_SOURCES
 
-OLD_LOGPROB_SOURCES = ("sampler", "recompute")
-#: How the loss corrects for tokens an older policy sampled (``RLLossConfig.off_policy_correction``):
-#: "decoupled" is AReaL's objective (``algo.decoupled_policy_loss``); "none" leaves it to the rollout
-#: correction fields (TIS / MIS), when set.
-OFF_POLICY_CORRECTIONS = ("none", "decoupled")
+
+def correction_contradiction(old_logprobs: str, rollout_is_cap: float | None, rollout_mask: str | None, *,
+                             decoupled: bool) -> tuple[tuple[str, ...], str] | None:
+    """The loss's correction options that contradict each other, ``(the options, why)``, or None; the rule
+    is stated here once: :class:`RLLossConfig` refuses it, and the config's rules name the config fields.
+
+    The decoupled objective weights tokens by its own truncated ratio (``decoupled_is_cap``), so no
+    ``rollout_is_cap`` beside it; outside it, the rollout correction compares the trainer's pi_old with the
+    sampler's log-probs, so it needs ``old_logprobs="recompute"``."""
+    if decoupled and rollout_is_cap is not None:
+        return ("rollout_is_cap",), (
+            f"the decoupled objective (off_policy_correction='decoupled') truncates the token weights at "
+            f"decoupled_is_cap: rollout_is_cap must be None (rollout_mask may stay), got {rollout_is_cap}")
+    correction = rollout_is_cap is not None or rollout_mask is not None
+    if correction and old_logprobs != "recompute" and not decoupled:
+        return ("rollout_is_cap", "rollout_mask"), (
+            "rollout correction compares the trainer's π_old with the sampler's log-probs: it needs "
+            "old_logprobs='recompute'")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,24 +61,26 @@ class RLLossConfig:
     (:meth:`loss_options`). ``importance_sampling_level="sequence"`` with mode "ppo" is "gspo".
     """
 
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = 3.0
-    agg: str = "token_mean"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    old_logprobs: str = "sampler"
-    importance_sampling_level: str = "token"
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
-    kl_coef: float = 0.0
-    kl: str = "k3"
-    rollout_is_cap: float | None = None
-    rollout_mask: str | None = None
-    rollout_mask_threshold: float = 2.0
+    eps_low: float = key("loss.eps_low", default=0.2)
+    eps_high: float = key("loss.eps_high", default=0.28)
+    dual_clip: float | None = key("loss.dual_clip", default=3.0)
+    agg: str = key("loss.agg", default="token_mean")
+    entropy_coef: float = key("loss.entropy_coef", default=0.0)
+    temperature: float = key("rollout.temperature", default=1.0)
+    old_logprobs: str = key("loss.old_logprobs", default="sampler")
+    importance_sampling_level: str = key("loss.importance_sampling_level", default="token")
+    gspo_eps_low: float = key("loss.gspo_eps_low", default=3e-4)
+    gspo_eps_high: float = key("loss.gspo_eps_high", default=4e-4)
+    kl_coef: float = key("loss.kl_coef", default=0.0)
+    kl: str = key("loss.kl", default="k3")
+    rollout_is_cap: float | None = key("loss.rollout_is_cap", default=None)
+    rollout_mask: str | None = key("loss.rollout_mask", default=None)
+    rollout_mask_threshold: float = key("loss.rollout_mask_threshold", default=2.0)
     off_policy_correction: str = "none"
-    decoupled_is_cap: float = 5.0
-    mode: str = "ppo"
+    decoupled_is_cap: float = key("loss.decoupled_is_cap", default=5.0)
+    mode: str = key("loss.mode", default="ppo")
+    # The registered losses' own options are bound by name, not by ``key``: ``parse`` reads each
+    # ``loss.<option>`` field a registered loss declares (``loss_options``), as losses register late.
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
@@ -86,18 +104,14 @@ class RLLossConfig:
         if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
             raise ValueError(f"off_policy_correction={self.off_policy_correction!r}; expected one of "
                              f"{OFF_POLICY_CORRECTIONS}")
-        if self.decoupled and self.rollout_is_cap is not None:
-            raise ValueError("off_policy_correction='decoupled' weights tokens by its own truncated ratio "
-                             "(decoupled_is_cap): rollout_is_cap must be None")
+        contradiction = correction_contradiction(self.old_logprobs, self.rollout_is_cap, self.rollout_mask,
+                                                 decoupled=self.decoupled)
+        if contradiction:
+            raise ValueError(" / ".join(contradiction[0]) + f": {contradiction[1]}")
         for name in ("rollout_is_cap", "rollout_mask_threshold", "decoupled_is_cap"):
             value = getattr(self, name)
             if value is not None and not value > 1:
                 raise ValueError(f"{name} must be > 1, got {value}")
-        if self.rollout_correction and self.old_logprobs != "recompute" and not self.decoupled:
-            raise ValueError(
-                "rollout correction (rollout_is_cap / rollout_mask) compares the trainer's π_old with the "
-                "sampler's log-probs: it needs old_logprobs='recompute'"
-            )
         self._check_mode_and_options()
 
     @property

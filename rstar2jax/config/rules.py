@@ -8,10 +8,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rstar2jax.config.loss_config import correction_contradiction
+from rstar2jax.config.options import ConfigError, StageOptions
+from rstar2jax.config.schema_rl import AUTO, MISMATCH_IS_CAP
 from rstar2jax.engine.config import FP8
-from rstar2jax.train.options import ConfigError, StageOptions
-from rstar2jax.train.schedule import off_policy_correction
-from rstar2jax.train.schema_rl import AUTO, MISMATCH_IS_CAP
+
+
+def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
+    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
+    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
+    if option == "auto":
+        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
+    return option
 
 
 def common_rules(v: Mapping[str, Any]) -> None:
@@ -94,15 +102,15 @@ def _decoupled(v: Mapping[str, Any]) -> bool:
 
 
 def _rollouts_across_updates(v: Mapping[str, Any]) -> None:
-    """One-step off-policy and partial rollouts: not both, and a correction on (the rollout correction, or
-    the decoupled objective)."""
+    """The loss's correction options agree (``loss_config.correction_contradiction``); one-step off-policy and
+    partial rollouts: not both, and a correction on (the rollout correction, or the decoupled objective)."""
     correction = v["loss.rollout_is_cap"] is not None or v["loss.rollout_mask"] is not None
     recompute = v["loss.old_logprobs"] == "recompute"
-    if correction and not recompute and not _decoupled(v):
-        raise ConfigError(
-            "config.loss.rollout_is_cap / loss.rollout_mask: rollout correction compares the trainer's "
-            "log-probs with the sampler's; set loss.old_logprobs='recompute'"
-        )
+    if contradiction := correction_contradiction(v["loss.old_logprobs"], v["loss.rollout_is_cap"],
+                                                 v["loss.rollout_mask"], decoupled=_decoupled(v)):
+        names, why = contradiction
+        value = f"={v['loss.' + names[0]]}" if len(names) == 1 else ""
+        raise ConfigError(f"config.loss.{' / loss.'.join(names)}{value}: {why}")
     off, budget = v["rl.off_policy_steps"], v["rollout.partial_token_budget"]
     if off and budget:
         raise ConfigError(
@@ -135,14 +143,8 @@ def partial_rollout_processes(budget: int, processes: int, launch: str = "") -> 
 def _asynchronous(v: Mapping[str, Any]) -> None:
     """The asynchronous schedule: alone (no other way across an update), a correction for stale tokens, the
     optimizer state on the device (the trainer updates while the engine runs), split placement only with
-    it, and the decoupled objective's own cap."""
+    it (the decoupled objective's own cap: ``loss_config.correction_contradiction``)."""
     schedule, eta = v["rl.schedule"], v["rl.max_staleness"]
-    if _decoupled(v) and v["loss.rollout_is_cap"] is not None:
-        raise ConfigError(
-            f"config.loss.rollout_is_cap={v['loss.rollout_is_cap']}: the decoupled objective "
-            f"(rl.off_policy_correction={v['rl.off_policy_correction']!r}) truncates the token weights at "
-            "loss.decoupled_is_cap; set loss.rollout_is_cap=None (loss.rollout_mask may stay)"
-        )
     if v["rl.placement"] == "split" and schedule != "async":
         raise ConfigError("config.rl.placement='split' sets devices apart for a producer that decodes beside "
                           f"the trainer: it needs rl.schedule='async' (got {schedule!r})")

@@ -1,7 +1,7 @@
 """What a run-config field's values must be: a :class:`Check` accepts a value or not and says what is allowed,
 for the one line a bad value gets (``config.rl.keep=0: must be an integer in [1, ...]``). The constructors
 below (:func:`integer`, :func:`number`, :func:`choice`, :func:`flag`, :func:`text`, :func:`optional`,
-:func:`url`) are the vocabulary the run-config schema (``rstar2jax.train.schema``) declares its fields in.
+:func:`url`) are the vocabulary the run-config schema (``rstar2jax.config.schema``) declares its fields in.
 
 Each check also carries ``bad``: values it must refuse (an out-of-range number, an unknown choice; a string
 where a number or a flag belongs, as a command line would give it). The config tests set each of them
@@ -120,7 +120,7 @@ AT_LEAST_0 = integer(low=0)
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-    """One run-config field (``rstar2jax.train.schema``): ``default``, the ``check`` its values must pass,
+    """One run-config field (``rstar2jax.config.schema``): ``default``, the ``check`` its values must pass,
     its meaning (``help``) and, for a field naming a file, what must exist there when the run starts
     (``exists``: "path", "folder", "data": SFT data, "problems": a problem set when it names a local file;
     data only outside dry runs)."""

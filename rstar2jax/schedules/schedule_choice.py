@@ -1,6 +1,6 @@
 """The rollout schedule of a run's options (:func:`make_schedule`): the synchronous ones
-(``rstar2jax.train.schedule``) and the asynchronous one (``rstar2jax.train.async_schedule``), chosen in one
-place and checked once against the rollout: each schedule declares the capability it needs
+(``rstar2jax.schedules.schedule``) and the asynchronous one (``rstar2jax.schedules.async_schedule``),
+chosen in one place and checked once against the rollout: each schedule declares the capability it needs
 (``RolloutSchedule.needs``, a protocol of ``rstar2jax.data.rollout_contract``), and a rollout without it is
 refused in one line that names it."""
 
@@ -10,16 +10,11 @@ import difflib
 from collections.abc import Sequence
 from typing import Any
 
+from rstar2jax.config.options import ConfigError
+from rstar2jax.config.vocabulary import ROLLOUT_SCHEDULES
 from rstar2jax.data.rollout_contract import BatchRollout, SupportsPartial, SupportsStream, describe
-from rstar2jax.train.async_schedule import AsyncSchedule
-from rstar2jax.train.options import ConfigError
-from rstar2jax.train.schedule import (
-    ROLLOUT_SCHEDULES,
-    OneStepOffPolicy,
-    Partial,
-    RolloutSchedule,
-    Synchronous,
-)
+from rstar2jax.schedules.async_schedule import AsyncSchedule
+from rstar2jax.schedules.schedule import OneStepOffPolicy, Partial, RolloutSchedule, Synchronous
 
 #: The member each capability a schedule may need is found by (what the error names).
 CAPABILITY_MEMBERS = {BatchRollout: "__call__", SupportsPartial: "partial", SupportsStream: "stream"}
@@ -43,9 +38,9 @@ def make_schedule(rollout: object, *, schedule: str = "synchronous", off_policy_
                   devices: Sequence[Any] = (), dtype=None, on_update: str = "keep") -> RolloutSchedule:
     """The schedule of the options, after checking that ``rollout`` has what it needs (:func:`check_rollout`).
 
-    ``schedule`` (``rl.schedule``): "async" builds :class:`~rstar2jax.train.async_schedule.AsyncSchedule`
+    ``schedule`` (``rl.schedule``): "async" builds :class:`~rstar2jax.schedules.async_schedule.AsyncSchedule`
     (``max_staleness``, its engines on ``devices`` in ``dtype``, ``on_update``); "synchronous" one of
-    ``rstar2jax.train.schedule``'s: partial rollouts when ``partial_token_budget`` > 0
+    ``rstar2jax.schedules.schedule``'s: partial rollouts when ``partial_token_budget`` > 0
     (``rollout.partial_token_budget``; ``prompts_per_step``: the most groups open at once), one-step
     off-policy when ``off_policy_steps`` is 1 (``rl.off_policy_steps``), else each step its own rollout."""
     if schedule not in ROLLOUT_SCHEDULES:

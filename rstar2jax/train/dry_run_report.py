@@ -13,12 +13,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rstar2jax import models
+from rstar2jax.config.options import RunOptions
 from rstar2jax.data.batch import Batch
-from rstar2jax.train import lora as lora_lib
+from rstar2jax.policy import adapters as lora_lib
 from rstar2jax.train import memory_plan as memory_plan_lib
-from rstar2jax.train.options import RunOptions
 from rstar2jax.train.run import abstract_state
 from rstar2jax.train.runtime import mesh_from_config
+from rstar2jax.train.state import optimizer_from_options
 from rstar2jax.train.steps import batch_sharding, make_rl_step, make_sft_step, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def _abstract_batch(rows: int, seq_len: int, sharding, *, rl: bool) -> Batch:
     def leaf(dtype):
         return jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=sharding)
 
-    extra = dict(advantages=leaf(np.float32), old_logp=leaf(np.float32)) if rl else {}
+    extra = dict(advantages=leaf(np.float32), sampler_logp=leaf(np.float32)) if rl else {}
     return Batch(
         tokens=leaf(np.int32),
         targets=leaf(np.int32),
@@ -42,18 +43,18 @@ def _abstract_batch(rows: int, seq_len: int, sharding, *, rl: bool) -> Batch:
 def dry_run(options: RunOptions, *, cpu_stand_in: bool = True) -> dict[str, Any]:
     """Compiles the run's train step (RL or SFT, ``options.kind``) for the configured mesh on abstract shapes
     (nothing is allocated) and returns per-device memory of the compiled executable plus the shapes it was
-    built for. ``options``: ``rstar2jax.train.parse``'s (with ``check_data=False`` no data need exist).
+    built for. ``options``: ``rstar2jax.config.parse``'s (with ``check_data=False`` no data need exist).
 
     RL plans for the worst case: every kept trajectory at full length (the longest stage's) on its own row.
     CPU devices stand in for accelerators (``cpu_stand_in``): see ``_stand_in_options``.
     """
     kind = options.kind
     if kind == "rl":
-        optimizer = options.optimizer.optimizer(updates_per_step=options.rl.updates_per_step)
+        optimizer = optimizer_from_options(options.optimizer, updates_per_step=options.rl.updates_per_step)
         rows = options.rl.prompts_per_step * options.rl.keep
         seq_len = options.longest_stage.seq_len
     else:
-        optimizer = options.optimizer.optimizer(total_steps=options.sft.steps or 1000)
+        optimizer = optimizer_from_options(options.optimizer, total_steps=options.sft.steps or 1000)
         rows, seq_len = options.sft.batch_size, options.sft.seq_len
     multiple = options.row_multiple
     rows = -(-rows // multiple) * multiple

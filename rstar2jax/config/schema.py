@@ -2,32 +2,24 @@
 
 ``config.rl_config()`` / ``sft_config()`` build the launchers' configs from these tables, ``--print_config``
 and ``field_help`` read the meanings from them, and ``parse`` checks every value against them (then the rules
-between fields, ``rstar2jax.train.rules``). The fields every config has are ``COMMON``, an SFT config's own
-``SFT``; an RL config's own and a stage's are ``rstar2jax.train.schema_rl``'s ``RL`` and ``STAGE``.
+between fields, ``rstar2jax.config.rules``). The fields every config has are ``COMMON``, an SFT config's own
+``SFT``; an RL config's own and a stage's are ``rstar2jax.config.schema_rl``'s ``RL`` and ``STAGE``.
 
 Adding a field: one ``Field(default, check, meaning)`` entry in its table, and a field of the same name in
-the typed option that carries it, which ``rstar2jax.train.parse`` fills by name: ``rl.x`` in
+the typed option that carries it, which ``rstar2jax.config.parse`` fills by name: ``rl.x`` in
 ``RLIterationConfig`` (how a step's groups become a batch) or ``RLLoopOptions`` (the loop's),
 ``loss.x`` in ``RLLossConfig``, ``rollout.x`` in ``RolloutOptions``, ``data.x`` / ``sft.x`` / ``mesh.x`` /
 ``optimizer.x`` / ``checkpoint.x`` / ``logging.x`` / ``distributed.x`` in their options; a value another
 type takes (an ``EngineConfig`` field, say) is passed on in ``parse`` explicitly. Parsing fails on a declared
 field it builds nothing from, so none is forgotten. A rule between the field and others goes to
-``rstar2jax.train.rules``; the config tests then give the field each bad value its check declares.
+``rstar2jax.config.rules``; the config tests then give the field each bad value its check declares.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from rstar2jax.models.config import (
-    ATTENTION_ALIASES,
-    ATTENTION_IMPLEMENTATIONS,
-    REMAT_POLICIES,
-    SUPPORTED_DTYPES,
-)
-from rstar2jax.models.lora import LORA_TARGETS
-from rstar2jax.models.presets import PRESETS
-from rstar2jax.train.checks import (
+from rstar2jax.config.checks import (
     AT_LEAST_0,
     POSITIVE,
     Check,
@@ -39,8 +31,16 @@ from rstar2jax.train.checks import (
     optional,
     text,
 )
-from rstar2jax.train.schema_rl import AUTO, RL, loss_option_fields
-from rstar2jax.train.state import SCHEDULES
+from rstar2jax.config.schema_rl import AUTO, RL, loss_option_fields
+from rstar2jax.config.vocabulary import SCHEDULES
+from rstar2jax.models.config import (
+    ATTENTION_ALIASES,
+    ATTENTION_IMPLEMENTATIONS,
+    REMAT_POLICIES,
+    SUPPORTED_DTYPES,
+)
+from rstar2jax.models.lora import LORA_TARGETS
+from rstar2jax.models.presets import PRESETS
 
 DTYPE = choice(SUPPORTED_DTYPES)
 #: A check of ``model.spec``'s mapping only: its fields are ``ModelConfig``'s, checked when it is built.

@@ -1,8 +1,8 @@
 """Run configuration (ml_collections): the RL and SFT configs with their defaults, and their stages.
 
 A config file (see ``experiments/configs/``) starts from ``rl_config()`` or ``sft_config()`` and overrides
-fields; launchers accept ``--config.a.b=value`` on top, then read it once with ``rstar2jax.train.parse``.
-Every field (default, allowed values, meaning) is declared once, in ``rstar2jax.train.schema``; this module
+fields; launchers accept ``--config.a.b=value`` on top, then read it once with ``rstar2jax.config.parse``.
+Every field (default, allowed values, meaning) is declared once, in ``rstar2jax.config.schema``; this module
 builds the ``ConfigDict`` from it and reads and writes a run's recorded config.
 """
 
@@ -12,8 +12,8 @@ import json
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from rstar2jax.train import schema
-from rstar2jax.train.checks import Field
+from rstar2jax.config import schema
+from rstar2jax.config.checks import Field
 
 if TYPE_CHECKING:
     import ml_collections

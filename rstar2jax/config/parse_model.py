@@ -1,6 +1,6 @@
 """The policy part of the run-config parser: the model (an HF folder, an HF config.json, a preset refined by
 ``model.spec`` fields, or inline fields) with its dtype / remat / attention options, its LoRA adapters, the
-tokenizer folder and the conversation format. ``rstar2jax.train.parse`` calls :func:`policy_from_values` on
+tokenizer folder and the conversation format. ``rstar2jax.config.parse`` calls :func:`policy_from_values` on
 the values it checked; :func:`policy_options` reads the same part of a run's ``run_config.json`` (written by
 this or an older version: missing fields take their defaults)."""
 
@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from rstar2jax import models
+from rstar2jax.config import schema
+from rstar2jax.config.options import ConfigError, ModelSource, PolicyOptions
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
 from rstar2jax.models import peft_adapter
-from rstar2jax.train import schema
-from rstar2jax.train.options import ConfigError, ModelSource, PolicyOptions
 
 #: ``config.model`` fields that are ``ModelConfig`` options of any model source.
 MODEL_OPTIONS = ("param_dtype", "compute_dtype", "remat_policy", "scan_layers", "attention",

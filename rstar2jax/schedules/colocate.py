@@ -19,14 +19,13 @@ from typing import Any
 
 import jax
 
+from rstar2jax.config.vocabulary import OFFLOAD_OPTIONS
 from rstar2jax.models.platform import (
     HOST_MEMORY_KIND,
     accelerator,
     host_memory_is_device_memory,
     host_offload_supported,
 )
-
-OFFLOAD_OPTIONS = ("auto", "host", "device")
 
 
 def resolve_offload(option: str, platform: str | None = None) -> bool:

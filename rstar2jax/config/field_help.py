@@ -1,5 +1,5 @@
 """What each run-config field means: the table ``--print_config`` and the config errors read, from the
-fields' declarations (``rstar2jax.train.schema``; nothing here imports ml_collections). The help of a field
+fields' declarations (``rstar2jax.config.schema``; nothing here imports ml_collections). The help of a field
 with a fixed set of values lists exactly those values, generated from the tuple the library checks them
 against.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from rstar2jax.train import schema, schema_rl
+from rstar2jax.config import schema, schema_rl
 
 #: What each config field means (``--print_config`` lists them). Stage fields are under ``stages.*``, inline
 #: model fields under ``model.spec.*``.

@@ -3,7 +3,7 @@ at most ``rl.max_staleness`` (eta) policy versions behind, and the trainer takes
 enough complete groups wait.
 
 The producer is the rollout's engine and its agent sessions (``rollout_fn.stream``, below), one engine per
-rollout device (``rstar2jax.train.placement``), running in the background from a stage's first step to its
+rollout device (``rstar2jax.schedules.placement``), running in the background from a stage's first step to its
 last. The trainer releases problems to it a batch at a time: at version v (the trainer's step, the version of
 the weights the engine samples with) it may have released batches 0 .. v - s0 + eta of the stage (s0: the
 stage's first step), so a group's *release version* r, below which none of its tokens was sampled, is at
@@ -19,7 +19,7 @@ After every update the new weights go to the engines in flight (``updated``: cop
 layout, ``placement.engine_copy``; ``rollout.on_update`` says what running sequences do) and every token
 keeps the version that sampled it. At a stage's end every released group has been consumed and the
 engines stop (the next stage has its own budgets). The schedule's state between steps is one value
-(``rstar2jax.train.schedule_state.AsyncState``: batches released and consumed, their sizes, the released
+(``rstar2jax.schedules.schedule_state.AsyncState``: batches released and consumed, their sizes, the released
 groups not yet trained and the finished ones' trajectories, the run's counts), checkpointed at every step as
 versioned JSON; a resumed run trains the finished groups and issues the unfinished ones again, from scratch,
 at the resumed version. Every released group is trained once or counted dropped with its reason
@@ -54,16 +54,16 @@ import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.rollout_contract import SupportsPolicyParams, SupportsStream
-from rstar2jax.train.multihost import gather_to_all_processes
-from rstar2jax.train.placement import engine_copy
-from rstar2jax.train.schedule import (
+from rstar2jax.schedules.multihost import gather_to_all_processes
+from rstar2jax.schedules.placement import engine_copy
+from rstar2jax.schedules.schedule import (
     CARRY_META_KEY,
     RolloutSchedule,
     seed_from_key,
     tag_versions,
     unique_problems,
 )
-from rstar2jax.train.schedule_state import (
+from rstar2jax.schedules.schedule_state import (
     STATE_META_KEY,
     AsyncState,
     ScheduleInvariantError,

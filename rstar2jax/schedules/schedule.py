@@ -23,8 +23,8 @@ resumed run goes on exactly; ``end_stage`` drops it (nothing crosses a stage bou
 
 The rollout is injected (``rollout_fn``), so the same iteration runs the real agent (engine + sandbox) or a
 scripted rollout in tests. What each schedule needs of it is a protocol of ``rstar2jax.data.rollout_contract``
-(``RolloutSchedule.needs``), checked once when ``rstar2jax.train.schedule_choice.make_schedule`` builds the
-schedule. A batch rollout (``BatchRollout``)::
+(``RolloutSchedule.needs``), checked once when ``rstar2jax.schedules.schedule_choice.make_schedule`` builds
+the schedule. A batch rollout (``BatchRollout``)::
 
     rollout_fn(params, problems, *, samples_per_problem, max_response_length, max_turns, seed, policy_version)
         -> list[Trajectory]      # samples_per_problem per problem, rewards filled in
@@ -51,31 +51,14 @@ import jax
 from rstar2jax.data.problems import Problem, ProblemIterator
 from rstar2jax.data.rollout_contract import BatchRollout, Rollout, SupportsPartial, rollout_stats
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, trajectory_from_dict, trajectory_to_dict
-from rstar2jax.train.multihost import gather_to_all_processes
-from rstar2jax.train.schedule_state import read_legacy_carry
+from rstar2jax.schedules.multihost import gather_to_all_processes
+from rstar2jax.schedules.schedule_state import read_legacy_carry
 
 #: What the trainer takes as a rollout (``rollout_contract.Rollout``: one or more of its capabilities).
 RolloutFn = Rollout
 
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
     from rstar2jax.data.trajectory import Trajectory
-
-#: ``rl.schedule``: synchronous (refined by one-step off-policy or partial rollouts) or the asynchronous
-#: producer (``rstar2jax.train.async_schedule``).
-ROLLOUT_SCHEDULES = ("synchronous", "async")
-#: ``rl.placement``: where the asynchronous producer's engines run (``rstar2jax.train.placement``).
-PLACEMENTS = ("colocated", "split")
-#: ``rl.off_policy_correction``: "auto" or one of ``loss_config.OFF_POLICY_CORRECTIONS``.
-OFF_POLICY_CORRECTION_OPTIONS = ("auto", "none", "decoupled")
-
-
-def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
-    """The correction ``rl.off_policy_correction=option`` asks for: "auto" is "decoupled" for the
-    asynchronous schedule with stale tokens allowed (``max_staleness`` > 0), "none" otherwise."""
-    if option == "auto":
-        return "decoupled" if schedule == "async" and max_staleness > 0 else "none"
-    return option
-
 
 #: The checkpoint meta key of what a schedule carries from one step to the next (partial rollouts' records,
 #: and in checkpoints written before the declared forms, every schedule's: read with ``read_legacy_carry``).

@@ -1,5 +1,5 @@
-"""A run's typed, frozen options: what :func:`rstar2jax.train.parse` makes of a run config, once, and all that
-the loops, the run lifecycle, the rollout engine and the memory plan read (never the config itself).
+"""A run's typed, frozen options: what :func:`rstar2jax.config.parse.parse` makes of a run config, once, and
+all that the loops, the run lifecycle, the rollout engine and the memory plan read (never the config itself).
 
 Derived facts are properties, each from one formula: a stage's prompt and response budgets, the batch rows
 they fill (:attr:`StageOptions.seq_len`) and the engine length its rollouts run with
@@ -16,11 +16,11 @@ import pathlib
 from typing import Any
 
 from rstar2jax import models
+from rstar2jax.config.algorithm import RLIterationConfig
+from rstar2jax.config.binding import key
+from rstar2jax.config.loss_config import RLLossConfig
 from rstar2jax.data.conversation import PromptConfig
 from rstar2jax.engine.config import EngineConfig, SamplingParams, page_rounded
-from rstar2jax.train.loss_config import RLLossConfig
-from rstar2jax.train.selection import RLIterationConfig
-from rstar2jax.train.state import learning_rate_schedule, make_optimizer
 
 
 class ConfigError(ValueError):
@@ -33,42 +33,25 @@ class OptimizerOptions:
     """``config.optimizer`` (``warmup_steps`` -1: ``warmup_fraction``, the SFT config's
     ``sft.warmup_fraction``, of the run; ``total_steps`` None: the run's own count)."""
 
-    learning_rate: float
-    warmup_steps: int
-    schedule: str
-    total_steps: int | None
-    weight_decay: float
-    b1: float
-    b2: float
-    eps: float
-    max_grad_norm: float | None
+    learning_rate: float = key("optimizer.learning_rate")
+    warmup_steps: int = key("optimizer.warmup_steps")
+    schedule: str = key("optimizer.schedule")
+    total_steps: int | None = key("optimizer.total_steps")
+    weight_decay: float = key("optimizer.weight_decay")
+    b1: float = key("optimizer.b1")
+    b2: float = key("optimizer.b2")
+    eps: float = key("optimizer.eps")
+    max_grad_norm: float | None = key("optimizer.max_grad_norm")
     warmup_fraction: float = 0.0
 
-    def _schedule_options(self, total_steps: int | None, updates_per_step: int) -> dict[str, Any]:
+    def schedule_options(self, total_steps: int | None = None, updates_per_step: int = 1) -> dict[str, Any]:
+        """The learning-rate schedule's options for a run of ``total_steps`` (when ``total_steps`` is not
+        set): ``warmup_steps``, ``schedule``, ``total_steps``, counted in updates, ``updates_per_step`` per
+        step (warm-up and total steps are given in steps)."""
         total = self.total_steps or total_steps
         warmup = self.warmup_steps if self.warmup_steps >= 0 else math.ceil(self.warmup_fraction * total)
         return dict(warmup_steps=warmup * updates_per_step, schedule=self.schedule,
                     total_steps=None if total is None else total * updates_per_step)
-
-    def learning_rate_schedule(self, total_steps: int | None = None, updates_per_step: int = 1):
-        """The learning rate of each step (its last update's, of what :meth:`optimizer` applies)."""
-        schedule = learning_rate_schedule(self.learning_rate,
-                                          **self._schedule_options(total_steps, updates_per_step))
-        return schedule if updates_per_step == 1 else lambda step: schedule(step * updates_per_step
-                                                                             + updates_per_step - 1)
-
-    def optimizer(self, total_steps: int | None = None, updates_per_step: int = 1):
-        """The optimizer (``total_steps``: the run's step count when ``total_steps`` is not set). Its
-        schedule counts updates: ``updates_per_step`` per step (warm-up and total steps given in steps)."""
-        return make_optimizer(
-            self.learning_rate,
-            **self._schedule_options(total_steps, updates_per_step),
-            weight_decay=self.weight_decay,
-            b1=self.b1,
-            b2=self.b2,
-            eps=self.eps,
-            max_grad_norm=self.max_grad_norm,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,33 +91,33 @@ class PolicyOptions:
 class DataOptions:
     """Where RL problems come from (``config.data``); an empty column name is None (the loader's guess)."""
 
-    source: str = ""
-    split: str = "train"
-    problem_field: str | None = None
-    answer_field: str | None = None
-    solution_field: str | None = None
-    id_field: str | None = None
-    integer_only: bool = False
-    limit: int | None = None
+    source: str = key("data.source", default="")
+    split: str = key("data.split", default="train")
+    problem_field: str | None = key("data.problem_field", default=None)
+    answer_field: str | None = key("data.answer_field", default=None)
+    solution_field: str | None = key("data.solution_field", default=None)
+    id_field: str | None = key("data.id_field", default=None)
+    integer_only: bool = key("data.integer_only", default=False)
+    limit: int | None = key("data.limit", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
     """``config.checkpoint``: how often to save, how many to keep, whether saves run in the background."""
 
-    save_every: int = 10
-    keep: int = 3
-    async_save: bool = True
+    save_every: int = key("checkpoint.save_every", default=10)
+    keep: int = key("checkpoint.keep", default=3)
+    async_save: bool = key("checkpoint.async_save", default=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class WandbOptions:
     """``config.logging.wandb``: the Weights & Biases run (``project`` '': none)."""
 
-    project: str = ""
-    entity: str = ""
-    name: str = ""
-    tags: tuple[str, ...] = ()
+    project: str = key("logging.wandb.project", default="")
+    entity: str = key("logging.wandb.entity", default="")
+    name: str = key("logging.wandb.name", default="")
+    tags: tuple[str, ...] = key("logging.wandb.tags", default=())
 
     @property
     def enabled(self) -> bool:
@@ -147,20 +130,20 @@ class LoggingOptions:
     Weights & Biases run, and the fraction of each RL step's groups on the rollout record (None:
     ``rollout_record.auto_fraction``)."""
 
-    tensorboard: bool = True
-    progress: bool = True
-    progress_every: int = 10
-    rollout_record: float | None = None
-    wandb: WandbOptions = WandbOptions()
+    tensorboard: bool = key("logging.tensorboard", default=True)
+    progress: bool = key("logging.progress", default=True)
+    progress_every: int = key("logging.progress_every", default=10)
+    rollout_record: float | None = key("logging.rollout_record", default=None)
+    wandb: WandbOptions = WandbOptions()  # built from its own section, logging.wandb.*
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
     """``config.mesh``: the ``data x fsdp x tensor`` device mesh."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = key("mesh.data", default=1)
+    fsdp: int = key("mesh.fsdp", default=1)
+    tensor: int = key("mesh.tensor", default=1)
 
     @property
     def size(self) -> int:
@@ -177,20 +160,20 @@ class DistributedOptions:
     None (the config's ``"auto"``): the cluster scheduler's environment says (``train.cluster``; one process
     outside a scheduler's launch)."""
 
-    coordinator_address: str = ""
-    num_processes: int | None = 1
-    process_id: int = 0
+    coordinator_address: str = key("distributed.coordinator_address", default="")
+    num_processes: int | None = key("distributed.num_processes", default=1)
+    process_id: int = key("distributed.process_id", default=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTOptions:
     """``config.sft``: the data, its passes, the packed batch and the step count (None: epochs' worth)."""
 
-    data: str
-    epochs: int = 3
-    batch_size: int = 128
-    seq_len: int = 4096
-    steps: int | None = None
+    data: str = key("sft.data")
+    epochs: int = key("sft.epochs", default=3)
+    batch_size: int = key("sft.batch_size", default=128)
+    seq_len: int = key("sft.seq_len", default=4096)
+    steps: int | None = key("sft.steps", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,15 +182,15 @@ class StageOptions:
     run's prompt budget (``batch.max_prompt_length``) and the engine's KV page size, which its lengths
     follow from."""
 
-    name: str
-    steps: int
-    max_response_length: int
-    max_turns: int
+    name: str = key("name")
+    steps: int = key("steps")
+    max_response_length: int = key("max_response_length")
+    max_turns: int = key("max_turns")
     max_prompt_length: int
     page_size: int
-    dataset: str = ""
-    hard_filter_rollouts: int = 0
-    reset_optimizer: bool = False
+    dataset: str = key("dataset", default="")
+    hard_filter_rollouts: int = key("hard_filter_rollouts", default=0)
+    reset_optimizer: bool = key("reset_optimizer", default=False)
 
     @property
     def max_sequence_length(self) -> int:
@@ -236,16 +219,16 @@ class RolloutOptions:
 
     engine: EngineConfig
     sampling: SamplingParams
-    sandbox_url: str
-    sandbox_workers: int
-    max_tool_calls_per_turn: int
-    tool_timeout: float
-    tool_output_chars: int
-    sandbox_outage_s: float
-    partial_segment_tokens: int
-    on_update: str = "keep"
-    tools: tuple[str, ...] = ("python",)  # rollout.tools
-    reward_fn: str = ""  # reward.fn: '' the answer verifier
+    sandbox_url: str = key("rollout.sandbox_url")
+    sandbox_workers: int = key("rollout.sandbox_workers")
+    max_tool_calls_per_turn: int = key("rollout.max_tool_calls_per_turn")
+    tool_timeout: float = key("rollout.tool_timeout")
+    tool_output_chars: int = key("rollout.tool_output_chars")
+    sandbox_outage_s: float = key("rollout.sandbox_outage_s")
+    partial_segment_tokens: int = key("rollout.partial_segment_tokens")
+    on_update: str = key("rollout.on_update", default="keep")
+    tools: tuple[str, ...] = key("rollout.tools", default=("python",))
+    reward_fn: str = ""  # reward.fn, checked to import by the parser ('': the answer verifier)
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -263,24 +246,24 @@ class RLLoopOptions:
     iteration options of each stage (``iterations[i]``: stage i's, its ``seq_len`` the stage's), the loss and
     the rollout."""
 
-    prompts_per_step: int
-    off_policy_steps: int
-    partial_token_budget: int
-    max_nonfinite_steps: int
-    filter_batch_size: int
+    prompts_per_step: int = key("rl.prompts_per_step")
+    off_policy_steps: int = key("rl.off_policy_steps")
+    partial_token_budget: int = key("rollout.partial_token_budget")
+    max_nonfinite_steps: int = key("rl.max_nonfinite_steps")
+    filter_batch_size: int = key("filter_batch_size")
     num_rows: int | None
-    optimizer_memory: str
-    max_prompt_length: int
+    optimizer_memory: str = key("colocate.optimizer_memory")
+    max_prompt_length: int = key("batch.max_prompt_length")
     iterations: tuple[RLIterationConfig, ...]
     loss: RLLossConfig
     rollout: RolloutOptions
-    device_memory_gib: float | None
-    schedule: str = "synchronous"
-    max_staleness: int = 1
-    placement: str = "colocated"
-    rollout_devices: int = 1
-    ppo_epochs: int = 1
-    mini_batches: int = 1
+    device_memory_gib: float | None = key("device_memory_gib")
+    schedule: str = key("rl.schedule", default="synchronous")
+    max_staleness: int = key("rl.max_staleness", default=1)
+    placement: str = key("rl.placement", default="colocated")
+    rollout_devices: int = key("rl.rollout_devices", default=1)
+    ppo_epochs: int = key("rl.ppo_epochs", default=1)
+    mini_batches: int = key("rl.mini_batches", default=1)
 
     @property
     def updates_per_step(self) -> int:
@@ -300,7 +283,7 @@ class RLLoopOptions:
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """A run's options, made once from its config by :func:`rstar2jax.train.parse`. ``stages``, ``data`` and
+    """A run's options, made once from its config by :func:`rstar2jax.config.parse`. ``stages``, ``data`` and
     ``rl`` are an RL run's (empty / None for SFT), ``sft`` an SFT run's. ``notice``: the line the launchers
     print at start. ``record``: the config as JSON, what the run writes as ``run_config.json``."""
 

@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar2jax import models
+from rstar2jax.config.config import RUN_CONFIG_FILE, read_run_config
+from rstar2jax.config.options import PolicyOptions
+from rstar2jax.config.parse_model import policy_options
 from rstar2jax.data.conversation import PromptConfig, load_prompt_config
-from rstar2jax.train import lora as lora_lib
-from rstar2jax.train.config import RUN_CONFIG_FILE, read_run_config
-from rstar2jax.train.options import PolicyOptions
-from rstar2jax.train.parse_model import policy_options
-from rstar2jax.train.run import CHECKPOINT_DIR, initial_params
+from rstar2jax.policy import adapters as lora_lib
+from rstar2jax.policy.weights import CHECKPOINT_DIR, initial_params
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 """The asynchronous schedule's state between steps as one value (``AsyncState``) with pure transitions, and
 its checkpoint form: versioned JSON, trajectories as declared records (``trajectory_to_dict``).
 
-The producer and the gathering across processes (``rstar2jax.train.async_schedule``) are a shell around it:
-they submit what ``release`` / ``reissue`` return, hand finished groups to ``finish``, ask ``choose``
+The producer and the gathering across processes (``rstar2jax.schedules.async_schedule``) are a shell around
+it: they submit what ``release`` / ``reissue`` return, hand finished groups to ``finish``, ask ``choose``
 which groups a step trains and ``take`` them. The state says, at every step boundary, everything a resumed
 run needs: the stage's batches released and consumed, each released batch's size, the released groups not
 trained yet (``tickets``), the finished ones among them with their trajectories, and the run's counts.

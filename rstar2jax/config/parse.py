@@ -1,5 +1,5 @@
 """The one run-config parser: :func:`parse` turns a launcher's config (``ml_collections.ConfigDict``) into the
-typed, frozen :class:`~rstar2jax.train.options.RunOptions` everything below the launchers reads, checking as
+typed, frozen :class:`~rstar2jax.config.options.RunOptions` everything below the launchers reads, checking as
 it goes and naming the first bad field in one line (:class:`ConfigError`: its full path, its value and what
 is allowed), before anything is computed or written.
 
@@ -24,14 +24,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from rstar2jax import algo
-from rstar2jax.data.problems import looks_local
-from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
-from rstar2jax.models.config import ModelConfig
-from rstar2jax.models.quantization import check_weight_blocks
-from rstar2jax.train import schema, schema_rl
-from rstar2jax.train.checks import Check, Field
-from rstar2jax.train.loss_config import RLLossConfig
-from rstar2jax.train.options import (
+from rstar2jax.config import schema, schema_rl
+from rstar2jax.config.algorithm import RLIterationConfig
+from rstar2jax.config.binding import config_keys
+from rstar2jax.config.checks import Check, Field
+from rstar2jax.config.loss_config import RLLossConfig
+from rstar2jax.config.options import (
     CheckpointOptions,
     ConfigError,
     DataOptions,
@@ -47,10 +45,12 @@ from rstar2jax.train.options import (
     StageOptions,
     WandbOptions,
 )
-from rstar2jax.train.parse_model import policy_from_values
-from rstar2jax.train.rules import common_rules, mismatch_correction, rl_rules
-from rstar2jax.train.schedule import off_policy_correction
-from rstar2jax.train.selection import RLIterationConfig
+from rstar2jax.config.parse_model import policy_from_values
+from rstar2jax.config.rules import common_rules, mismatch_correction, off_policy_correction, rl_rules
+from rstar2jax.data.problems import looks_local
+from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
+from rstar2jax.models.config import ModelConfig
+from rstar2jax.models.quantization import check_weight_blocks
 
 _MISSING = object()
 #: Fields that moved, with where they went (a config written for an older version names them).
@@ -161,7 +161,8 @@ def _stages(values: Mapping[str, Any], check_data: bool) -> tuple[StageOptions, 
             raise ConfigError(f"config.stages[{index}]={raw!r}: must be a stage (config.stage(...))")
         _unknown_fields(raw, schema_rl.STAGE, f"stages[{index}].")
         stage = _read(raw, schema_rl.STAGE, f"stages[{index}].", check_data)
-        options.append(StageOptions(**stage, max_prompt_length=values["batch.max_prompt_length"],
+        options.append(StageOptions(**{name: stage[path] for name, path in config_keys(StageOptions).items()},
+                                    max_prompt_length=values["batch.max_prompt_length"],
                                     page_size=DEFAULT_PAGE_SIZE))
     return tuple(options)
 
@@ -178,25 +179,26 @@ def _construct(cls, paths: Mapping[str, str], values: Mapping[str, Any], section
         raise ConfigError(f"config.{where}: {error}") from None
 
 
-def _fields_of(cls, prefix: str, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """``cls``'s fields that are config fields ``prefix.<name>``: argument -> config path."""
-    return {f.name: f"{prefix}.{f.name}" for f in dataclasses.fields(cls) if f.name not in exclude}
-
-
-#: ``EngineConfig``'s precision and attention fields, from ``rollout.<same name>`` ('' dtypes: None).
-ENGINE_FIELDS = ("quantize_head", "weight_dtype", "kv_dtype", "weight_block", "fp8_matmul", "attention")
+#: The engine's config keys: ``EngineConfig`` field -> config key (the engine's types state no keys: the
+#: engine knows nothing of the run config). Its lengths and page pool follow from the stages.
+ENGINE_KEYS = {
+    "num_slots": "rollout.engine_slots", "seed": "seed", "quantize_head": "rollout.quantize_head",
+    "weight_dtype": "rollout.weight_dtype", "kv_dtype": "rollout.kv_dtype",
+    "weight_block": "rollout.weight_block", "fp8_matmul": "rollout.fp8_matmul",
+    "attention": "rollout.attention",
+}  # fmt: skip
+#: ``SamplingParams`` field -> config key.
+SAMPLING_KEYS = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k"}
 
 
 def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> RolloutOptions:
     longest = max(stages, key=lambda s: s.max_response_length)
     kv_tokens = values["rollout.kv_cache_tokens"]
-    paths = {"num_slots": "rollout.engine_slots", "seed": "seed",
-             **{name: f"rollout.{name}" for name in ENGINE_FIELDS}}
-    engine_values = {path: values[path] for path in paths.values()}
+    engine_values = {path: values[path] for path in ENGINE_KEYS.values()}
     for name in ("weight_dtype", "kv_dtype"):
-        engine_values[f"rollout.{name}"] = engine_values[f"rollout.{name}"] or None
+        engine_values[ENGINE_KEYS[name]] = engine_values[ENGINE_KEYS[name]] or None
     engine = _construct(
-        EngineConfig, paths, engine_values, "rollout",
+        EngineConfig, ENGINE_KEYS, engine_values, "rollout",
         max_len=longest.engine_max_len, page_size=longest.page_size,
         # The page pool the memory plan counts (+1: the engine's null page); 0: enough for every slot.
         num_pages=kv_tokens // longest.page_size + 1 if kv_tokens else None,
@@ -206,10 +208,9 @@ def _rollout(values, stages: tuple[StageOptions, ...], model: ModelConfig) -> Ro
             check_weight_blocks(model, engine.weight_block, engine.quantize_head)
         except ValueError as error:
             raise ConfigError(f"config.rollout.weight_block={engine.weight_block}: {error}") from None
-    sampling = _construct(SamplingParams, _fields_of(SamplingParams, "rollout"), values, "rollout")
-    return RolloutOptions(engine=engine, sampling=sampling, reward_fn=_reward_fn(values["reward.fn"]), **{
-        f.name: values[f"rollout.{f.name}"] for f in dataclasses.fields(RolloutOptions)
-        if f.name not in ("engine", "sampling", "reward_fn")})
+    sampling = _construct(SamplingParams, SAMPLING_KEYS, values, "rollout")
+    return _section(RolloutOptions, values, engine=engine, sampling=sampling,
+                    reward_fn=_reward_fn(values["reward.fn"]))
 
 
 def _reward_fn(spec: str) -> str:
@@ -256,61 +257,51 @@ def _with_tools(policy: PolicyOptions, specs) -> PolicyOptions:
 
 def _rl_loop(values, stages: tuple[StageOptions, ...], row_multiple: int,
              model: ModelConfig) -> RLLoopOptions:
-    set_per_stage = ("seq_len", "pack", "row_multiple")
     iterations = tuple(
-        _construct(RLIterationConfig, _fields_of(RLIterationConfig, "rl", set_per_stage), values, "rl",
+        _construct(RLIterationConfig, config_keys(RLIterationConfig), values, "rl",
                    seq_len=s.seq_len, pack=values["batch.pack"], row_multiple=row_multiple)
         for s in stages
     )
-    loss_fields = {**_fields_of(RLLossConfig, "loss", ("temperature", "off_policy_correction", "options")),
-                   "temperature": "rollout.temperature"}
-    # The policy losses' own options (loss.<option> fields the RLLossConfig lacks), by name.
+    loss_keys = config_keys(RLLossConfig)
+    # The registered policy losses' own options (loss.<option> fields RLLossConfig lacks) are bound by name,
+    # not by ``key``: a loss registered by the user's module brings its fields with it.
     loss_options = tuple((path.removeprefix("loss."), values[path]) for path in values
-                         if path.startswith("loss.") and path not in loss_fields.values()
+                         if path.startswith("loss.") and path not in loss_keys.values()
                          and path != "loss.allow_uncorrected_mismatch")
     correction = off_policy_correction(values["rl.off_policy_correction"], values["rl.schedule"],
                                        values["rl.max_staleness"])
-    # rl.* fields that are not the iteration's are the loop's, passed on by name (prompts_per_step, ...).
-    loop = {f.name: values[f"rl.{f.name}"] for f in dataclasses.fields(RLLoopOptions)
-            if f"rl.{f.name}" in values}
-    return RLLoopOptions(
-        **loop,
-        partial_token_budget=values["rollout.partial_token_budget"],
-        filter_batch_size=values["filter_batch_size"],
+    return _section(
+        RLLoopOptions, values,
         num_rows=None if values["batch.pack"] else values["rl.prompts_per_step"] * values["rl.keep"],
-        optimizer_memory=values["colocate.optimizer_memory"],
-        max_prompt_length=values["batch.max_prompt_length"],
         iterations=iterations,
-        loss=_construct(RLLossConfig, loss_fields, values, "loss", off_policy_correction=correction,
+        loss=_construct(RLLossConfig, loss_keys, values, "loss", off_policy_correction=correction,
                         options=loss_options),
         rollout=_rollout(values, stages, model),
-        device_memory_gib=values["device_memory_gib"],
     )
 
 
 def _data(values) -> DataOptions:
-    data = {name: values[path] for name, path in _fields_of(DataOptions, "data").items()}
+    data = {name: values[path] for name, path in config_keys(DataOptions).items()}
     data.update({k: v or None for k, v in data.items() if k.endswith("_field")})  # '' -> the loader's guess
     return DataOptions(**data)
 
 
-def _section(cls, prefix: str, values, **nested) -> Any:
-    """``cls`` of the fields ``prefix.<name>``, and ``nested`` options (built from their own section)."""
-    return cls(**{name: values[path] for name, path in _fields_of(cls, prefix, tuple(nested)).items()},
-               **nested)
+def _section(cls, values, **extra) -> Any:
+    """``cls`` of its fields' config keys (:func:`config_keys`) and ``extra``, the fields built otherwise."""
+    return cls(**{name: values[path] for name, path in config_keys(cls).items()}, **extra)
 
 
 def _distributed(values) -> DistributedOptions:
-    distributed = _section(DistributedOptions, "distributed", values)
+    distributed = _section(DistributedOptions, values)
     if distributed.num_processes == schema_rl.AUTO:
         return dataclasses.replace(distributed, num_processes=None)  # None: the cluster's environment says
     return distributed
 
 
 def _logging(values) -> LoggingOptions:
-    wandb = _section(WandbOptions, "logging.wandb", values)
+    wandb = _section(WandbOptions, values)
     wandb = dataclasses.replace(wandb, tags=tuple(wandb.tags))
-    return _section(LoggingOptions, "logging", values, wandb=wandb)
+    return _section(LoggingOptions, values, wandb=wandb)
 
 
 def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOptions:
@@ -345,18 +336,15 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     if kind == "rl":  # the engine and the trainer run the policy's model config: both get the numerics
         model = dataclasses.replace(policy.model, numerics=values["rollout.numerics"])
         policy = _with_tools(dataclasses.replace(policy, model=model), values["rollout.tools"])
-    mesh = _section(MeshShape, "mesh", values)
+    mesh = _section(MeshShape, values)
     num_microbatches = values["num_microbatches"]
-    sft = _section(SFTOptions, "sft", values) if kind == "sft" else None
+    sft = _section(SFTOptions, values) if kind == "sft" else None
     rl = None
     if kind == "rl":
         rl = _rl_loop(values, stages, values["rl.mini_batches"] * num_microbatches * mesh.data_parallel,
                       policy.model)
-    optimizer = OptimizerOptions(
-        **{name: values[path] for name, path in _fields_of(OptimizerOptions, "optimizer",
-                                                            ("warmup_fraction",)).items()},
-        warmup_fraction=values["sft.warmup_fraction"] if kind == "sft" else 0.0,
-    )
+    optimizer = _section(OptimizerOptions, values,
+                         warmup_fraction=values["sft.warmup_fraction"] if kind == "sft" else 0.0)
     options = RunOptions(
         workdir=pathlib.Path(values["workdir"]),
         seed=values["seed"],
@@ -365,7 +353,7 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
         mesh=mesh,
         distributed=_distributed(values),
         optimizer=optimizer,
-        checkpoint=_section(CheckpointOptions, "checkpoint", values),
+        checkpoint=_section(CheckpointOptions, values),
         logging=_logging(values),
         num_microbatches=num_microbatches,
         record=config.to_json_best_effort(indent=1),

@@ -1,18 +1,11 @@
 """An RL run config's own fields (GRPO-RoC; the paper's defaults where it gives them) and a stage's: see
-``rstar2jax.train.schema``, which adds them to the fields every run config has."""
+``rstar2jax.config.schema``, which adds them to the fields every run config has."""
 
 from __future__ import annotations
 
 from rstar2jax import algo
-from rstar2jax.engine.config import FP8, FP8_MATMULS
-from rstar2jax.engine.plan import ON_UPDATE
-from rstar2jax.models.config import (
-    ATTENTION_ALIASES,
-    DECODE_ATTENTION_IMPLEMENTATIONS,
-    NUMERICS,
-    SUPPORTED_DTYPES,
-)
-from rstar2jax.train.checks import (
+from rstar2jax.config.algorithm import RLIterationConfig
+from rstar2jax.config.checks import (
     AT_LEAST_0,
     POSITIVE,
     Check,
@@ -26,10 +19,21 @@ from rstar2jax.train.checks import (
     text,
     url,
 )
-from rstar2jax.train.colocate import OFFLOAD_OPTIONS
-from rstar2jax.train.loss_config import OLD_LOGPROB_SOURCES
-from rstar2jax.train.schedule import OFF_POLICY_CORRECTION_OPTIONS, PLACEMENTS, ROLLOUT_SCHEDULES
-from rstar2jax.train.selection import RLIterationConfig
+from rstar2jax.config.vocabulary import (
+    OFF_POLICY_CORRECTION_OPTIONS,
+    OFFLOAD_OPTIONS,
+    OLD_LOGPROB_SOURCES,
+    PLACEMENTS,
+    ROLLOUT_SCHEDULES,
+)
+from rstar2jax.engine.config import FP8, FP8_MATMULS
+from rstar2jax.engine.plan import ON_UPDATE
+from rstar2jax.models.config import (
+    ATTENTION_ALIASES,
+    DECODE_ATTENTION_IMPLEMENTATIONS,
+    NUMERICS,
+    SUPPORTED_DTYPES,
+)
 
 #: ``loss.old_logprobs`` / ``loss.rollout_is_cap``: chosen from the rollout's precision (``rules``).
 AUTO = "auto"
@@ -426,8 +430,8 @@ RL: dict[str, Field] = {
         64, POSITIVE,
         "partial rollouts: tokens a session samples between budget checks",
     ),
-    # Colocated rollout and training (rstar2jax.train.colocate); the engine's KV page pool exists only during
-    # rollout.
+    # Colocated rollout and training (rstar2jax.schedules.colocate); the engine's KV page pool exists only
+    # during rollout.
     "colocate.optimizer_memory": Field(
         "auto", choice(OFFLOAD_OPTIONS),
         "where optimizer moments wait during rollout: auto (host on accelerators, device on CPU) / host "
