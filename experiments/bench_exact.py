@@ -76,7 +76,7 @@ def train_tokens_per_s(numerics: str, rows: int = 4, seq_len: int = 128, steps: 
         positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)),
         segment_ids=np.ones((rows, seq_len), np.int32), loss_mask=mask,
         advantages=np.repeat(rng.normal(size=(rows, 1)), seq_len, axis=1).astype(np.float32),
-        old_logp=(-rng.random((rows, seq_len)) * 10).astype(np.float32))
+        sampler_logp=(-rng.random((rows, seq_len)) * 10).astype(np.float32))
     optimizer = train.make_optimizer()
     state = train.init_train_state(models.init_params(config, jax.random.key(0)), optimizer, 0)
     step = train.make_rl_step(config, optimizer).lower(state, data).compile()

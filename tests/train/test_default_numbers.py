@@ -2,7 +2,8 @@
 sampler's log-probs as pi_old, AdamW at 5e-4 with clipping at 1, no weight decay) on a tiny model, two steps,
 against values recorded from commit 3aa2ea6 (before the loss registry, ``compute_policy_loss`` and
 ``train.updates``). Re-record (only for a new JAX / XLA, never to absorb a change of the step): run
-``default_step_numbers()`` of this file with PYTHONPATH at that commit."""
+``default_step_numbers()`` of this file with PYTHONPATH at that commit (where the batch's field
+``sampler_logp`` is still called ``old_logp``)."""
 
 import hashlib
 import platform
@@ -73,8 +74,9 @@ def _demo_like_batch(config, params):
     trainer = np.asarray(models.token_logprobs(logits, batch.targets))
     noise = 1e-6 * np.random.default_rng(1).standard_normal(trainer.shape).astype(np.float32)
     near = (np.arange(trainer.shape[0]) % 4 != 0)[:, None]
-    sampler = np.where(near, trainer + noise, np.asarray(batch.old_logp))
-    return batch.replace(old_logp=np.where(np.asarray(batch.loss_mask) > 0, sampler, 0.0).astype(np.float32))
+    sampler = np.where(near, trainer + noise, np.asarray(batch.sampler_logp))
+    sampler = np.where(np.asarray(batch.loss_mask) > 0, sampler, 0.0).astype(np.float32)
+    return batch.replace(sampler_logp=sampler)
 
 
 def default_step_numbers() -> dict:
