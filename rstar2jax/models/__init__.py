@@ -18,6 +18,7 @@ from rstar2jax.models.config import (
     config_to_hf,
 )
 from rstar2jax.models.hf_checkpoint import load_pretrained, save_pretrained
+from rstar2jax.models.kv_cache import KVCache, init_cache
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.lora import LORA_TARGETS, LoraConfig
 from rstar2jax.models.params import ParamSpec, param_logical_axes, param_specs
@@ -38,11 +39,9 @@ from rstar2jax.models.sharding import (
     shard_params,
 )
 from rstar2jax.models.transformer import (
-    KVCache,
     forward,
     forward_hidden,
     hidden_states,
-    init_cache,
     init_params,
     layers_are_unstacked,
     output_head,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from rstar2jax.models import exact
 from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
+from rstar2jax.models.kv_cache import KVCache
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.lora import lora_delta
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
@@ -49,41 +49,6 @@ def init_params(config: ModelConfig, key: jax.Array, *, mesh: jax.sharding.Mesh 
         for leaf_key, spec, sharding in zip(keys, leaves, shardings, strict=True)
     ]
     return jax.tree.unflatten(treedef, made)
-
-
-@flax.struct.dataclass
-class KVCache:
-    """Per-layer keys ``k`` ``[num_layers, batch, num_kv_heads, max_len, head_dim]`` and values ``v``
-    ``[num_layers, batch, num_kv_heads, head_dim, max_len]``.
-
-    ``k[:, b, :, j]`` and ``v[:, b, :, :, j]`` hold the key and value of the token of row ``b`` at position
-    ``j``. Entries beyond a row's current length may hold anything: causal-by-position masking never lets a
-    valid query see them.
-
-    The layout is what attention reads, so a decode step reads each layer's slice as it lies: kv heads before
-    positions, as attention is batched over (row, kv head) (positions first made XLA:CPU transpose every
-    layer's whole slice at every step), and each matrix with the dimension its product contracts innermost:
-    head_dim for the keys (query . key), positions for the values (probabilities . values); values with
-    head_dim innermost made XLA:CPU fall back to a dot several times slower.
-    """
-
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An all-zero :class:`KVCache` (dtype defaults to ``config.compute_dtype``)."""
-    k_shape, v_shape = cache_shapes(config, batch_size, max_len)
-    dtype = jnp.dtype(dtype or config.compute_dtype)
-    return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype))
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
