@@ -83,13 +83,7 @@ def rl_loss(
     old_logp = batch.sampler_logp
     if loss_config.old_logprobs == "recompute" or loss_config.decoupled:
         old_logp = start_logp
-    ref_logp = None
-    if loss_config.kl_coef:
-        if ref_params is None:
-            raise ValueError(f"kl_coef={loss_config.kl_coef} needs a reference policy: the state has no "
-                             "ref_params")
-        ref_logp, _ = _logprobs_and_entropy(jax.lax.stop_gradient(ref_params), model_config, batch,
-                                            loss_config.temperature)
+    ref_logp = _reference_logp(ref_params, model_config, batch, loss_config)
     is_weights, correction_sums = None, {}
     if loss_config.rollout_correction:  # TIS / MIS; under the decoupled objective its sequence mask only
         # batch.sampler_logp holds the sampler's (rollout engine's) log-probs.
@@ -120,15 +114,7 @@ def rl_loss(
         segment_ids=batch.segment_ids,
         is_weights=is_weights,
     )
-    if loss_config.agg == "seq_mean_token_mean":
-        # Per sequence (segment), not per row: weight each loss token by 1 / its sequence's loss tokens and
-        # sum; the token-mean metrics come from the plain mask.
-        _, metrics = policy_loss(batch.loss_mask, agg="token_mean")
-        weights = batch.loss_mask / jnp.maximum(_segment_loss_tokens(batch.loss_mask, batch.segment_ids), 1.0)
-        loss, weighted = policy_loss(weights, agg="seq_mean_token_sum")
-        metrics.update({k: v for k, v in weighted.items() if k in (*_NORMALISED_METRICS, "entropy")})
-    else:
-        loss, metrics = policy_loss(batch.loss_mask, agg=loss_config.agg)
+    loss, metrics = _aggregated(policy_loss, batch, loss_config.agg)
     # policy_loss's token means over this micro-batch, weighted by its token count, add up to token sums over
     # the batch; its terms already divided by the whole-batch normaliser add up as they are.
     tokens = jnp.sum(batch.loss_mask)
@@ -141,6 +127,31 @@ def rl_loss(
     token_sums.update(algo.rollout_mismatch(start_logp, batch.sampler_logp, batch.loss_mask, sums=True))
     totals = {k: v for k, v in metrics.items() if k in _NORMALISED_METRICS}
     return loss, {"token_sums": token_sums, "totals": totals}
+
+
+def _reference_logp(ref_params, model_config, batch: Batch, loss_config: RLLossConfig):
+    """The frozen reference policy's log-probs for the KL term (None without one: ``kl_coef`` 0)."""
+    if not loss_config.kl_coef:
+        return None
+    if ref_params is None:
+        raise ValueError(f"kl_coef={loss_config.kl_coef} needs a reference policy: the state has no "
+                         "ref_params")
+    ref_logp, _ = _logprobs_and_entropy(jax.lax.stop_gradient(ref_params), model_config, batch,
+                                        loss_config.temperature)
+    return ref_logp
+
+
+def _aggregated(policy_loss, batch: Batch, agg: str):
+    """``policy_loss`` (its token weights still to give) aggregated as ``agg`` says: (loss, metrics)."""
+    if agg != "seq_mean_token_mean":
+        return policy_loss(batch.loss_mask, agg=agg)
+    # Per sequence (segment), not per row: weight each loss token by 1 / its sequence's loss tokens and
+    # sum; the token-mean metrics come from the plain mask.
+    _, metrics = policy_loss(batch.loss_mask, agg="token_mean")
+    weights = batch.loss_mask / jnp.maximum(_segment_loss_tokens(batch.loss_mask, batch.segment_ids), 1.0)
+    loss, weighted = policy_loss(weights, agg="seq_mean_token_sum")
+    metrics.update({k: v for k, v in weighted.items() if k in (*_NORMALISED_METRICS, "entropy")})
+    return loss, metrics
 
 
 def _segment_loss_tokens(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
