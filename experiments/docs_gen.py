@@ -71,7 +71,7 @@ def _demo_table() -> list[str]:
 
 def config_page() -> str:
     lines = [
-        GENERATED_NOTE.format(source="the schema tables (`rstar2jax/train/schema.py`, `schema_rl.py`)"),
+        GENERATED_NOTE.format(source="the schema tables (`rstar2jax/config/schema.py`, `schema_rl.py`)"),
         "# Config reference",
         "",
         "Every field a training launcher reads from its config (`--config=FILE`, `--config.x.y=value`), "

@@ -8,13 +8,14 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from rstar2jax.data.conversation import (
     PromptConfig,
 )
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.rollout_contract import declare_record_types
 from rstar2jax.data.tool_parser import FunctionCall, ToolCallError
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, Trajectory
 from rstar2jax.engine.config import SamplingParams
@@ -156,7 +157,7 @@ def drop_infra_failures(trajectories: Sequence[Trajectory]) -> tuple[list[Trajec
     return kept, len(trajectories) - len(kept)
 
 
-class _Clock:
+class PhaseClock:
     """Seconds spent per phase of one trajectory."""
 
     def __init__(self):
@@ -188,7 +189,7 @@ class SessionRecord:
     num_turns: int = 1
     truncated: bool = False
     tool_session: str | None = None  # the sandbox session of a stateful tool (RolloutConfig.stateful_tool)
-    clock: _Clock = dataclasses.field(default_factory=_Clock)
+    clock: PhaseClock = dataclasses.field(default_factory=PhaseClock)
 
     def add_sampled(self, segment: Segment, text: str) -> None:
         self.response_ids += segment.tokens
@@ -215,10 +216,31 @@ class SessionRecord:
         if self.entropies is not None:
             self.entropies += [0.0] * len(token_ids)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The record as plain JSON data: ``SESSION_RECORD_FIELDS`` by name, the clock's seconds by phase."""
+        record = {name: getattr(self, name) for name in SESSION_RECORD_FIELDS}
+        record = {name: list(v) if isinstance(v, list) else v for name, v in record.items()}
+        return {**record, "clock": dict(self.clock.seconds)}
 
-#: The record's name before it was public: partial rollouts pickled in the checkpoints of earlier runs
-#: (``rollout_carry``) name it, and unpickle through it.
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> SessionRecord:
+        """The record ``to_dict`` wrote (unknown fields fail)."""
+        unknown = set(record) - {*SESSION_RECORD_FIELDS, "clock"}
+        if unknown:
+            raise ValueError(f"session record has unknown fields {sorted(unknown)}")
+        clock = PhaseClock()
+        clock.seconds.update(record.get("clock", {}))
+        return cls(**{name: record[name] for name in SESSION_RECORD_FIELDS if name in record}, clock=clock)
+
+
+#: ``SessionRecord``'s fields in its JSON form (``to_dict``), but the clock (its seconds by phase).
+SESSION_RECORD_FIELDS = ("response_ids", "loss_mask", "logprobs", "policy_versions", "entropies",
+                         "model_text", "tool_outcomes", "num_turns", "truncated", "tool_session")
+
+#: The records' names before they were public: partial rollouts pickled in the checkpoints of earlier runs
+#: (``rollout_carry``) name them, and unpickle through them.
 _Conversation = SessionRecord
+_Clock = PhaseClock
 
 
 @dataclasses.dataclass(eq=False)
@@ -255,3 +277,27 @@ class PartialRollout:
     @property
     def policy_versions(self) -> list[int] | None:
         return self.conversation.policy_versions
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rollout as plain JSON data: ``PARTIAL_ROLLOUT_FIELDS`` by name, the records by their own."""
+        return {"problem": self.problem.to_dict(), "prompt_ids": list(self.prompt_ids),
+                "conversation": self.conversation.to_dict(), "unparsed": self.unparsed, "seed": self.seed,
+                "resumes": self.resumes}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> PartialRollout:
+        """The rollout ``to_dict`` wrote (unknown fields fail)."""
+        unknown = set(record) - set(PARTIAL_ROLLOUT_FIELDS)
+        if unknown:
+            raise ValueError(f"partial rollout record has unknown fields {sorted(unknown)}")
+        return cls(Problem.from_dict(record["problem"]), list(record["prompt_ids"]),
+                   SessionRecord.from_dict(record["conversation"]), record.get("unparsed", ""),
+                   record.get("seed"), record.get("resumes", 0))
+
+
+#: ``PartialRollout``'s fields in its JSON form (``to_dict``).
+PARTIAL_ROLLOUT_FIELDS = ("problem", "prompt_ids", "conversation", "unparsed", "seed", "resumes")
+
+# A checkpoint keeps unfinished rollouts as JSON; the old names admit them out of earlier runs' pickles.
+declare_record_types({"PartialRollout": PartialRollout, "SessionRecord": SessionRecord,
+                      "_Conversation": SessionRecord, "PhaseClock": PhaseClock, "_Clock": PhaseClock})

@@ -49,6 +49,45 @@ class UnfinishedRollout(Protocol):
     num_tokens: int
 
 
+#: The format of ``unfinished_to_dict``'s records (a later format reads the earlier ones).
+UNFINISHED_FORMAT = 1
+# The record types a checkpoint may hold, by class name (``declare_record_types``).
+_RECORD_TYPES: dict[str, type] = {}
+
+
+def declare_record_types(types: Mapping[str, type]) -> None:
+    """Declares, by name, the classes of a rollout's unfinished records and of what they hold, so that a
+    checkpoint keeps them: a top-level record has ``to_dict()`` and ``from_dict(record)``; the names also
+    admit them (old names included) out of the pickles of checkpoints written before the declared form."""
+    _RECORD_TYPES.update(types)
+
+
+def record_types() -> dict[str, type]:
+    """The declared record classes by name (``declare_record_types``)."""
+    return dict(_RECORD_TYPES)
+
+
+def unfinished_to_dict(record: UnfinishedRollout) -> dict[str, Any]:
+    """``record`` as versioned JSON data: its declared type's name and its ``to_dict()``."""
+    name = type(record).__name__
+    if _RECORD_TYPES.get(name) is not type(record) or not hasattr(record, "to_dict"):
+        raise TypeError(f"unfinished rollout of undeclared type {name}: a checkpoint keeps only the types "
+                        f"declared with declare_record_types, with to_dict/from_dict")
+    return {"format": UNFINISHED_FORMAT, "type": name, "record": record.to_dict()}
+
+
+def unfinished_from_dict(data: Mapping[str, Any]) -> UnfinishedRollout:
+    """The record ``unfinished_to_dict`` wrote (its type declared in this process)."""
+    if data.get("format") != UNFINISHED_FORMAT:
+        raise ValueError(f"unfinished rollout format {data.get('format')!r}; this code reads format "
+                         f"{UNFINISHED_FORMAT}")
+    kind = _RECORD_TYPES.get(data.get("type"))
+    if kind is None or not hasattr(kind, "from_dict"):
+        raise ValueError(f"unfinished rollout of undeclared type {data.get('type')!r} (declared: "
+                         f"{sorted(_RECORD_TYPES)}); import the rollout that writes it first")
+    return kind.from_dict(data["record"])
+
+
 @runtime_checkable
 class SupportsPartial(Protocol):
     """Partial rollouts: ``problems`` opened and ``resume`` continued until the sessions sampled

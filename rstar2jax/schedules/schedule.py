@@ -18,7 +18,7 @@
 
 A schedule draws each step's problems (``draw``), produces its groups (``rollouts``), and owns what it hands
 to the next step: ``checkpoint_meta`` / ``restore`` keep that in the checkpoint meta (problems and
-trajectories as declared JSON records; partial rollouts' own records pickled in ``rollout_carry``), so a
+trajectories, and partial rollouts' own records, as declared JSON records: ``unfinished_to_dict``), so a
 resumed run goes on exactly; ``end_stage`` drops it (nothing crosses a stage boundary).
 
 The rollout is injected (``rollout_fn``), so the same iteration runs the real agent (engine + sandbox) or a
@@ -38,18 +38,22 @@ over a step's calls.
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
-import pickle
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
 from rstar2jax.data.problems import Problem, ProblemIterator
-from rstar2jax.data.rollout_contract import BatchRollout, Rollout, SupportsPartial, rollout_stats
+from rstar2jax.data.rollout_contract import (
+    BatchRollout,
+    Rollout,
+    SupportsPartial,
+    rollout_stats,
+    unfinished_from_dict,
+    unfinished_to_dict,
+)
 from rstar2jax.data.trajectory import NO_POLICY_VERSION, trajectory_from_dict, trajectory_to_dict
 from rstar2jax.schedules.multihost import gather_to_all_processes
 from rstar2jax.schedules.schedule_state import read_legacy_carry
@@ -60,11 +64,14 @@ RolloutFn = Rollout
 if TYPE_CHECKING:  # the agent package starts engine code on import; the trainer needs only the type
     from rstar2jax.data.trajectory import Trajectory
 
-#: The checkpoint meta key of what a schedule carries from one step to the next (partial rollouts' records,
-#: and in checkpoints written before the declared forms, every schedule's: read with ``read_legacy_carry``).
+#: The checkpoint meta key of what a schedule carried from one step to the next in checkpoints written before
+#: the declared forms (a pickle: read with ``read_legacy_carry``).
 CARRY_META_KEY = "rollout_carry"
 #: The checkpoint meta key of the rollout one-step off-policy hands to the next step (declared JSON).
 READY_META_KEY = "off_policy_ready"
+#: The checkpoint meta key of what partial rollouts carry to the next step (declared JSON), and its format.
+PARTIAL_META_KEY = "partial_carry"
+PARTIAL_FORMAT = 1
 
 
 def _group(
@@ -212,29 +219,6 @@ class RolloutSchedule:
 Synchronous = RolloutSchedule
 
 
-class _CarryingSchedule(RolloutSchedule):
-    """A schedule that hands the rollout function's own records to the next step (partial rollouts), kept in
-    the checkpoint meta as a compressed pickle (only checkpoints this run wrote are read back)."""
-
-    def _carried(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _take_up(self, carried: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        if self.empty:
-            return {CARRY_META_KEY: None}
-        packed = zlib.compress(pickle.dumps(self._carried()))
-        return {CARRY_META_KEY: base64.b64encode(packed).decode("ascii")}
-
-    def restore(self, meta: dict[str, Any]) -> None:
-        self.end_stage()
-        text = meta.get(CARRY_META_KEY)
-        if text:
-            self._take_up(pickle.loads(zlib.decompress(base64.b64decode(text))))
-
-
 class OneStepOffPolicy(RolloutSchedule):
     """``rl.off_policy_steps=1`` (see the module doc). ``ready``: the next step's problems and their groups,
     rolled out with this step's parameters (None: the next step rolls out its own problems), checkpointed as
@@ -290,7 +274,7 @@ class OneStepOffPolicy(RolloutSchedule):
             self.ready = read_legacy_carry(meta[CARRY_META_KEY])["ready"]
 
 
-class Partial(_CarryingSchedule):
+class Partial(RolloutSchedule):
     """``rollout.partial_token_budget > 0`` (see the module doc): at most ``num_groups`` groups open at once.
 
     Attributes:
@@ -374,9 +358,25 @@ class Partial(_CarryingSchedule):
         self.held: dict[str, list[Trajectory]] = {}
         self.problems: dict[str, Problem] = {}
 
-    def _carried(self) -> dict[str, Any]:
-        return {"unfinished": self.unfinished, "held": self.held, "problems": self.problems}
+    def checkpoint_meta(self) -> dict[str, Any]:
+        if self.empty:
+            return {PARTIAL_META_KEY: None}
+        return {PARTIAL_META_KEY: {
+            "format": PARTIAL_FORMAT, "unfinished": [unfinished_to_dict(u) for u in self.unfinished],
+            "held": {pid: [trajectory_to_dict(t) for t in g] for pid, g in self.held.items()},
+            "problems": [p.to_dict() for p in self.problems.values()]}}
 
-    def _take_up(self, carried: dict[str, Any]) -> None:
-        self.unfinished, self.held = carried["unfinished"], carried["held"]
-        self.problems = carried["problems"]
+    def restore(self, meta: dict[str, Any]) -> None:
+        self.end_stage()
+        record = meta.get(PARTIAL_META_KEY)
+        if record is not None:
+            if record.get("format") != PARTIAL_FORMAT:
+                raise ValueError(f"partial rollouts' carry format {record.get('format')!r}; this code reads "
+                                 f"format {PARTIAL_FORMAT}")
+            self.unfinished = [unfinished_from_dict(u) for u in record["unfinished"]]
+            self.held = {pid: [trajectory_from_dict(t) for t in g] for pid, g in record["held"].items()}
+            self.problems = {p["id"]: Problem.from_dict(p) for p in record["problems"]}
+        elif meta.get(CARRY_META_KEY):  # a checkpoint written before the declared form
+            carried = read_legacy_carry(meta[CARRY_META_KEY])
+            self.unfinished, self.held = list(carried["unfinished"]), dict(carried["held"])
+            self.problems = dict(carried["problems"])

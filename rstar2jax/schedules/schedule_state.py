@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rstar2jax.data.problems import Problem
+from rstar2jax.data.rollout_contract import record_types
 from rstar2jax.data.trajectory import Trajectory, trajectory_from_dict, trajectory_to_dict
 
 #: The format of ``AsyncState.to_dict`` (a later format reads the earlier ones).
@@ -266,17 +267,22 @@ class AsyncState:
 
 
 class _LegacyUnpickler(pickle.Unpickler):
-    """Reads the pickled carry of checkpoints written before ``AsyncState``: only the record types it held
-    (by class name, wherever they live now) and builtin containers come out."""
+    """Reads the pickled carry of checkpoints written before the declared forms (``AsyncState``, partial
+    rollouts' JSON): only the record types it held (by class name, wherever they live now: these, and the
+    unfinished rollouts' declared with ``declare_record_types``), builtin values and containers come out."""
 
     ALLOWED = {"Ticket": Ticket, "Problem": Problem, "Trajectory": Trajectory}
+    BUILTINS = {("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "float", "int",
+                                                "str", "bool")} | {("collections", "defaultdict")}
 
     def find_class(self, module: str, name: str):
-        if name in self.ALLOWED:
-            return self.ALLOWED[name]
-        if module == "builtins" and name in ("dict", "list", "tuple", "set", "frozenset"):
+        allowed = {**record_types(), **self.ALLOWED}
+        if name in allowed:
+            return allowed[name]
+        if (module, name) in self.BUILTINS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a legacy schedule carry holds {module}.{name}, not a schedule record")
+        raise pickle.UnpicklingError(f"a legacy schedule carry holds {module}.{name}, not a schedule record "
+                                     f"(allowed: {sorted(allowed)})")
 
 
 def read_legacy_carry(text: str) -> dict[str, Any]:

@@ -198,6 +198,10 @@ def test_lora_with_exact_numerics_is_refused():
     models.lora.check_lora(models.preset("tiny"), lora)
     with pytest.raises(ValueError, match="numerics='exact' with LoRA"):
         models.lora.init_lora(models.preset("tiny", numerics="exact"), lora, jax.random.key(0))
+    # A run config asking for both is refused when it is parsed (a launcher: exit 2 before any work).
+    config = set_fields(tiny_cpu.get_config(), {"rollout.numerics": "exact", "model.lora.rank": 2})
+    with pytest.raises(ConfigError, match="rollout.numerics='exact' with model.lora.rank=2"):
+        parse(config)
 
 
 def test_the_guide_runs():

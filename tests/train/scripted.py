@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from rstar2jax import models
-from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.data.rollout_contract import declare_record_types
+from rstar2jax.data.trajectory import Trajectory, trajectory_from_dict, trajectory_to_dict
 
 TINY_VOCAB = 256
 
@@ -150,6 +151,18 @@ class ScriptedPartial:
     target: Trajectory
     num_tokens: int = 0
     policy_versions: list[int] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"problem_id": self.problem_id, "target": trajectory_to_dict(self.target),
+                "num_tokens": self.num_tokens, "policy_versions": list(self.policy_versions)}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> ScriptedPartial:
+        return cls(record["problem_id"], trajectory_from_dict(record["target"]), record["num_tokens"],
+                   list(record["policy_versions"]))
+
+
+declare_record_types({"ScriptedPartial": ScriptedPartial})
 
 
 def make_partial_scripted_rollout(*, vocab_size: int = TINY_VOCAB):

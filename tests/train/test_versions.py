@@ -4,6 +4,7 @@ on the run ``tests/train/test_colocate.py`` makes anyway, against ``scripted.MAI
 
 
 import dataclasses
+import json
 import shutil
 import types
 
@@ -12,9 +13,10 @@ import pytest
 
 from rstar2jax.data.batch import build_batch, trajectory_sequence
 from rstar2jax.data.problems import Problem, ProblemIterator
-from rstar2jax.data.trajectory import Trajectory
+from rstar2jax.data.rollout_contract import unfinished_from_dict
+from rstar2jax.data.trajectory import Trajectory, trajectory_from_dict
 from rstar2jax.schedules import schedule as schedule_lib
-from rstar2jax.schedules.schedule import OneStepOffPolicy, Partial
+from rstar2jax.schedules.schedule import CARRY_META_KEY, PARTIAL_META_KEY, OneStepOffPolicy, Partial
 from rstar2jax.train import (
     RLIterationConfig,
     RLLossConfig,
@@ -28,6 +30,7 @@ from rstar2jax.train import (
 )
 from tests.train.conftest import FAST_COMPILE, copy_tree
 from tests.train.scripted import make_partial_scripted_rollout, make_scripted_rollout, tiny_rl_config
+from tests.train.test_partial_carry import pickled_carry
 
 TIMING = ("time/", "throughput/")
 
@@ -153,6 +156,18 @@ def test_a_resumed_run_carries_its_rollouts_exactly(tmp_path, mode):
     resumed = numbers(train_rl(parse(config("resumed")), rollout_fn=rollout_fn(), max_steps=2))
     assert len(straight) == 2 and resumed == straight
     assert straight[1]["rollout/policy_lag_max"] == 1.0
+    if mode == "partial":  # the carry is declared JSON; the pickle the code before it wrote resumes the same
+        meta = json.loads((tmp_path / "resumed" / "checkpoints" / "1" / "meta" / "metadata").read_text())
+        carry = meta["schedule"].pop(PARTIAL_META_KEY)
+        assert carry["format"] == 1 and carry["unfinished"] and CARRY_META_KEY not in meta["schedule"]
+        meta["schedule"][CARRY_META_KEY] = pickled_carry({
+            "unfinished": [unfinished_from_dict(u) for u in carry["unfinished"]],
+            "held": {pid: [trajectory_from_dict(t) for t in g] for pid, g in carry["held"].items()},
+            "problems": {p["id"]: Problem.from_dict(p) for p in carry["problems"]}})
+        legacy = tmp_path / "legacy" / "checkpoints" / "1"
+        shutil.copytree(tmp_path / "straight" / "checkpoints" / "1", legacy)
+        (legacy / "meta" / "metadata").write_text(json.dumps(meta))
+        assert numbers(train_rl(parse(config("legacy")), rollout_fn=rollout_fn(), max_steps=2)) == straight
 
 
 def test_versions_are_carried_into_batches_target_aligned():
