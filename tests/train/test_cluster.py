@@ -1,7 +1,6 @@
 """``distributed.num_processes="auto"`` (issue 54): a cluster scheduler's environment is enough to join a
 multi-process run (JAX's own detection), a launch it says has several processes where detection fails is one
-line, and the explicit fields keep working. Two processes under a faked SLURM step run two RL steps (slow
-stage)."""
+line, and the explicit fields keep working. Two processes under a faked SLURM step run two RL steps."""
 
 import json
 import os
@@ -161,9 +160,8 @@ def _slurm_port() -> tuple[int, int]:
     raise RuntimeError("no free port in SLURM's range")
 
 
-# 35-66 s on 2 shared cores (warm compilation cache - cold, 2026-12-06): over the default run's budget. The
-# default run checks JAX's detection arguments in-process and a failed detection through the launcher (above).
-@pytest.mark.slow
+# 35-66 s on 2 shared cores (warm compilation cache - cold, 2026-12-06), in the default run all the same:
+# the one test where JAX's own detection joins real processes from nothing but a scheduler's environment.
 def test_two_processes_of_a_slurm_step_run_two_rl_steps(tmp_path, compile_cache_env):
     """Two local processes with what ``srun --ntasks=2`` sets (and no distributed field in the config) join
     one run: a data=2 mesh over one CPU device each, two RL steps of one group, one metrics file."""
