@@ -180,26 +180,30 @@ def rl_iteration(
     state, step_metrics = rl_step(state, put_batch(batch, batch_sharding))
     step_metrics = jax.device_get(step_metrics)
     update_seconds = time.perf_counter() - update_start
-    batch_tokens = float((batch.segment_ids > 0).sum())
     # The asynchronous producer's engines take the new weights now, while they decode.
     metrics.update(schedule.updated(state.params, version + 1, update_seconds=update_seconds,
                                     trained_tokens=float(step_metrics["tokens"])))
     end = time.perf_counter()
     if record is not None:
         record(_step_rollouts(sampled, choice, schedule, version))
-    response_tokens = sum(len(t.response_ids) for g in groups for t in g)
     metrics.update({k: float(v) for k, v in step_metrics.items()})
-    metrics.update(
-        {
-            "time/rollout": sampled.rollout_seconds,
-            "time/verify": sampled.verify_seconds,
-            "time/update": update_seconds,
-            "time/step": end - start,
-            "throughput/update_tokens_per_s": batch_tokens / max(update_seconds, 1e-9),
-            "throughput/rollout_tokens_per_s": response_tokens / max(sampled.rollout_seconds, 1e-9),
-        }
-    )
+    metrics.update(_timing_metrics(sampled, batch, update_seconds=update_seconds, step_seconds=end - start))
     return state, metrics
+
+
+def _timing_metrics(sampled, batch: Batch, *, update_seconds: float, step_seconds: float) -> dict[str, float]:
+    """The step's phases in seconds and its tokens per second (rollout: response tokens; update: batch
+    tokens)."""
+    batch_tokens = float((batch.segment_ids > 0).sum())
+    response_tokens = sum(len(t.response_ids) for g in sampled.groups for t in g)
+    return {
+        "time/rollout": sampled.rollout_seconds,
+        "time/verify": sampled.verify_seconds,
+        "time/update": update_seconds,
+        "time/step": step_seconds,
+        "throughput/update_tokens_per_s": batch_tokens / max(update_seconds, 1e-9),
+        "throughput/rollout_tokens_per_s": response_tokens / max(sampled.rollout_seconds, 1e-9),
+    }
 
 
 def filter_hard_problems(

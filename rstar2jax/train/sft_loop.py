@@ -97,10 +97,15 @@ def train_sft(
         finally:
             run.close()
     if export_dir is not None:
-        prompt = options.policy.prompt
-        openers = assistant_openers(sft.data)
-        if len(openers) == 1:  # the opener the policy was taught to continue from is its data's
-            prompt = dataclasses.replace(prompt, assistant_opener=openers.pop())
-        run.export(export_dir, tokenizer=tokenizer, prompt=prompt)
+        run.export(export_dir, tokenizer=tokenizer, prompt=_taught_prompt(options))
     return run.logger.history
+
+
+def _taught_prompt(options: RunOptions):
+    """The run's prompt with the assistant opener its SFT data's chat rows share (the opener the policy was
+    taught to continue from), or as it is when they share none."""
+    openers = assistant_openers(options.sft.data)
+    if len(openers) == 1:
+        return dataclasses.replace(options.policy.prompt, assistant_opener=openers.pop())
+    return options.policy.prompt
 
