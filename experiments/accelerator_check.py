@@ -3,6 +3,7 @@ JSON file, in stages that each run in their own process under their own time lim
 
   python -m experiments.accelerator_check                       # every stage, 540 s in all
   python -m experiments.accelerator_check --smoke               # tiny shapes on the CPU (the tests run it)
+  python -m experiments.accelerator_check --stages=exact --budget_s=300   # every exact-numerics figure
   python -m experiments.accelerator_check --stages=environment,training --budget_s=300
 
 It installs nothing and needs no network: run it from a checkout with the machine's own JAX
@@ -21,6 +22,11 @@ early leaves more to the ones after it, and none can starve the rest beyond its 
   full) of Qwen3-1.7B at 8 x 8,192 and 16 x 2,048 tokens with the ``"auto"`` attention, then with the
   portable blockwise one: compile seconds, tokens/s and MFU (``bench_train``'s model FLOPs over the
   device's dense bf16 peak); then the attention kernels alone, forward and backward at 8 x 8,192;
+- ``exact``: exact numerics (issue 52, ``numerics="exact"``) by ``bench_exact``'s measurements (those of
+  ``bench_engine --exact``) on the Qwen3-1.7B shape computing in bfloat16, random weights: the engine's
+  sampled-token log-probs against the trainer's, then exact over default decode tokens/s at batch 1 and 16
+  and ``rl_step`` tokens/s, then the float32 mismatch if the stage's time allows (its share is small: the
+  default run may record only the first figures; ``--stages=exact --budget_s=300`` gives it the time);
 - ``engine``: the Qwen3-1.7B shape in bfloat16, random weights: time to a ready engine (a cold engine's first
   token at 64 slots), the decode step over the memory-bandwidth floor at batch 1 and 64 (parameter + KV
   bytes / measured device copy bandwidth; ``bench_engine``'s measurement), KV bytes held over tokens held,
@@ -44,7 +50,11 @@ JSON keys (contract): ``smoke_ok``, ``device``, ``gpu_tests_failed`` (and ``gpu_
 ``fp8_decode_why`` where the backend has no native FP8 matmul), ``mfu_8k`` (goal >= 0.35 on an H100),
 ``mfu_2k`` (>= 0.40), ``mfu_8k_blockwise``, ``mfu_2k_blockwise``, ``rl_step_tokens_per_s_8k`` (and ``_2k``,
 ``_blockwise``), ``training_attention``, ``rl_step_generated_tokens_per_s_per_gpu`` beside
-``nemo_rl_generated_tokens_per_s_per_gpu`` (NeMo-RL's published 1,562 for an 8B GRPO step on H100s).
+``nemo_rl_generated_tokens_per_s_per_gpu`` (NeMo-RL's published 1,562 for an 8B GRPO step on H100s),
+``exact_mismatch_max_bf16`` and ``exact_mismatch_max_fp32`` (goal 0.0; the latter None with
+``exact_mismatch_fp32_why`` when the stage has no time left for it), ``exact_decode_ratio`` (goal >= 0.9; the
+smaller of ``exact_decode_ratio_b1`` / ``_b16``, beside ``exact_decode_tokens_per_s_b1`` / ``_b16`` and
+``default_decode_tokens_per_s_b1`` / ``_b16``), ``exact_train_ratio`` (goal >= 0.9).
 """
 
 from __future__ import annotations
@@ -90,17 +100,18 @@ class Stage:
 
 STAGES = (
     Stage("environment", 0.08, 60, "versions, devices, memory, the 'auto' attention picks"),
-    Stage("tests", 0.22, 90, "the test suite's accelerator subset"),
-    Stage("training", 0.32, 90, "rl_step tokens/s and MFU, Qwen3-1.7B bf16"),
+    Stage("tests", 0.20, 90, "the test suite's accelerator subset"),
+    Stage("training", 0.28, 90, "rl_step tokens/s and MFU, Qwen3-1.7B bf16"),
+    Stage("exact", 0.06, 60, "exact numerics: engine = trainer log-probs and their cost, Qwen3-1.7B bf16"),
     Stage("engine", 0.16, 90, "decode step over the bandwidth floor, Qwen3-1.7B bf16"),
     Stage("loop", 0.22, 120, "two colocated RL steps of qwen3_1p7b_1gpu.py"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 #: ``--smoke``'s default budget; a larger ``--budget_s`` (a loaded machine) scales each stage's smoke limit.
-SMOKE_BUDGET_S = 120.0
+SMOKE_BUDGET_S = 160.0
 
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs/accelerator_check", "folder of the JSON files")
-_BUDGET_S = flags.DEFINE_float("budget_s", None, "seconds for all stages (default 540; --smoke 120)")
+_BUDGET_S = flags.DEFINE_float("budget_s", None, "seconds for all stages (default 540; --smoke 160)")
 _SMOKE = flags.DEFINE_bool("smoke", False, "every stage at tiny shapes (CPU), to check the script runs")
 _STAGES = flags.DEFINE_list("stages", list(STAGE_NAMES), f"stages to run, of {', '.join(STAGE_NAMES)}")
 _STAGE = flags.DEFINE_enum("stage", None, STAGE_NAMES, "internal: run this one stage in this process")
@@ -407,6 +418,55 @@ def fp8_decode(record: Recorder, smoke: bool) -> None:
           f"{rates['fp8_weights']:.0f}, FP8 KV alone {rates['fp8_kv']:.0f})", flush=True)
 
 
+def stage_exact(record: Recorder, smoke: bool) -> None:
+    # The stage's own clock: what it measures last (float32's mismatch) runs only if it fits.
+    exact_numerics(record, smoke, deadline=time.perf_counter() + _STAGE_LIMIT_S.value - 10)
+
+
+def exact_numerics(record: Recorder, smoke: bool, deadline: float) -> None:
+    """Exact numerics (issue 52) by ``bench_exact``'s measurements, on the Qwen3-1.7B shape (random weights,
+    float32 master weights) computing in bfloat16; ``--smoke``: its tiny shape. In order, each recorded as it
+    comes (a stage stopped at its limit keeps the first ones): ``exact_mismatch_max_bf16`` (goal 0.0),
+    ``exact_decode_ratio`` with the tokens/s at batch 1 and 16, ``exact_train_ratio``, then
+    ``exact_mismatch_max_fp32`` if the time left before ``deadline`` (``time.perf_counter``) holds twice
+    what the bfloat16 one took (else None and ``exact_mismatch_fp32_why``)."""
+    from experiments import bench_engine, bench_exact
+    from rstar2jax import models
+
+    shape = bench_exact.SHAPE if smoke else models.preset("qwen3-1.7b")
+    record(exact_model=f"{'tiny' if smoke else 'qwen3-1.7b'} bfloat16 compute, random weights")
+    # Smoke: the fewest tokens that run every program (no figure of a smoke run is a measurement).
+    sizes = dict(prompts=2, new_tokens=8) if smoke else {}
+    repeats, new_tokens, rows, steps = (1, 8, 2, 1) if smoke else (2, 64, 4, 3)
+    start = time.perf_counter()
+    record(exact_mismatch_max_bf16=bench_exact.logprob_mismatch("bfloat16", "exact", shape=shape, **sizes))
+    bf16_s = time.perf_counter() - start
+    print(f"max |engine - trainer| log-prob, exact numerics, bfloat16: "
+          f"{record.figures['exact_mismatch_max_bf16']} ({bf16_s:.0f} s)", flush=True)
+    rates = bench_exact.decode_ratios(bench_engine.generate_tokens_per_s, new_tokens=new_tokens,
+                                      repeats=repeats, dtype="bfloat16", shape=shape)
+    for batch, ratio in rates["ratio"].items():
+        record(**{f"exact_decode_tokens_per_s_b{batch}": round(rates["exact"][batch], 1),
+                  f"default_decode_tokens_per_s_b{batch}": round(rates["default"][batch], 1),
+                  f"exact_decode_ratio_b{batch}": round(ratio, 3)})
+        print(f"decode tok/s at batch {batch}: exact {rates['exact'][batch]:.1f}, default "
+              f"{rates['default'][batch]:.1f}, ratio {ratio:.2f}", flush=True)
+    record(exact_decode_ratio=round(min(rates["ratio"].values()), 3))
+    train = {numerics: bench_exact.train_tokens_per_s(numerics, rows=rows, steps=steps, dtype="bfloat16",
+                                                      shape=shape) for numerics in ("default", "exact")}
+    record(exact_train_ratio=round(train["exact"] / train["default"], 3),
+           exact_train_tokens_per_s=round(train["exact"], 1),
+           default_train_tokens_per_s=round(train["default"], 1))
+    print(f"rl_step tok/s ({rows} x 128): exact {train['exact']:.1f}, default {train['default']:.1f}",
+          flush=True)
+    if deadline - time.perf_counter() < 2 * bf16_s:
+        record(exact_mismatch_max_fp32=None, exact_mismatch_fp32_why="no time left in the stage's share")
+    else:
+        record(exact_mismatch_max_fp32=bench_exact.logprob_mismatch("float32", "exact", shape=shape, **sizes))
+    print(f"max |engine - trainer| log-prob, exact numerics, float32: "
+          f"{record.figures['exact_mismatch_max_fp32']}", flush=True)
+
+
 def stage_training(record: Recorder, smoke: bool) -> None:
     import dataclasses as dc
 
@@ -617,7 +677,7 @@ def _follow_metrics(path: pathlib.Path, on_step: Callable[[dict], None], stop: t
 
 
 STAGE_FUNCTIONS = {"environment": stage_environment, "tests": stage_tests, "engine": stage_engine,
-                   "training": stage_training, "loop": stage_loop}
+                   "training": stage_training, "exact": stage_exact, "loop": stage_loop}
 
 
 def run_stage(name: str) -> None:
@@ -760,6 +820,10 @@ TABLE = (
     ("kv_bytes_ratio", "KV bytes held / tokens' KV", "<= 1.25"),
     ("group_prompt_kv_ratio", "KV of a prompt x 16 samples / tokens'", "<= 1.2"),
     ("fp8_decode_speedup", "decode tok/s FP8 / bf16, 64 x 512 held", ">= 1.2"),
+    ("exact_mismatch_max_bf16", "exact: max |engine - trainer| logp, bf16", "0.0"),
+    ("exact_mismatch_max_fp32", "exact: max |engine - trainer| logp, fp32", "0.0"),
+    ("exact_decode_ratio", "exact: decode tok/s / default, min b1/b16", ">= 0.9"),
+    ("exact_train_ratio", "exact: rl_step tok/s / default", ">= 0.9"),
     ("loop_compile_s", "loop: compile s (two steps)", ""),
     ("loop_step2_s", "loop: second step s", ""),
     ("rl_step_generated_tokens_per_s_per_gpu", "loop: generated tokens/s/GPU", "NeMo-RL 8B: 1,562"),

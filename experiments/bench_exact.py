@@ -7,6 +7,9 @@
 - ``exact_decode_ratio``: exact / default ``generate`` tokens/s at batch 1 and at batch 16 (both printed);
   the key is the smaller of the two. Goal >= 0.9.
 - ``exact_train_ratio``: exact / default ``rl_step`` tokens/s (4 rows of 128 tokens). Goal >= 0.9.
+
+Each measurement takes the model shape (``shape``, default :data:`SHAPE`) and its dtypes as arguments:
+``experiments.accelerator_check``'s ``exact`` stage runs the same ones on the Qwen3-1.7B shape in bfloat16.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ SHAPE = models.preset("tiny", vocab_size=4096, hidden_size=128, intermediate_siz
                       num_kv_heads=1, head_dim=64)
 
 
-def _config(dtype: str, numerics: str) -> models.ModelConfig:
-    return dataclasses.replace(SHAPE, compute_dtype=dtype, numerics=numerics, eos_token_ids=())
+def _config(dtype: str, numerics: str, shape: models.ModelConfig) -> models.ModelConfig:
+    return dataclasses.replace(shape, compute_dtype=dtype, numerics=numerics, eos_token_ids=())
 
 
-def logprob_mismatch(dtype: str, numerics: str, *, prompts: int = 8, new_tokens: int = 32) -> float:
+def logprob_mismatch(dtype: str, numerics: str, *, prompts: int = 8, new_tokens: int = 32,
+                     shape: models.ModelConfig = SHAPE) -> float:
     """Max |engine - trainer| log-prob over the sampled tokens (module docstring)."""
-    config = _config(dtype, numerics)
+    config = _config(dtype, numerics, shape)
     params = models.init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     batch = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(4, 48, prompts)]
@@ -53,20 +57,30 @@ def logprob_mismatch(dtype: str, numerics: str, *, prompts: int = 8, new_tokens:
 
 
 def decode_rates(generate_tokens_per_s, numerics: str, batches=(1, 16), new_tokens: int = 64,
-                 repeats: int = 2) -> dict:
+                 repeats: int = 2, *, dtype: str = "float32", shape: models.ModelConfig = SHAPE) -> dict:
     """``generate`` tokens/s per batch by ``bench_engine.generate_tokens_per_s`` (greedy, 16-token prompts;
     the best of ``repeats`` after a warm-up)."""
-    config = _config("float32", numerics)
+    config = _config(dtype, numerics, shape)
     params = models.init_params(config, jax.random.key(0))
     rates = generate_tokens_per_s(params, config, batches=batches, new_tokens=new_tokens, chunks=(16,),
                                   repeats=repeats)
     return {batch: rates[batch, 16] for batch in batches}
 
 
-def train_tokens_per_s(numerics: str, rows: int = 4, seq_len: int = 128, steps: int = 3) -> float:
-    """``rl_step`` tokens/s (float32; rows x seq_len tokens, a 32-token prompt then trained tokens; the
-    median of ``steps`` after a warm-up step)."""
-    config = _config("float32", numerics)
+def decode_ratios(generate_tokens_per_s, **options) -> dict:
+    """Exact and default ``decode_rates`` (``options``: its keyword arguments) and their ratio per batch:
+    ``{"exact": {batch: tok/s}, "default": {...}, "ratio": {...}}``."""
+    default, exact_ = (decode_rates(generate_tokens_per_s, numerics, **options) for numerics in ("default",
+                                                                                                 "exact"))
+    return {"exact": exact_, "default": default, "ratio": {batch: exact_[batch] / default[batch]
+                                                           for batch in default}}
+
+
+def train_tokens_per_s(numerics: str, rows: int = 4, seq_len: int = 128, steps: int = 3, *,
+                       dtype: str = "float32", shape: models.ModelConfig = SHAPE) -> float:
+    """``rl_step`` tokens/s (compute in ``dtype``; rows x seq_len tokens, a 32-token prompt then trained
+    tokens; the median of ``steps`` after a warm-up step)."""
+    config = _config(dtype, numerics, shape)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (rows, seq_len + 1)).astype(np.int32)
     mask = np.zeros((rows, seq_len), np.float32)
@@ -97,8 +111,8 @@ def exact(args, report, generate_tokens_per_s) -> None:
         ours, base = logprob_mismatch(dtype, "exact"), logprob_mismatch(dtype, "default")
         report(key, f"max |engine - trainer| log-prob, {dtype}", ours, base, ours, "0.0",
                "baseline: the default numerics")
-    default, ours = (decode_rates(generate_tokens_per_s, numerics) for numerics in ("default", "exact"))
-    ratios = {batch: ours[batch] / default[batch] for batch in default}
+    rates = decode_ratios(generate_tokens_per_s)
+    default, ours, ratios = rates["default"], rates["exact"], rates["ratio"]
     for batch, ratio in ratios.items():
         print(f"  decode tok/s at batch {batch}: exact {ours[batch]:.1f}, default {default[batch]:.1f}, "
               f"ratio {ratio:.2f}", flush=True)

@@ -254,3 +254,54 @@ def test_the_supported_jax_range_is_the_one_setup_declares():
     assert platform.jax_version_supported()  # the JAX the tests run on
     assert platform.jax_version_supported("0.11.2") and platform.jax_version_supported("0.10.2")
     assert not platform.jax_version_supported("0.10.1") and not platform.jax_version_supported("0.12.0")
+
+
+def test_exact_stage_records_the_issue_keys_on_the_1p7b_shape_in_bfloat16(monkeypatch, tmp_path):
+    """The ``exact`` stage (issue 52): ``bench_exact``'s measurements (fakes stand in: the measurement is the
+    GPU's) on the Qwen3-1.7B shape in bfloat16, the float32 mismatch only when time is left; the keys are
+    the ones the module docstring and the GPU guide name."""
+    from experiments import bench_exact
+    from rstar2jax import models
+
+    calls = []
+
+    def mismatch(dtype, numerics, *, shape, **sizes):
+        calls.append(("mismatch", dtype, numerics, shape))
+        return 0.0
+
+    def rates(generate_tokens_per_s, numerics, batches=(1, 16), new_tokens=64, repeats=2, *, dtype, shape):
+        calls.append(("decode", dtype, numerics, shape))
+        return {1: 100.0, 16: 1000.0} if numerics == "default" else {1: 95.0, 16: 800.0}
+
+    def train(numerics, rows, steps, *, dtype, shape):
+        calls.append(("train", dtype, numerics, shape))
+        return 500.0 if numerics == "default" else 450.0
+
+    monkeypatch.setattr(bench_exact, "logprob_mismatch", mismatch)
+    monkeypatch.setattr(bench_exact, "decode_rates", rates)
+    monkeypatch.setattr(bench_exact, "train_tokens_per_s", train)
+    record = check.Recorder(tmp_path / "stage_exact.json")
+    check.exact_numerics(record, smoke=False, deadline=time.perf_counter() + 600)
+    qwen = models.preset("qwen3-1.7b")
+    assert calls == [("mismatch", "bfloat16", "exact", qwen), ("decode", "bfloat16", "default", qwen),
+                     ("decode", "bfloat16", "exact", qwen), ("train", "bfloat16", "default", qwen),
+                     ("train", "bfloat16", "exact", qwen), ("mismatch", "float32", "exact", qwen)]
+    assert {key: record.figures[key] for key in ("exact_mismatch_max_bf16", "exact_mismatch_max_fp32",
+                                                 "exact_decode_ratio", "exact_decode_ratio_b1",
+                                                 "exact_decode_ratio_b16", "exact_train_ratio")} == {
+        "exact_mismatch_max_bf16": 0.0, "exact_mismatch_max_fp32": 0.0, "exact_decode_ratio": 0.8,
+        "exact_decode_ratio_b1": 0.95, "exact_decode_ratio_b16": 0.8, "exact_train_ratio": 0.9}
+    assert record.figures["default_decode_tokens_per_s_b16"] == 1000.0
+    assert json.loads((tmp_path / "stage_exact.json").read_text()) == record.figures
+    # No time left after the bfloat16 figures: the float32 mismatch is not measured, and the record says why.
+    calls.clear()
+    record = check.Recorder(tmp_path / "late.json")
+    check.exact_numerics(record, smoke=True, deadline=time.perf_counter() - 1)
+    assert [call[:3] for call in calls if call[0] == "mismatch"] == [("mismatch", "bfloat16", "exact")]
+    assert calls[0][3] == bench_exact.SHAPE  # --smoke: bench_engine --exact's tiny shape
+    assert record.figures["exact_mismatch_max_fp32"] is None and record.figures["exact_mismatch_fp32_why"]
+    assert "exact" in check.STAGE_NAMES and "exact" in check.STAGE_FUNCTIONS
+    guide = (REPO_ROOT / "docs/guides/gpus.md").read_text()
+    for key in ("exact_mismatch_max_fp32", "exact_mismatch_max_bf16", "exact_decode_ratio",
+                "exact_train_ratio"):
+        assert key in check.__doc__ and key in guide and key in record.figures, key
