@@ -27,11 +27,13 @@ theirs with :func:`packed_attention`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from rstar2jax.models.attention import DEFAULT_BLOCK_SIZE, attention
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.segments import segment_starts
 
@@ -39,22 +41,49 @@ TILE_ROWS = 8
 MIN_TILES = 2
 KEY_BLOCK = 32
 VOCAB_CHUNK = 128
+# The trainer's attention tile: attend_tile's per-row results do not depend on its row count R (its products
+# are batched over the rows; tested against the engine's TILE_ROWS), so the trainer runs fewer, larger tiles.
+ATTENTION_TILE_ROWS = 128
 
 
-def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS):
-    """``fn`` over row tiles: ``arrays`` (leading dim N each) padded with zeros to ``max(ceil(N / tile),
-    MIN_TILES)`` tiles of ``tile`` rows, ``fn(*tile_arrays)`` run on each by ``lax.map``, its outputs
-    (a pytree of ``[tile, ...]`` arrays) put back together and cut to N rows."""
+def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS, consts: tuple = ()):
+    """``fn(*consts, *tile_arrays)`` over row tiles: ``arrays`` (leading dim N each) padded with zeros to
+    ``max(ceil(N / tile), MIN_TILES)`` tiles of ``tile`` rows, ``fn`` run on each by ``lax.map``, its
+    outputs (a pytree of ``[tile, ...]`` arrays) put back together and cut to N rows.
+
+    ``fn`` must be row-wise (row i of its outputs depends on row i of ``arrays`` and on ``consts`` only).
+    Only the forward values are exact: the gradient is the VJP of ``fn`` over all N rows at once (the
+    default numerics' program, fast), so whatever is differentiated must come in through ``arrays`` or
+    ``consts`` (a pytree, e.g. a layer's weights), not through ``fn``'s closure."""
     n = arrays[0].shape[0]
     if any(a.shape[0] != n for a in arrays):
         raise ValueError(f"tiled_rows: leading dims differ: {[a.shape for a in arrays]}")
+    return _tiled_rows(fn, tile, consts, arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tiled_rows(fn: Callable, tile: int, consts, arrays):
+    n = arrays[0].shape[0]
     tiles = max(-(-n // tile), MIN_TILES)
     pad = tiles * tile - n
     tiled = tuple(
         jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(tiles, tile, *a.shape[1:]) for a in arrays
     )
-    out = jax.lax.map(lambda args: fn(*args), tiled)
+    out = jax.lax.map(lambda args: fn(*consts, *args), tiled)
     return jax.tree.map(lambda o: o.reshape(tiles * tile, *o.shape[2:])[:n], out)
+
+
+def _tiled_rows_fwd(fn, tile, consts, arrays):
+    return _tiled_rows(fn, tile, consts, arrays), (consts, arrays)
+
+
+def _tiled_rows_bwd(fn, tile, residuals, cotangent):
+    del tile
+    _, vjp = jax.vjp(lambda consts, arrays: fn(*consts, *arrays), *residuals)
+    return vjp(cotangent)
+
+
+_tiled_rows.defvjp(_tiled_rows_fwd, _tiled_rows_bwd)
 
 
 def attend_tile(q: jax.Array, key_block: Callable, num_blocks, query_pos: jax.Array,
@@ -81,7 +110,7 @@ def attend_tile(q: jax.Array, key_block: Callable, num_blocks, query_pos: jax.Ar
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
-        norm = norm * correction + jnp.sum(p, axis=-1)
+        norm = norm * correction + _halving_sum(p)
         acc = acc * correction[..., None] + jnp.einsum(
             "rkgs,rskd->rkgd", p.astype(q.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, norm, acc
@@ -94,9 +123,29 @@ def attend_tile(q: jax.Array, key_block: Callable, num_blocks, query_pos: jax.Ar
     return out.reshape(R, H, Dh).astype(q.dtype)
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+def _halving_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (a power of two long) by halving it: elementwise adds in one fixed order, so a
+    row's sum does not depend on the number of rows (XLA:CPU's reduction does: the sums of 32 float32 values
+    measured 5.7e-6 apart between 8 or 16 rows and 32 or more)."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *,
+                     implementation: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE) -> jax.Array:
     """:func:`attend_tile` over packed rows: q ``[B, T, H, Dh]`` (scaled), k, v ``[B, T, K, Dh]``,
-    ``segment_ids`` ``[B, T]`` or None (one sequence per row), as ``attention.attention`` takes them."""
+    ``segment_ids`` ``[B, T]`` or None (one sequence per row), as ``attention.attention`` takes them.
+
+    Only the forward values are exact: the gradient is that of ``attention.attention(q, k, v, segment_ids,
+    implementation=implementation, block_size=block_size)`` (the default numerics' attention, fast)."""
+    return _packed_attention(implementation, block_size, q, k, v, segment_ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _packed_attention(implementation, block_size, q, k, v, segment_ids):
+    del implementation, block_size
     B, T, H, Dh = q.shape
     K, N = k.shape[2], B * T
     starts = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_starts(segment_ids)
@@ -109,9 +158,25 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
             index = jnp.minimum(start[:, None] + i * KEY_BLOCK + jnp.arange(KEY_BLOCK), N - 1)
             return k_rows[index], v_rows[index]
 
-        return attend_tile(q, key_block, -(-T // KEY_BLOCK), pos, K)
+        # Blocks past every query of the tile would change nothing: they are not run.
+        return attend_tile(q, key_block, jnp.max(pos) // KEY_BLOCK + 1, pos, K)
 
-    return tiled_rows(tile, q.reshape(N, H, Dh), flat_start, query_pos).reshape(B, T, H, Dh)
+    return tiled_rows(tile, q.reshape(N, H, Dh), flat_start, query_pos,
+                      tile=ATTENTION_TILE_ROWS).reshape(B, T, H, Dh)
+
+
+def _packed_attention_fwd(implementation, block_size, q, k, v, segment_ids):
+    return _packed_attention(implementation, block_size, q, k, v, segment_ids), (q, k, v, segment_ids)
+
+
+def _packed_attention_bwd(implementation, block_size, residuals, cotangent):
+    q, k, v, segment_ids = residuals
+    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids, implementation=implementation,
+                                               block_size=block_size), q, k, v)
+    return (*vjp(cotangent), None)
+
+
+_packed_attention.defvjp(_packed_attention_fwd, _packed_attention_bwd)
 
 
 def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, head_layout: str,
@@ -121,12 +186,13 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, he
     whatever else is in the batch."""
     chunk = min(VOCAB_CHUNK, head.shape[0] if head_layout == "vd" else head.shape[1])
     return tiled_rows(
-        lambda h, t: token_logprobs_and_entropy(h, head, t, temperature=temperature, head_layout=head_layout,
-                                                chunk=chunk),
-        hidden, targets)
+        lambda head, h, t: token_logprobs_and_entropy(h, head, t, temperature=temperature,
+                                                      head_layout=head_layout, chunk=chunk),
+        hidden, targets, consts=(head,))
 
 
 def logits(hidden: jax.Array, head: jax.Array, head_layout: str) -> jax.Array:
     """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of rows (what the engine samples from)."""
     spec = "nd,vd->nv" if head_layout == "vd" else "nd,dv->nv"
-    return tiled_rows(lambda h: jnp.einsum(spec, h, head, preferred_element_type=jnp.float32), hidden)
+    return tiled_rows(lambda head, h: jnp.einsum(spec, h, head, preferred_element_type=jnp.float32), hidden,
+                      consts=(head,))

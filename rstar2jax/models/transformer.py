@@ -376,20 +376,21 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
 
     def block(x, layer, layer_index, kv):
         layer = cast_floats(layer, dtype)
-        q, k, v = exact.tiled_rows(functools.partial(pre_attention, layer), x, positions.reshape(-1))
+        q, k, v = exact.tiled_rows(pre_attention, x, positions.reshape(-1), consts=(layer,))
         if kv is None:
             shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]
-            attn = exact.packed_attention(*shaped, segment_ids).reshape(q.shape)
+            attn = exact.packed_attention(*shaped, segment_ids, implementation=config.attention,
+                                          block_size=config.attention_block_size).reshape(q.shape)
         else:
             attn, kv = kv.write_and_attend(layer_index, q[None], k[None], v[None])
             attn = attn[0]
-        return exact.tiled_rows(functools.partial(post_attention, layer), x, attn), kv
+        return exact.tiled_rows(post_attention, x, attn, consts=(layer,)), kv
 
     if config.remat_policy != "none":
         block = jax.checkpoint(block, policy=_REMAT_POLICIES[config.remat_policy])
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0, mode="clip").astype(dtype)
     x, cache = _run_layers(params, config, block, x, cache)
-    x = exact.tiled_rows(lambda x: _rms_norm(x, params["final_norm"], eps), x)
+    x = exact.tiled_rows(lambda norm, x: _rms_norm(x, norm, eps), x, consts=(params["final_norm"],))
     return x.reshape(B, T, -1), cache
 
 
