@@ -13,13 +13,19 @@ rows:
 
 - every per-token computation (norms, projections, RoPE, MLP, final norm, logits, the log-prob) runs over
   tiles of :data:`TILE_ROWS` rows with :func:`tiled_rows`: the same shapes, hence the same code, whatever the
-  batch; at least :data:`MIN_TILES` tiles, so that XLA never inlines a one-trip loop into its caller;
+  batch, in a loop whose trip count XLA cannot see (so a one-tile loop is never inlined into its caller);
 - attention is one routine (:func:`attend_tile`): each query reduces over the keys of its own sequence in
   blocks of :data:`KEY_BLOCK` positions from the sequence's first token, in order, with the online softmax;
   blocks past a query's position change nothing (every update is then an exact identity), so the engine may
-  run more of them than the trainer;
+  run more of them than the trainer; a row's result does not depend on the tile's row count (its products
+  are batched over the rows, its key sum is :func:`_halving_sum`), so the trainer attends in tiles of
+  :data:`ATTENTION_TILE_ROWS` rows, the engine in tiles of :data:`TILE_ROWS`;
 - the log-prob and entropy come from ``logprobs.token_logprobs_and_entropy`` with a fixed vocabulary chunk
   (:data:`VOCAB_CHUNK`), tile by tile.
+
+Only the forward values are exact: the gradients of :func:`tiled_rows` and :func:`packed_attention` are the
+default numerics' (the row-wise function over all rows at once, ``attention.attention``), which cost what
+the default backward costs.
 
 The paged cache decides how its keys are gathered (``engine.paged_attention``); packed training rows gather
 theirs with :func:`packed_attention`.
@@ -38,9 +44,8 @@ from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.segments import segment_starts
 
 TILE_ROWS = 8
-MIN_TILES = 2
 KEY_BLOCK = 32
-VOCAB_CHUNK = 128
+VOCAB_CHUNK = 4096
 # The trainer's attention tile: attend_tile's per-row results do not depend on its row count R (its products
 # are batched over the rows; tested against the engine's TILE_ROWS), so the trainer runs fewer, larger tiles.
 ATTENTION_TILE_ROWS = 128
@@ -48,8 +53,8 @@ ATTENTION_TILE_ROWS = 128
 
 def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS, consts: tuple = ()):
     """``fn(*consts, *tile_arrays)`` over row tiles: ``arrays`` (leading dim N each) padded with zeros to
-    ``max(ceil(N / tile), MIN_TILES)`` tiles of ``tile`` rows, ``fn`` run on each by ``lax.map``, its
-    outputs (a pytree of ``[tile, ...]`` arrays) put back together and cut to N rows.
+    ``ceil(N / tile)`` tiles of ``tile`` rows, ``fn`` run on each in a loop, its outputs (a pytree of
+    ``[tile, ...]`` arrays) put back together and cut to N rows.
 
     ``fn`` must be row-wise (row i of its outputs depends on row i of ``arrays`` and on ``consts`` only).
     Only the forward values are exact: the gradient is the VJP of ``fn`` over all N rows at once (the
@@ -64,12 +69,21 @@ def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS, consts: 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _tiled_rows(fn: Callable, tile: int, consts, arrays):
     n = arrays[0].shape[0]
-    tiles = max(-(-n // tile), MIN_TILES)
+    tiles = -(-n // tile)
     pad = tiles * tile - n
     tiled = tuple(
         jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(tiles, tile, *a.shape[1:]) for a in arrays
     )
-    out = jax.lax.map(lambda args: fn(*consts, *args), tiled)
+    # A trip count XLA cannot see: it would otherwise inline a one-tile loop into its caller (other code).
+    count = jax.lax.optimization_barrier(jnp.int32(tiles))
+    shapes = jax.eval_shape(lambda args: fn(*consts, *args), tuple(a[0] for a in tiled))
+
+    def body(i, out):
+        y = fn(*consts, *(a[i] for a in tiled))
+        return jax.tree.map(lambda o, y: o.at[i].set(y), out, y)
+
+    empty = jax.tree.map(lambda s: jnp.zeros((tiles, *s.shape), s.dtype), shapes)
+    out = jax.lax.fori_loop(0, count, body, empty)
     return jax.tree.map(lambda o: o.reshape(tiles * tile, *o.shape[2:])[:n], out)
 
 
