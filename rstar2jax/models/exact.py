@@ -74,7 +74,8 @@ def _tiled_rows(fn: Callable, tile: int, consts, arrays):
     tiled = tuple(
         jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(tiles, tile, *a.shape[1:]) for a in arrays
     )
-    # A trip count XLA cannot see: it would otherwise inline a one-tile loop into its caller (other code).
+    # A trip count XLA cannot see, so a single tile (a batch-1 decode step) runs the loop body that many tiles
+    # run, never code XLA inlined into the caller and fused with its neighbours.
     count = jax.lax.optimization_barrier(jnp.int32(tiles))
     shapes = jax.eval_shape(lambda args: fn(*consts, *args), tuple(a[0] for a in tiled))
 
