@@ -343,6 +343,9 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     if kind == "rl":
         rl = _rl_loop(values, stages, values["rl.mini_batches"] * num_microbatches * mesh.data_parallel,
                       policy.model)
+        if policy.model.numerics == "exact":  # the trainer computes through the rollout's precision (FP8)
+            model = dataclasses.replace(policy.model, rollout_precision=rl.rollout.engine.rollout_precision)
+            policy = dataclasses.replace(policy, model=model)
     optimizer = _section(OptimizerOptions, values,
                          warmup_fraction=values["sft.warmup_fraction"] if kind == "sft" else 0.0)
     options = RunOptions(

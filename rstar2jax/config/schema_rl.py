@@ -414,7 +414,9 @@ RL: dict[str, Field] = {
         "default", choice(NUMERICS),
         "default / exact: the engine and the trainer compute with the same batch-invariant programs, so the "
         "sampler's log-probs are the trainer's bit for bit (pi_old without a recompute pass; slower: "
-        "docs/exact_numerics.md); not with FP8 weights or KV pages",
+        "docs/exact_numerics.md); with FP8 weights or KV pages (rollout.weight_dtype / kv_dtype) the "
+        "trainer's forward runs the same quantized weights and keys/values, its gradient passed straight "
+        "through",
     ),
     "rollout.partial_token_budget": Field(
         0, AT_LEAST_0,

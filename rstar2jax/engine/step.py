@@ -49,7 +49,7 @@ from rstar2jax.engine.state import (
     EngineState,
 )
 from rstar2jax.models import exact, forward_hidden, output_head
-from rstar2jax.models.quantization import einsum, is_fp8_weight
+from rstar2jax.models.quantization import dequantize, einsum, is_fp8_weight
 
 DECODE = -1  # a flat token whose id (and position) is the slot's pending token on the device
 
@@ -145,6 +145,8 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     sample = (decode & valid).at[row_token].get(mode="fill", fill_value=False)
     head, layout = output_head(params, state.config)
     h = x[0].at[row_token].get(mode="fill", fill_value=0)
+    if exact_numerics and is_fp8_weight(head):  # one log-prob program: the FP8 head dequantized, as trained
+        head = dequantize(head, h.dtype)
     if exact_numerics:  # the trainer's programs, tile by tile (models.exact)
         logits = exact.logits(h, head, layout)
     elif is_fp8_weight(head):

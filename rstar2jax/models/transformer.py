@@ -22,7 +22,14 @@ from rstar2jax.models.kv_cache import KVCache
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
 from rstar2jax.models.lora import lora_delta
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
-from rstar2jax.models.quantization import cast_floats, einsum, quantized_head
+from rstar2jax.models.quantization import (
+    cast_floats,
+    einsum,
+    quantized_head,
+    straight_through_kv,
+    straight_through_layer,
+    straight_through_weight,
+)
 from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
 
 
@@ -303,6 +310,11 @@ def sequence_logprobs(
     # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
     head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
     if config.numerics == "exact":
+        if config.rollout_precision.quantize_head:  # the FP8 engine's head, [D, V] in the compute dtype
+            head = head.astype(x.dtype)
+            head = straight_through_weight(1, config.rollout_precision.weight_block,
+                                           head.T if layout == "vd" else head)
+            layout = "dv"
         logp, entropy = exact.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
                                              head_layout=layout, temperature=temperature)
         return logp.reshape(targets.shape), entropy.reshape(targets.shape)
@@ -351,11 +363,14 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
 
 def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
     """:func:`_trunk` with exact numerics (``models.exact``): per-token work over fixed row tiles, attention
-    by ``exact.attend_tile`` (a paged cache attends itself, as its ``attention`` says); no KVCache."""
+    by ``exact.attend_tile`` (a paged cache attends itself, as its ``attention`` says); no KVCache. Without a
+    cache, the weights, keys and values are rounded as ``config.rollout_precision`` says (FP8: quantized as
+    the engine's, gradient straight through; ``models.quantization``)."""
     if isinstance(cache, KVCache):
         raise ValueError("numerics='exact' runs without a cache or with a paged cache, not a KVCache")
     B, T = tokens.shape
     dtype, eps = jnp.dtype(config.compute_dtype), config.rms_norm_eps
+    precision = config.rollout_precision
     inverse_frequencies = rope_inverse_frequencies(config)
 
     def pre_attention(layer, x, pos):  # one tile: x [R, D], pos [R] -> q (scaled), k, v [R, heads, Dh]
@@ -375,9 +390,10 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
         return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer)[0]
 
     def block(x, layer, layer_index, kv):
-        layer = cast_floats(layer, dtype)
+        layer = straight_through_layer(cast_floats(layer, dtype), precision)
         q, k, v = exact.tiled_rows(functools.partial(pre_attention, layer), x, positions.reshape(-1))
-        if kv is None:
+        if kv is None:  # the keys and values as the rollout's pages hold them
+            k, v = straight_through_kv(k, precision.kv_dtype), straight_through_kv(v, precision.kv_dtype)
             shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]
             attn = exact.packed_attention(*shaped, segment_ids).reshape(q.shape)
         else:

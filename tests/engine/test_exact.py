@@ -3,6 +3,7 @@ the trainer's bit for bit, in float32 and bfloat16, over random batch mixes, slo
 multi-turn sessions with tool outputs, forks and shared prompt pages, a page pool too small for every slot,
 weights updated in flight (each token against its own version), micro-batched ``rl_step`` rows; the run
 config's switch reaches the model and keeps pi_old the sampler's (no recompute pass, no TIS); LoRA refused.
+FP8 rollouts: ``test_exact_fp8.py``.
 
 Speed: every test runs the model config of ``docs/exact_numerics.md`` (with the engine tests' weights), one
 of two engine configs and one trainer shape per dtype, so the whole file compiles a handful of programs."""
@@ -180,13 +181,15 @@ def test_rl_step_mismatch_metrics_read_zero_on_micro_batched_packed_rows(exact):
 
 def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
     """``rollout.numerics='exact'``: the policy's model (the engine's and the trainer's) computes exactly,
-    'auto' pi_old is the sampler's (no recompute pass) without TIS; with an FP8 rollout a ConfigError."""
+    'auto' pi_old is the sampler's (no recompute pass) without TIS; with an FP8 rollout too, the trainer
+    computing through its precision (``test_exact_fp8.py``)."""
     config = tiny_cpu.get_config()
     default, exact = parse(config), parse(set_fields(config, {"rollout.numerics": "exact"}))
     assert (default.policy.model.numerics, exact.policy.model.numerics) == ("default", "exact")
     assert (exact.rl.loss.old_logprobs, exact.rl.loss.rollout_is_cap) == ("sampler", None)
-    with pytest.raises(ConfigError, match="rollout.numerics='exact'.*kv_dtype='fp8'"):
-        parse(set_fields(config, {"rollout.numerics": "exact", "rollout.kv_dtype": "fp8"}))
+    fp8 = parse(set_fields(config, {"rollout.numerics": "exact", "rollout.kv_dtype": "fp8"}))
+    assert fp8.policy.model.rollout_precision.kv_dtype == "fp8"
+    assert (fp8.rl.loss.old_logprobs, fp8.rl.loss.rollout_is_cap) == ("sampler", None)
     with pytest.raises(ValueError, match="numerics='fast'"):
         dataclasses.replace(default.policy.model, numerics="fast")
 
