@@ -94,7 +94,10 @@ def test_the_gradient_passes_straight_through_the_rounding(tiny_qwen3):
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
 
-    config, plain_config, _, params = _configs(tiny_qwen3, "all-native-float32")
+    # Initial weights: the largest relative error of a parameter's gradient measured 0.12 (0.07 with FP8
+    # weights alone); the engine tests' larger weights, whose rounding moves more, 0.38.
+    config, plain_config, _, _ = _configs(tiny_qwen3, "all-native-float32")
+    params = models.init_params(config, jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 33)), jnp.int32)
 
     def gradient(config):
@@ -105,7 +108,7 @@ def test_the_gradient_passes_straight_through_the_rounding(tiny_qwen3):
     for (path, g), u in zip(jax.tree_util.tree_leaves_with_path(quantized), jax.tree.leaves(unquantized),
                             strict=True):
         assert bool(jnp.isfinite(g).all()), path
-        assert float(jnp.linalg.norm(g - u) / jnp.linalg.norm(u)) < 0.5, path
+        assert float(jnp.linalg.norm(g - u) / jnp.linalg.norm(u)) < 0.25, path
 
 
 def test_run_config_takes_exact_fp8_and_the_trainer_computes_through_it():
