@@ -48,8 +48,8 @@ from rstar2jax.config.options import (
 from rstar2jax.config.parse_model import policy_from_values
 from rstar2jax.config.rules import common_rules, mismatch_correction, off_policy_correction, rl_rules
 from rstar2jax.data.problems import looks_local
-from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
-from rstar2jax.models.config import ModelConfig
+from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, SamplingParams
+from rstar2jax.models.config import FP8, ModelConfig
 from rstar2jax.models.quantization import check_weight_blocks
 
 _MISSING = object()

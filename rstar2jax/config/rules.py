@@ -11,7 +11,7 @@ from typing import Any
 from rstar2jax.config.loss_config import correction_contradiction
 from rstar2jax.config.options import ConfigError, StageOptions
 from rstar2jax.config.schema_rl import AUTO, MISMATCH_IS_CAP
-from rstar2jax.engine.config import FP8
+from rstar2jax.models.config import FP8
 
 
 def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:

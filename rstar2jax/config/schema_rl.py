@@ -26,11 +26,12 @@ from rstar2jax.config.vocabulary import (
     PLACEMENTS,
     ROLLOUT_SCHEDULES,
 )
-from rstar2jax.engine.config import FP8, FP8_MATMULS
 from rstar2jax.engine.plan import ON_UPDATE
 from rstar2jax.models.config import (
     ATTENTION_ALIASES,
     DECODE_ATTENTION_IMPLEMENTATIONS,
+    FP8,
+    FP8_MATMULS,
     NUMERICS,
     SUPPORTED_DTYPES,
 )

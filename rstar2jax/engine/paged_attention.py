@@ -55,10 +55,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.engine.config import FP8
 from rstar2jax.models import ModelConfig, exact
 from rstar2jax.models.attention import resolve_attention
-from rstar2jax.models.config import attention_name
+from rstar2jax.models.config import FP8, attention_name
 from rstar2jax.models.platform import pallas_interpreted
 from rstar2jax.models.quantization import FP8_DTYPE, KV_SCALE_DTYPE, dequantize_kv, quantize_kv
 

@@ -21,12 +21,12 @@ import threading
 import jax
 
 from rstar2jax.engine.buckets import StepLayout
-from rstar2jax.engine.config import FP8, EngineConfig
+from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.paged_attention import decode_attention
 from rstar2jax.engine.state import engine_model_config
 from rstar2jax.engine.step import compile_step
 from rstar2jax.models import ModelConfig, layers_are_unstacked, platform, unstack_layers
-from rstar2jax.models.config import RolloutPrecision
+from rstar2jax.models.config import FP8, RolloutPrecision
 from rstar2jax.models.quantization import (
     DEFAULT_BLOCK,
     cast_floats,

@@ -14,6 +14,7 @@ from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
     REMAT_POLICIES,
     ModelConfig,
+    RolloutPrecision,
     config_from_hf,
     config_to_hf,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "MESH_AXES",
     "KVCache",
     "ModelConfig",
+    "RolloutPrecision",
     "ParamSpec",
     "batch_sharding",
     "cache_shapes",

@@ -18,8 +18,7 @@ import pytest
 from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import generate
-from rstar2jax.models import quantization
-from rstar2jax.models.config import RolloutPrecision
+from rstar2jax.models import RolloutPrecision, quantization
 from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
 from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, _trainer_logprobs
 from tests.train.scripted import set_fields
