@@ -1,11 +1,11 @@
 """Exact numerics with an FP8 rollout (issue 52 item 1): FP8 weights (the output head too, reference or native
-float8 matmuls) and FP8 KV pages, separately and together, in float32 and bfloat16 compute. The trainer's
-exact forward computes through the rollout's quantized weights and keys/values
-(``ModelConfig.rollout_precision``), so every sampled token's engine log-prob is the trainer's bit for bit;
-the ``rl_step``'s mismatch metrics read 0; the run config takes exact + FP8 and hands the precision to the
-trainer; the gradient passes straight through the rounding.
+float8 matmuls) and FP8 KV pages, separately and together, in float32 and bfloat16 compute (and bfloat16
+pages under float32 compute). The trainer's exact forward computes through the rollout's quantized weights
+and keys/values (``ModelConfig.rollout_precision``), so every sampled token's engine log-prob is the
+trainer's bit for bit; the ``rl_step``'s mismatch metrics read 0; the run config takes exact + FP8 and hands
+the precision to the trainer; the gradient passes straight through the rounding.
 
-Speed: four engine configs, one trainer shape per (dtype, precision), as in ``test_exact.py``."""
+Speed: five engine configs, one trainer shape per (dtype, precision), as in ``test_exact.py``."""
 
 import dataclasses
 
@@ -30,6 +30,7 @@ CASES = {  # (compute dtype, the engine's precision fields)
     "kv-bfloat16": ("bfloat16", dict(kv_dtype="fp8")),
     "all-native-float32": ("float32", dict(ALL, fp8_matmul="native")),
     "all-bfloat16": ("bfloat16", ALL),
+    "bfloat16-pages-float32": ("float32", dict(kv_dtype="bfloat16")),  # a float page dtype: a rounding
 }
 
 
