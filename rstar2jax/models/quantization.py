@@ -335,6 +335,7 @@ def straight_through_layer(layer: dict, precision: RolloutPrecision) -> dict:
     native = fp8_matmul_is_native(precision.fp8_matmul)
 
     def quantized(name, w):
+        check_block(f"layers/{name}", w.shape, LINEAR_WEIGHTS[name], precision.weight_block)
         q = quantize_weight(jax.lax.stop_gradient(w), in_axes=LINEAR_WEIGHTS[name],
                             block=precision.weight_block, native=native)
         return StraightThroughFp8(w, q)
