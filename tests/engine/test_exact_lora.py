@@ -18,6 +18,7 @@ from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import generate
 from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
+from rstar2jax.train import lora as lora_lib
 from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, exact  # noqa: F401
 from tests.train.scripted import set_fields
 
@@ -32,8 +33,8 @@ def _adapters(config, lora=LORA):
 
 
 def _sampled(config, params, adapters, prompts, seed):
-    """The engine's samples from the merged weights, as ``train.lora.MergedRollout`` builds them."""
-    merged = models.lora.merge(params, adapters, LORA, config.compute_dtype)
+    """The engine's samples from the merged weights, built as a LoRA run's rollout builds them."""
+    merged = lora_lib.FrozenBase(params, config, LORA).rollout(generate).policy_params(adapters)
     return generate(merged, config, prompts, max_new_tokens=8, temperature=1.0, engine_config=FOUR_SLOTS,
                     seed=seed)
 
