@@ -57,9 +57,11 @@ def test_merged_engine_logprobs_are_the_trainers_with_adapters(exact, dtype):  #
     assert [g.logprobs for g in plain] != [g.logprobs for g in gens]
 
 
-def test_lora_rl_step_mismatch_metrics_read_zero(exact):  # noqa: F811
-    """Engine samples of the merged policy, packed and split into two micro-batches: the LoRA ``rl_step``'s
-    sampler-vs-trainer mismatch metrics read exactly 0, and only the adapters move."""
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_lora_rl_step_mismatch_metrics_read_zero(exact, mini_batches):  # noqa: F811
+    """Engine samples of the merged policy, packed and split into two micro-batches (or two mini-batches:
+    two updates, the mismatch from the log-probs the updates start from): the LoRA ``rl_step``'s
+    sampler-vs-trainer mismatch metrics read exactly 0, and the adapters move."""
     config, params = exact["float32"]
     adapters = _adapters(config)
     rng = np.random.default_rng(12)
@@ -70,7 +72,8 @@ def test_lora_rl_step_mismatch_metrics_read_zero(exact):  # noqa: F811
                  for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
     batch = build_batch(sequences, seq_len=64, num_rows=4, pack=True, with_rl_fields=True)
     optimizer = optax.sgd(1e-2)
-    step = make_rl_step(config, optimizer, num_microbatches=2, lora=LORA)
+    step = make_rl_step(config, optimizer, num_microbatches=3 - mini_batches, mini_batches=mini_batches,
+                        lora=LORA)
     state, metrics = step(init_train_state(adapters, optimizer, 0), batch, params)
     assert float(metrics["tokens"]) == 8 * len(prompts)
     assert float(metrics["mismatch_abs_log_ratio"]) == float(metrics["mismatch_k3_kl"]) == 0.0
