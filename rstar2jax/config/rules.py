@@ -11,7 +11,6 @@ from typing import Any
 from rstar2jax.config.loss_config import correction_contradiction
 from rstar2jax.config.options import ConfigError, StageOptions
 from rstar2jax.config.schema_rl import AUTO, MISMATCH_IS_CAP
-from rstar2jax.models.config import FP8
 
 
 def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
@@ -83,14 +82,6 @@ def _engine_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:
         if s.hard_filter_rollouts > slots:
             raise ConfigError(f"config.stages[{i}].hard_filter_rollouts={s.hard_filter_rollouts}: must be at "
                               f"most rollout.engine_slots={slots} (a problem's rollouts decode side by side)")
-    if v["rollout.numerics"] == "exact" and v["rollout.weight_dtype"] == FP8 and v["model.lora.rank"]:
-        raise ConfigError("config.rollout.numerics='exact' with rollout.weight_dtype='fp8' and "
-                          f"model.lora.rank={v['model.lora.rank']}: the engine quantizes the merged "
-                          "W + s A B, which the trainer's x W + s (x A) B cannot reproduce; drop one of them")
-    if v["rollout.numerics"] == "exact" and v["model.lora.rank"]:
-        raise ConfigError(f"config.rollout.numerics='exact' with model.lora.rank={v['model.lora.rank']}: the "
-                          "engine samples from the merged W + s A B, which the trainer's x W + s (x A) B "
-                          "rounds otherwise; drop one of them")
     longest = max(s.engine_max_len for s in stages)
     tokens = v["rollout.kv_cache_tokens"]
     if 0 < tokens < longest:

@@ -325,13 +325,10 @@ def straight_through_layer(layer: dict, precision: RolloutPrecision) -> dict:
     """One layer's weights (no lead axes, in the compute dtype, as an exact trainer multiplies them) with
     every projection of :data:`LINEAR_WEIGHTS` a :class:`StraightThroughFp8` quantized as
     :func:`quantize_params` quantizes the engine's copy, when ``precision`` has FP8 weights; the layer as it
-    is otherwise. Weights already FP8 (an engine's) stay as they are. LoRA adapters are refused: the engine
-    would quantize the merged weight, which the trainer's separate low-rank path cannot reproduce."""
+    is otherwise. Weights already FP8 (an engine's) stay as they are; LoRA adapters are merged first
+    (``models.lora.merge_layer``), so the merged weight is quantized, as the engine's merged copy is."""
     if precision.weight_dtype != FP8:
         return layer
-    if "lora" in layer:
-        raise ValueError("numerics='exact' with FP8 rollout weights and LoRA adapters: the engine quantizes "
-                         "the merged W + s A B, which the trainer's x W + s (x A) B cannot reproduce")
     native = fp8_matmul_is_native(precision.fp8_matmul)
 
     def quantized(name, w):

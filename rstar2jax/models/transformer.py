@@ -20,7 +20,7 @@ from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.kv_cache import KVCache
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
-from rstar2jax.models.lora import lora_delta
+from rstar2jax.models.lora import lora_delta, merge_layer
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
 from rstar2jax.models.quantization import (
     cast_floats,
@@ -390,7 +390,8 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
         return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer)[0]
 
     def block(x, layer, layer_index, kv):
-        layer = straight_through_layer(cast_floats(layer, dtype), precision)
+        layer = cast_floats(merge_layer(layer, dtype), dtype)  # LoRA: merged from the uncast weights
+        layer = straight_through_layer(layer, precision)  # an FP8 rollout's weights (models.quantization)
         q, k, v = exact.tiled_rows(functools.partial(pre_attention, layer), x, positions.reshape(-1))
         if kv is None:  # the keys and values as the rollout's pages hold them
             k, v = straight_through_kv(k, precision.kv_dtype), straight_through_kv(v, precision.kv_dtype)

@@ -2,8 +2,9 @@
 float8 matmuls) and FP8 KV pages, separately and together, in float32 and bfloat16 compute (and bfloat16
 pages under float32 compute). The trainer's exact forward computes through the rollout's quantized weights
 and keys/values (``ModelConfig.rollout_precision``), so every sampled token's engine log-prob is the
-trainer's bit for bit; the ``rl_step``'s mismatch metrics read 0; the run config takes exact + FP8 and hands
-the precision to the trainer; the gradient passes straight through the rounding.
+trainer's bit for bit, LoRA included (merged, then quantized); the ``rl_step``'s mismatch metrics read 0;
+the run config takes exact + FP8 and hands the precision to the trainer; the gradient passes straight
+through the rounding.
 
 Speed: five engine configs, one trainer shape per (dtype, precision), as in ``test_exact.py``."""
 
@@ -19,8 +20,10 @@ from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import generate
 from rstar2jax.models import RolloutPrecision, quantization
-from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
+from rstar2jax.train import TokenSequence, build_batch, init_train_state, make_rl_step, parse
+from rstar2jax.train import lora as lora_lib
 from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, _trainer_logprobs
+from tests.engine.test_exact_lora import LORA, _adapters
 from tests.train.scripted import set_fields
 
 WEIGHTS = dict(weight_dtype="fp8", weight_block=32)  # 32 divides every tiny weight's matrix view
@@ -79,6 +82,20 @@ def test_rl_step_mismatch_metrics_read_zero_with_an_fp8_rollout(tiny_qwen3):
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(state.params))
 
 
+def test_lora_merged_then_quantized_is_the_trainers_bit_for_bit(tiny_qwen3):
+    """LoRA with FP8 weights, head and pages: the engine quantizes the merged ``W + s A B`` a LoRA run's
+    rollout builds; the trainer, adapters attached, merges each layer and quantizes that: the same bits."""
+    config, _, engine, params = _configs(tiny_qwen3, "all-native-float32")
+    adapters = _adapters(config)
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (6, 17, 3)]
+    merged = lora_lib.FrozenBase(params, config, LORA).rollout(generate).policy_params(adapters)
+    gens = generate(merged, config, prompts, max_new_tokens=8, temperature=1.0, engine_config=engine, seed=4)
+    records = [(p, g.tokens, [1] * len(g.tokens), g.logprobs) for p, g in zip(prompts, gens, strict=True)]
+    attached = models.lora.attach(params, adapters, LORA, merge_in_forward=True)
+    _assert_sampled_are_the_trainers(attached, config, records, row_of=[1, 0, 1])
+
+
 def test_the_gradient_passes_straight_through_the_rounding(tiny_qwen3):
     """A quantized projection's gradient is the plain product's against the dequantized weight (reference and
     native); the model's gradient with FP8 weights, head and pages is finite and close to the unquantized
@@ -113,8 +130,8 @@ def test_the_gradient_passes_straight_through_the_rounding(tiny_qwen3):
 
 def test_run_config_takes_exact_fp8_and_the_trainer_computes_through_it():
     """``rollout.numerics='exact'`` with FP8 weights, head and pages: parsed, the policy's model carries the
-    engine's precision, 'auto' pi_old is the sampler's without TIS (no gap to correct); with LoRA too, a
-    ConfigError; a model whose precision the engine does not sample in, a ValueError before any work."""
+    engine's precision, 'auto' pi_old is the sampler's without TIS (no gap to correct), with LoRA too; a
+    model whose precision the engine does not sample in, a ValueError before any work."""
     fp8 = {"rollout.numerics": "exact", "rollout.weight_dtype": "fp8", "rollout.weight_block": 32,
            "rollout.quantize_head": True, "rollout.kv_dtype": "fp8"}
     parsed = lambda **fields: parse(set_fields(tiny_cpu.get_config(), {**fp8, **fields}))  # a fresh config
@@ -125,8 +142,8 @@ def test_run_config_takes_exact_fp8_and_the_trainer_computes_through_it():
     default = parsed(**{"rollout.numerics": "default"})
     assert default.policy.model.rollout_precision == RolloutPrecision()
     assert default.rl.loss.old_logprobs == "recompute"  # the default numerics keep their correction
-    with pytest.raises(ConfigError, match="weight_dtype='fp8' and model.lora.rank=2"):
-        parsed(**{"model.lora.rank": 2})
+    lora = parsed(**{"model.lora.rank": 2})  # the trainer quantizes the merged weights, as the engine does
+    assert lora.policy.model.rollout_precision == precision
     with pytest.raises(ValueError, match="rollout_precision=.* is for numerics='exact'"):
         dataclasses.replace(default.policy.model, rollout_precision=precision)
     exact_plain = models.preset("tiny", numerics="exact")
