@@ -48,7 +48,7 @@ from rstar2jax.engine.state import (
     STOP,
     EngineState,
 )
-from rstar2jax.models import exact, forward_hidden, output_head
+from rstar2jax.models import exact, exact_kernels, forward_hidden, output_head
 from rstar2jax.models.quantization import einsum, is_fp8_weight
 
 DECODE = -1  # a flat token whose id (and position) is the slot's pending token on the device
@@ -137,7 +137,8 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     )
     exact_numerics = state.config.numerics == "exact"
     view = PagedCacheView(pages=state.pages, batch=batch, block_pages=state.block_pages,
-                          attention="exact" if exact_numerics else state.attention)
+                          attention="exact" if exact_numerics else state.attention,
+                          exact_kernels=exact_kernels.resolve(state.config) if exact_numerics else "xla")
     x, view = forward_hidden(params, state.config, token[None], positions=positions[None], cache=view)
     state = state.replace(pages=view.pages)
 

@@ -12,6 +12,9 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 #: ``ModelConfig.numerics``: the default programs, or batch-invariant ones that make the engine's log-probs
 #: equal the trainer's bit for bit (``models.exact``).
 NUMERICS = ("default", "exact")
+#: ``ModelConfig.exact_kernels``: what exact numerics compute with (``models.exact_kernels.resolve``):
+#: ``"auto"`` (the Pallas Triton kernels on CUDA and ROCm GPUs, XLA elsewhere) or one forced.
+EXACT_KERNELS = ("auto", "xla", "pallas_triton")
 # none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
 # norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
 # layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
@@ -67,7 +70,8 @@ class ModelConfig:
     of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
     the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
     ``dataclasses.replace``. ``numerics``: ``"default"``, or ``"exact"`` (``models.exact``: the engine's
-    and the trainer's forward and log-probs agree bit for bit, at some cost in speed).
+    and the trainer's forward and log-probs agree bit for bit, at some cost in speed); ``exact_kernels``:
+    what exact numerics compute with (:data:`EXACT_KERNELS`, ``models.exact_kernels``).
     """
 
     model_type: str
@@ -93,6 +97,7 @@ class ModelConfig:
     attention_block_size: int = 512
     mlp_chunk_size: int = 0
     numerics: str = "default"
+    exact_kernels: str = "auto"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -142,6 +147,8 @@ class ModelConfig:
             )
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics={self.numerics!r}; expected one of {NUMERICS}")
+        if self.exact_kernels not in EXACT_KERNELS:
+            raise ValueError(f"exact_kernels={self.exact_kernels!r}; expected one of {EXACT_KERNELS}")
         if not isinstance(self.mlp_chunk_size, int) or self.mlp_chunk_size < 0:
             raise ValueError(f"mlp_chunk_size must be an int >= 0, got {self.mlp_chunk_size!r}")
         if self.rope_scaling is not None:

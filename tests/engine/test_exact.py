@@ -208,3 +208,20 @@ def test_the_guide_runs():
     """docs/exact_numerics.md: its Python block (an engine's log-probs against the trainer's) runs."""
     (block,) = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.DOTALL)
     exec(compile(block, str(GUIDE), "exec"), {})  # noqa: S102 (the guide's own code)
+
+
+def test_pallas_kernels_engine_logprobs_are_the_trainers(exact):
+    """``exact_kernels="pallas_triton"`` forced (Pallas' interpreter on CPU: the GPU kernels' programs), in
+    bfloat16: the engine (four slots sharing a small pool) and the trainer both run the kernels, and every
+    sampled token's log-prob is the trainer's bit for bit; the kernels' numbers are not XLA's."""
+    config, params = exact["bfloat16"]
+    kernels = dataclasses.replace(config, exact_kernels="pallas_triton")
+    prompts = [list(range(3, 3 + n)) for n in (5, 19, 2)]
+    gens = generate(params, kernels, prompts, max_new_tokens=6, temperature=1.0, engine_config=FOUR_SLOTS,
+                    seed=4)
+    records = [(p, g.tokens, [1] * len(g.tokens), g.logprobs) for p, g in zip(prompts, gens, strict=True)]
+    _assert_sampled_are_the_trainers(params, kernels, records)
+    sequences = [p + g.tokens for p, g in zip(prompts, gens, strict=True)]
+    xla = _trainer_logprobs(params, config, sequences, [0, 1, 0])
+    assert any(not np.array_equal(a[len(p) - 1:], np.asarray(g.logprobs, np.float32))
+               for a, p, g in zip(xla, prompts, gens, strict=True))
