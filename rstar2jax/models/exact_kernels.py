@@ -44,9 +44,13 @@ if IMPORT_ERROR is None:
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-PALLAS_TILE_ROWS = 16  # tl.dot's smallest block
+#: The row tile of exact numerics on the kernels' path (``exact.TILE_ROWS`` on XLA's): Triton's ``tl.dot``
+#: takes no block under 16.
+PALLAS_TILE_ROWS = 16
+#: :func:`row_matmul`'s reduction block: the input width is summed over in blocks of this many, in order.
 MATMUL_BLOCK_IN = 32
-MATMUL_BLOCK_OUT = (128, 64, 32, 16)  # the output blocks tried, widest first
+#: :func:`row_matmul`'s output blocks, widest first: a weight's is the first that divides its width.
+MATMUL_BLOCK_OUT = (128, 64, 32, 16)
 
 
 def output_block(width: int) -> int | None:
