@@ -193,6 +193,17 @@ def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
         dataclasses.replace(default.policy.model, numerics="fast")
 
 
+def test_run_config_picks_the_exact_kernels():
+    """``model.exact_kernels`` reaches the policy's model (default ``"auto"``); an unknown name is a
+    ConfigError naming the field."""
+    config = set_fields(tiny_cpu.get_config(), {"rollout.numerics": "exact"})
+    assert parse(config).policy.model.exact_kernels == "auto"
+    forced = parse(set_fields(config, {"model.exact_kernels": "pallas_triton"})).policy.model
+    assert (forced.numerics, forced.exact_kernels) == ("exact", "pallas_triton")
+    with pytest.raises(ConfigError, match="model.exact_kernels"):
+        parse(set_fields(config, {"model.exact_kernels": "triton"}))
+
+
 def test_lora_with_exact_numerics_is_refused():
     """The engine samples from merged LoRA weights, the trainer runs base + adapter: not bit for bit, so
     adapters for an exact model are a one-line error (the default numerics take them)."""
