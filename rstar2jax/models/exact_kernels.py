@@ -109,9 +109,10 @@ def _matmul_kernel(x_ref, w_ref, out_ref, *, blocks: int):
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def row_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """``x`` ``[PALLAS_TILE_ROWS, IN] @ w`` ``[IN, OUT]`` by the fixed-tile kernel (module doc), in
-    ``out_dtype`` (default: x's)."""
+@jax.custom_vjp
+def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x`` ``[PALLAS_TILE_ROWS, IN] @ w`` ``[IN, OUT]`` in x's dtype by the fixed-tile kernel (module doc).
+    Its gradient is XLA's products (the trainer's backward needs no bits in common with the engine)."""
     (R, IN), OUT = x.shape, w.shape[1]
     block = output_block(OUT)
     if R != PALLAS_TILE_ROWS or w.shape[0] != IN or IN % MATMUL_BLOCK_IN or block is None:
@@ -122,11 +123,24 @@ def row_matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
         grid=(OUT // block,),
         in_specs=[pl.BlockSpec((R, IN), lambda j: (0, 0)), pl.BlockSpec((IN, block), lambda j: (0, j))],
         out_specs=pl.BlockSpec((R, block), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((R, OUT), out_dtype or x.dtype),
+        out_shape=jax.ShapeDtypeStruct((R, OUT), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),  # Triton's (not Mosaic GPU's)
         interpret=pallas_interpreted(),
         name="exact_row_matmul",
     )(x, w.astype(x.dtype))
+
+
+def _row_matmul_forward(x, w):
+    return row_matmul(x, w), (x, w)
+
+
+def _row_matmul_backward(residuals, cotangent):
+    x, w = residuals
+    product = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    return product(cotangent, w.T.astype(x.dtype)).astype(x.dtype), product(x.T, cotangent).astype(w.dtype)
+
+
+row_matmul.defvjp(_row_matmul_forward, _row_matmul_backward)
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -41,6 +41,31 @@ def test_row_matmul_is_the_product_and_each_rows_bits_its_own(dtype):
     np.testing.assert_array_equal(np.asarray(exact_kernels.row_matmul(other, w)[5]), np.asarray(got[0]))
 
 
+def test_row_matmul_gradient_is_xlas():
+    """The kernel's gradient (what the trainer's backward runs) is XLA's products."""
+    rng = np.random.default_rng(4)
+    x, w = _normal(rng, (ROWS, 64), jnp.float32), _normal(rng, (64, 32), jnp.float32)
+    products = (exact_kernels.row_matmul, jnp.dot)
+    grads = [jax.grad(lambda x, w, f=f: jnp.sum(f(x, w) ** 2), (0, 1))(x, w) for f in products]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_the_model_trains_through_the_kernels():
+    """The trainer's gradient of exact log-probs with the kernels forced (one layer): XLA's, to rounding."""
+    config = models.preset("tiny", numerics="exact", num_layers=1)
+    params = models.init_params(config, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (1, 20)), jnp.int32)
+
+    def grad(kernels):
+        kernel_config = dataclasses.replace(config, exact_kernels=kernels)
+        loss = lambda p: jnp.sum(models.sequence_logprobs(p, kernel_config, tokens[:, :-1], tokens[:, 1:])[0])
+        return jax.jit(jax.grad(loss))(params)
+
+    for a, b in zip(*(jax.tree.leaves(grad(k)) for k in ("pallas_triton", "xla")), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_row_matmul_and_einsum_refuse_what_they_cannot_tile():
     x = jnp.zeros((ROWS, 64))
     with pytest.raises(ValueError, match="does not fit"):
