@@ -7,18 +7,19 @@ neighbours and autotunes it per compiled module, so the engine's step and the tr
 reduce one product in different orders. A Pallas kernel is one opaque program whatever surrounds it.
 
 - :func:`row_matmul`: ``x`` ``[R, IN] @ w`` ``[IN, OUT]`` for a tile of :data:`PALLAS_TILE_ROWS` rows, one
-  program per block of output columns, the reduction over ``IN`` in blocks of
-  :data:`MATMUL_BLOCK_IN` in order into a float32 accumulator (Triton's ``tl.dot`` needs blocks of at least
-  16: hence a 16-row tile on this path, 8 on the XLA one); the output block: the largest power of two up to
-  128 that divides ``OUT`` (:func:`output_block`), so one weight is always cut alike. Exact mode's
-  projections (q/k/v/o, the MLP) run through it, tile by tile (:func:`einsum`).
+  program per block of output columns, the reduction over ``IN`` in blocks of :data:`MATMUL_BLOCK_IN` in
+  order into a float32 accumulator (Triton's ``tl.dot`` needs blocks of at least 16: hence a 16-row tile on
+  this path, 8 on the XLA one); the output block: the widest of :data:`MATMUL_BLOCK_OUT` that divides
+  ``OUT`` (:func:`output_block`), so one weight is always cut alike. Exact mode's projections (q/k/v/o, the
+  MLP: :func:`einsum`) and the output head (the logits the engine samples from, and each vocabulary chunk of
+  the log-prob: :func:`logits`, :func:`token_logprobs`) run through it, tile by tile.
 - :func:`attention`: one program per (query row, query head) reduces over the keys of the row's sequence in
   blocks of ``exact.KEY_BLOCK`` positions, in order, with the online softmax and float32 accumulators, up
   to the row's own position (later keys are masked: their scores dropped and values zeroed, so stale or
   poisoned pages cannot leak in; position -1: a padding row, output 0). Keys are read through a table of
   flat key-row offsets, so the engine's pages and the trainer's packed rows are one kernel.
   :func:`packed_attention` is the trainer's entry (its gradient: the XLA program's, which needs no bits in
-  common with anything), :func:`paged_attention` the engine's.
+  common with anything), ``engine.paged_attention.paged_exact_attention`` the engine's.
 
 The choice (:func:`resolve`, the one function the engine and the trainer ask, so they cannot disagree):
 ``"auto"`` is ``"pallas_triton"`` on CUDA and ROCm GPUs when JAX has Pallas' Triton backend and the model's
@@ -37,6 +38,7 @@ from jax import lax
 from rstar2jax.models import exact
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.flash_attention import FULL_FLOAT32, IMPORT_ERROR
+from rstar2jax.models.logprobs import einsum_logits
 from rstar2jax.models.platform import accelerator, pallas_interpreted
 from rstar2jax.models.segments import segment_starts
 
@@ -62,7 +64,7 @@ def output_block(width: int) -> int | None:
 def unsupported_reason(config: ModelConfig) -> str | None:
     """Why the kernels cannot run ``config``'s model (None: they can). Triton blocks are powers of two: the
     head dimension must be one (>= 16), every projection's input width a multiple of
-    :data:`MATMUL_BLOCK_IN` (hence of 16: an output block)."""
+    :data:`MATMUL_BLOCK_IN` (hence of 16: an output block), the vocabulary a multiple of 16."""
     if IMPORT_ERROR is not None:
         return f"no Pallas Triton backend in this JAX ({IMPORT_ERROR})"
     Dh = config.head_dim
@@ -71,6 +73,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
               "num_heads * head_dim": config.num_heads * Dh,
               "num_kv_heads * head_dim": config.num_kv_heads * Dh}
+    if output_block(config.vocab_size) is None:
+        return f"vocab_size={config.vocab_size} is not a multiple of {MATMUL_BLOCK_OUT[-1]}"
     for name, width in widths.items():
         if width % MATMUL_BLOCK_IN:
             return f"{name}={width} is not a multiple of {MATMUL_BLOCK_IN}"
@@ -94,53 +98,92 @@ def tile_rows(kernels: str) -> int:
     return PALLAS_TILE_ROWS if kernels == "pallas_triton" else exact.TILE_ROWS
 
 
-def _dot(a, b):
-    """``a @ b`` into float32; float32 inputs follow ``jax_default_matmul_precision`` as XLA's dots do."""
+def _dot(a, b, trans_b: bool = False):
+    """``a @ b`` (``b.T`` if ``trans_b``) into float32; float32 inputs follow ``jax_default_matmul_precision``
+    as XLA's dots do."""
     full = jax.config.jax_default_matmul_precision in FULL_FLOAT32
-    return plgpu.dot(a, b, precision=lax.Precision.HIGHEST if full else None)
+    return plgpu.dot(a, b, trans_b=trans_b, precision=lax.Precision.HIGHEST if full else None)
 
 
-def _matmul_kernel(x_ref, w_ref, out_ref, *, blocks: int):
+def _matmul_kernel(x_ref, w_ref, out_ref, *, blocks: int, transposed: bool):
     def step(i, acc):
         columns = pl.ds(i * MATMUL_BLOCK_IN, MATMUL_BLOCK_IN)
-        return acc + _dot(x_ref[:, columns], w_ref[columns, :])
+        w = w_ref[:, columns] if transposed else w_ref[columns, :]
+        return acc + _dot(x_ref[:, columns], w, trans_b=transposed)
 
     acc = lax.fori_loop(0, blocks, step, jnp.zeros(out_ref.shape, jnp.float32))
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-@jax.custom_vjp
-def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x`` ``[PALLAS_TILE_ROWS, IN] @ w`` ``[IN, OUT]`` in x's dtype by the fixed-tile kernel (module doc).
-    Its gradient is XLA's products (the trainer's backward needs no bits in common with the engine)."""
-    (R, IN), OUT = x.shape, w.shape[1]
+def row_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=None) -> jax.Array:
+    """``x`` ``[PALLAS_TILE_ROWS, IN] @ w`` ``[IN, OUT]`` (``transposed``: ``w`` ``[OUT, IN]``, ``x @ w.T``,
+    as a tied embedding is laid out) by the fixed-tile kernel (module doc), w cast to x's dtype, the result in
+    ``out_dtype`` (default: x's). Its gradient is XLA's products (the trainer's backward needs no bits in
+    common with the engine)."""
+    (R, IN), (OUT, w_in) = x.shape, (w.shape[::-1] if not transposed else w.shape)
+    if R != PALLAS_TILE_ROWS or w_in != IN or IN % MATMUL_BLOCK_IN or output_block(OUT) is None:
+        raise ValueError(f"row_matmul: x {x.shape} @ w {w.shape}{'.T' if transposed else ''} does not fit "
+                         f"[{PALLAS_TILE_ROWS}, k*{MATMUL_BLOCK_IN}] @ [k*{MATMUL_BLOCK_IN}, "
+                         f"m*{MATMUL_BLOCK_OUT[-1]}]")
+    return _row_matmul(x, w.astype(x.dtype), transposed, jnp.dtype(out_dtype or x.dtype).name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _row_matmul(x, w, transposed: bool, out_dtype: str):
+    (R, IN), OUT = x.shape, w.shape[0] if transposed else w.shape[1]
     block = output_block(OUT)
-    if R != PALLAS_TILE_ROWS or w.shape[0] != IN or IN % MATMUL_BLOCK_IN or block is None:
-        raise ValueError(f"row_matmul: x {x.shape} @ w {w.shape} does not fit [{PALLAS_TILE_ROWS}, "
-                         f"k*{MATMUL_BLOCK_IN}] @ [k*{MATMUL_BLOCK_IN}, m*{MATMUL_BLOCK_OUT[-1]}]")
+    w_spec = (pl.BlockSpec((block, IN), lambda j: (j, 0)) if transposed else
+              pl.BlockSpec((IN, block), lambda j: (0, j)))
     return pl.pallas_call(
-        functools.partial(_matmul_kernel, blocks=IN // MATMUL_BLOCK_IN),
+        functools.partial(_matmul_kernel, blocks=IN // MATMUL_BLOCK_IN, transposed=transposed),
         grid=(OUT // block,),
-        in_specs=[pl.BlockSpec((R, IN), lambda j: (0, 0)), pl.BlockSpec((IN, block), lambda j: (0, j))],
+        in_specs=[pl.BlockSpec((R, IN), lambda j: (0, 0)), w_spec],
         out_specs=pl.BlockSpec((R, block), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((R, OUT), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((R, OUT), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),  # Triton's (not Mosaic GPU's)
         interpret=pallas_interpreted(),
         name="exact_row_matmul",
-    )(x, w.astype(x.dtype))
+    )(x, w)
 
 
-def _row_matmul_forward(x, w):
-    return row_matmul(x, w), (x, w)
+def _row_matmul_forward(x, w, transposed, out_dtype):
+    return _row_matmul(x, w, transposed, out_dtype), (x, w)
 
 
-def _row_matmul_backward(residuals, cotangent):
+def _row_matmul_backward(transposed, out_dtype, residuals, cotangent):
     x, w = residuals
     product = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-    return product(cotangent, w.T.astype(x.dtype)).astype(x.dtype), product(x.T, cotangent).astype(w.dtype)
+    d_x = product(cotangent, w if transposed else w.T)
+    d_w = product(cotangent.T, x) if transposed else product(x.T, cotangent)
+    return d_x.astype(x.dtype), d_w.astype(w.dtype)
 
 
-row_matmul.defvjp(_row_matmul_forward, _row_matmul_backward)
+_row_matmul.defvjp(_row_matmul_forward, _row_matmul_backward)
+
+
+def _kernel_logits(h: jax.Array, w: jax.Array, vd: bool) -> jax.Array:
+    return row_matmul(h, w, transposed=vd, out_dtype=jnp.float32)
+
+
+def logits_product(kernels: str):
+    """The output head's product of a tile under ``kernels`` (a resolved name): ``logprobs.einsum_logits``
+    or the kernel's (``product`` of ``logprobs.token_logprobs_and_entropy``)."""
+    return einsum_logits if kernels == "xla" else _kernel_logits
+
+
+def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, head_layout: str, kernels: str,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """``exact.token_logprobs`` under ``kernels`` (a resolved name): its tile and its head product."""
+    return exact.token_logprobs(hidden, head, targets, head_layout=head_layout, temperature=temperature,
+                                tile=tile_rows(kernels), product=logits_product(kernels))
+
+
+def logits(hidden: jax.Array, head: jax.Array, head_layout: str, kernels: str) -> jax.Array:
+    """``exact.logits`` under ``kernels`` (a resolved name); the kernels read the head cast to the compute
+    dtype once."""
+    if kernels != "xla":
+        head = head.astype(hidden.dtype)
+    return exact.logits(hidden, head, head_layout, tile=tile_rows(kernels), product=logits_product(kernels))
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

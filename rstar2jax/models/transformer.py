@@ -304,8 +304,9 @@ def sequence_logprobs(
     # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
     head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
     if config.numerics == "exact":
-        logp, entropy = exact.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
-                                             head_layout=layout, temperature=temperature)
+        logp, entropy = exact_kernels.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
+                                                     head_layout=layout, temperature=temperature,
+                                                     kernels=exact_kernels.resolve(config))
         return logp.reshape(targets.shape), entropy.reshape(targets.shape)
     return token_logprobs_and_entropy(x, head, targets, temperature=temperature, head_layout=layout)
 

@@ -13,6 +13,7 @@ import pytest
 
 from rstar2jax import models
 from rstar2jax.models import exact, exact_kernels
+from rstar2jax.models.logprobs import einsum_logits
 
 TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-2)}
 ROWS = exact_kernels.PALLAS_TILE_ROWS
@@ -39,6 +40,15 @@ def test_row_matmul_is_the_product_and_each_rows_bits_its_own(dtype):
     _assert_close(got, expected, dtype)
     other = _normal(rng, (ROWS, 96), dtype).at[5].set(x[0])
     np.testing.assert_array_equal(np.asarray(exact_kernels.row_matmul(other, w)[5]), np.asarray(got[0]))
+
+
+def test_row_matmul_with_a_transposed_weight_into_float32_is_the_heads_product():
+    """A tied embedding's layout (``w`` ``[OUT, IN]``: ``x @ w.T``) into float32, as the output head runs."""
+    rng = np.random.default_rng(6)
+    x, head = _normal(rng, (ROWS, 64), jnp.bfloat16), _normal(rng, (128, 64), jnp.bfloat16)
+    got = exact_kernels.logits_product("pallas_triton")(x, head, True)
+    assert got.dtype == jnp.float32 and exact_kernels.logits_product("xla") is einsum_logits
+    np.testing.assert_allclose(got, einsum_logits(x, head, True), rtol=1e-5, atol=1e-5)
 
 
 def test_row_matmul_gradient_is_xlas():
@@ -149,10 +159,12 @@ def test_packed_attention_kernel_forward_and_the_xla_gradient():
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_kernels_lower_to_triton(platform):
-    """Both kernels lower to Triton kernel calls for a GPU platform (lowering only: nothing compiles to PTX
-    or runs here)."""
+    """The kernels (the matmul also with a tied head's layout) lower to Triton kernel calls for a GPU
+    platform (lowering only: nothing compiles to PTX or runs here)."""
     triton = "__gpu$xla.gpu.triton"
+    head = lambda x, w: exact_kernels.row_matmul(x, w, transposed=True, out_dtype=jnp.float32)
     calls = {"row_matmul": (exact_kernels.row_matmul, [(ROWS, 64), (64, 128)]),
+             "head": (head, [(ROWS, 64), (128, 64)]),
              "attention": (lambda *a: exact_kernels.attention(*a, 16),
                            [(40, 4, 16), (2, 96, 16), (2, 96, 16), (40, 3, "int32"), (40, "int32")])}
     for fn, shapes in calls.values():
