@@ -87,10 +87,6 @@ def _engine_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:
     if v["rollout.numerics"] == "exact" and fp8:
         raise ConfigError(f"config.rollout.numerics='exact' computes in model.compute_dtype: {fp8[0]}='fp8' "
                           "would sample from other numbers than the trainer's; drop one of them")
-    if v["rollout.numerics"] == "exact" and v["model.lora.rank"]:
-        raise ConfigError(f"config.rollout.numerics='exact' with model.lora.rank={v['model.lora.rank']}: the "
-                          "engine samples from the merged W + s A B, which the trainer's x W + s (x A) B "
-                          "rounds otherwise; drop one of them")
     longest = max(s.engine_max_len for s in stages)
     tokens = v["rollout.kv_cache_tokens"]
     if 0 < tokens < longest:

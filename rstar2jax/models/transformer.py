@@ -20,7 +20,7 @@ from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.kv_cache import KVCache
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
-from rstar2jax.models.lora import lora_delta
+from rstar2jax.models.lora import lora_delta, merge_layer
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
 from rstar2jax.models.quantization import cast_floats, einsum, quantized_head
 from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
@@ -381,7 +381,7 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
         return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer, matmul)[0]
 
     def block(x, layer, layer_index, kv):
-        layer = cast_floats(layer, dtype)
+        layer = cast_floats(merge_layer(layer, dtype), dtype)  # LoRA: merged from the uncast weights
         q, k, v = tiled_rows(functools.partial(pre_attention, layer), x, positions.reshape(-1))
         if kv is None:
             shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]

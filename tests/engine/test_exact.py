@@ -2,7 +2,8 @@
 the trainer's bit for bit, in float32 and bfloat16, over random batch mixes, slot counts and trainer packings,
 multi-turn sessions with tool outputs, forks and shared prompt pages, a page pool too small for every slot,
 weights updated in flight (each token against its own version), micro-batched ``rl_step`` rows; the run
-config's switch reaches the model and keeps pi_old the sampler's (no recompute pass, no TIS); LoRA refused.
+config's switch reaches the model and keeps pi_old the sampler's (no recompute pass, no TIS). LoRA:
+``test_exact_lora``.
 
 Speed: every test runs the model config of ``docs/exact_numerics.md`` (with the engine tests' weights), one
 of two engine configs and one trainer shape per dtype, so the whole file compiles a handful of programs."""
@@ -202,19 +203,6 @@ def test_run_config_picks_the_exact_kernels():
     assert (forced.numerics, forced.exact_kernels) == ("exact", "pallas_triton")
     with pytest.raises(ConfigError, match="model.exact_kernels"):
         parse(set_fields(config, {"model.exact_kernels": "triton"}))
-
-
-def test_lora_with_exact_numerics_is_refused():
-    """The engine samples from merged LoRA weights, the trainer runs base + adapter: not bit for bit, so
-    adapters for an exact model are a one-line error (the default numerics take them)."""
-    lora = models.LoraConfig(rank=2)
-    models.lora.check_lora(models.preset("tiny"), lora)
-    with pytest.raises(ValueError, match="numerics='exact' with LoRA"):
-        models.lora.init_lora(models.preset("tiny", numerics="exact"), lora, jax.random.key(0))
-    # A run config asking for both is refused when it is parsed (a launcher: exit 2 before any work).
-    config = set_fields(tiny_cpu.get_config(), {"rollout.numerics": "exact", "model.lora.rank": 2})
-    with pytest.raises(ConfigError, match="rollout.numerics='exact' with model.lora.rank=2"):
-        parse(config)
 
 
 def test_the_guide_runs():
