@@ -16,6 +16,9 @@ NUMERICS = ("default", "exact")
 FP8 = "fp8"
 #: How FP8 weights multiply (``EngineConfig.fp8_matmul``; ``models.quantization.fp8_matmul_is_native``).
 FP8_MATMULS = ("auto", "native", "reference")
+#: ``ModelConfig.exact_kernels``: what exact numerics compute with (``models.exact_kernels.resolve``):
+#: ``"auto"`` (the Pallas Triton kernels on CUDA and ROCm GPUs, XLA elsewhere) or one forced.
+EXACT_KERNELS = ("auto", "xla", "pallas_triton")
 # none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
 # norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
 # layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
@@ -109,7 +112,8 @@ class ModelConfig:
     of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
     the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
     ``dataclasses.replace``. ``numerics``: ``"default"``, or ``"exact"`` (``models.exact``: the engine's
-    and the trainer's forward and log-probs agree bit for bit, at some cost in speed);
+    and the trainer's forward and log-probs agree bit for bit, at some cost in speed); ``exact_kernels``:
+    what exact numerics compute with (:data:`EXACT_KERNELS`, ``models.exact_kernels``);
     ``rollout_precision`` (exact numerics only): the precision of the engine that samples for it
     (:class:`RolloutPrecision`: FP8 weights or KV pages), which the trainer's exact forward then computes
     through too.
@@ -138,6 +142,7 @@ class ModelConfig:
     attention_block_size: int = 512
     mlp_chunk_size: int = 0
     numerics: str = "default"
+    exact_kernels: str = "auto"
     rollout_precision: RolloutPrecision = RolloutPrecision()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -188,6 +193,8 @@ class ModelConfig:
             )
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics={self.numerics!r}; expected one of {NUMERICS}")
+        if self.exact_kernels not in EXACT_KERNELS:
+            raise ValueError(f"exact_kernels={self.exact_kernels!r}; expected one of {EXACT_KERNELS}")
         if not isinstance(self.rollout_precision, RolloutPrecision):
             raise ValueError(f"rollout_precision must be a RolloutPrecision, got {self.rollout_precision!r}")
         if self.rollout_precision != RolloutPrecision() and self.numerics != "exact":

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.models.logprobs import token_logprobs_and_entropy
+from rstar2jax.models.logprobs import einsum_logits, token_logprobs_and_entropy
 from rstar2jax.models.segments import segment_starts
 
 TILE_ROWS = 8
@@ -115,18 +115,20 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
 
 def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, head_layout: str,
-                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                   temperature: float = 1.0, tile: int = TILE_ROWS,
+                   product=einsum_logits) -> tuple[jax.Array, jax.Array]:
     """``logprobs.token_logprobs_and_entropy`` of ``hidden`` ``[N, D]`` and ``targets`` ``[N]`` by tiles of
-    rows with a fixed vocabulary chunk: (log-probs, entropies) float32 ``[N]``, the same bits for a token
-    whatever else is in the batch."""
+    ``tile`` rows with a fixed vocabulary chunk, its logits by ``product``: (log-probs, entropies) float32
+    ``[N]``, the same bits for a token whatever else is in the batch."""
     chunk = min(VOCAB_CHUNK, head.shape[0] if head_layout == "vd" else head.shape[1])
     return tiled_rows(
         lambda h, t: token_logprobs_and_entropy(h, head, t, temperature=temperature, head_layout=head_layout,
-                                                chunk=chunk),
-        hidden, targets)
+                                                chunk=chunk, product=product),
+        hidden, targets, tile=tile)
 
 
-def logits(hidden: jax.Array, head: jax.Array, head_layout: str) -> jax.Array:
-    """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of rows (what the engine samples from)."""
-    spec = "nd,vd->nv" if head_layout == "vd" else "nd,dv->nv"
-    return tiled_rows(lambda h: jnp.einsum(spec, h, head, preferred_element_type=jnp.float32), hidden)
+def logits(hidden: jax.Array, head: jax.Array, head_layout: str, *, tile: int = TILE_ROWS,
+           product=einsum_logits) -> jax.Array:
+    """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of ``tile`` rows, each by ``product``
+    (what the engine samples from)."""
+    return tiled_rows(lambda h: product(h, head, head_layout == "vd"), hidden, tile=tile)

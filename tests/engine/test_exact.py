@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import pathlib
 import re
+from unittest import mock
 
 import hypothesis
 import hypothesis.strategies as st
@@ -24,7 +25,8 @@ import pytest
 from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
-from rstar2jax.train import TokenSequence, build_batch, init_train_state, make_rl_step, parse
+from rstar2jax.models import exact_kernels
+from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
 from tests.train.scripted import set_fields
 
 GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "exact_numerics.md"
@@ -194,7 +196,38 @@ def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
         dataclasses.replace(default.policy.model, numerics="fast")
 
 
+def test_run_config_picks_the_exact_kernels():
+    """``model.exact_kernels`` reaches the policy's model (default ``"auto"``); an unknown name is a
+    ConfigError naming the field."""
+    config = set_fields(tiny_cpu.get_config(), {"rollout.numerics": "exact"})
+    assert parse(config).policy.model.exact_kernels == "auto"
+    forced = parse(set_fields(config, {"model.exact_kernels": "pallas_triton"})).policy.model
+    assert (forced.numerics, forced.exact_kernels) == ("exact", "pallas_triton")
+    with pytest.raises(ConfigError, match="model.exact_kernels"):
+        parse(set_fields(config, {"model.exact_kernels": "triton"}))
+
+
 def test_the_guide_runs():
     """docs/exact_numerics.md: its Python block (an engine's log-probs against the trainer's) runs."""
     (block,) = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.DOTALL)
     exec(compile(block, str(GUIDE), "exec"), {})  # noqa: S102 (the guide's own code)
+
+
+def test_pallas_kernels_engine_logprobs_are_the_trainers(exact):
+    """``exact_kernels="pallas_triton"`` forced (Pallas' interpreter on CPU: the GPU kernels' programs), in
+    bfloat16: the engine (four slots sharing a small pool) and the trainer both run the kernels, and every
+    sampled token's log-prob is the trainer's bit for bit."""
+    config, params = exact["bfloat16"]
+    config = dataclasses.replace(config, exact_kernels="pallas_triton")
+    prompts = [list(range(3, 3 + n)) for n in (5, 19, 2)]
+    kernels = ("attention", "row_matmul")
+    spies = [mock.patch.object(exact_kernels, name, wraps=getattr(exact_kernels, name)) for name in kernels]
+    with spies[0] as attention, spies[1] as row_matmul:
+        gens = generate(params, config, prompts, max_new_tokens=6, temperature=1.0, engine_config=FOUR_SLOTS,
+                        seed=4)
+        assert attention.called and row_matmul.called  # traced into the engine's step
+        attention.reset_mock()
+        row_matmul.reset_mock()
+        records = [(p, g.tokens, [1] * len(g.tokens), g.logprobs) for p, g in zip(prompts, gens, strict=True)]
+        _assert_sampled_are_the_trainers(params, config, records)
+        assert attention.called and row_matmul.called  # and into the trainer's forward
