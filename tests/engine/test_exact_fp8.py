@@ -19,7 +19,7 @@ import pytest
 from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import generate
-from rstar2jax.models import RolloutPrecision, quantization
+from rstar2jax.models import RolloutPrecision, exact_kernels, quantization
 from rstar2jax.train import TokenSequence, build_batch, init_train_state, make_rl_step, parse
 from rstar2jax.train import lora as lora_lib
 from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, _trainer_logprobs
@@ -150,3 +150,14 @@ def test_run_config_takes_exact_fp8_and_the_trainer_computes_through_it():
     with pytest.raises(ValueError, match="the engine samples with .*weight_dtype='fp8'"):
         generate(models.init_params(exact_plain, jax.random.key(0)), exact_plain, [[1, 2]], max_new_tokens=1,
                  engine_config=dataclasses.replace(FOUR_SLOTS, **WEIGHTS))
+
+
+def test_the_exact_kernels_leave_fp8_rollouts_to_xla():
+    """The Pallas kernels take neither FP8 weights nor FP8 pages: ``"auto"`` runs XLA's exact programs for an
+    FP8 rollout, a forced ``"pallas_triton"`` is a ValueError naming why."""
+    for fields in (WEIGHTS, dict(kv_dtype="fp8")):
+        config = models.preset("tiny", numerics="exact", rollout_precision=RolloutPrecision(**fields))
+        assert "FP8 rollout" in exact_kernels.unsupported_reason(config)
+        assert exact_kernels.resolve(config) == "xla"
+        with pytest.raises(ValueError, match="exact_kernels='pallas_triton' cannot run this model: an FP8"):
+            exact_kernels.resolve(dataclasses.replace(config, exact_kernels="pallas_triton"))
