@@ -26,7 +26,9 @@ early leaves more to the ones after it, and none can starve the rest beyond its 
   ``bench_engine --exact``) on the Qwen3-1.7B shape computing in bfloat16, random weights: the engine's
   sampled-token log-probs against the trainer's, then exact over default decode tokens/s at batch 1 and 16
   and ``rl_step`` tokens/s, then the float32 mismatch if the stage's time allows (its share is small: the
-  default run may record only the first figures; ``--stages=exact --budget_s=300`` gives it the time);
+  default run may record only the first figures; ``--stages=exact --budget_s=300`` gives it the time); the
+  ``"auto"`` choice of exact mode's kernels (``models.exact_kernels``: the Pallas Triton kernels on a CUDA or
+  ROCm GPU) runs, and ``exact_kernels`` records which ran;
 - ``engine``: the Qwen3-1.7B shape in bfloat16, random weights: time to a ready engine (a cold engine's first
   token at 64 slots), the decode step over the memory-bandwidth floor at batch 1 and 64 (parameter + KV
   bytes / measured device copy bandwidth; ``bench_engine``'s measurement), KV bytes held over tokens held,
@@ -54,7 +56,8 @@ JSON keys (contract): ``smoke_ok``, ``device``, ``gpu_tests_failed`` (and ``gpu_
 ``exact_mismatch_max_bf16`` and ``exact_mismatch_max_fp32`` (goal 0.0; the latter None with
 ``exact_mismatch_fp32_why`` when the stage has no time left for it), ``exact_decode_ratio`` (goal >= 0.9; the
 smaller of ``exact_decode_ratio_b1`` / ``_b16``, beside ``exact_decode_tokens_per_s_b1`` / ``_b16`` and
-``default_decode_tokens_per_s_b1`` / ``_b16``), ``exact_train_ratio`` (goal >= 0.9).
+``default_decode_tokens_per_s_b1`` / ``_b16``), ``exact_train_ratio`` (goal >= 0.9), ``exact_kernels``
+(``"pallas_triton"`` or ``"xla"``).
 """
 
 from __future__ import annotations
@@ -429,12 +432,15 @@ def exact_numerics(record: Recorder, smoke: bool, deadline: float) -> None:
     comes (a stage stopped at its limit keeps the first ones): ``exact_mismatch_max_bf16`` (goal 0.0),
     ``exact_decode_ratio`` with the tokens/s at batch 1 and 16, ``exact_train_ratio``, then
     ``exact_mismatch_max_fp32`` if the time left before ``deadline`` (``time.perf_counter``) holds twice
-    what the bfloat16 one took (else None and ``exact_mismatch_fp32_why``)."""
+    what the bfloat16 one took (else None and ``exact_mismatch_fp32_why``). First ``exact_kernels``: what
+    the model's ``"auto"`` exact kernels resolve to here (``models.exact_kernels.resolve``), hence ran."""
     from experiments import bench_engine, bench_exact
     from rstar2jax import models
 
     shape = bench_exact.SHAPE if smoke else models.preset("qwen3-1.7b")
-    record(exact_model=f"{'tiny' if smoke else 'qwen3-1.7b'} bfloat16 compute, random weights")
+    record(exact_model=f"{'tiny' if smoke else 'qwen3-1.7b'} bfloat16 compute, random weights",
+           exact_kernels=models.exact_kernels.resolve(dataclasses.replace(shape, numerics="exact")))
+    print(f"exact numerics compute with: {record.figures['exact_kernels']}", flush=True)
     # Smoke: the fewest tokens that run every program (no figure of a smoke run is a measurement).
     sizes = dict(prompts=2, new_tokens=8) if smoke else {}
     repeats, new_tokens, rows, steps = (1, 8, 2, 1) if smoke else (2, 64, 4, 3)

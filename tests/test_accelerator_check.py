@@ -292,14 +292,18 @@ def test_exact_stage_records_the_issue_keys_on_the_1p7b_shape_in_bfloat16(monkey
         "exact_mismatch_max_bf16": 0.0, "exact_mismatch_max_fp32": 0.0, "exact_decode_ratio": 0.8,
         "exact_decode_ratio_b1": 0.95, "exact_decode_ratio_b16": 0.8, "exact_train_ratio": 0.9}
     assert record.figures["default_decode_tokens_per_s_b16"] == 1000.0
+    assert record.figures["exact_kernels"] == "xla"  # the CPU's automatic choice
     assert json.loads((tmp_path / "stage_exact.json").read_text()) == record.figures
     # No time left after the bfloat16 figures: the float32 mismatch is not measured, and the record says why.
+    # On a CUDA GPU the automatic choice is the Pallas kernels, and the record says so.
     calls.clear()
+    monkeypatch.setattr(models.exact_kernels, "accelerator", lambda: "cuda")
     record = check.Recorder(tmp_path / "late.json")
     check.exact_numerics(record, smoke=True, deadline=time.perf_counter() - 1)
     assert [call[:3] for call in calls if call[0] == "mismatch"] == [("mismatch", "bfloat16", "exact")]
     assert calls[0][3] == bench_exact.SHAPE  # --smoke: bench_engine --exact's tiny shape
     assert record.figures["exact_mismatch_max_fp32"] is None and record.figures["exact_mismatch_fp32_why"]
+    assert record.figures["exact_kernels"] == "pallas_triton"
     assert "exact" in check.STAGE_NAMES and "exact" in check.STAGE_FUNCTIONS
     guide = (REPO_ROOT / "docs/guides/gpus.md").read_text()
     for key in ("exact_mismatch_max_fp32", "exact_mismatch_max_bf16", "exact_decode_ratio",

@@ -23,13 +23,5 @@ _NAMES = {
     ],  # fmt: skip
     "rstar2jax.config.parse_model": ["policy_options"],
 }
-_LAZY = LazyNames(globals(), _NAMES)
+_LAZY = LazyNames(globals(), _NAMES).install()
 __all__ = sorted([*_LAZY.names])  # griffe (the API pages) reads a list here
-
-
-def __getattr__(name: str):
-    return _LAZY.load(name)
-
-
-def __dir__():
-    return __all__

@@ -1,6 +1,8 @@
 """A package's lazy face: the names it offers load from their home modules on first use, so importing the
 package starts nothing (no JAX); one table per package, ``{home module: [names]}``. The packages above
-``config`` (``config``, ``policy``, ``schedules``, ``train``) share this loader."""
+``config`` (``config``, ``policy``, ``schedules``, ``train``) share this loader: each ``__init__`` holds its
+table, ``_LAZY = LazyNames(globals(), table).install()`` and a plain ``__all__`` list (griffe, which writes
+the API pages, reads that assignment)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,13 @@ class LazyNames:
                  modules: Sequence[str] = ()):
         self._namespace, self._table, self._modules = namespace, table, tuple(modules)
         self.module_of = {name: module for module, names in table.items() for name in names}
+
+    def install(self) -> LazyNames:
+        """Make the package lazy (PEP 562): its ``__getattr__`` is :meth:`load` and its ``__dir__`` the names
+        and modules it offers. Returns ``self``."""
+        self._namespace["__getattr__"] = self.load
+        self._namespace["__dir__"] = lambda: sorted({*self.module_of, *self._modules})
+        return self
 
     @property
     def names(self) -> list[str]:

@@ -48,8 +48,8 @@ from rstar2jax.config.options import (
 from rstar2jax.config.parse_model import policy_from_values
 from rstar2jax.config.rules import common_rules, mismatch_correction, off_policy_correction, rl_rules
 from rstar2jax.data.problems import looks_local
-from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, FP8, EngineConfig, SamplingParams
-from rstar2jax.models.config import ModelConfig
+from rstar2jax.engine.config import DEFAULT_PAGE_SIZE, EngineConfig, SamplingParams
+from rstar2jax.models.config import FP8, ModelConfig
 from rstar2jax.models.quantization import check_weight_blocks
 
 _MISSING = object()
@@ -343,6 +343,9 @@ def parse(config, kind: str | None = None, *, check_data: bool = True) -> RunOpt
     if kind == "rl":
         rl = _rl_loop(values, stages, values["rl.mini_batches"] * num_microbatches * mesh.data_parallel,
                       policy.model)
+        if policy.model.numerics == "exact":  # the trainer computes through the rollout's precision (FP8)
+            model = dataclasses.replace(policy.model, rollout_precision=rl.rollout.engine.rollout_precision)
+            policy = dataclasses.replace(policy, model=model)
     optimizer = _section(OptimizerOptions, values,
                          warmup_fraction=values["sft.warmup_fraction"] if kind == "sft" else 0.0)
     options = RunOptions(

@@ -19,7 +19,7 @@ from rstar2jax.models import peft_adapter
 
 #: ``config.model`` fields that are ``ModelConfig`` options of any model source.
 MODEL_OPTIONS = ("param_dtype", "compute_dtype", "remat_policy", "scan_layers", "attention",
-                 "attention_block_size", "mlp_chunk_size")
+                 "attention_block_size", "mlp_chunk_size", "exact_kernels")
 
 
 def prompt_from_values(values: Mapping[str, Any]) -> PromptConfig:

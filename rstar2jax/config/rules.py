@@ -11,7 +11,6 @@ from typing import Any
 from rstar2jax.config.loss_config import correction_contradiction
 from rstar2jax.config.options import ConfigError, StageOptions
 from rstar2jax.config.schema_rl import AUTO, MISMATCH_IS_CAP
-from rstar2jax.engine.config import FP8
 
 
 def off_policy_correction(option: str, schedule: str, max_staleness: int) -> str:
@@ -83,14 +82,6 @@ def _engine_rules(v: Mapping[str, Any], stages: Sequence[StageOptions]) -> None:
         if s.hard_filter_rollouts > slots:
             raise ConfigError(f"config.stages[{i}].hard_filter_rollouts={s.hard_filter_rollouts}: must be at "
                               f"most rollout.engine_slots={slots} (a problem's rollouts decode side by side)")
-    fp8 = [name for name in ("rollout.weight_dtype", "rollout.kv_dtype") if v[name] == FP8]
-    if v["rollout.numerics"] == "exact" and fp8:
-        raise ConfigError(f"config.rollout.numerics='exact' computes in model.compute_dtype: {fp8[0]}='fp8' "
-                          "would sample from other numbers than the trainer's; drop one of them")
-    if v["rollout.numerics"] == "exact" and v["model.lora.rank"]:
-        raise ConfigError(f"config.rollout.numerics='exact' with model.lora.rank={v['model.lora.rank']}: the "
-                          "engine samples from the merged W + s A B, which the trainer's x W + s (x A) B "
-                          "rounds otherwise; drop one of them")
     longest = max(s.engine_max_len for s in stages)
     tokens = v["rollout.kv_cache_tokens"]
     if 0 < tokens < longest:
@@ -188,8 +179,11 @@ def mismatch_correction(v: Mapping[str, Any]) -> dict[str, Any]:
     ``loss.allow_uncorrected_mismatch=True``. Under the decoupled objective (the asynchronous schedule's
     default) "auto" is no cap: its behaviour weight pi_prox / pi_behav, truncated at
     ``loss.decoupled_is_cap``, is already the token-level TIS against the sampler's (FP8) log-probs.
-    Otherwise "auto" is the sampler's log-probs and no cap."""
-    gap = precision_gap(v["rollout.weight_dtype"], v["rollout.kv_dtype"], v["model.compute_dtype"])
+    Otherwise "auto" is the sampler's log-probs and no cap. With ``rollout.numerics="exact"`` the trainer
+    computes through the rollout's precision (FP8 included): no gap."""
+    # Exact numerics: the trainer computes through the rollout's precision (FP8 included), so no gap.
+    gap = "" if v["rollout.numerics"] == "exact" else precision_gap(
+        v["rollout.weight_dtype"], v["rollout.kv_dtype"], v["model.compute_dtype"])
     source, cap, mask = v["loss.old_logprobs"], v["loss.rollout_is_cap"], v["loss.rollout_mask"]
     allowed = v["loss.allow_uncorrected_mismatch"]
     decoupled = _decoupled(v)

@@ -36,6 +36,7 @@ from rstar2jax.config.vocabulary import SCHEDULES
 from rstar2jax.models.config import (
     ATTENTION_ALIASES,
     ATTENTION_IMPLEMENTATIONS,
+    EXACT_KERNELS,
     REMAT_POLICIES,
     SUPPORTED_DTYPES,
 )
@@ -110,6 +111,11 @@ COMMON: dict[str, Field] = {
     "model.attention_block_size": Field(
         512, Check(lambda v: POSITIVE(v) and v % 8 == 0, "must be a multiple of 8 (> 0)", int, (0, 12, "x")),
         "query/key block of the blockwise attention (a multiple of 8)",
+    ),
+    "model.exact_kernels": Field(
+        "auto", choice(EXACT_KERNELS),
+        "what exact numerics (rollout.numerics='exact') compute with: auto (Pallas Triton kernels on CUDA / "
+        "ROCm GPUs, else XLA) / xla / pallas_triton (docs/exact_numerics.md)",
     ),
     "model.mlp_chunk_size": Field(
         0, AT_LEAST_0,

@@ -26,11 +26,12 @@ from rstar2jax.config.vocabulary import (
     PLACEMENTS,
     ROLLOUT_SCHEDULES,
 )
-from rstar2jax.engine.config import FP8, FP8_MATMULS
 from rstar2jax.engine.plan import ON_UPDATE
 from rstar2jax.models.config import (
     ATTENTION_ALIASES,
     DECODE_ATTENTION_IMPLEMENTATIONS,
+    FP8,
+    FP8_MATMULS,
     NUMERICS,
     SUPPORTED_DTYPES,
 )
@@ -414,7 +415,9 @@ RL: dict[str, Field] = {
         "default", choice(NUMERICS),
         "default / exact: the engine and the trainer compute with the same batch-invariant programs, so the "
         "sampler's log-probs are the trainer's bit for bit (pi_old without a recompute pass; slower: "
-        "docs/exact_numerics.md); not with FP8 weights or KV pages",
+        "docs/exact_numerics.md); with FP8 weights or KV pages (rollout.weight_dtype / kv_dtype) the "
+        "trainer's forward runs the same quantized weights and keys/values, its gradient passed straight "
+        "through",
     ),
     "rollout.partial_token_budget": Field(
         0, AT_LEAST_0,

@@ -7,13 +7,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from rstar2jax.models.config import attention_name
+from rstar2jax.models.config import FP8, FP8_MATMULS, RolloutPrecision, attention_name
 
 #: Attention implementations that read FP8 KV pages (``kv_dtype="fp8"``); "pallas_triton" only where the
 #: kernel compiles for float8 pages (``paged_attention`` checks on the device).
 FP8_KV_ATTENTION = ("auto", "blockwise", "pallas_triton")
-FP8 = "fp8"
-FP8_MATMULS = ("auto", "native", "reference")
 DEFAULT_PAGE_SIZE = 16
 
 
@@ -186,6 +184,14 @@ class EngineConfig:
         if kv == FP8 and self.attention not in FP8_KV_ATTENTION:
             raise ValueError(f"attention={self.attention!r} cannot read FP8 KV pages (kv_dtype='fp8'); "
                              f"use one of {FP8_KV_ATTENTION}")
+
+    @property
+    def rollout_precision(self) -> RolloutPrecision:
+        """This engine's precision fields as an exact model's ``ModelConfig.rollout_precision`` (the
+        precision the trainer's exact forward then computes through)."""
+        return RolloutPrecision(weight_dtype=self.weight_dtype, weight_block=self.weight_block,
+                                quantize_head=self.quantize_head, fp8_matmul=self.fp8_matmul,
+                                kv_dtype=self.kv_dtype)
 
     @property
     def cache_dtype(self) -> str | None:

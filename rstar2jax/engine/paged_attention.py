@@ -55,15 +55,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.engine.config import FP8
-from rstar2jax.models import ModelConfig, exact
+from rstar2jax.models import ModelConfig, exact, exact_kernels
 from rstar2jax.models.attention import resolve_attention
-from rstar2jax.models.config import attention_name
+from rstar2jax.models.config import FP8, attention_name
 from rstar2jax.models.platform import pallas_interpreted
-from rstar2jax.models.quantization import FP8_DTYPE, to_fp8
+from rstar2jax.models.quantization import FP8_DTYPE, KV_SCALE_DTYPE, dequantize_kv, quantize_kv
 
 NULL_PAGE = 0
-KV_SCALE_DTYPE = jnp.bfloat16  # powers of two: exact in bfloat16
 
 
 @flax.struct.dataclass
@@ -109,15 +107,6 @@ class PagedKV:
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         return PagedKV(k=put(self.k, kq), v=put(self.v, vq), k_scale=put(self.k_scale, ks),
                        v_scale=put(self.v_scale, vs))
-
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys or values ``[..., Dh]`` as float8_e4m3fn with a power-of-two scale per vector (module
-    docstring): (values, ``KV_SCALE_DTYPE`` scales ``[...]``)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    _, exponent = jnp.frexp(amax / 448.0)  # amax / 448 = m 2^e with m in [0.5, 1): 2^e covers it (0 -> 1)
-    scale = jnp.ldexp(jnp.float32(1.0), jnp.clip(exponent, -126, 127))
-    return to_fp8(x, scale[..., None]), scale.astype(KV_SCALE_DTYPE)
 
 
 def pool_shape(num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int):
@@ -326,6 +315,8 @@ class PagedCacheView:
     batch: RaggedBatch
     attention: str = flax.struct.field(pytree_node=False, default="blockwise")
     block_pages: int = flax.struct.field(pytree_node=False, default=16)
+    # With attention="exact": what computes it (models.exact_kernels.resolve: "xla" or "pallas_triton").
+    exact_kernels: str = flax.struct.field(pytree_node=False, default="xla")
 
     def write_and_attend(self, layer, q: jax.Array, k: jax.Array, v: jax.Array):
         """Scatter the batch's keys/values (``[1, T, K, Dh]``) into their pages at ``layer``, then attend
@@ -335,7 +326,8 @@ class PagedCacheView:
         scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
         q = q[0]  # [T, H, Dh]
         if self.attention == "exact":
-            return paged_exact_attention(q, pages, layer, batch)[None], self.replace(pages=pages)
+            return (paged_exact_attention(q, pages, layer, batch, self.exact_kernels)[None],
+                    self.replace(pages=pages))
         rows_q = q.at[batch.row_token].get(mode="fill", fill_value=0)[:, None]  # [R1, 1, H, Dh]
         if self.attention == "pallas_triton":
             rows = paged_decode_attention_pallas(rows_q, pages.k, pages.v, layer, batch.row_pages,
@@ -353,20 +345,27 @@ class PagedCacheView:
         return out[None], self.replace(pages=pages)
 
 
-def paged_exact_attention(q: jax.Array, pages: PagedKV, layer, batch: RaggedBatch) -> jax.Array:
+def paged_exact_attention(q: jax.Array, pages: PagedKV, layer, batch: RaggedBatch,
+                          kernels: str = "xla") -> jax.Array:
     """Every flat token's attention (q ``[T, H, Dh]``, scaled) over its sequence's pages by
     ``models.exact.attend_tile``, the routine the exact trainer attends packed rows with: the same key
     blocks in the same order, so a token's output has the same bits as in the trainer (``ModelConfig.numerics
     = "exact"``). Each token's page-table row and position come from the single-query row or tile that holds
-    it."""
-    if pages.quantized:
-        raise ValueError("numerics='exact' reads KV pages in the compute dtype, not FP8")
+    it. ``kernels="pallas_triton"``: the same blocks by ``models.exact_kernels.attention``'s kernel, which the
+    trainer's packed rows run too (not for FP8 pages: ``exact_kernels.unsupported_reason``). FP8 pages are
+    read back by ``quantization.dequantize_kv``, as the exact trainer rounds its keys and values
+    (``quantization.straight_through_kv``)."""
     T, max_pages, page_size = q.shape[0], batch.row_pages.shape[1], pages.page_size
     tile_rows = jnp.repeat(batch.tile_pages, batch.tile_token.shape[1], axis=0)
     token_pages = jnp.zeros((T, max_pages), jnp.int32).at[batch.row_token].set(batch.row_pages, mode="drop")
     token_pages = token_pages.at[batch.tile_token.reshape(-1)].set(tile_rows, mode="drop")
     token_pos = jnp.full((T,), -1, jnp.int32).at[batch.row_token].set(batch.row_positions[:, 0], mode="drop")
     token_pos = token_pos.at[batch.tile_token.reshape(-1)].set(batch.tile_positions.reshape(-1), mode="drop")
+    if kernels == "pallas_triton":  # the pool flat per kv head; each page-table entry a key-row offset
+        K, L, P = pages.k.shape[:3]
+        flat = lambda pool: pool.reshape(K, L * P * page_size, -1)
+        table = (layer * P + token_pages) * page_size
+        return exact_kernels.attention(q, flat(pages.k), flat(pages.v), table, token_pos, page_size)
     num_blocks = (jnp.max(token_pos) + exact.KEY_BLOCK) // exact.KEY_BLOCK
     offsets = jnp.arange(exact.KEY_BLOCK)
 
@@ -374,8 +373,12 @@ def paged_exact_attention(q: jax.Array, pages: PagedKV, layer, batch: RaggedBatc
         def key_block(i):
             key_pos = i * exact.KEY_BLOCK + offsets
             ids = table[:, jnp.minimum(key_pos // page_size, max_pages - 1)]  # [R, S]
-            gather = lambda pool: jnp.transpose(pool[:, layer, ids, key_pos % page_size], (1, 2, 0, 3))
-            return gather(pages.k), gather(pages.v)
+            # [R, S, K, Dh] values, [R, S, K] scales
+            gather = lambda pool: jnp.moveaxis(pool[:, layer, ids, key_pos % page_size], 0, 2)
+            if not pages.quantized:
+                return gather(pages.k), gather(pages.v)
+            return (dequantize_kv(gather(pages.k), gather(pages.k_scale), q.dtype),
+                    dequantize_kv(gather(pages.v), gather(pages.v_scale), q.dtype))
 
         return exact.attend_tile(q, key_block, num_blocks, pos, pages.k.shape[0])
 

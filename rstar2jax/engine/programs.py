@@ -21,15 +21,17 @@ import threading
 import jax
 
 from rstar2jax.engine.buckets import StepLayout
-from rstar2jax.engine.config import FP8, EngineConfig
+from rstar2jax.engine.config import EngineConfig
 from rstar2jax.engine.paged_attention import decode_attention
 from rstar2jax.engine.state import engine_model_config
 from rstar2jax.engine.step import compile_step
 from rstar2jax.models import ModelConfig, layers_are_unstacked, platform, unstack_layers
+from rstar2jax.models.config import FP8, RolloutPrecision
 from rstar2jax.models.quantization import (
     DEFAULT_BLOCK,
     cast_floats,
     check_weight_blocks,
+    fp8_matmul_is_native,
     is_fp8_weight,
     quantize_params,
 )
@@ -65,13 +67,16 @@ def engine_params(params, config: ModelConfig, unstacked: bool | None = None, *,
         unstacked = platform.copies_scanned_weight_slices() and config.num_layers <= UNROLL_MAX_LAYERS
     if not all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
         params = jax.device_put(params)  # once, not with every step
-    if weight_dtype == FP8:
-        native = fp8_matmul == "native" or (fp8_matmul == "auto" and platform.fp8_matmul_native())
-        params = quantize_params(params, config, block=weight_block, head=quantize_head, native=native)
     plain = lambda tree: [x for x in jax.tree.leaves(tree, is_leaf=is_fp8_weight) if not is_fp8_weight(x)]
-    cast = {name: _cast(value, config.compute_dtype)
-            if any(leaf.dtype != compute for leaf in plain(value)) else value
-            for name, value in params.items()}
+    cast_all = lambda params: {name: _cast(value, config.compute_dtype)
+                               if any(leaf.dtype != compute for leaf in plain(value)) else value
+                               for name, value in params.items()}
+    if weight_dtype == FP8:
+        if config.numerics == "exact":  # quantized from the compute dtype, as the exact trainer quantizes
+            params = cast_all(params)
+        params = quantize_params(params, config, block=weight_block, head=quantize_head,
+                                 native=fp8_matmul_is_native(fp8_matmul))
+    cast = cast_all(params)
     if unstacked and not layers_are_unstacked(cast):
         cast["layers"] = _unstack(cast["layers"])
     return cast
@@ -89,6 +94,23 @@ def check_precision(config: ModelConfig, engine_config: EngineConfig) -> None:
     if cfg.weight_dtype == FP8:
         check_weight_blocks(config, cfg.weight_block, cfg.quantize_head)
     decode_attention(cfg.attention, cfg.kv_dtype)
+    if config.numerics == "exact":
+        _check_exact_precision(config, cfg.rollout_precision)
+
+
+def _check_exact_precision(config: ModelConfig, engine: RolloutPrecision) -> None:
+    """An exact model's trainer computes through ``config.rollout_precision``: raise ValueError when the
+    engine samples in another precision (its log-probs would not be the trainer's)."""
+    def effective(p: RolloutPrecision):  # what changes the numbers
+        fp8 = p.weight_dtype == FP8
+        return (fp8, fp8 and p.weight_block, fp8 and p.quantize_head,
+                fp8 and fp8_matmul_is_native(p.fp8_matmul),
+                None if p.kv_dtype in (None, config.compute_dtype) else p.kv_dtype)
+
+    if effective(engine) != effective(config.rollout_precision):
+        raise ValueError(f"numerics='exact': the engine samples with {engine}, but the model's "
+                         f"rollout_precision is {config.rollout_precision}, which the trainer computes "
+                         "through; set ModelConfig.rollout_precision=engine_config.rollout_precision")
 
 
 def engine_weights(params, config: ModelConfig, engine_config: EngineConfig):

@@ -48,8 +48,8 @@ from rstar2jax.engine.state import (
     STOP,
     EngineState,
 )
-from rstar2jax.models import exact, forward_hidden, output_head
-from rstar2jax.models.quantization import einsum, is_fp8_weight
+from rstar2jax.models import exact_kernels, forward_hidden, output_head
+from rstar2jax.models.quantization import dequantize, einsum, is_fp8_weight
 
 DECODE = -1  # a flat token whose id (and position) is the slot's pending token on the device
 
@@ -136,8 +136,9 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
         tile_pages=state.page_table[tile_slot],
     )
     exact_numerics = state.config.numerics == "exact"
+    kernels = exact_kernels.resolve(state.config) if exact_numerics else "xla"
     view = PagedCacheView(pages=state.pages, batch=batch, block_pages=state.block_pages,
-                          attention="exact" if exact_numerics else state.attention)
+                          attention="exact" if exact_numerics else state.attention, exact_kernels=kernels)
     x, view = forward_hidden(params, state.config, token[None], positions=positions[None], cache=view)
     state = state.replace(pages=view.pages)
 
@@ -145,8 +146,10 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
     sample = (decode & valid).at[row_token].get(mode="fill", fill_value=False)
     head, layout = output_head(params, state.config)
     h = x[0].at[row_token].get(mode="fill", fill_value=0)
+    if exact_numerics and is_fp8_weight(head):  # one log-prob program: the FP8 head dequantized, as trained
+        head = dequantize(head, h.dtype)
     if exact_numerics:  # the trainer's programs, tile by tile (models.exact)
-        logits = exact.logits(h, head, layout)
+        logits = exact_kernels.logits(h, head, layout, kernels)
     elif is_fp8_weight(head):
         logits = einsum("rd,vd->rv" if layout == "vd" else "rd,dv->rv", h, head,
                         preferred_element_type=jnp.float32)
@@ -164,7 +167,7 @@ def _ragged_step(state: EngineState, params, tok_slot, tok_pos, tok_id, row_toke
         jnp.where(sample, state.top_p[row_slot], 1.0), jnp.where(sample, state.top_k[row_slot], 0),
         greedy_only=greedy)
     if exact_numerics:
-        logprob, entropy = exact.token_logprobs(h, head, new, head_layout=layout)
+        logprob, entropy = exact_kernels.token_logprobs(h, head, new, head_layout=layout, kernels=kernels)
     state, reason = _commit(state, row_slot, sample, row_pos, new)
     outputs = (jnp.where(sample, new, -1), jnp.where(sample, reason, NOT_FINISHED),
                jnp.where(sample, logprob, 0.0), jnp.where(sample, entropy, 0.0))

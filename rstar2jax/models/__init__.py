@@ -4,6 +4,7 @@ weights for decoding (``quantization``)."""
 from rstar2jax.models import (  # the modules: LoRA math, PEFT folders and their config, FP8 weights
     attention,  # the module: attention.attention, .resolve_attention, .auto_choice
     exact,  # the module: exact numerics (ModelConfig.numerics="exact")
+    exact_kernels,  # the module: exact numerics' Pallas kernels and their choice (ModelConfig.exact_kernels)
     lora,
     peft_adapter,
     peft_config,
@@ -14,6 +15,7 @@ from rstar2jax.models.config import (
     ATTENTION_IMPLEMENTATIONS,
     REMAT_POLICIES,
     ModelConfig,
+    RolloutPrecision,
     config_from_hf,
     config_to_hf,
 )
@@ -63,6 +65,7 @@ __all__ = [
     "attention",
     "segments",
     "exact",
+    "exact_kernels",
     "hidden_states",
     "output_head",
     "sequence_logprobs",
@@ -78,6 +81,7 @@ __all__ = [
     "MESH_AXES",
     "KVCache",
     "ModelConfig",
+    "RolloutPrecision",
     "ParamSpec",
     "batch_sharding",
     "cache_shapes",

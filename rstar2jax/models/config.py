@@ -12,6 +12,13 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 #: ``ModelConfig.numerics``: the default programs, or batch-invariant ones that make the engine's log-probs
 #: equal the trainer's bit for bit (``models.exact``).
 NUMERICS = ("default", "exact")
+#: The FP8 precision name of a rollout's weights or KV pages (``EngineConfig.weight_dtype`` / ``kv_dtype``).
+FP8 = "fp8"
+#: How FP8 weights multiply (``EngineConfig.fp8_matmul``; ``models.quantization.fp8_matmul_is_native``).
+FP8_MATMULS = ("auto", "native", "reference")
+#: ``ModelConfig.exact_kernels``: what exact numerics compute with (``models.exact_kernels.resolve``):
+#: ``"auto"`` (the Pallas Triton kernels on CUDA and ROCm GPUs, XLA elsewhere) or one forced.
+EXACT_KERNELS = ("auto", "xla", "pallas_triton")
 # none: keep every activation; save_projections: keep the q/k/v/o and MLP projections' outputs, recompute
 # norms, RoPE, attention and activations; save_attention: keep the attention context only; full: keep each
 # layer's input only. dots / dots_no_batch: JAX's checkpoint_dots policies.
@@ -54,6 +61,44 @@ def attention_name(name: str, use: str = "training") -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutPrecision:
+    """The precision an exact model's rollout engine samples in (``EngineConfig``'s fields of the same names),
+    which the trainer's exact forward computes through (``ModelConfig.rollout_precision``): with FP8 weights
+    it multiplies by the same quantized weights, with FP8 or other KV pages it attends to keys and values
+    rounded as the pages store them; the gradient passes straight through to the trainer's weights and
+    activations (``models.quantization``, docs/exact_numerics.md). The default: the compute dtype.
+
+    Attributes:
+      weight_dtype: None (the compute dtype) or ``"fp8"``: the linear layers in 128 x 128-block FP8.
+      weight_block: the FP8 weight block edge.
+      quantize_head: the output head in FP8 too.
+      fp8_matmul: ``"auto"``, ``"native"`` or ``"reference"``, as ``EngineConfig.fp8_matmul``.
+      kv_dtype: None (the compute dtype), ``"fp8"`` or a float dtype name: the KV pages' dtype.
+    """
+
+    weight_dtype: str | None = None
+    weight_block: int = 128
+    quantize_head: bool = False
+    fp8_matmul: str = "auto"
+    kv_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.weight_dtype not in (None, FP8):
+            raise ValueError(f"rollout_precision.weight_dtype={self.weight_dtype!r}: expected None or 'fp8'")
+        if self.quantize_head and self.weight_dtype != FP8:
+            raise ValueError("rollout_precision.quantize_head=True needs weight_dtype='fp8'")
+        block = self.weight_block
+        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+            raise ValueError(f"rollout_precision.weight_block must be a positive int, got {block!r}")
+        if self.fp8_matmul not in FP8_MATMULS:
+            raise ValueError(f"rollout_precision.fp8_matmul={self.fp8_matmul!r}; expected one of "
+                             f"{FP8_MATMULS}")
+        if self.kv_dtype not in (None, FP8, *SUPPORTED_DTYPES):
+            raise ValueError(f"rollout_precision.kv_dtype={self.kv_dtype!r}: expected None, 'fp8' or one of "
+                             f"{SUPPORTED_DTYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and options of a decoder-only transformer; hashable, so it can be a ``jax.jit`` static argument.
 
@@ -67,7 +112,11 @@ class ModelConfig:
     of that many tokens, each rematerialised, when it divides the sequence: long-sequence training then holds
     the MLP's ``[tokens, intermediate]`` activations for one chunk at a time. Change options with
     ``dataclasses.replace``. ``numerics``: ``"default"``, or ``"exact"`` (``models.exact``: the engine's
-    and the trainer's forward and log-probs agree bit for bit, at some cost in speed).
+    and the trainer's forward and log-probs agree bit for bit, at some cost in speed); ``exact_kernels``:
+    what exact numerics compute with (:data:`EXACT_KERNELS`, ``models.exact_kernels``);
+    ``rollout_precision`` (exact numerics only): the precision of the engine that samples for it
+    (:class:`RolloutPrecision`: FP8 weights or KV pages), which the trainer's exact forward then computes
+    through too.
     """
 
     model_type: str
@@ -93,6 +142,8 @@ class ModelConfig:
     attention_block_size: int = 512
     mlp_chunk_size: int = 0
     numerics: str = "default"
+    exact_kernels: str = "auto"
+    rollout_precision: RolloutPrecision = RolloutPrecision()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -142,6 +193,14 @@ class ModelConfig:
             )
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics={self.numerics!r}; expected one of {NUMERICS}")
+        if self.exact_kernels not in EXACT_KERNELS:
+            raise ValueError(f"exact_kernels={self.exact_kernels!r}; expected one of {EXACT_KERNELS}")
+        if not isinstance(self.rollout_precision, RolloutPrecision):
+            raise ValueError(f"rollout_precision must be a RolloutPrecision, got {self.rollout_precision!r}")
+        if self.rollout_precision != RolloutPrecision() and self.numerics != "exact":
+            raise ValueError(f"rollout_precision={self.rollout_precision} is for numerics='exact' (the "
+                             "trainer computing through the rollout's precision); the default numerics take "
+                             "none")
         if not isinstance(self.mlp_chunk_size, int) or self.mlp_chunk_size < 0:
             raise ValueError(f"mlp_chunk_size must be an int >= 0, got {self.mlp_chunk_size!r}")
         if self.rope_scaling is not None:

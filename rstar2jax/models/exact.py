@@ -39,8 +39,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.models.attention import DEFAULT_BLOCK_SIZE, attention
-from rstar2jax.models.logprobs import token_logprobs_and_entropy
+from rstar2jax.models.attention import attention
+from rstar2jax.models.logprobs import einsum_logits, token_logprobs_and_entropy
 from rstar2jax.models.segments import segment_starts
 
 TILE_ROWS = 8
@@ -57,23 +57,34 @@ def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS, consts: 
     ``[tile, ...]`` arrays) put back together and cut to N rows.
 
     ``fn`` must be row-wise (row i of its outputs depends on row i of ``arrays`` and on ``consts`` only).
-    Only the forward values are exact: the gradient is the VJP of ``fn`` over all N rows at once (the
-    default numerics' program, fast), so whatever is differentiated must come in through ``arrays`` or
-    ``consts`` (a pytree, e.g. a layer's weights), not through ``fn``'s closure."""
+    Only the forward values are exact: the gradient is the VJP of ``fn`` over all tiles at once
+    (``jax.vmap``: the default numerics' products, fast), so whatever is differentiated must come in
+    through ``arrays`` or ``consts`` (a pytree, e.g. a layer's weights), not through ``fn``'s closure."""
     n = arrays[0].shape[0]
     if any(a.shape[0] != n for a in arrays):
         raise ValueError(f"tiled_rows: leading dims differ: {[a.shape for a in arrays]}")
     return _tiled_rows(fn, tile, consts, arrays)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tiled_rows(fn: Callable, tile: int, consts, arrays):
+def _tiles(arrays, tile: int):
+    """``arrays`` padded with zero rows to whole tiles, ``[tiles, tile, ...]`` each."""
     n = arrays[0].shape[0]
     tiles = -(-n // tile)
     pad = tiles * tile - n
-    tiled = tuple(
+    return tuple(
         jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(tiles, tile, *a.shape[1:]) for a in arrays
     )
+
+
+def _rows(out, n: int):
+    """Tiled outputs ``[tiles, tile, ...]`` back to their first ``n`` rows."""
+    return jax.tree.map(lambda o: o.reshape(o.shape[0] * o.shape[1], *o.shape[2:])[:n], out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tiled_rows(fn: Callable, tile: int, consts, arrays):
+    tiled = _tiles(arrays, tile)
+    tiles = tiled[0].shape[0]
     # A trip count XLA cannot see, so a single tile (a batch-1 decode step) runs the loop body that many tiles
     # run, never code XLA inlined into the caller and fused with its neighbours.
     count = jax.lax.optimization_barrier(jnp.int32(tiles))
@@ -84,8 +95,7 @@ def _tiled_rows(fn: Callable, tile: int, consts, arrays):
         return jax.tree.map(lambda o, y: o.at[i].set(y), out, y)
 
     empty = jax.tree.map(lambda s: jnp.zeros((tiles, *s.shape), s.dtype), shapes)
-    out = jax.lax.fori_loop(0, count, body, empty)
-    return jax.tree.map(lambda o: o.reshape(tiles * tile, *o.shape[2:])[:n], out)
+    return _rows(jax.lax.fori_loop(0, count, body, empty), arrays[0].shape[0])
 
 
 def _tiled_rows_fwd(fn, tile, consts, arrays):
@@ -93,8 +103,13 @@ def _tiled_rows_fwd(fn, tile, consts, arrays):
 
 
 def _tiled_rows_bwd(fn, tile, residuals, cotangent):
-    del tile
-    _, vjp = jax.vjp(lambda consts, arrays: fn(*consts, *arrays), *residuals)
+    # fn vectorized over every tile at once (jax.vmap: XLA's products over all rows, no loop; a fixed-tile
+    # kernel still sees its tile shape).
+    def over_all_tiles(consts, arrays):
+        tiled = jax.vmap(lambda *tile_arrays: fn(*consts, *tile_arrays))(*_tiles(arrays, tile))
+        return _rows(tiled, arrays[0].shape[0])
+
+    _, vjp = jax.vjp(over_all_tiles, *residuals)
     return vjp(cotangent)
 
 
@@ -148,19 +163,17 @@ def _halving_sum(x: jax.Array) -> jax.Array:
     return x[..., 0]
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *,
-                     implementation: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE) -> jax.Array:
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
     """:func:`attend_tile` over packed rows: q ``[B, T, H, Dh]`` (scaled), k, v ``[B, T, K, Dh]``,
     ``segment_ids`` ``[B, T]`` or None (one sequence per row), as ``attention.attention`` takes them.
 
-    Only the forward values are exact: the gradient is that of ``attention.attention(q, k, v, segment_ids,
-    implementation=implementation, block_size=block_size)`` (the default numerics' attention, fast)."""
-    return _packed_attention(implementation, block_size, q, k, v, segment_ids)
+    Only the forward values are exact: the gradient is that of ``attention.attention(q, k, v, segment_ids)``
+    (the default numerics' attention, ``"auto"``: fast)."""
+    return _packed_attention(q, k, v, segment_ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _packed_attention(implementation, block_size, q, k, v, segment_ids):
-    del implementation, block_size
+@jax.custom_vjp
+def _packed_attention(q, k, v, segment_ids):
     B, T, H, Dh = q.shape
     K, N = k.shape[2], B * T
     starts = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_starts(segment_ids)
@@ -180,14 +193,13 @@ def _packed_attention(implementation, block_size, q, k, v, segment_ids):
                       tile=ATTENTION_TILE_ROWS).reshape(B, T, H, Dh)
 
 
-def _packed_attention_fwd(implementation, block_size, q, k, v, segment_ids):
-    return _packed_attention(implementation, block_size, q, k, v, segment_ids), (q, k, v, segment_ids)
+def _packed_attention_fwd(q, k, v, segment_ids):
+    return _packed_attention(q, k, v, segment_ids), (q, k, v, segment_ids)
 
 
-def _packed_attention_bwd(implementation, block_size, residuals, cotangent):
+def _packed_attention_bwd(residuals, cotangent):
     q, k, v, segment_ids = residuals
-    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids, implementation=implementation,
-                                               block_size=block_size), q, k, v)
+    _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids), q, k, v)
     return (*vjp(cotangent), None)
 
 
@@ -195,19 +207,21 @@ _packed_attention.defvjp(_packed_attention_fwd, _packed_attention_bwd)
 
 
 def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, head_layout: str,
-                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                   temperature: float = 1.0, tile: int = TILE_ROWS,
+                   product=einsum_logits) -> tuple[jax.Array, jax.Array]:
     """``logprobs.token_logprobs_and_entropy`` of ``hidden`` ``[N, D]`` and ``targets`` ``[N]`` by tiles of
-    rows with a fixed vocabulary chunk: (log-probs, entropies) float32 ``[N]``, the same bits for a token
-    whatever else is in the batch."""
+    ``tile`` rows with a fixed vocabulary chunk, its logits by ``product``: (log-probs, entropies) float32
+    ``[N]``, the same bits for a token whatever else is in the batch."""
     chunk = min(VOCAB_CHUNK, head.shape[0] if head_layout == "vd" else head.shape[1])
     return tiled_rows(
         lambda head, h, t: token_logprobs_and_entropy(h, head, t, temperature=temperature,
-                                                      head_layout=head_layout, chunk=chunk),
-        hidden, targets, consts=(head,))
+                                                      head_layout=head_layout, chunk=chunk, product=product),
+        hidden, targets, tile=tile, consts=(head,))
 
 
-def logits(hidden: jax.Array, head: jax.Array, head_layout: str) -> jax.Array:
-    """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of rows (what the engine samples from)."""
-    spec = "nd,vd->nv" if head_layout == "vd" else "nd,dv->nv"
-    return tiled_rows(lambda head, h: jnp.einsum(spec, h, head, preferred_element_type=jnp.float32), hidden,
+def logits(hidden: jax.Array, head: jax.Array, head_layout: str, *, tile: int = TILE_ROWS,
+           product=einsum_logits) -> jax.Array:
+    """float32 ``[N, V]`` logits of ``hidden`` ``[N, D]`` by tiles of ``tile`` rows, each by ``product``
+    (what the engine samples from)."""
+    return tiled_rows(lambda head, h: product(h, head, head_layout == "vd"), hidden, tile=tile,
                       consts=(head,))

@@ -37,24 +37,29 @@ def vocab_chunk(num_tokens: int, vocab_size: int, block_elements: int = DEFAULT_
     return min(chunk, vocab_size)
 
 
-def _chunk_logits(h, w, c, chunk, vd: bool, temperature):
+def einsum_logits(h: jax.Array, w_c: jax.Array, vd: bool) -> jax.Array:
+    """float32 logits ``h`` ``[n, D]`` times a head chunk (``[chunk, D]`` if ``vd`` else ``[D, chunk]``) by
+    XLA's dot: :func:`token_logprobs_and_entropy`'s default ``product``."""
+    return jnp.einsum("nd,vd->nv" if vd else "nd,dv->nv", h, w_c, preferred_element_type=jnp.float32)
+
+
+def _chunk_logits(h, w, c, chunk, vd: bool, temperature, product):
     """z for vocabulary columns [start, start + chunk) (start clamped to V - chunk) and their ids."""
     vocab = w.shape[0] if vd else w.shape[1]
     start = jnp.minimum(c * chunk, vocab - chunk)
     w_c = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=0 if vd else 1).astype(h.dtype)
-    spec = "nd,vd->nv" if vd else "nd,dv->nv"
-    z = jnp.einsum(spec, h, w_c, preferred_element_type=jnp.float32) / temperature
+    z = product(h, w_c, vd) / temperature
     ids = start + jnp.arange(chunk)
     return z, ids, ids >= c * chunk, w_c, start
 
 
-def _forward(h, w, targets, temperature, chunk, vd):
+def _forward(h, w, targets, temperature, chunk, vd, product):
     n = h.shape[0]
     vocab = w.shape[0] if vd else w.shape[1]
 
     def body(c, carry):
         m, s0, s1, picked = carry
-        z, ids, fresh, _, _ = _chunk_logits(h, w, c, chunk, vd, temperature)
+        z, ids, fresh, _, _ = _chunk_logits(h, w, c, chunk, vd, temperature, product)
         z_max = jnp.max(jnp.where(fresh, z, -jnp.inf), axis=-1)
         m_new = jnp.maximum(m, z_max)
         e = jnp.where(fresh, jnp.exp(z - m_new[:, None]), 0.0)
@@ -74,25 +79,25 @@ def _forward(h, w, targets, temperature, chunk, vd):
     return picked - lse, lse - mean_z, lse, mean_z
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _logprobs_entropy(h, w, targets, temperature, chunk, vd):
-    logp, entropy, _, _ = _forward(h, w, targets, temperature, chunk, vd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _logprobs_entropy(h, w, targets, temperature, chunk, vd, product):
+    logp, entropy, _, _ = _forward(h, w, targets, temperature, chunk, vd, product)
     return logp, entropy
 
 
-def _fwd(h, w, targets, temperature, chunk, vd):
-    logp, entropy, lse, mean_z = _forward(h, w, targets, temperature, chunk, vd)
+def _fwd(h, w, targets, temperature, chunk, vd, product):
+    logp, entropy, lse, mean_z = _forward(h, w, targets, temperature, chunk, vd, product)
     return (logp, entropy), (h, w, targets, lse, mean_z)
 
 
-def _bwd(temperature, chunk, vd, residuals, cotangents):
+def _bwd(temperature, chunk, vd, product, residuals, cotangents):
     h, w, targets, lse, mean_z = residuals
     g_logp, g_entropy = cotangents
     vocab = w.shape[0] if vd else w.shape[1]
 
     def body(c, carry):
         d_h, d_w = carry
-        z, ids, fresh, w_c, start = _chunk_logits(h, w, c, chunk, vd, temperature)
+        z, ids, fresh, w_c, start = _chunk_logits(h, w, c, chunk, vd, temperature, product)
         p = jnp.exp(z - lse[:, None])
         d_z = g_logp[:, None] * (jnp.where(ids == targets[:, None], 1.0, 0.0) - p)
         d_z = (d_z + g_entropy[:, None] * p * (mean_z[:, None] - z)) / temperature
@@ -125,6 +130,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     head_layout: str = "dv",
     chunk: int | None = None,
+    product=einsum_logits,
 ) -> tuple[jax.Array, jax.Array]:
     """``log softmax(hidden @ W / temperature)[targets]`` and the entropy of that softmax, float32 ``[...]``.
 
@@ -136,6 +142,8 @@ def token_logprobs_and_entropy(
       targets: int ``[...]`` target ids in ``[0, V)``.
       temperature: divides the logits (the sampler's temperature).
       chunk: vocabulary columns per block; default :func:`vocab_chunk` of the token count.
+      product: a chunk's float32 logits, as :func:`einsum_logits` computes them (exact numerics' kernels
+        pass theirs: ``models.exact_kernels``).
 
     Values and gradients (w.r.t. ``hidden`` and ``head``) equal the dense computation's; see the module doc.
     """
@@ -160,6 +168,6 @@ def token_logprobs_and_entropy(
         chunk = vocab_chunk(h.shape[0], vocab)
     chunk = min(chunk, vocab)
     logp, entropy = _logprobs_entropy(
-        h, head, targets.reshape(-1).astype(jnp.int32), float(temperature), chunk, vd
+        h, head, targets.reshape(-1).astype(jnp.int32), float(temperature), chunk, vd, product
     )
     return logp.reshape(lead), entropy.reshape(lead)

@@ -13,7 +13,10 @@ Three ways to use them:
 
 * :func:`attach`: the params tree the training forward runs: the base with ``layers["lora"]`` holding the
   adapters (``B`` pre-multiplied by ``s``) — ``transformer`` adds the low-rank path ``(x A)(s B)`` to each
-  target's output (never forming ``A B``), so the backward pass computes no ``[in, out]`` weight gradient;
+  target's output (never forming ``A B``), so the backward pass computes no ``[in, out]`` weight gradient.
+  With exact numerics (``attach(..., merge_in_forward=True)``) the forward instead merges each layer's
+  adapters into its weights as :func:`merge` does (:func:`merge_layer`), so the trainer computes with the
+  very weights the engine samples from, one layer's merged weights at a time;
 * :func:`merge`: ``W + s A B`` as a plain params tree, what the engine samples from and what is exported;
 * :mod:`rstar2jax.models.peft_adapter`: PEFT's folder format (``adapter_config.json``,
   ``adapter_model.safetensors``).
@@ -86,12 +89,11 @@ class LoraConfig:
 
 def check_lora(config: ModelConfig, lora: LoraConfig) -> None:
     """Raises ValueError naming the first target whose matrix is smaller than ``lora.rank`` on a side, or
-    for exact numerics (the engine samples from the merged ``W + s A B``, the trainer computes ``x W +
-    s (x A) B``: other roundings, so the log-probs would not agree bit for bit)."""
-    if config.numerics == "exact":
-        raise ValueError("numerics='exact' with LoRA: the engine samples from merged weights, which the "
-                         "trainer's base + adapter forward does not match bit for bit; use "
-                         "numerics='default'")
+    dropout with exact numerics (the exact forward merges the adapters into the weights, as the engine
+    samples from them: a dropout mask cannot be merged)."""
+    if config.numerics == "exact" and lora.dropout > 0:
+        raise ValueError(f"lora dropout={lora.dropout} with numerics='exact': the exact forward runs the "
+                         "merged W + s A B, into which no dropout mask merges; use dropout=0")
     layers = param_specs(config)["layers"]
     for name in lora.targets:
         fan_in, fan_out = _fans(layers[name], name)
@@ -171,20 +173,48 @@ def check_adapters(adapters: dict, config: ModelConfig, lora: LoraConfig) -> Non
                 raise ValueError(f"adapter {name}.{part} has shape {shape}, expected {spec.shape}")
 
 
-def attach(params: dict, adapters: dict, lora: LoraConfig, *, dropout_key: jax.Array | None = None) -> dict:
+def attach(params: dict, adapters: dict, lora: LoraConfig, *, dropout_key: jax.Array | None = None,
+           merge_in_forward: bool = False) -> dict:
     """The params tree the training forward runs: ``params`` with ``layers["lora"]`` = the adapters, each
     ``b`` multiplied by :attr:`LoraConfig.scale` (inside the caller's differentiation, so ``adapters``'
-    gradient is exact). ``dropout_key`` (training with ``lora.dropout`` > 0) adds per-layer dropout keys."""
+    gradient is exact). ``dropout_key`` (training with ``lora.dropout`` > 0) adds per-layer dropout keys.
+
+    ``merge_in_forward`` (exact numerics): the adapters as they are, with the scale per layer
+    (``layers["lora"]["merge_scale"]``), for the exact forward to merge layer by layer (:func:`merge_layer`);
+    no dropout."""
     layers = adapters["layers"]
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    if merge_in_forward:
+        if dropout_key is not None and lora.dropout > 0:
+            raise ValueError(f"lora dropout={lora.dropout}: adapters merged in the forward take no dropout")
+        return {**params, "layers": {**params["layers"], "lora": {
+            **layers, "merge_scale": jnp.full((num_layers,), lora.scale, jnp.float32)}}}
     lora_tree = {name: {"a": pair["a"], "b": pair["b"] * lora.scale} for name, pair in layers.items()}
     if dropout_key is not None and lora.dropout > 0:
-        num_layers = jax.tree.leaves(layers)[0].shape[0]
         # Integers, so the layer's cast to the compute dtype leaves them alone: the keys and P(keep) * 2^32.
         lora_tree["dropout"] = {
             "key": jax.random.key_data(jax.random.split(dropout_key, num_layers)),
             "keep_below": jnp.full((num_layers,), int((1 - lora.dropout) * 2**32), jnp.uint32),
         }
     return {**params, "layers": {**params["layers"], "lora": lora_tree}}
+
+
+def merge_layer(layer: dict, dtype) -> dict:
+    """One layer's params tree (of :func:`attach` with ``merge_in_forward``) with each adapted weight replaced
+    by ``W + s A B`` in ``dtype``, computed as :func:`merge` computes it (hence the same bits), and the
+    adapters dropped; a layer without adapters as it is."""
+    if "lora" not in layer:
+        return layer
+    adapters = dict(layer["lora"])
+    if "merge_scale" not in adapters:
+        raise ValueError("exact numerics merge the adapters into the weights: attach them with "
+                         "merge_in_forward=True")
+    scale = adapters.pop("merge_scale")
+    merged = {name: value for name, value in layer.items() if name != "lora"}
+    for name, pair in adapters.items():
+        # A layer axis of one: the very program merge runs over every layer at once.
+        merged[name] = _merge_one(layer[name][None], pair["a"][None], pair["b"][None], scale, dtype)[0]
+    return merged
 
 
 def _delta_specs(spec: str) -> tuple[str, str]:
@@ -205,6 +235,8 @@ def lora_delta(x: jax.Array, lora_tree: dict, name: str, spec: str, chunk_index=
     """The low-rank path ``dropout(x) A (s B)`` of projection ``name`` (einsum ``spec`` with the base
     weight), or None when ``lora_tree`` (a layer's ``layers["lora"]``, see :func:`attach`) has no adapter
     for it. ``chunk_index`` (an MLP chunk's index) varies the dropout mask between calls of one layer."""
+    if "merge_scale" in lora_tree:
+        raise ValueError("adapters attached with merge_in_forward run in a numerics='exact' forward only")
     pair = lora_tree.get(name)
     if pair is None:
         return None

@@ -21,10 +21,23 @@ A projection ``y = x W`` (``x`` ``[M, IN]``) runs one of two ways (:class:`Fp8We
   ``sum_i (2^-4 |x_i| + 2^-10 s^x) |W^_in|``.
 
 The trainer's weights are never touched: :func:`quantize_params` builds the engine's own copy.
+
+FP8 KV pages (``engine.paged_attention``) hold each key or value vector as float8 with a power-of-two scale
+(:func:`quantize_kv`, read back by :func:`dequantize_kv`).
+
+An exact model (``ModelConfig.numerics="exact"``) whose rollout samples in FP8
+(``ModelConfig.rollout_precision``) trains through the same quantized path: the trainer quantizes each
+layer's weights as the engine's copy is quantized (:func:`straight_through_layer`: the same
+:func:`quantize_weight` of the same values, multiplied by the same :func:`einsum`), its head
+(:func:`straight_through_weight`) and its keys and values (:func:`straight_through_kv`). The forward is the
+quantized computation itself, bit for bit; the gradient is the unquantized product's against the dequantized
+weight, passed straight through the rounding to the trainer's weights and activations (a ``jax.custom_vjp``:
+``w + stop_gradient(q - w)`` would not be ``q`` bit for bit).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -32,7 +45,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rstar2jax.models.config import ModelConfig
+from rstar2jax.models import platform
+from rstar2jax.models.config import FP8, ModelConfig, RolloutPrecision
 from rstar2jax.models.params import param_specs
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -40,6 +54,7 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_RELATIVE_ERROR = 2.0**-4  # half a unit in the last place of a 3-bit mantissa, relative
 FP8_SUBNORMAL_ERROR = 2.0**-10  # half the subnormal step 2^-9, in units of the scale
 DEFAULT_BLOCK = 128
+KV_SCALE_DTYPE = jnp.bfloat16  # powers of two: exact in bfloat16
 
 #: The projections an FP8 engine quantizes, with how many axes (after the layer axis) each contracts.
 LINEAR_WEIGHTS: Mapping[str, int] = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1,
@@ -162,7 +177,10 @@ def matmul(x: jax.Array, w: Fp8Weight) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` for a plain ``w``; for an :class:`Fp8Weight` the same product through
     :func:`matmul`: ``spec``'s weight subscripts must list the contracted axes first (``"btd,dhk->bthk"``,
-    ``"bthk,hkd->btd"``). The result has ``x``'s dtype, or ``preferred_element_type``."""
+    ``"bthk,hkd->btd"``); for a :class:`StraightThroughFp8` its quantized copy's product, with the gradient
+    straight through to its weight. The result has ``x``'s dtype, or ``preferred_element_type``."""
+    if isinstance(w, StraightThroughFp8):
+        return _straight_through_einsum(spec, preferred_element_type, x, w.weight, w.quantized)
     if not isinstance(w, Fp8Weight):
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     if not w.native:
@@ -243,3 +261,112 @@ def quantized_head(params: dict) -> Fp8Weight | None:
 def fp8_weight_bytes(num_elements: int, block: int) -> int:
     """Bytes of a block-quantized weight of ``num_elements``: one per value, a float32 scale per block."""
     return num_elements + 4 * -(-num_elements // (block * block))
+
+
+def fp8_matmul_is_native(fp8_matmul: str) -> bool:
+    """Whether FP8 weights multiply in float8 under ``fp8_matmul`` (``EngineConfig.fp8_matmul``): "native",
+    or "auto" where the backend has FP8 matmuls (``platform.fp8_matmul_native``)."""
+    return fp8_matmul == "native" or (fp8_matmul == "auto" and platform.fp8_matmul_native())
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys or values ``[..., Dh]`` as float8_e4m3fn with a power-of-two scale per vector
+    (``engine.paged_attention``'s module docstring): (values, ``KV_SCALE_DTYPE`` scales ``[...]``)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    _, exponent = jnp.frexp(amax / 448.0)  # amax / 448 = m 2^e with m in [0.5, 1): 2^e covers it (0 -> 1)
+    scale = jnp.ldexp(jnp.float32(1.0), jnp.clip(exponent, -126, 127))
+    return to_fp8(x, scale[..., None]), scale.astype(KV_SCALE_DTYPE)
+
+
+def dequantize_kv(values: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """:func:`quantize_kv`'s vectors back in ``dtype``: ``q s``, exact in float32 and bfloat16 (a 3-bit
+    mantissa times a power of two). What exact attention reads from FP8 pages and the exact trainer attends
+    to, so both see the same keys and values."""
+    return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+@flax.struct.dataclass
+class StraightThroughFp8:
+    """A trainer's weight that multiplies as an FP8 engine's copy of it (:func:`straight_through_layer`):
+    :func:`einsum` runs ``quantized``'s product (native or reference, as the engine does) and differentiates
+    it as the product with ``dequantize(quantized)``, the weight's gradient going to ``weight``.
+
+    Attributes:
+      weight: the trainer's weight, in the compute dtype.
+      quantized: :func:`quantize_weight` of it (not differentiated).
+    """
+
+    weight: jax.Array
+    quantized: Fp8Weight
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _straight_through_einsum(spec, preferred, x, weight, quantized):
+    del weight  # the forward is the quantized product; the weight gets its gradient
+    return einsum(spec, x, quantized, preferred_element_type=preferred)
+
+
+def _straight_through_einsum_fwd(spec, preferred, x, weight, quantized):
+    return _straight_through_einsum(spec, preferred, x, weight, quantized), (x, weight, quantized)
+
+
+def _straight_through_einsum_bwd(spec, preferred, residuals, cotangent):
+    x, weight, quantized = residuals
+    plain = lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=preferred)
+    _, vjp = jax.vjp(plain, x, dequantize(quantized, x.dtype))
+    d_x, d_w = vjp(cotangent)
+    return d_x, d_w.astype(weight.dtype), jax.tree.map(jnp.zeros_like, quantized)
+
+
+_straight_through_einsum.defvjp(_straight_through_einsum_fwd, _straight_through_einsum_bwd)
+
+
+def straight_through_layer(layer: dict, precision: RolloutPrecision) -> dict:
+    """One layer's weights (no lead axes, in the compute dtype, as an exact trainer multiplies them) with
+    every projection of :data:`LINEAR_WEIGHTS` a :class:`StraightThroughFp8` quantized as
+    :func:`quantize_params` quantizes the engine's copy, when ``precision`` has FP8 weights; the layer as it
+    is otherwise. Weights already FP8 (an engine's) stay as they are; LoRA adapters are merged first
+    (``models.lora.merge_layer``), so the merged weight is quantized, as the engine's merged copy is."""
+    if precision.weight_dtype != FP8:
+        return layer
+    native = fp8_matmul_is_native(precision.fp8_matmul)
+
+    def quantized(name, w):
+        check_block(f"layers/{name}", w.shape, LINEAR_WEIGHTS[name], precision.weight_block)
+        q = quantize_weight(jax.lax.stop_gradient(w), in_axes=LINEAR_WEIGHTS[name],
+                            block=precision.weight_block, native=native)
+        return StraightThroughFp8(w, q)
+
+    return {name: quantized(name, w) if name in LINEAR_WEIGHTS and not isinstance(w, Fp8Weight) else w
+            for name, w in layer.items()}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def straight_through_weight(in_axes: int, block: int, w: jax.Array) -> jax.Array:
+    """``dequantize(quantize_weight(w))`` in ``w``'s dtype, the gradient passed straight through to ``w``:
+    an exact trainer's FP8 output head (the engine multiplies by its dequantized FP8 head)."""
+    return dequantize(quantize_weight(w, in_axes=in_axes, block=block), w.dtype)
+
+
+straight_through_weight.defvjp(lambda in_axes, block, w: (straight_through_weight(in_axes, block, w), None),
+                               lambda in_axes, block, _, cotangent: (cotangent,))
+
+
+@jax.custom_vjp
+def _straight_through_fp8_kv(x: jax.Array) -> jax.Array:
+    return dequantize_kv(*quantize_kv(x), x.dtype)
+
+
+_straight_through_fp8_kv.defvjp(lambda x: (_straight_through_fp8_kv(x), None),
+                                lambda _, cotangent: (cotangent,))
+
+
+def straight_through_kv(x: jax.Array, kv_dtype: str | None) -> jax.Array:
+    """Keys or values ``[..., Dh]`` as pages of ``kv_dtype`` store them and attention reads them back (FP8:
+    :func:`quantize_kv` then :func:`dequantize_kv`; a float dtype: rounded to it; None: as they are), in
+    ``x``'s dtype, the gradient straight through."""
+    if kv_dtype is None:
+        return x
+    if kv_dtype == FP8:
+        return _straight_through_fp8_kv(x)
+    return x.astype(kv_dtype).astype(x.dtype)

@@ -15,14 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from rstar2jax.models import exact
+from rstar2jax.models import exact, exact_kernels
 from rstar2jax.models.attention import attention, dense_attention
 from rstar2jax.models.config import ModelConfig
 from rstar2jax.models.kv_cache import KVCache
 from rstar2jax.models.logprobs import token_logprobs_and_entropy
-from rstar2jax.models.lora import lora_delta
+from rstar2jax.models.lora import lora_delta, merge_layer
 from rstar2jax.models.params import INIT_STDDEV, is_param_spec, param_specs
-from rstar2jax.models.quantization import cast_floats, einsum, quantized_head
+from rstar2jax.models.quantization import (
+    cast_floats,
+    einsum,
+    quantized_head,
+    straight_through_kv,
+    straight_through_layer,
+    straight_through_weight,
+)
 from rstar2jax.models.sharding import cache_shapes, constrain, param_shardings
 
 
@@ -151,24 +158,25 @@ def _decoder_layer(config: ModelConfig, x, layer, rope, mask, kv_write):
     return x, new_kv
 
 
-def _project(x, layer, name: str, spec: str, chunk_index=None):
-    """``einsum(spec, x, layer[name])`` (an FP8 weight through ``quantization.einsum``), plus the LoRA path of
-    ``name`` when ``layer`` carries adapters (``layer["lora"]``, see ``models.lora.attach``; ``chunk_index``:
-    an MLP chunk's, for dropout)."""
-    y = einsum(spec, x, layer[name])
+def _project(x, layer, name: str, spec: str, chunk_index=None, matmul=einsum):
+    """``matmul(spec, x, layer[name])`` (default: ``quantization.einsum``, an FP8 weight through its FP8 path;
+    exact numerics may pass ``exact_kernels.einsum``), plus the LoRA path of ``name`` when ``layer`` carries
+    adapters (``layer["lora"]``, see ``models.lora.attach``; ``chunk_index``: an MLP chunk's, for dropout)."""
+    y = matmul(spec, x, layer[name])
     delta = lora_delta(x, layer["lora"], name, spec, chunk_index) if "lora" in layer else None
     return y if delta is None else y + delta
 
 
-def _mlp(config: ModelConfig, h, layer):
-    """SwiGLU MLP; with ``config.mlp_chunk_size`` dividing T (< T), over token chunks by ``lax.map``, each
-    chunk rematerialised, so its ``[B, T, intermediate]`` activations exist one chunk at a time."""
+def _mlp(config: ModelConfig, h, layer, matmul=einsum):
+    """SwiGLU MLP (its products by ``matmul``, as :func:`_project` takes it); with ``config.mlp_chunk_size``
+    dividing T (< T), over token chunks by ``lax.map``, each chunk rematerialised, so its
+    ``[B, T, intermediate]`` activations exist one chunk at a time."""
 
     def mlp(h, chunk_index=None):
-        gate = constrain(_project(h, layer, "gate_proj", "btd,df->btf", chunk_index), _MLP_AXES)
-        up = constrain(_project(h, layer, "up_proj", "btd,df->btf", chunk_index), _MLP_AXES)
+        gate = constrain(_project(h, layer, "gate_proj", "btd,df->btf", chunk_index, matmul), _MLP_AXES)
+        up = constrain(_project(h, layer, "up_proj", "btd,df->btf", chunk_index, matmul), _MLP_AXES)
         gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-        out = _project(jax.nn.silu(gate) * up, layer, "down_proj", "btf,fd->btd", chunk_index)
+        out = _project(jax.nn.silu(gate) * up, layer, "down_proj", "btf,fd->btd", chunk_index, matmul)
         return checkpoint_name(out, "mlp_out")
 
     B, T, D = h.shape
@@ -303,8 +311,14 @@ def sequence_logprobs(
     # The head in its stored dtype: token_logprobs_and_entropy casts it chunk by chunk to x's dtype.
     head, layout = (params["embed"], "vd") if config.tie_word_embeddings else (params["lm_head"], "dv")
     if config.numerics == "exact":
-        logp, entropy = exact.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
-                                             head_layout=layout, temperature=temperature)
+        if config.rollout_precision.quantize_head:  # the FP8 engine's head, [D, V] in the compute dtype
+            head = head.astype(x.dtype)
+            head = straight_through_weight(1, config.rollout_precision.weight_block,
+                                           head.T if layout == "vd" else head)
+            layout = "dv"
+        logp, entropy = exact_kernels.token_logprobs(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1),
+                                                     head_layout=layout, temperature=temperature,
+                                                     kernels=exact_kernels.resolve(config))
         return logp.reshape(targets.shape), entropy.reshape(targets.shape)
     return token_logprobs_and_entropy(x, head, targets, temperature=temperature, head_layout=layout)
 
@@ -351,16 +365,23 @@ def _trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
 
 def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, cache):
     """:func:`_trunk` with exact numerics (``models.exact``): per-token work over fixed row tiles, attention
-    by ``exact.attend_tile`` (a paged cache attends itself, as its ``attention`` says); no KVCache."""
+    by ``exact.attend_tile`` (a paged cache attends itself, as its ``attention`` says); no KVCache. Without a
+    cache, the weights, keys and values are rounded as ``config.rollout_precision`` says (FP8: quantized as
+    the engine's, gradient straight through; ``models.quantization``)."""
     if isinstance(cache, KVCache):
         raise ValueError("numerics='exact' runs without a cache or with a paged cache, not a KVCache")
     B, T = tokens.shape
     dtype, eps = jnp.dtype(config.compute_dtype), config.rms_norm_eps
+    precision = config.rollout_precision
     inverse_frequencies = rope_inverse_frequencies(config)
+    # XLA's programs or the Pallas kernels (exact_kernels.resolve: the engine's step and the trainer ask it)
+    kernels = exact_kernels.resolve(config)
+    matmul = einsum if kernels == "xla" else exact_kernels.einsum
+    tiled_rows = functools.partial(exact.tiled_rows, tile=exact_kernels.tile_rows(kernels))
 
     def pre_attention(layer, x, pos):  # one tile: x [R, D], pos [R] -> q (scaled), k, v [R, heads, Dh]
         h = _rms_norm(x, layer["attn_norm"], eps)[None]
-        q, k, v = (_project(h, layer, f"{name}_proj", "btd,dhk->bthk") for name in "qkv")
+        q, k, v = (_project(h, layer, f"{name}_proj", "btd,dhk->bthk", matmul=matmul) for name in "qkv")
         if config.qkv_bias:
             q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
         if config.qk_norm:
@@ -371,26 +392,27 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
         return _apply_rope(q, cos * scale, sin * scale)[0], _apply_rope(k, cos, sin)[0], v[0]
 
     def post_attention(layer, x, attn):  # one tile: x [R, D], attn [R, H, Dh] -> x [R, D]
-        x = x + _project(attn[None], layer, "o_proj", "bthk,hkd->btd")[0]
-        return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer)[0]
+        x = x + _project(attn[None], layer, "o_proj", "bthk,hkd->btd", matmul=matmul)[0]
+        return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer, matmul)[0]
 
     def block(x, layer, layer_index, kv):
-        layer = cast_floats(layer, dtype)
-        q, k, v = exact.tiled_rows(pre_attention, x, positions.reshape(-1), consts=(layer,))
-        if kv is None:
+        layer = cast_floats(merge_layer(layer, dtype), dtype)  # LoRA: merged from the uncast weights
+        layer = straight_through_layer(layer, precision)  # an FP8 rollout's weights (models.quantization)
+        q, k, v = tiled_rows(pre_attention, x, positions.reshape(-1), consts=(layer,))
+        if kv is None:  # the keys and values as the rollout's pages hold them
+            k, v = straight_through_kv(k, precision.kv_dtype), straight_through_kv(v, precision.kv_dtype)
             shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]
-            attn = exact.packed_attention(*shaped, segment_ids, implementation=config.attention,
-                                          block_size=config.attention_block_size).reshape(q.shape)
+            attn = exact_kernels.packed_attention(*shaped, segment_ids, kernels).reshape(q.shape)
         else:
             attn, kv = kv.write_and_attend(layer_index, q[None], k[None], v[None])
             attn = attn[0]
-        return exact.tiled_rows(post_attention, x, attn, consts=(layer,)), kv
+        return tiled_rows(post_attention, x, attn, consts=(layer,)), kv
 
     if config.remat_policy != "none":
         block = jax.checkpoint(block, policy=_REMAT_POLICIES[config.remat_policy])
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0, mode="clip").astype(dtype)
     x, cache = _run_layers(params, config, block, x, cache)
-    x = exact.tiled_rows(lambda norm, x: _rms_norm(x, norm, eps), x, consts=(params["final_norm"],))
+    x = tiled_rows(lambda norm, x: _rms_norm(x, norm, eps), x, consts=(params["final_norm"],))
     return x.reshape(B, T, -1), cache
 
 

@@ -16,13 +16,5 @@ _NAMES = {
     "rstar2jax.policy.loader": ["Policy", "load_policy"],
     "rstar2jax.policy.weights": ["initial_params", "save_policy"],
 }
-_LAZY = LazyNames(globals(), _NAMES)
+_LAZY = LazyNames(globals(), _NAMES).install()
 __all__ = sorted([*_LAZY.names])  # griffe (the API pages) reads a list here
-
-
-def __getattr__(name: str):
-    return _LAZY.load(name)
-
-
-def __dir__():
-    return __all__

@@ -51,13 +51,5 @@ _NAMES = {
 }
 #: Modules of this package the README documents as ``train.<module>`` (loaded on first use, like the names).
 _MODULES = ("export", "lora", "policy", "rollouts")
-_LAZY = LazyNames(globals(), _NAMES, _MODULES)
+_LAZY = LazyNames(globals(), _NAMES, _MODULES).install()
 __all__ = sorted([*_LAZY.names, "lora"])
-
-
-def __getattr__(name: str):
-    return _LAZY.load(name)
-
-
-def __dir__():
-    return __all__

@@ -36,7 +36,7 @@ import numpy as np
 
 from rstar2jax.config.options import ConfigError, RunOptions
 from rstar2jax.engine import paged_attention
-from rstar2jax.engine.config import FP8
+from rstar2jax.models.config import FP8
 from rstar2jax.models.quantization import LINEAR_WEIGHTS, fp8_weight_bytes
 from rstar2jax.schedules.colocate import resolve_offload
 

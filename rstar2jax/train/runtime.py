@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 from rstar2jax import models
 from rstar2jax.config.options import ConfigError, DistributedOptions, RunOptions
 from rstar2jax.config.rules import partial_rollout_processes
-from rstar2jax.engine.config import FP8
 from rstar2jax.engine.programs import check_precision
+from rstar2jax.models.config import FP8
 from rstar2jax.schedules.placement import local_devices_needed, train_devices
 from rstar2jax.train.cluster import ClusterLaunch, cluster_launch
 

@@ -188,7 +188,7 @@ def sft_step(
     loss_fn = functools.partial(sft_loss, model_config=model_config)
     rng = None
     if lora is not None:
-        loss_fn = with_adapters(loss_fn, base, lora)
+        loss_fn = with_adapters(loss_fn, base, lora, merge_in_forward=model_config.numerics == "exact")
         rng = jax.random.fold_in(state.rng, state.step) if lora.dropout else None
     loss, _, grads = accumulate_gradients(
         loss_fn, state.params, batch, jnp.maximum(tokens, 1.0), num_microbatches, rng=rng
@@ -232,6 +232,13 @@ def rl_step(
     tokens = jnp.sum(batch.loss_mask)
     normalizer = sequence_loss_normalizer(batch.loss_mask, batch.segment_ids, agg=loss_config.agg)
     lora = None if lora is None else dataclasses.replace(lora, dropout=0.0)
+    merge_in_forward = model_config.numerics == "exact"  # LoRA: the engine's merged weights, layer by layer
+
+    def adapted(loss_fn: LossFn) -> LossFn:  # of the adapters with LoRA, else as it is
+        if lora is None:
+            return loss_fn
+        return with_adapters(loss_fn, base, lora, merge_in_forward=merge_in_forward)
+
     loss_fn = functools.partial(
         rl_loss,
         model_config=model_config,
@@ -239,15 +246,15 @@ def rl_step(
         ref_params=state.ref_params if lora is None else base,
     )
     if ppo_epochs == mini_batches == 1:
-        loss_fn = loss_fn if lora is None else with_adapters(loss_fn, base, lora)
+        loss_fn = adapted(loss_fn)
         loss, sums, grads = accumulate_gradients(loss_fn, state.params, batch, normalizer, num_microbatches)
         grad_norm, state = optax.global_norm(grads), apply_update(state, grads, optimizer)
     else:
-        policy = state.params if lora is None else models.lora.attach(base, state.params, lora)
+        policy = state.params if lora is None else models.lora.attach(base, state.params, lora,
+                                                                       merge_in_forward=merge_in_forward)
         start_logp = _start_logprobs(policy, batch, model_config=model_config,
                                      temperature=loss_config.temperature, num_microbatches=num_microbatches)
-        loss_fn = _with_start_logprobs(loss_fn)
-        loss_fn = loss_fn if lora is None else with_adapters(loss_fn, base, lora)
+        loss_fn = adapted(_with_start_logprobs(loss_fn))
         state, loss, sums, grad_norm = several_updates(
             state, (batch, start_logp), loss_fn, normalizer, optimizer=optimizer,
             num_microbatches=num_microbatches, ppo_epochs=ppo_epochs, mini_batches=mini_batches)

@@ -85,13 +85,16 @@ def accumulate_gradients(
     return loss, sums, grads
 
 
-def with_adapters(loss_fn: LossFn, base, lora: models.LoraConfig) -> LossFn:
+def with_adapters(loss_fn: LossFn, base, lora: models.LoraConfig, *,
+                  merge_in_forward: bool = False) -> LossFn:
     """``loss_fn`` of a full params tree turned into one of LoRA adapters: the forward runs the frozen
-    ``base`` with the adapters attached (``models.lora.attach``), so only the adapters get a gradient;
-    an ``rng`` keyword (from ``accumulate_gradients``) becomes the adapters' dropout key."""
+    ``base`` with the adapters attached (``models.lora.attach``; ``merge_in_forward`` for exact numerics),
+    so only the adapters get a gradient; an ``rng`` keyword (from ``accumulate_gradients``) becomes the
+    adapters' dropout key."""
 
     def adapted(adapters, batch, normalizer, rng=None):
-        return loss_fn(models.lora.attach(base, adapters, lora, dropout_key=rng), batch, normalizer)
+        policy = models.lora.attach(base, adapters, lora, dropout_key=rng, merge_in_forward=merge_in_forward)
+        return loss_fn(policy, batch, normalizer)
 
     return adapted
 

@@ -2,7 +2,8 @@
 the trainer's bit for bit, in float32 and bfloat16, over random batch mixes, slot counts and trainer packings,
 multi-turn sessions with tool outputs, forks and shared prompt pages, a page pool too small for every slot,
 weights updated in flight (each token against its own version), micro-batched ``rl_step`` rows; the run
-config's switch reaches the model and keeps pi_old the sampler's (no recompute pass, no TIS); LoRA refused.
+config's switch reaches the model and keeps pi_old the sampler's (no recompute pass, no TIS). LoRA:
+``test_exact_lora``; FP8 rollouts: ``test_exact_fp8.py``.
 
 Speed: every test runs the model config of ``docs/exact_numerics.md`` (with the engine tests' weights), one
 of two engine configs and one trainer shape per dtype, so the whole file compiles a handful of programs."""
@@ -11,6 +12,7 @@ import asyncio
 import dataclasses
 import pathlib
 import re
+from unittest import mock
 
 import hypothesis
 import hypothesis.strategies as st
@@ -23,6 +25,7 @@ import pytest
 from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import Engine, EngineConfig, EngineCore, SamplingParams, generate
+from rstar2jax.models import exact_kernels
 from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
 from tests.train.scripted import set_fields
 
@@ -180,31 +183,51 @@ def test_rl_step_mismatch_metrics_read_zero_on_micro_batched_packed_rows(exact):
 
 def test_run_config_switch_reaches_the_model_and_keeps_pi_old_the_samplers():
     """``rollout.numerics='exact'``: the policy's model (the engine's and the trainer's) computes exactly,
-    'auto' pi_old is the sampler's (no recompute pass) without TIS; with an FP8 rollout a ConfigError."""
+    'auto' pi_old is the sampler's (no recompute pass) without TIS; with an FP8 rollout too, the trainer
+    computing through its precision (``test_exact_fp8.py``)."""
     config = tiny_cpu.get_config()
     default, exact = parse(config), parse(set_fields(config, {"rollout.numerics": "exact"}))
     assert (default.policy.model.numerics, exact.policy.model.numerics) == ("default", "exact")
     assert (exact.rl.loss.old_logprobs, exact.rl.loss.rollout_is_cap) == ("sampler", None)
-    with pytest.raises(ConfigError, match="rollout.numerics='exact'.*kv_dtype='fp8'"):
-        parse(set_fields(config, {"rollout.numerics": "exact", "rollout.kv_dtype": "fp8"}))
+    fp8 = parse(set_fields(config, {"rollout.numerics": "exact", "rollout.kv_dtype": "fp8"}))
+    assert fp8.policy.model.rollout_precision.kv_dtype == "fp8"
+    assert (fp8.rl.loss.old_logprobs, fp8.rl.loss.rollout_is_cap) == ("sampler", None)
     with pytest.raises(ValueError, match="numerics='fast'"):
         dataclasses.replace(default.policy.model, numerics="fast")
 
 
-def test_lora_with_exact_numerics_is_refused():
-    """The engine samples from merged LoRA weights, the trainer runs base + adapter: not bit for bit, so
-    adapters for an exact model are a one-line error (the default numerics take them)."""
-    lora = models.LoraConfig(rank=2)
-    models.lora.check_lora(models.preset("tiny"), lora)
-    with pytest.raises(ValueError, match="numerics='exact' with LoRA"):
-        models.lora.init_lora(models.preset("tiny", numerics="exact"), lora, jax.random.key(0))
-    # A run config asking for both is refused when it is parsed (a launcher: exit 2 before any work).
-    config = set_fields(tiny_cpu.get_config(), {"rollout.numerics": "exact", "model.lora.rank": 2})
-    with pytest.raises(ConfigError, match="rollout.numerics='exact' with model.lora.rank=2"):
-        parse(config)
+def test_run_config_picks_the_exact_kernels():
+    """``model.exact_kernels`` reaches the policy's model (default ``"auto"``); an unknown name is a
+    ConfigError naming the field."""
+    config = set_fields(tiny_cpu.get_config(), {"rollout.numerics": "exact"})
+    assert parse(config).policy.model.exact_kernels == "auto"
+    forced = parse(set_fields(config, {"model.exact_kernels": "pallas_triton"})).policy.model
+    assert (forced.numerics, forced.exact_kernels) == ("exact", "pallas_triton")
+    with pytest.raises(ConfigError, match="model.exact_kernels"):
+        parse(set_fields(config, {"model.exact_kernels": "triton"}))
 
 
 def test_the_guide_runs():
     """docs/exact_numerics.md: its Python block (an engine's log-probs against the trainer's) runs."""
     (block,) = re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.DOTALL)
     exec(compile(block, str(GUIDE), "exec"), {})  # noqa: S102 (the guide's own code)
+
+
+def test_pallas_kernels_engine_logprobs_are_the_trainers(exact):
+    """``exact_kernels="pallas_triton"`` forced (Pallas' interpreter on CPU: the GPU kernels' programs), in
+    bfloat16: the engine (four slots sharing a small pool) and the trainer both run the kernels, and every
+    sampled token's log-prob is the trainer's bit for bit."""
+    config, params = exact["bfloat16"]
+    config = dataclasses.replace(config, exact_kernels="pallas_triton")
+    prompts = [list(range(3, 3 + n)) for n in (5, 19, 2)]
+    kernels = ("attention", "row_matmul")
+    spies = [mock.patch.object(exact_kernels, name, wraps=getattr(exact_kernels, name)) for name in kernels]
+    with spies[0] as attention, spies[1] as row_matmul:
+        gens = generate(params, config, prompts, max_new_tokens=6, temperature=1.0, engine_config=FOUR_SLOTS,
+                        seed=4)
+        assert attention.called and row_matmul.called  # traced into the engine's step
+        attention.reset_mock()
+        row_matmul.reset_mock()
+        records = [(p, g.tokens, [1] * len(g.tokens), g.logprobs) for p, g in zip(prompts, gens, strict=True)]
+        _assert_sampled_are_the_trainers(params, config, records)
+        assert attention.called and row_matmul.called  # and into the trainer's forward
