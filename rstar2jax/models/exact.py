@@ -51,19 +51,21 @@ VOCAB_CHUNK = 4096
 ATTENTION_TILE_ROWS = 128
 
 
-def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS, consts: tuple = ()):
+def tiled_rows(fn: Callable, *arrays: jax.Array, tile: int = TILE_ROWS, consts: tuple = (),
+               backward: Callable | None = None):
     """``fn(*consts, *tile_arrays)`` over row tiles: ``arrays`` (leading dim N each) padded with zeros to
     ``ceil(N / tile)`` tiles of ``tile`` rows, ``fn`` run on each in a loop, its outputs (a pytree of
     ``[tile, ...]`` arrays) put back together and cut to N rows.
 
     ``fn`` must be row-wise (row i of its outputs depends on row i of ``arrays`` and on ``consts`` only).
-    Only the forward values are exact: the gradient is the VJP of ``fn`` over all tiles at once
-    (``jax.vmap``: the default numerics' products, fast), so whatever is differentiated must come in
-    through ``arrays`` or ``consts`` (a pytree, e.g. a layer's weights), not through ``fn``'s closure."""
+    Only the forward values are exact: the gradient is the VJP of ``backward`` (default ``fn``: the same
+    computation, e.g. with XLA's products where ``fn`` calls a fixed-tile kernel) over all N rows at once
+    (the default numerics' program, fast), so whatever is differentiated must come in through ``arrays`` or
+    ``consts`` (a pytree, e.g. a layer's weights), not through a closure."""
     n = arrays[0].shape[0]
     if any(a.shape[0] != n for a in arrays):
         raise ValueError(f"tiled_rows: leading dims differ: {[a.shape for a in arrays]}")
-    return _tiled_rows(fn, tile, consts, arrays)
+    return _tiled_rows(fn, backward or fn, tile, consts, arrays)
 
 
 def _tiles(arrays, tile: int):
@@ -81,8 +83,9 @@ def _rows(out, n: int):
     return jax.tree.map(lambda o: o.reshape(o.shape[0] * o.shape[1], *o.shape[2:])[:n], out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tiled_rows(fn: Callable, tile: int, consts, arrays):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tiled_rows(fn: Callable, backward: Callable, tile: int, consts, arrays):
+    del backward
     tiled = _tiles(arrays, tile)
     tiles = tiled[0].shape[0]
     # A trip count XLA cannot see, so a single tile (a batch-1 decode step) runs the loop body that many tiles
@@ -98,18 +101,13 @@ def _tiled_rows(fn: Callable, tile: int, consts, arrays):
     return _rows(jax.lax.fori_loop(0, count, body, empty), arrays[0].shape[0])
 
 
-def _tiled_rows_fwd(fn, tile, consts, arrays):
-    return _tiled_rows(fn, tile, consts, arrays), (consts, arrays)
+def _tiled_rows_fwd(fn, backward, tile, consts, arrays):
+    return _tiled_rows(fn, backward, tile, consts, arrays), (consts, arrays)
 
 
-def _tiled_rows_bwd(fn, tile, residuals, cotangent):
-    # fn vectorized over every tile at once (jax.vmap: XLA's products over all rows, no loop; a fixed-tile
-    # kernel still sees its tile shape).
-    def over_all_tiles(consts, arrays):
-        tiled = jax.vmap(lambda *tile_arrays: fn(*consts, *tile_arrays))(*_tiles(arrays, tile))
-        return _rows(tiled, arrays[0].shape[0])
-
-    _, vjp = jax.vjp(over_all_tiles, *residuals)
+def _tiled_rows_bwd(fn, backward, tile, residuals, cotangent):
+    del fn, tile
+    _, vjp = jax.vjp(lambda consts, arrays: backward(*consts, *arrays), *residuals)
     return vjp(cotangent)
 
 
@@ -213,10 +211,12 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, he
     ``tile`` rows with a fixed vocabulary chunk, its logits by ``product``: (log-probs, entropies) float32
     ``[N]``, the same bits for a token whatever else is in the batch."""
     chunk = min(VOCAB_CHUNK, head.shape[0] if head_layout == "vd" else head.shape[1])
-    return tiled_rows(
-        lambda head, h, t: token_logprobs_and_entropy(h, head, t, temperature=temperature,
-                                                      head_layout=head_layout, chunk=chunk, product=product),
-        hidden, targets, tile=tile, consts=(head,))
+    def fn(head, h, t, product=product):
+        return token_logprobs_and_entropy(h, head, t, temperature=temperature, head_layout=head_layout,
+                                          chunk=chunk, product=product)
+
+    return tiled_rows(fn, hidden, targets, tile=tile, consts=(head,),
+                      backward=functools.partial(fn, product=einsum_logits))
 
 
 def logits(hidden: jax.Array, head: jax.Array, head_layout: str, *, tile: int = TILE_ROWS,

@@ -379,7 +379,7 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
     matmul = einsum if kernels == "xla" else exact_kernels.einsum
     tiled_rows = functools.partial(exact.tiled_rows, tile=exact_kernels.tile_rows(kernels))
 
-    def pre_attention(layer, x, pos):  # one tile: x [R, D], pos [R] -> q (scaled), k, v [R, heads, Dh]
+    def pre_attention(layer, x, pos, matmul=matmul):  # x [R, D], pos [R] -> q (scaled), k, v [R, heads, Dh]
         h = _rms_norm(x, layer["attn_norm"], eps)[None]
         q, k, v = (_project(h, layer, f"{name}_proj", "btd,dhk->bthk", matmul=matmul) for name in "qkv")
         if config.qkv_bias:
@@ -391,14 +391,15 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
         scale = config.head_dim**-0.5
         return _apply_rope(q, cos * scale, sin * scale)[0], _apply_rope(k, cos, sin)[0], v[0]
 
-    def post_attention(layer, x, attn):  # one tile: x [R, D], attn [R, H, Dh] -> x [R, D]
+    def post_attention(layer, x, attn, matmul=matmul):  # a tile: x [R, D], attn [R, H, Dh] -> x [R, D]
         x = x + _project(attn[None], layer, "o_proj", "bthk,hkd->btd", matmul=matmul)[0]
         return x + _mlp(config, _rms_norm(x, layer["mlp_norm"], eps)[None], layer, matmul)[0]
 
     def block(x, layer, layer_index, kv):
         layer = cast_floats(merge_layer(layer, dtype), dtype)  # LoRA: merged from the uncast weights
         layer = straight_through_layer(layer, precision)  # an FP8 rollout's weights (models.quantization)
-        q, k, v = tiled_rows(pre_attention, x, positions.reshape(-1), consts=(layer,))
+        q, k, v = tiled_rows(pre_attention, x, positions.reshape(-1), consts=(layer,),
+                             backward=functools.partial(pre_attention, matmul=einsum))
         if kv is None:  # the keys and values as the rollout's pages hold them
             k, v = straight_through_kv(k, precision.kv_dtype), straight_through_kv(v, precision.kv_dtype)
             shaped = [a.reshape(B, T, *a.shape[1:]) for a in (q, k, v)]
@@ -406,7 +407,8 @@ def _exact_trunk(params, config: ModelConfig, tokens, positions, segment_ids, ca
         else:
             attn, kv = kv.write_and_attend(layer_index, q[None], k[None], v[None])
             attn = attn[0]
-        return tiled_rows(post_attention, x, attn, consts=(layer,)), kv
+        return tiled_rows(post_attention, x, attn, consts=(layer,),
+                          backward=functools.partial(post_attention, matmul=einsum)), kv
 
     if config.remat_policy != "none":
         block = jax.checkpoint(block, policy=_REMAT_POLICIES[config.remat_policy])
