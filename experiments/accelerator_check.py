@@ -458,8 +458,7 @@ def exact_numerics(record: Recorder, smoke: bool, deadline: float) -> None:
         print(f"decode tok/s at batch {batch}: exact {rates['exact'][batch]:.1f}, default "
               f"{rates['default'][batch]:.1f}, ratio {ratio:.2f}", flush=True)
     record(exact_decode_ratio=round(min(rates["ratio"].values()), 3))
-    train = {numerics: bench_exact.train_tokens_per_s(numerics, rows=rows, steps=steps, dtype="bfloat16",
-                                                      shape=shape) for numerics in ("default", "exact")}
+    train = bench_exact.train_rates(rows=rows, steps=steps, dtype="bfloat16", shape=shape)
     record(exact_train_ratio=round(train["exact"] / train["default"], 3),
            exact_train_tokens_per_s=round(train["exact"], 1),
            default_train_tokens_per_s=round(train["default"], 1))

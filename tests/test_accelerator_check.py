@@ -273,19 +273,19 @@ def test_exact_stage_records_the_issue_keys_on_the_1p7b_shape_in_bfloat16(monkey
         calls.append(("decode", dtype, numerics, shape))
         return {1: 100.0, 16: 1000.0} if numerics == "default" else {1: 95.0, 16: 800.0}
 
-    def train(numerics, rows, steps, *, dtype, shape):
-        calls.append(("train", dtype, numerics, shape))
-        return 500.0 if numerics == "default" else 450.0
+    def train(rows, steps, *, dtype, shape):
+        calls.append(("train", dtype, shape))
+        return {"default": 500.0, "exact": 450.0}
 
     monkeypatch.setattr(bench_exact, "logprob_mismatch", mismatch)
     monkeypatch.setattr(bench_exact, "decode_rates", rates)
-    monkeypatch.setattr(bench_exact, "train_tokens_per_s", train)
+    monkeypatch.setattr(bench_exact, "train_rates", train)
     record = check.Recorder(tmp_path / "stage_exact.json")
     check.exact_numerics(record, smoke=False, deadline=time.perf_counter() + 600)
     qwen = models.preset("qwen3-1.7b")
-    assert calls == [("mismatch", "bfloat16", "exact", qwen), ("decode", "bfloat16", "default", qwen),
-                     ("decode", "bfloat16", "exact", qwen), ("train", "bfloat16", "default", qwen),
-                     ("train", "bfloat16", "exact", qwen), ("mismatch", "float32", "exact", qwen)]
+    decode_turns = [("decode", "bfloat16", numerics, qwen) for numerics in ("default", "exact")] * 2
+    assert calls == [("mismatch", "bfloat16", "exact", qwen), *decode_turns, ("train", "bfloat16", qwen),
+                     ("mismatch", "float32", "exact", qwen)]
     assert {key: record.figures[key] for key in ("exact_mismatch_max_bf16", "exact_mismatch_max_fp32",
                                                  "exact_decode_ratio", "exact_decode_ratio_b1",
                                                  "exact_decode_ratio_b16", "exact_train_ratio")} == {
