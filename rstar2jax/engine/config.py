@@ -7,7 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from rstar2jax.models.config import FP8, FP8_MATMULS, RolloutPrecision, attention_name
+from rstar2jax.models.config import FP8, RolloutPrecision, attention_name, check_fp8_weight_fields
 
 #: Attention implementations that read FP8 KV pages (``kv_dtype="fp8"``); "pallas_triton" only where the
 #: kernel compiles for float8 pages (``paged_attention`` checks on the device).
@@ -171,16 +171,7 @@ class EngineConfig:
         kv = self.kv_dtype
         if kv is not None and kv != FP8 and not _is_float_dtype(kv):
             raise ValueError(f"kv_dtype={kv!r}: expected None, 'fp8' or a float dtype name")
-        if self.weight_dtype not in (None, FP8):
-            raise ValueError(f"weight_dtype={self.weight_dtype!r}: expected None (the compute dtype) or "
-                             "'fp8'")
-        if self.quantize_head and self.weight_dtype != FP8:
-            raise ValueError("quantize_head=True needs weight_dtype='fp8'")
-        block = self.weight_block
-        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
-            raise ValueError(f"weight_block must be a positive int, got {block!r}")
-        if self.fp8_matmul not in FP8_MATMULS:
-            raise ValueError(f"fp8_matmul={self.fp8_matmul!r}; expected one of {FP8_MATMULS}")
+        check_fp8_weight_fields(self)
         if kv == FP8 and self.attention not in FP8_KV_ATTENTION:
             raise ValueError(f"attention={self.attention!r} cannot read FP8 KV pages (kv_dtype='fp8'); "
                              f"use one of {FP8_KV_ATTENTION}")

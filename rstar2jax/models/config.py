@@ -60,6 +60,22 @@ def attention_name(name: str, use: str = "training") -> str:
     return canonical
 
 
+def check_fp8_weight_fields(fields, prefix: str = "") -> None:
+    """Raise ValueError naming the first of ``fields``' ``weight_dtype``, ``quantize_head``, ``weight_block``
+    and ``fp8_matmul`` (an ``EngineConfig`` or a :class:`RolloutPrecision`) with a value no engine takes;
+    ``prefix`` starts each field's name in the message."""
+    if fields.weight_dtype not in (None, FP8):
+        raise ValueError(f"{prefix}weight_dtype={fields.weight_dtype!r}: expected None (the compute dtype) "
+                         "or 'fp8'")
+    if fields.quantize_head and fields.weight_dtype != FP8:
+        raise ValueError(f"{prefix}quantize_head=True needs weight_dtype='fp8'")
+    block = fields.weight_block
+    if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+        raise ValueError(f"{prefix}weight_block must be a positive int, got {block!r}")
+    if fields.fp8_matmul not in FP8_MATMULS:
+        raise ValueError(f"{prefix}fp8_matmul={fields.fp8_matmul!r}; expected one of {FP8_MATMULS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutPrecision:
     """The precision an exact model's rollout engine samples in (``EngineConfig``'s fields of the same names),
@@ -83,16 +99,7 @@ class RolloutPrecision:
     kv_dtype: str | None = None
 
     def __post_init__(self):
-        if self.weight_dtype not in (None, FP8):
-            raise ValueError(f"rollout_precision.weight_dtype={self.weight_dtype!r}: expected None or 'fp8'")
-        if self.quantize_head and self.weight_dtype != FP8:
-            raise ValueError("rollout_precision.quantize_head=True needs weight_dtype='fp8'")
-        block = self.weight_block
-        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
-            raise ValueError(f"rollout_precision.weight_block must be a positive int, got {block!r}")
-        if self.fp8_matmul not in FP8_MATMULS:
-            raise ValueError(f"rollout_precision.fp8_matmul={self.fp8_matmul!r}; expected one of "
-                             f"{FP8_MATMULS}")
+        check_fp8_weight_fields(self, prefix="rollout_precision.")
         if self.kv_dtype not in (None, FP8, *SUPPORTED_DTYPES):
             raise ValueError(f"rollout_precision.kv_dtype={self.kv_dtype!r}: expected None, 'fp8' or one of "
                              f"{SUPPORTED_DTYPES}")

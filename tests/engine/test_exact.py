@@ -162,6 +162,15 @@ def test_weights_updated_in_flight_each_token_is_its_versions(exact, on_update):
         _assert_sampled_are_the_trainers(params, config, tagged)
 
 
+def _rl_batch(prompts, gens):
+    """The ``rl_step``'s batch of engine samples: each prompt and its sampled tokens (the loss on those, with
+    the sampler's log-probs; advantages -0.5 / 0.5 in turn), packed into 4 rows of 64."""
+    sequences = [TokenSequence(tokens=p + g.tokens, loss_mask=[0] * len(p) + [1] * len(g.tokens),
+                               logprobs=[0.0] * len(p) + list(g.logprobs), advantage=float(i % 2) - 0.5)
+                 for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
+    return build_batch(sequences, seq_len=64, num_rows=4, pack=True, with_rl_fields=True)
+
+
 def test_rl_step_mismatch_metrics_read_zero_on_micro_batched_packed_rows(exact):
     """Engine samples packed into rows and split into two micro-batches: the ``rl_step`` recomputes the
     trainer's log-probs of the loss tokens and its sampler-vs-trainer mismatch metrics read exactly 0."""
@@ -170,10 +179,7 @@ def test_rl_step_mismatch_metrics_read_zero_on_micro_batched_packed_rows(exact):
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 12, 3, 20, 8)]
     gens = generate(params, config, prompts, max_new_tokens=8, temperature=1.0, engine_config=FOUR_SLOTS,
                     seed=2)
-    sequences = [TokenSequence(tokens=p + g.tokens, loss_mask=[0] * len(p) + [1] * len(g.tokens),
-                               logprobs=[0.0] * len(p) + list(g.logprobs), advantage=float(i % 2) - 0.5)
-                 for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
-    batch = build_batch(sequences, seq_len=64, num_rows=4, pack=True, with_rl_fields=True)
+    batch = _rl_batch(prompts, gens)
     optimizer = optax.sgd(1e-3)
     step = make_rl_step(config, optimizer, num_microbatches=2)
     _, metrics = step(init_train_state(jax.tree.map(jnp.copy, params), optimizer, 0), batch)

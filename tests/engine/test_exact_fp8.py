@@ -20,9 +20,9 @@ from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import generate
 from rstar2jax.models import RolloutPrecision, exact_kernels, quantization
-from rstar2jax.train import TokenSequence, build_batch, init_train_state, make_rl_step, parse
+from rstar2jax.train import init_train_state, make_rl_step, parse
 from rstar2jax.train import lora as lora_lib
-from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, _trainer_logprobs
+from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, _rl_batch, _trainer_logprobs
 from tests.engine.test_exact_lora import LORA, _adapters
 from tests.train.scripted import set_fields
 
@@ -70,10 +70,7 @@ def test_rl_step_mismatch_metrics_read_zero_with_an_fp8_rollout(tiny_qwen3):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 12, 3, 20)]
     gens = generate(params, config, prompts, max_new_tokens=8, temperature=1.0, engine_config=engine, seed=2)
-    sequences = [TokenSequence(tokens=p + g.tokens, loss_mask=[0] * len(p) + [1] * len(g.tokens),
-                               logprobs=[0.0] * len(p) + list(g.logprobs), advantage=float(i % 2) - 0.5)
-                 for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
-    batch = build_batch(sequences, seq_len=64, num_rows=4, pack=True, with_rl_fields=True)
+    batch = _rl_batch(prompts, gens)
     optimizer = optax.sgd(1e-3)
     step = make_rl_step(config, optimizer, num_microbatches=2)
     state, metrics = step(init_train_state(jax.tree.map(jnp.copy, params), optimizer, 0), batch)

@@ -17,9 +17,9 @@ import pytest
 from experiments.configs import tiny_cpu
 from rstar2jax import models
 from rstar2jax.engine import generate
-from rstar2jax.train import ConfigError, TokenSequence, build_batch, init_train_state, make_rl_step, parse
+from rstar2jax.train import ConfigError, init_train_state, make_rl_step, parse
 from rstar2jax.train import lora as lora_lib
-from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, exact  # noqa: F401
+from tests.engine.test_exact import FOUR_SLOTS, _assert_sampled_are_the_trainers, _rl_batch, exact  # noqa: F401
 from tests.train.scripted import set_fields
 
 LORA = models.LoraConfig(rank=4, alpha=8.0)
@@ -67,10 +67,7 @@ def test_lora_rl_step_mismatch_metrics_read_zero(exact, mini_batches):  # noqa: 
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 12, 3, 20)]
     gens = _sampled(config, params, adapters, prompts, seed=3)
-    sequences = [TokenSequence(tokens=p + g.tokens, loss_mask=[0] * len(p) + [1] * len(g.tokens),
-                               logprobs=[0.0] * len(p) + list(g.logprobs), advantage=float(i % 2) - 0.5)
-                 for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
-    batch = build_batch(sequences, seq_len=64, num_rows=4, pack=True, with_rl_fields=True)
+    batch = _rl_batch(prompts, gens)
     optimizer = optax.sgd(1e-2)
     step = make_rl_step(config, optimizer, num_microbatches=3 - mini_batches, mini_batches=mini_batches,
                         lora=LORA)
